@@ -1,0 +1,30 @@
+# Set-up and entry points. Every target creates the virtual environment on first use.
+# torch is pinned to 2.13.0: on this platform that installs a local CPU wheel in ~20 s, while an
+# unpinned install would pull a multi-GB CUDA build. The package itself only requires torch>=2.6.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0 numpy
+	$(PY) -m pip install -q -e ".[test,examples]"
+	touch $@
+
+demo: venv
+	$(VENV)/bin/multigpu run --nproc 2 examples/digits/train.py examples/digits/hparams.yaml
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -m "not slow and not infra" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

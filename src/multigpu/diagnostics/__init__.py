@@ -1,0 +1,1 @@
+"""Environment report, pre-flight checks, hang watchdog and cross-rank consistency checks."""

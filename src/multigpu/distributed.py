@@ -1,0 +1,137 @@
+"""Start and stop ``torch.distributed`` for a :class:`~multigpu.world.World`: device, backend, timeouts.
+
+Why a module of its own: the device a process owns, the backend that fits it and a clean exit are the
+same for every strategy and every launcher. Getting them wrong produces the classic failures: two
+processes on ``cuda:0``, NCCL on a CPU tensor, a 30-minute hang when one rank is gone, or a worker that
+aborts at interpreter shutdown after a successful run.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from multigpu.errors import LaunchError, WorldError
+from multigpu.world import World
+
+BACKENDS = ("nccl", "gloo", "mpi", "xccl")
+
+
+def choose_devices(world: World, cuda_count: int, accelerator: str = "auto") -> list[torch.device]:
+    """The devices this process owns: ``devices_per_process`` GPUs starting at ``local_rank * K``.
+
+    ``cuda_count`` is what this process can see (after the launcher set CUDA_VISIBLE_DEVICES).
+    """
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise LaunchError(f"unknown accelerator {accelerator!r}.", "use 'auto', 'cuda' or 'cpu'.")
+    if accelerator == "cpu" or (accelerator == "auto" and cuda_count == 0):
+        return [torch.device("cpu")]
+    if cuda_count == 0:
+        raise LaunchError("accelerator='cuda' was asked for but no GPU is visible.", "use accelerator='auto' or 'cpu'.")
+    per_proc = world.devices_per_process
+    first = world.local_rank * per_proc
+    last = first + per_proc - 1
+    if last >= cuda_count:
+        visible = f" (CUDA_VISIBLE_DEVICES={world.visible_devices})" if world.visible_devices is not None else ""
+        needed = world.local_world_size * per_proc
+        raise WorldError(
+            f"local rank {world.local_rank} needs GPU {first}"
+            + (f"-{last}" if per_proc > 1 else "")
+            + f" but only {cuda_count} GPU(s) are visible{visible}; "
+            f"{world.local_world_size} process(es) per node x {per_proc} GPU(s) each = {needed}.",
+            "start one process per GPU on each node: --ntasks-per-node (Slurm) or --nproc equal to the "
+            "GPUs per node, divided by --gpus-per-proc.",
+        )
+    return [torch.device("cuda", first + i) for i in range(per_proc)]
+
+
+def choose_backend(device: torch.device, requested: Optional[str] = None) -> str:
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise LaunchError(f"unknown backend {requested!r}.", f"use one of {', '.join(BACKENDS)}.")
+        if requested == "nccl" and device.type != "cuda":
+            raise LaunchError("backend 'nccl' needs GPUs but this process runs on the CPU.", "use backend='gloo'.")
+        return requested
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    backend: Optional[str] = None
+    #: Collective timeout: a rank gone missing becomes an error after this, never a silent hang.
+    timeout: timedelta = timedelta(minutes=30)
+    #: How long the goodbye barrier waits for the others before giving up.
+    teardown_timeout: timedelta = timedelta(seconds=60)
+
+
+class ProcessGroup:
+    """Owns the default process group of one run: start once, close once (idempotent)."""
+
+    def __init__(self, world: World, device: torch.device, settings: GroupSettings = GroupSettings()) -> None:
+        self.world = world
+        self.device = device
+        self.settings = settings
+        self.backend = choose_backend(device, settings.backend)
+        self._started = False
+
+    @property
+    def active(self) -> bool:
+        return self._started and dist.is_initialized()
+
+    def start(self) -> "ProcessGroup":
+        """Join the other ranks. World size 1 starts no group: there is nobody to talk to."""
+        if not self.world.is_distributed or self._started:
+            return self
+        if dist.is_initialized():
+            raise LaunchError(
+                "torch.distributed is already initialised in this process.",
+                "call mg.init() instead of init_process_group(), not both, or call run.close() first.",
+            )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        kwargs = dict(backend=self.backend, rank=self.world.rank, world_size=self.world.world_size,
+                      timeout=self.settings.timeout)
+        if self.backend == "nccl":
+            kwargs["device_id"] = self.device  # eager NCCL start: errors surface here, not at step 1
+        if self.world.source in ("torchrun", "env"):
+            # torchrun's agent (or the user) put MASTER_ADDR/PORT in the environment and may host the
+            # store itself; torch's env:// rendezvous knows how to join it.
+            kwargs["init_method"] = "env://"
+        else:
+            kwargs["init_method"] = f"tcp://{_host(self.world.master_addr)}:{self.world.master_port}"
+        dist.init_process_group(**kwargs)
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Barrier, destroy, flush: the order that keeps workers from aborting at interpreter exit."""
+        if not self.active:
+            self._started = False
+            return
+        try:
+            if self.backend == "gloo":
+                dist.monitored_barrier(timeout=self.settings.teardown_timeout)
+            elif self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+        except Exception as exc:  # a peer already gone: still destroy our side
+            warnings.warn(f"multigpu: goodbye barrier failed on rank {self.world.rank}: {exc}", stacklevel=2)
+        finally:
+            dist.destroy_process_group()
+            self._started = False
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+
+
+def _host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

@@ -1,0 +1,154 @@
+"""Small DDP-safe helpers: ``run_on_main``, ``is_main``, rank-zero printing and logging.
+
+Why: a script run N times at once must prepare data once, print once and log once. These helpers ask
+``torch.distributed`` where they stand (and the launcher's variables before ``mg.init()``), so they
+need no object passed around and keep no state of their own beyond a per-group call counter.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+import weakref
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from multigpu.errors import MultiGPUError
+from multigpu.world import detect_world
+
+T = TypeVar("T")
+
+# One counter per process group, so the n-th run_on_main call on every rank uses the same store key
+# and several runs in one process (each with its own group) never share keys.
+_CALLS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _group_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank: from the process group once started, from the launcher's variables before."""
+    return dist.get_rank() if _group_ready() else detect_world().rank
+
+
+def world_size() -> int:
+    return dist.get_world_size() if _group_ready() else detect_world().world_size
+
+
+def is_main() -> bool:
+    """True in exactly one process of the job (global rank 0)."""
+    return rank() == 0
+
+
+def rank_zero_only(fn: Callable[..., T]) -> Callable[..., Optional[T]]:
+    """Decorator: run ``fn`` on global rank 0 only; other ranks get None and do not wait."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Optional[T]:
+        return fn(*args, **kwargs) if is_main() else None
+
+    return wrapper
+
+
+def rank_zero_print(*args: Any, **kwargs: Any) -> None:
+    """``print`` on global rank 0 only (flushed, so it interleaves correctly with the launcher's lines)."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+class RankZeroFilter(logging.Filter):
+    """Lets everything through on rank 0; on other ranks only warnings and errors, tagged with the rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        r = rank()
+        if r == 0:
+            return True
+        if record.levelno >= logging.WARNING:
+            record.msg = f"[rank {r}] {record.msg}"
+            return True
+        return False
+
+
+def get_logger(name: str = "multigpu") -> logging.Logger:
+    """A logger that does not repeat every line N times (``logging.getLogger`` plus RankZeroFilter)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RankZeroFilter) for f in logger.filters):
+        logger.addFilter(RankZeroFilter())
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    return logger
+
+
+def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` once, on global rank 0, while the other ranks wait; return its result
+    on every rank.
+
+    The others wait by polling the rendezvous store, not inside a collective, so an hour of data
+    preparation never trips the collective timeout; they print a line every ``notice_every_s`` so the
+    wait is never silent. If ``fn`` raises on rank 0, every rank raises.
+    """
+    if not _group_ready():
+        world = detect_world()
+        if world.world_size > 1:
+            raise MultiGPUError(
+                f"run_on_main({_name(fn)}) was called in a {world.world_size}-process job before mg.init().",
+                "call `run = mg.init()` at the top of the script, before run_on_main.",
+            )
+        return fn(*args, **kwargs)
+    if dist.get_world_size() == 1:
+        return fn(*args, **kwargs)
+
+    group = dist.group.WORLD
+    index = _CALLS.get(group, 0)
+    _CALLS[group] = index + 1
+    key = f"multigpu/run_on_main/{index}"
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already shares
+    me = dist.get_rank()
+    if me == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            store.set(key, f"error:{type(exc).__name__}: {exc}"[:2000])
+            raise
+        store.set(key, "ok:none" if result is None else "ok:value")
+    else:
+        status = _wait_for(store, key, fn, me, notice_every_s)
+        if status.startswith("error:"):
+            raise MultiGPUError(
+                f"run_on_main({_name(fn)}) failed on rank 0 ({status[6:200]}).",
+                "see rank 0's traceback above; the other ranks stopped with it.",
+            )
+        if status == "ok:none":
+            return None  # type: ignore[return-value]
+        result = None  # type: ignore[assignment]
+    if me == 0 and result is None:
+        return result
+    box = [result]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float) -> str:
+    started = last_notice = time.monotonic()
+    delay = 0.01
+    while not store.check([key]):
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+        now = time.monotonic()
+        if now - last_notice >= notice_every_s:
+            last_notice = now
+            print(f"multigpu: rank {me} still waiting for rank 0 to finish {_name(fn)} ({now - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+    return store.get(key).decode()
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)

@@ -1,0 +1,103 @@
+"""Which devices each launched process gets: ``--gpus``, ``--nproc``, ``--gpus-per-proc``, ``--cpu``.
+
+Pure functions over the list of visible GPUs, so every rule (and every error) is unit-tested without a
+GPU. ``--gpus`` indexes the GPUs this shell can see (what ``nvidia-smi`` lists when
+CUDA_VISIBLE_DEVICES is unset), like ASDF's ``gpu_ids`` in the seed documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from multigpu.errors import LaunchError
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    nproc: int
+    #: CUDA_VISIBLE_DEVICES for the children; "" hides every GPU; None leaves the variable alone.
+    visible: Optional[str]
+    gpus_per_proc: int = 1
+
+    @property
+    def uses_gpus(self) -> bool:
+        return bool(self.visible)
+
+    def describe(self) -> str:
+        if not self.visible:
+            return f"{self.nproc} CPU process(es)"
+        per = f", {self.gpus_per_proc} GPUs each" if self.gpus_per_proc > 1 else ""
+        return f"{self.nproc} process(es) on GPU(s) {self.visible}{per}"
+
+
+def parse_gpu_ids(text: str) -> list[int]:
+    ids: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise LaunchError(f"--gpus {text!r}: {part!r} is not a GPU index.", "write --gpus 0,2,3 or --gpus 0-3.")
+        ids.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise LaunchError(f"--gpus {text!r} names GPU {duplicates[0]} twice.", "list each GPU once.")
+    return ids
+
+
+def plan_devices(
+    visible_gpus: Sequence[str],
+    gpus: Optional[str] = None,
+    nproc: Optional[int] = None,
+    gpus_per_proc: int = 1,
+    cpu: bool = False,
+) -> DevicePlan:
+    """Decide processes and CUDA_VISIBLE_DEVICES. ``visible_gpus`` are the ids this shell can see."""
+    if gpus_per_proc < 1:
+        raise LaunchError(f"--gpus-per-proc {gpus_per_proc} must be at least 1.", "use --gpus-per-proc 1 or more.")
+    if nproc is not None and nproc < 1:
+        raise LaunchError(f"--nproc {nproc} must be at least 1.", "use --nproc 1 or more.")
+    if cpu:
+        if gpus is not None:
+            raise LaunchError("--cpu and --gpus contradict each other.", "drop one of them.")
+        return DevicePlan(nproc=nproc or 1, visible="", gpus_per_proc=1)
+    if gpus is not None:
+        ids = parse_gpu_ids(gpus)
+        if not visible_gpus:
+            raise LaunchError(f"--gpus {gpus} was given but no GPU is visible.", "use --nproc N for N CPU processes.")
+        bad = [i for i in ids if i >= len(visible_gpus)]
+        if bad:
+            raise LaunchError(
+                f"--gpus {gpus}: GPU {bad[0]} does not exist; {len(visible_gpus)} GPU(s) are visible "
+                f"(0-{len(visible_gpus) - 1}).",
+                "choose ids from `nvidia-smi -L` (or `multigpu env`).",
+            )
+        chosen = [visible_gpus[i] for i in ids]
+    elif visible_gpus:
+        wanted = (nproc or len(visible_gpus) // gpus_per_proc) * gpus_per_proc
+        if wanted == 0 or wanted > len(visible_gpus):
+            raise LaunchError(
+                f"{nproc or 1} process(es) x {gpus_per_proc} GPU(s) each need {max(wanted, gpus_per_proc)} GPUs "
+                f"but {len(visible_gpus)} are visible.",
+                "lower --nproc or --gpus-per-proc, or pass --cpu to run CPU processes.",
+            )
+        chosen = list(visible_gpus[:wanted])
+    else:
+        if gpus_per_proc > 1:
+            raise LaunchError(
+                f"--gpus-per-proc {gpus_per_proc} needs GPUs but none is visible.",
+                "drop --gpus-per-proc on a CPU machine (each CPU process uses the CPU).",
+            )
+        return DevicePlan(nproc=nproc or 1, visible=None, gpus_per_proc=1)
+    if len(chosen) % gpus_per_proc:
+        raise LaunchError(
+            f"{len(chosen)} GPU(s) cannot be split into processes of {gpus_per_proc} GPUs each.",
+            f"give a multiple of {gpus_per_proc} GPUs to --gpus, or change --gpus-per-proc.",
+        )
+    count = len(chosen) // gpus_per_proc
+    if nproc is not None and nproc != count:
+        raise LaunchError(
+            f"--nproc {nproc} contradicts --gpus {gpus} ({count} process(es) of {gpus_per_proc} GPU(s)).",
+            "give only --gpus; the number of processes follows from it.",
+        )
+    return DevicePlan(nproc=count, visible=",".join(chosen), gpus_per_proc=gpus_per_proc)

@@ -1,0 +1,54 @@
+"""Ports: find a free one, and refuse a taken one before any process starts.
+
+Why: a fixed rendezvous port that another job holds makes torch fail deep inside the agent (or, with
+c10d, join the other job's store). Checking first turns that into one clear line.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from multigpu.errors import LaunchError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free right now (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "") -> bool:
+    """Can a server listen on ``port``? SO_REUSEADDR like torch's TCPStore, so TIME_WAIT is not 'taken'."""
+    families = [(socket.AF_INET, host or "0.0.0.0")]
+    if socket.has_ipv6 and not host:
+        families.append((socket.AF_INET6, "::"))
+    for family, addr in families:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((addr, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return False
+                if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    continue
+                raise
+    return True
+
+
+def require_free_port(port: int, flag: str = "--master-port") -> None:
+    if not 0 < port < 65536:
+        raise LaunchError(f"{flag} {port} is not a valid port.", "use a port between 1024 and 65535.")
+    if not port_is_free(port):
+        raise LaunchError(
+            f"{flag} {port} is already in use on this machine (another job or rendezvous holds it).",
+            f"on one machine drop {flag} and a free port is chosen for you; otherwise pick another port.",
+        )

@@ -1,0 +1,92 @@
+"""Shared helpers for tests that start real processes: run the CLI, find leftover processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+PY = sys.executable
+
+
+def child_env(extra: Optional[dict] = None) -> dict:
+    """A clean environment for launched processes: no stray launcher variables from the outer shell."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                          "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(SCRIPTS), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def multigpu(*args: str, timeout: float = 120, env: Optional[dict] = None, cwd: Optional[Path] = None,
+             check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m multigpu ARGS`` to completion and capture its output."""
+    proc = subprocess.run([PY, "-m", "multigpu", *args], capture_output=True, text=True, timeout=timeout,
+                          env=child_env(env), cwd=str(cwd or REPO))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def processes_with(token: str) -> list[int]:
+    """Pids whose command line contains ``token`` (a unique marker passed to the processes under test)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until_gone(token: str, timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = processes_with(token)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return processes_with(token)
+
+
+def kill_all(pids: Iterable[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def no_leftovers():
+    """Yields a unique token; after the test, no process carrying it may remain (they are killed if so)."""
+    token = f"mgtest-{os.getpid()}-{time.monotonic_ns()}"
+    yield token
+    left = wait_until_gone(token, timeout=15)
+    kill_all(left)
+    assert not left, f"processes left behind: {left}"
+
+
+def wait_for_files(folder: Path, names: Iterable[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    names = list(names)
+    while time.monotonic() < deadline:
+        if all((folder / n).exists() for n in names):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {names} in {folder}")

@@ -1,0 +1,185 @@
+"""Launcher decisions without starting anything: devices per process, rendezvous, ports, device choice."""
+
+import socket
+
+import pytest
+import torch
+
+from multigpu.distributed import choose_backend, choose_devices
+from multigpu.errors import LaunchError, WorldError
+from multigpu.launch.devices import parse_gpu_ids, plan_devices
+from multigpu.launch.local import LaunchRequest, parse_nnodes, plan_rendezvous, worker_env
+from multigpu.launch.ports import free_port, port_is_free, require_free_port
+from multigpu.world import World
+
+FOUR = ["0", "1", "2", "3"]
+
+
+def test_default_is_every_visible_gpu_one_process_each():
+    plan = plan_devices(FOUR)
+    assert (plan.nproc, plan.visible, plan.gpus_per_proc) == (4, "0,1,2,3", 1)
+
+
+def test_no_gpu_and_no_flag_is_one_cpu_process():
+    plan = plan_devices([])
+    assert (plan.nproc, plan.visible) == (1, None)
+    assert plan_devices([], nproc=3).nproc == 3
+
+
+def test_gpus_flag_maps_indexes_onto_the_visible_list():
+    assert plan_devices(FOUR, gpus="0,2,3").visible == "0,2,3"
+    assert plan_devices(FOUR, gpus="0,2,3").nproc == 3
+    # Slurm gave this shell physical GPUs 4-7: --gpus 1,3 means the 2nd and 4th of those.
+    assert plan_devices(["4", "5", "6", "7"], gpus="1,3").visible == "5,7"
+    assert plan_devices(FOUR, gpus="1-3").visible == "1,2,3"
+
+
+def test_nproc_takes_the_first_gpus():
+    assert plan_devices(FOUR, nproc=2).visible == "0,1"
+
+
+def test_gpus_per_proc_groups_devices():
+    plan = plan_devices(FOUR, gpus_per_proc=2)
+    assert (plan.nproc, plan.visible, plan.gpus_per_proc) == (2, "0,1,2,3", 2)
+
+
+def test_cpu_flag_hides_gpus():
+    plan = plan_devices(FOUR, cpu=True, nproc=2)
+    assert (plan.nproc, plan.visible) == (2, "")
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(gpus="0,4"), "GPU 4 does not exist; 4 GPU(s) are visible"),
+        (dict(gpus="0,0"), "names GPU 0 twice"),
+        (dict(gpus="a"), "'a' is not a GPU index"),
+        (dict(gpus="0,1,2", gpus_per_proc=2), "3 GPU(s) cannot be split into processes of 2 GPUs"),
+        (dict(gpus="0,1", nproc=3), "--nproc 3 contradicts --gpus 0,1"),
+        (dict(nproc=5), "5 process(es) x 1 GPU(s) each need 5 GPUs but 4 are visible"),
+        (dict(nproc=3, gpus_per_proc=2), "need 6 GPUs but 4 are visible"),
+        (dict(nproc=0), "--nproc 0 must be at least 1"),
+        (dict(gpus_per_proc=0), "--gpus-per-proc 0 must be at least 1"),
+        (dict(gpus="1", cpu=True), "--cpu and --gpus contradict"),
+    ],
+)
+def test_impossible_device_requests_fail_with_a_hint(kwargs, needle):
+    with pytest.raises(LaunchError) as info:
+        plan_devices(FOUR, **kwargs)
+    assert needle in str(info.value) and "HINT:" in str(info.value)
+
+
+def test_gpus_on_a_cpu_machine_is_an_error():
+    with pytest.raises(LaunchError, match="no GPU is visible"):
+        plan_devices([], gpus="0")
+    with pytest.raises(LaunchError, match="needs GPUs but none is visible"):
+        plan_devices([], gpus_per_proc=2)
+
+
+def test_parse_gpu_ids():
+    assert parse_gpu_ids("0,2,3") == [0, 2, 3]
+    assert parse_gpu_ids("0-2,5") == [0, 1, 2, 5]
+
+
+# ----------------------------------------------------------------------------- rendezvous
+
+
+def test_one_machine_uses_a_free_port_chosen_by_the_store():
+    rdzv = plan_rendezvous()
+    assert (rdzv.backend, rdzv.endpoint) == ("c10d", "localhost:0")
+    assert plan_rendezvous().run_id != rdzv.run_id  # concurrent launches never share a rendezvous
+
+
+def test_static_multi_node_follows_the_seed_recipe():
+    rdzv = plan_rendezvous(nnodes="2", node_rank=1, master_addr="host1", master_port=5555)
+    assert (rdzv.backend, rdzv.endpoint, rdzv.node_rank, rdzv.max_nodes) == ("static", "host1:5555", 1, 2)
+    assert rdzv.configs()["rank"] == 1
+
+
+def test_elastic_needs_an_endpoint():
+    with pytest.raises(LaunchError, match="--rdzv-endpoint"):
+        plan_rendezvous(nnodes="1:4", master_addr="h", master_port=1)
+    rdzv = plan_rendezvous(nnodes="1:4", rdzv_endpoint="host1:29400")
+    assert (rdzv.backend, rdzv.min_nodes, rdzv.max_nodes) == ("c10d", 1, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(nnodes="2", master_port=5555), "needs --master-addr"),
+        (dict(nnodes="2", master_addr="h"), "needs --master-port"),
+        (dict(nnodes="2", node_rank=2, master_addr="h", master_port=1), "--node-rank 2 is outside 0..1"),
+        (dict(nnodes="x"), "is not a number"),
+        (dict(nnodes="3:2"), "need 0 < MIN <= MAX"),
+        (dict(rdzv_endpoint="nohostport"), "is not HOST:PORT"),
+        (dict(rdzv_endpoint="h:1", master_port=2), "both name the rendezvous"),
+    ],
+)
+def test_bad_rendezvous_flags(kwargs, needle):
+    with pytest.raises(LaunchError) as info:
+        plan_rendezvous(**kwargs)
+    assert needle in str(info.value) and "HINT:" in str(info.value)
+
+
+def test_taken_master_port_is_refused_before_anything_starts():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert not port_is_free(port)
+        with pytest.raises(LaunchError, match=f"--master-port {port} is already in use"):
+            plan_rendezvous(master_port=port)
+    assert port_is_free(port)
+    with pytest.raises(LaunchError, match="not a valid port"):
+        require_free_port(70000)
+
+
+def test_free_port_is_free():
+    assert port_is_free(free_port())
+
+
+def test_parse_nnodes():
+    assert parse_nnodes("2") == (2, 2)
+    assert parse_nnodes("1:4") == (1, 4)
+
+
+def test_worker_env_sets_devices_and_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    request = LaunchRequest(("t.py",), plan_devices(FOUR, gpus="1,2", gpus_per_proc=2), plan_rendezvous())
+    env = worker_env(request)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2"
+    assert env["MULTIGPU_DEVICES_PER_PROC"] == "2"
+    assert "OMP_NUM_THREADS" not in env  # one process: torch's own default
+    env = worker_env(LaunchRequest(("t.py",), plan_devices([], nproc=2), plan_rendezvous()))
+    assert int(env["OMP_NUM_THREADS"]) >= 1 and "CUDA_VISIBLE_DEVICES" not in env
+
+
+# ----------------------------------------------------------------------------- in the worker
+
+
+def test_device_choice_follows_local_rank_and_devices_per_process():
+    world = World(rank=3, local_rank=1, world_size=4, local_world_size=2)
+    assert choose_devices(world, cuda_count=2) == [torch.device("cuda", 1)]
+    assert choose_devices(world, cuda_count=0) == [torch.device("cpu")]
+    assert choose_devices(world, cuda_count=2, accelerator="cpu") == [torch.device("cpu")]
+    paired = World(rank=1, local_rank=1, world_size=2, local_world_size=2, devices_per_process=2)
+    assert choose_devices(paired, cuda_count=4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+
+
+def test_more_tasks_per_node_than_gpus_is_a_hint_error():
+    world = World(rank=3, local_rank=3, world_size=8, local_world_size=4, source="slurm", visible_devices="0,1")
+    with pytest.raises(WorldError) as info:
+        choose_devices(world, cuda_count=2)
+    text = str(info.value)
+    assert "local rank 3 needs GPU 3 but only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)" in text
+    assert "--ntasks-per-node" in text
+
+
+def test_backend_choice():
+    assert choose_backend(torch.device("cpu")) == "gloo"
+    assert choose_backend(torch.device("cuda", 0)) == "nccl"
+    assert choose_backend(torch.device("cuda", 0), "gloo") == "gloo"
+    with pytest.raises(LaunchError, match="nccl"):
+        choose_backend(torch.device("cpu"), "nccl")
+    with pytest.raises(LaunchError, match="unknown backend"):
+        choose_backend(torch.device("cpu"), "tcp")

@@ -1,0 +1,186 @@
+"""``multigpu run`` with real processes on CPU/gloo: all_reduce, torchrun, failures, signals, ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, processes_with, wait_for_files, wait_until_gone
+
+pytestmark = pytest.mark.timeout(240)
+ALLREDUCE = str(SCRIPTS / "allreduce.py")
+
+
+def _records(stdout: str) -> list[dict]:
+    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+
+
+def test_run_nproc_2_all_reduce(no_leftovers):
+    proc = multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers, check=True)
+    records = _records(proc.stdout)
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["sum"] == 3.0 and r["world_size"] == 2 and r["backend"] == "gloo" for r in records)
+    assert all(r["source"] == "torchrun" for r in records)  # multigpu run is torch's elastic agent underneath
+    assert "terminate called" not in proc.stderr
+
+
+def test_no_flags_on_a_cpu_machine_is_one_process(no_leftovers):
+    proc = multigpu("run", ALLREDUCE, no_leftovers, check=True)
+    assert [(r["rank"], r["world_size"], r["sum"]) for r in _records(proc.stdout)] == [(0, 1, 1.0)]
+
+
+def test_same_script_under_plain_torchrun(no_leftovers):
+    proc = subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", ALLREDUCE, no_leftovers],
+        capture_output=True, text=True, timeout=120, env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["rank"], r["sum"]) for r in _records(proc.stdout)] == [(0, 3.0), (1, 3.0)]
+
+
+def test_same_script_as_a_plain_process(no_leftovers):
+    proc = subprocess.run([PY, ALLREDUCE, no_leftovers], capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    assert _records(proc.stdout)[0]["source"] == "single"
+
+
+def test_module_target(no_leftovers):
+    proc = multigpu("run", "--nproc", "2", "-m", "pkg.hello", "--flag", no_leftovers, check=True)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("module"))
+    assert lines == [f"module rank {r} of 2 args ['--flag', '{no_leftovers}'] name __main__" for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_thirty_launches_never_abort_at_shutdown(no_leftovers):
+    """A bare destroy_process_group aborts in a fraction of runs; ours must not, over 30 launches."""
+    failures = []
+    for attempt in range(30):
+        proc = multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers)
+        if proc.returncode != 0 or "terminate called" in proc.stderr or len(_records(proc.stdout)) != 2:
+            failures.append((attempt, proc.returncode, proc.stderr[-500:]))
+    assert failures == []
+
+
+def test_two_concurrent_launches_both_succeed(no_leftovers):
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda _: multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers), range(2)))
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr
+        assert [r["sum"] for r in _records(proc.stdout)] == [3.0, 3.0]
+
+
+def test_failing_rank_gives_its_exit_code_name_and_stderr(no_leftovers):
+    proc = multigpu("run", "--nproc", "2", ALLREDUCE, "--fail-rank", "1", no_leftovers)
+    assert proc.returncode == 3
+    assert "error: rank 1 (local rank 1" in proc.stderr and "exited with code 3" in proc.stderr
+    summary = proc.stderr.split("error: rank 1", 1)[1]
+    assert "rank 1 is failing on purpose" in summary  # the tail of its stderr is repeated in the summary
+
+
+def test_python_exception_in_a_worker(tmp_path, no_leftovers):
+    script = tmp_path / "boom.py"
+    script.write_text("import multigpu as mg\nrun = mg.init(timeout_s=20)\n"
+                      "if run.rank == 0:\n    raise ValueError('bad value in rank zero')\n")
+    proc = multigpu("run", "--nproc", "2", str(script), no_leftovers)
+    assert proc.returncode == 1
+    assert "error: rank 0" in proc.stderr
+    assert "ValueError: bad value in rank zero" in proc.stderr.split("error: rank 0", 1)[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_every_worker_and_leaves_no_orphan(tmp_path, no_leftovers, sig):
+    launcher = subprocess.Popen(
+        [PY, "-m", "multigpu", "run", "--nproc", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path), no_leftovers],
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for_files(tmp_path, ["pid0", "pid1"], timeout=60)
+        workers = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + sig
+    assert f"stopped by {sig.name}" in err
+    assert wait_until_gone(no_leftovers) == []
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+def test_sigkill_of_the_launcher_takes_the_workers_with_it(tmp_path, no_leftovers):
+    launcher = subprocess.Popen(
+        [PY, "-m", "multigpu", "run", "--nproc", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path), no_leftovers],
+        env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    wait_for_files(tmp_path, ["pid0", "pid1"], timeout=60)
+    launcher.kill()
+    launcher.wait(timeout=10)
+    assert wait_until_gone(no_leftovers) == []
+
+
+def test_taken_master_port_fails_at_once_with_a_hint(no_leftovers):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        proc = multigpu("run", "--nproc", "2", "--master-port", str(port), ALLREDUCE, no_leftovers)
+    assert proc.returncode == 2
+    assert time.monotonic() - started < 15
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and f"--master-port {port} is already in use" in lines[0] and "HINT:" in lines[0]
+
+
+def test_explicit_free_master_port_works(no_leftovers):
+    from multigpu.launch.ports import free_port
+
+    proc = multigpu("run", "--nproc", "2", "--master-port", str(free_port()), ALLREDUCE, no_leftovers, check=True)
+    assert [r["sum"] for r in _records(proc.stdout)] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--gpus", "0", ALLREDUCE], "no GPU is visible"),
+        (["--nproc", "0", ALLREDUCE], "--nproc 0 must be at least 1"),
+        (["no_such_script.py"], "does not exist"),
+        (["--nnodes", "2", ALLREDUCE], "needs --master-addr"),
+        (["--max-restarts", "-1", ALLREDUCE], "--max-restarts -1"),
+    ],
+)
+def test_bad_input_is_one_line_with_a_hint(args, needle):
+    proc = multigpu("run", *args, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "HINT:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_run_on_main_once_longer_than_the_timeout_and_shared(tmp_path, no_leftovers):
+    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "prepare_once.py"), str(tmp_path), no_leftovers)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "prepared.txt").read_text() == "prepared by rank 0\n"
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
+    assert results[0] == results[1] == {"result": {"items": 101, "by": 0}, "second": 0, "nothing": None}
+    assert proc.stdout.count("printed once") == 1
+
+
+def test_run_on_main_failure_stops_every_rank(tmp_path, no_leftovers):
+    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers)
+    assert proc.returncode == 1
+    assert "RuntimeError: the dataset is broken" in proc.stderr
+    assert "run_on_main(prepare) failed on rank 0" in proc.stderr  # rank 1's one-line error
+
+
+def test_help_documents_every_option():
+    proc = multigpu("run", "--help", check=True)
+    for flag in ("--gpus", "--nproc", "--gpus-per-proc", "--cpu", "--nnodes", "--node-rank", "--master-addr",
+                 "--master-port", "--rdzv-endpoint", "--max-restarts", "--log-dir", "-m", "examples:"):
+        assert flag in proc.stdout

@@ -1,0 +1,188 @@
+"""World detection from patched environments: torchrun, Slurm (one node and several), node lists, errors."""
+
+import pytest
+
+from multigpu.errors import WorldError
+from multigpu.world import (
+    World,
+    detect_world,
+    expand_nodelist,
+    expand_tasks_per_node,
+    slurm_port,
+)
+
+TORCHRUN = {
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "GROUP_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "abc",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+    "TORCHELASTIC_MAX_RESTARTS": "3",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+
+SLURM_TWO_NODES = {
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "8",
+    "SLURM_NODEID": "1",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[01-02]",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_NAME": "train",
+}
+
+
+def test_plain_process_is_a_world_of_one():
+    world = detect_world({})
+    assert world == World()
+    assert (world.rank, world.world_size, world.source) == (0, 1, "single")
+    assert world.is_main and not world.is_distributed
+
+
+def test_torchrun_variables():
+    world = detect_world(TORCHRUN)
+    assert (world.rank, world.local_rank, world.world_size, world.local_world_size) == (3, 1, 4, 2)
+    assert (world.node_rank, world.num_nodes) == (1, 2)
+    assert (world.master_addr, world.master_port) == ("node0", 29500)
+    assert world.source == "torchrun"
+    assert (world.restart_count, world.max_restarts) == (2, 3)
+    assert world.agent_store and not world.is_main and world.is_distributed
+
+
+def test_torchrun_wins_over_slurm_because_torchrun_runs_inside_slurm_jobs():
+    world = detect_world({**SLURM_TWO_NODES, **TORCHRUN})
+    assert world.source == "torchrun" and world.rank == 3
+
+
+def test_plain_rank_variables_need_a_master_port():
+    world = detect_world({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
+    assert (world.source, world.rank, world.local_rank, world.local_world_size) == ("env", 1, 1, 2)
+    with pytest.raises(WorldError, match="MASTER_PORT"):
+        detect_world({"RANK": "1", "WORLD_SIZE": "2"})
+
+
+def test_slurm_two_nodes():
+    world = detect_world(SLURM_TWO_NODES)
+    assert world.source == "slurm"
+    assert (world.rank, world.local_rank, world.world_size, world.local_world_size) == (5, 1, 8, 4)
+    assert (world.node_rank, world.num_nodes) == (1, 2)
+    assert world.nodes == ("gpu01", "gpu02")
+    assert world.master_addr == "gpu01"
+    assert world.master_port == slurm_port("123456")
+    assert world.job_id == "123456"
+
+
+def test_slurm_one_node_and_explicit_master():
+    env = {
+        "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "cpu5",
+        "SLURM_TASKS_PER_NODE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000",
+    }
+    world = detect_world(env)
+    assert (world.world_size, world.local_world_size, world.num_nodes) == (2, 2, 1)
+    assert (world.master_addr, world.master_port) == ("10.0.0.1", 4000)
+
+
+def test_slurm_uneven_tasks_per_node():
+    env = {**SLURM_TWO_NODES, "SLURM_NTASKS": "5", "SLURM_TASKS_PER_NODE": "3,2", "SLURM_PROCID": "4"}
+    assert detect_world(env).local_world_size == 2
+
+
+def test_slurm_step_variables_win_over_job_variables():
+    env = {**SLURM_TWO_NODES, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
+           "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+           "SLURM_STEP_NODELIST": "gpu[01-02]"}
+    world = detect_world(env)
+    assert (world.world_size, world.local_world_size, world.rank) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("extra", [{"SLURM_STEP_ID": None}, {"SLURM_JOB_NAME": "bash"}, {"SLURM_JOB_NAME": "interactive"}])
+def test_batch_script_and_interactive_shells_are_not_slurm_tasks(extra):
+    env = {**SLURM_TWO_NODES, **extra}
+    env = {k: v for k, v in env.items() if v is not None}
+    assert detect_world(env).source == "single"
+
+
+def test_slurm_port_is_stable_and_in_range():
+    assert slurm_port("123456") == slurm_port("123456")
+    assert slurm_port("1") != slurm_port("2")
+    for job in ("0", "9999999", "12345_7"):
+        assert 15000 <= slurm_port(job) < 35000
+
+
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("gpu[01-03,07],cpu5", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]),
+        ("node1", ["node1"]),
+        ("a,b,c", ["a", "b", "c"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
+        ("x[3],y[1-2].lab", ["x3", "y1.lab", "y2.lab"]),
+        ("", []),
+    ],
+)
+def test_expand_nodelist(text, hosts):
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("bad", ["gpu[01-03", "gpu01]", "gpu[a-b]", "gpu[3-1]"])
+def test_bad_nodelists_raise_with_a_hint(bad):
+    with pytest.raises(WorldError, match="HINT"):
+        expand_nodelist(bad)
+
+
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("4") == [4]
+    with pytest.raises(WorldError):
+        expand_tasks_per_node("2(y3)")
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({**TORCHRUN, "RANK": "4"}, "rank 4 is outside world size 4"),
+        ({**TORCHRUN, "RANK": "x"}, "RANK='x' is not an integer"),
+        ({**TORCHRUN, "LOCAL_RANK": "2"}, "local rank 2 is outside local world size 2"),
+        ({**TORCHRUN, "GROUP_WORLD_SIZE": "3"}, "WORLD_SIZE=4 but LOCAL_WORLD_SIZE=2 x GROUP_WORLD_SIZE=3"),
+        ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
+        ({**SLURM_TWO_NODES, "SLURM_PROCID": "8"}, "rank 8 is outside world size 8"),
+        ({**SLURM_TWO_NODES, "SLURM_LOCALID": "4"}, "local rank 4 is outside local world size 4"),
+        ({**SLURM_TWO_NODES, "SLURM_NODEID": "2"}, "node rank 2 is outside the 2 node(s)"),
+        ({**SLURM_TWO_NODES, "SLURM_JOB_NODELIST": "gpu[01-03]"}, "node list has 3 hosts but SLURM_NNODES=2"),
+        ({**SLURM_TWO_NODES, "SLURM_TASKS_PER_NODE": "4(x3)"}, "lists 3 nodes but the step has 2"),
+        ({"MULTIGPU_DEVICES_PER_PROC": "0"}, "MULTIGPU_DEVICES_PER_PROC=0 must be at least 1"),
+    ],
+)
+def test_inconsistent_values_name_the_variable_and_give_a_hint(env, needle):
+    with pytest.raises(WorldError) as info:
+        detect_world(env)
+    text = str(info.value)
+    assert needle in text
+    assert "HINT:" in text
+    assert "\n" not in info.value.one_line()
+
+
+def test_world_is_immutable():
+    world = detect_world(TORCHRUN)
+    with pytest.raises(Exception):
+        world.rank = 0  # type: ignore[misc]
+
+
+def test_detect_reads_os_environ_by_default(monkeypatch):
+    for key in list(TORCHRUN) + list(SLURM_TWO_NODES):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert detect_world().rank == 1
