@@ -15,13 +15,20 @@ from multigpu.helpers import (
     rank_zero_print,
     run_on_main,
 )
+from multigpu.data import Loader
+from multigpu.metrics import MetricSums
 from multigpu.runtime import Run, init
+from multigpu.trainer import Trainer, TrainerSettings
 from multigpu.world import World, detect_world
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Loader",
+    "MetricSums",
     "MultiGPUError",
+    "Trainer",
+    "TrainerSettings",
     "Run",
     "World",
     "detect_world",

@@ -16,8 +16,14 @@ from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 
-from multigpu import helpers
+from torch import nn
+
+from multigpu import checkpoint, helpers, metrics
+from multigpu.checkpoint.rng import seed_everything
+from multigpu.data import Loader, describe_batch, make_loader
 from multigpu.distributed import GroupSettings, ProcessGroup, choose_devices
+from multigpu.strategies import Strategy, make_strategy
+from multigpu.strategies.base import OptimizerLike, clean_state_dict
 from multigpu.world import World, detect_world
 
 T = TypeVar("T")
@@ -30,6 +36,9 @@ class Run:
     world: World
     devices: list[torch.device]
     group: ProcessGroup
+    #: Strategy name used by ``setup`` when it is not given there ("auto": ddp if several processes).
+    strategy_name: str = "auto"
+    strategy: Optional[Strategy] = None
     _closed: bool = field(default=False, repr=False)
 
     # ------------------------------------------------------------------ where am I
@@ -57,6 +66,92 @@ class Run:
     @property
     def is_main(self) -> bool:
         return self.world.is_main
+
+    # ------------------------------------------------------------------ model, data, metrics
+    def setup(self, model: nn.Module, optimizer: OptimizerLike = None, *, strategy: Optional[str] = None,
+              **options: Any) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        """Wrap ``model`` for the strategy (default: the one given to ``init``) and bind the optimizer.
+
+        ``optimizer``: an optimizer, or a factory ``params -> optimizer`` (needed by sharded strategies,
+        which replace the parameters). Returns ``(model, optimizer)`` to use from here on.
+        """
+        self.strategy = make_strategy(strategy or self.strategy_name, self.world, self.devices, **options)
+        return self.strategy.setup(model, optimizer)
+
+    def _need_strategy(self) -> Strategy:
+        if self.strategy is None:
+            self.strategy = make_strategy(self.strategy_name, self.world, self.devices)
+        return self.strategy
+
+    def loader(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, quiet: bool = False, **dataloader_kwargs: Any) -> Loader:
+        """Training loader over this rank's shard; ``batch_size`` is per process. Reshuffles each epoch."""
+        loader = make_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size, shuffle=shuffle,
+                             seed=seed, drop_last=drop_last, pin_memory=self.device.type == "cuda",
+                             **dataloader_kwargs)
+        if not quiet:
+            self.print(f"multigpu: {describe_batch(batch_size, self.world_size, length=len(dataset))}")
+        return loader
+
+    def eval_loader(self, dataset: Any, batch_size: int, **dataloader_kwargs: Any) -> Loader:
+        """Evaluation loader: every sample exactly once across ranks (no padding), in a fixed order."""
+        return make_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size, evaluation=True,
+                           pin_memory=self.device.type == "cuda", **dataloader_kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._need_strategy().backward(loss)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """Context for gradient-accumulation micro-steps: no gradient all-reduce inside it."""
+        return self._need_strategy().no_sync(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return self._need_strategy().clip_grad_norm(model, max_norm)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self._need_strategy().unwrap(model)
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where tensors for collectives must live: the GPU for nccl, the CPU otherwise."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    def reduce(self, values: Mapping[str, tuple[Any, Any]]) -> dict[str, float]:
+        """``{"accuracy": (correct, count), ...}`` on each rank -> exact global ratios on every rank."""
+        return metrics.reduce_sums(values, self.comm_device)
+
+    def gather_in_order(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-sample outputs of an ``eval_loader`` pass, in dataset order, on every rank."""
+        return metrics.gather_in_order(local.to(self.comm_device))
+
+    def seed(self, seed: int) -> None:
+        """Seed python, numpy and torch the same on every rank (identical initial weights)."""
+        seed_everything(seed)
+
+    # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
+    def save_checkpoint(self, directory: str, step: int, state: dict, keep_last: Optional[int] = None) -> None:
+        """Write ``state`` once (rank 0) as an atomic, verified checkpoint; every rank returns after it exists.
+
+        ``nn.Module`` values are stored as clean state dicts (no ``module.``/``_orig_mod.``) and
+        optimizers as their state dicts, so the file loads into a plain model anywhere.
+        """
+        if self.world.is_main:
+            plain = {k: self._plain(v) for k, v in state.items()}
+            checkpoint.save_state(directory, step, plain, meta={"world_size": self.world_size})
+            checkpoint.prune(directory, keep_last)
+        self.barrier()
+
+    def _plain(self, value: Any) -> Any:
+        if isinstance(value, nn.Module):
+            return clean_state_dict(self.unwrap(value).state_dict())
+        if hasattr(value, "state_dict") and callable(value.state_dict):
+            return value.state_dict()
+        return value
+
+    def load_checkpoint(self, directory: str) -> Optional[dict]:
+        """The newest checkpoint that verifies (corrupt ones are reported and skipped), on this device."""
+        info = checkpoint.latest(directory, report=self.print)
+        return None if info is None else checkpoint.load_state(info.path, map_location=self.device)
 
     # ------------------------------------------------------------------ helpers
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -98,19 +193,25 @@ def init(
     backend: Optional[str] = None,
     timeout_s: float = 1800.0,
     accelerator: str = "auto",
+    strategy: str = "auto",
+    seed: Optional[int] = None,
     env: Optional[Mapping[str, str]] = None,
 ) -> Run:
     """Find where this process stands and join the others.
 
     ``backend``: nccl for GPUs and gloo for CPUs unless given. ``timeout_s``: how long a collective may
     wait for a missing rank before it fails (instead of hanging). ``accelerator``: 'auto', 'cuda' or
-    'cpu'. ``env``: read this mapping instead of the process environment (tests).
+    'cpu'. ``strategy``: what ``run.setup`` wraps models with (auto, single, dp, ddp, fsdp, pipeline,
+    ddp+pipeline). ``seed``: seed every generator the same on all ranks. ``env``: read this mapping
+    instead of the process environment (tests).
     """
     world = detect_world(env)
     cuda_count = torch.cuda.device_count() if accelerator != "cpu" else 0
     devices = choose_devices(world, cuda_count, accelerator)
     settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
     group = ProcessGroup(world, devices[0], settings).start()
-    run = Run(world=world, devices=devices, group=group)
+    run = Run(world=world, devices=devices, group=group, strategy_name=strategy)
     atexit.register(run.close)
+    if seed is not None:
+        seed_everything(seed)
     return run

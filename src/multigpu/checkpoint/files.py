@@ -1,0 +1,220 @@
+"""Checkpoint folders that are complete or absent, verified before they are trusted.
+
+Why: a checkpoint cut short by a crash, a preemption or a full disk must never be loaded, and a
+corrupt one must be noticed and skipped rather than crash the resume (or worse, load garbage). Each
+checkpoint is a folder ``step-<N>/`` written under a temporary name, every file fsynced, with a
+``manifest.json`` (sizes and SHA-256 of every file) written last; then the folder is renamed into
+place in one atomic step. Loading walks from the newest folder back to the first one whose manifest
+matches its files. Standard library plus ``torch.save``/``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from multigpu.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+STATE_FILE = "state.pt"
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d{8,})$")
+PathLike = Union[str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    meta: dict
+
+    @property
+    def epoch(self) -> int:
+        return int(self.meta.get("epoch", 0))
+
+
+class _HashingWriter:
+    """A file wrapper that hashes and counts what ``torch.save`` writes, so nothing is read back."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle, self.sha, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            sha.update(block)
+            size += len(block)
+    return size, sha.hexdigest()
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Path], dict[str, tuple[int, str]]],
+                            meta: Optional[dict] = None) -> Path:
+    """Create ``directory/step-<N>`` atomically. ``fill(tmp)`` writes the files into ``tmp`` and returns
+    ``{relative name: (size, sha256)}`` for those it already hashed; the rest are hashed here."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_name(step)
+    tmp = root / f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        digests = dict(fill(tmp))
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = path.relative_to(tmp).as_posix()
+            if rel not in digests:
+                digests[rel] = file_digest(path)
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        manifest = {"format": FORMAT, "step": step, "created": time.time(), **(meta or {}),
+                    "files": {name: {"size": size, "sha256": sha} for name, (size, sha) in sorted(digests.items())}}
+        with open(tmp / MANIFEST, "w") as handle:
+            json.dump(manifest, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (a resumed run): replace it, never half of it
+            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_state(directory: PathLike, step: int, state: dict, meta: Optional[dict] = None) -> Path:
+    """Save one ``state.pt`` (for replicated strategies: called on one rank only)."""
+
+    def fill(tmp: Path) -> dict[str, tuple[int, str]]:
+        with open(tmp / STATE_FILE, "wb") as handle:
+            writer = _HashingWriter(handle)
+            torch.save(state, writer)
+            handle.flush()
+        return {STATE_FILE: (writer.size, writer.sha.hexdigest())}
+
+    return write_checkpoint_folder(directory, step, fill, meta)
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        with open(path / MANIFEST) as handle:
+            manifest = json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: it was not written completely.",
+                              "delete the folder; an earlier checkpoint is used instead.") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / MANIFEST} is unreadable ({exc}).", "delete the folder.") from None
+    if not isinstance(manifest, dict) or "files" not in manifest:
+        raise CheckpointError(f"{path / MANIFEST} is not a multigpu manifest.", "delete the folder.")
+    return manifest
+
+
+def verify(path: PathLike, checksums: bool = True) -> dict:
+    """Raise :class:`CheckpointError` unless every file listed in the manifest is there, whole and unchanged."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} lacks {name}.", "it is incomplete; delete it.")
+        size = file.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has {size} bytes, the manifest says {expected['size']} (truncated?).",
+                "it is corrupt; delete it.",
+            )
+        if checksums and file_digest(file)[1] != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its SHA-256.", "it is corrupt; delete it.")
+    return manifest
+
+
+def list_checkpoints(directory: PathLike) -> list[CheckpointInfo]:
+    """Completed checkpoint folders (renamed into place), newest first; not yet verified."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _NAME.match(entry.name)
+        if match and entry.is_dir():
+            found.append(CheckpointInfo(entry, int(match.group(1)), {}))
+    return sorted(found, key=lambda info: info.step, reverse=True)
+
+
+def latest(directory: PathLike, checksums: bool = True,
+           report: Callable[[str], None] = lambda msg: warnings.warn(msg, stacklevel=3)) -> Optional[CheckpointInfo]:
+    """The newest checkpoint that verifies; each one skipped is reported with the reason."""
+    for info in list_checkpoints(directory):
+        try:
+            manifest = verify(info.path, checksums)
+        except CheckpointError as exc:
+            report(f"multigpu: skipping checkpoint {info.path.name}: {exc.message}")
+            continue
+        return CheckpointInfo(info.path, info.step, manifest)
+    return None
+
+
+def load_state(path: PathLike, map_location: Union[str, torch.device, None] = "cpu") -> dict:
+    """Load ``state.pt`` of a checkpoint folder (or a plain file) safely: tensors and plain types only."""
+    path = Path(path)
+    file = path / STATE_FILE if path.is_dir() else path
+    if not file.exists():
+        raise CheckpointError(f"no checkpoint at {file}.", "check the path; `multigpu checkpoint list DIR` shows them.")
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {file}: {' '.join(str(exc).split())[:300]}",
+                              "the file is corrupt or not a torch checkpoint; use an earlier one.") from None
+
+
+def prune(directory: PathLike, keep_last: Optional[int]) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints and any leftovers of interrupted writes."""
+    root = Path(directory)
+    removed = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    if keep_last is not None and keep_last > 0:
+        for info in list_checkpoints(root)[keep_last:]:
+            shutil.rmtree(info.path, ignore_errors=True)
+            removed.append(info.path)
+    return removed

@@ -1,0 +1,214 @@
+"""Typed settings from YAML, with ``key=value`` overrides, errors that name file, line and key.
+
+Why not a bigger config framework: a recipe's settings are a dataclass (typed, documented, with
+defaults); this module reads a YAML file into it (PyYAML's safe loader, keeping each key's line),
+applies command-line overrides with dotted keys, and rejects unknown keys and wrong types with the
+line to fix and the nearest known key. No code is executed from config files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
+
+import yaml
+
+from multigpu.errors import ConfigError
+
+T = TypeVar("T")
+Lines = dict[tuple[str, ...], int]
+
+
+# ----------------------------------------------------------------------------------- reading YAML
+
+
+def _walk(node: yaml.Node, path: tuple[str, ...], lines: Lines) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = (*path, str(key_node.value))
+            lines[key] = key_node.start_mark.line + 1
+            _walk(value_node, key, lines)
+
+
+def load_yaml(path: Union[str, Path]) -> tuple[dict, Lines]:
+    """The mapping in ``path`` and the line of every (nested) key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}.", "check the path.") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{where}: invalid YAML ({problem}).", "fix the syntax at that line.") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values.", "write `key: value` lines.")
+    lines: Lines = {}
+    _walk(node, (), lines)
+    return data, lines
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["trainer.epochs=3", "lr=1e-3"]`` -> ``{"trainer.epochs": 3, "lr": 0.001}`` (YAML-typed values)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE.", "write e.g. trainer.epochs=3 (dotted for nested keys).")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        out[key] = value
+    return out
+
+
+def set_dotted(data: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part!r} is a value, not a group of keys.", f"use {'.'.join(parts[:-1])}=VALUE.")
+        node = child
+    node[parts[-1]] = value
+
+
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
+    """Deep merge: nested mappings merge key by key, everything else is replaced."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- typed conversion
+
+
+def _where(source: str, lines: Lines, path: tuple[str, ...]) -> str:
+    line = lines.get(path)
+    return f"{source}:{line}" if line else source
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ...]) -> Any:
+    key = ".".join(path)
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, source, lines, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0] if errors else ConfigError(f"{_where(source, lines, path)}: {key} cannot be null.", "give a value.")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{_where(source, lines, path)}: {key} must be a group of keys, not {value!r}.",
+                              f"indent its settings under `{path[-1]}:`.")
+        return from_mapping(tp, value, source, lines, path)
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{_where(source, lines, path)}: {key} must be a list, not {value!r}.", f"write {key}: [a, b].")
+        args = typing.get_args(tp)
+        items = [_convert(v, args[0], source, lines, path) for v in value] if args and args[0] is not Ellipsis else list(value)
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{_where(source, lines, path)}: {key} must be a mapping, not {value!r}.", f"write {key}: {{a: 1}}.")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{_where(source, lines, path)}: {key} must be true or false, not {value!r}.", "write true or false.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads 1e-3 as a string
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{_where(source, lines, path)}: {key} must be {_type_name(tp)}, not {value!r}.",
+                      f"give {key} a value of type {_type_name(tp)}.")
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>", lines: Optional[Lines] = None,
+                 path: tuple[str, ...] = ()) -> T:
+    """Build dataclass ``cls`` from ``data``: unknown keys and wrong types are errors with file:line."""
+    lines = lines or {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean {'.'.join((*path, close[0]))!r}?" if close else f"known keys: {', '.join(fields)}."
+            raise ConfigError(f"{_where(source, lines, (*path, str(key)))}: unknown key {'.'.join((*path, str(key)))!r}.", hint)
+    values = {name: _convert(value, hints[name], source, lines, (*path, name)) for name, value in data.items()}
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc.message}", exc.hint) from None
+    except TypeError as exc:
+        missing = str(exc).split(":")[-1].strip()
+        raise ConfigError(f"{source}: missing required setting(s) {missing} in {'.'.join(path) or 'the top level'}.",
+                          "add them to the file or pass KEY=VALUE.") from None
+
+
+def load(cls: type[T], path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()) -> T:
+    """``cls`` from a YAML file (optional) plus ``key=value`` overrides, validated."""
+    data, lines = load_yaml(path) if path else ({}, {})
+    source = str(path) if path else "<defaults>"
+    for key, value in parse_overrides(overrides).items():
+        set_dotted(data, key, value)
+        lines.pop(tuple(key.split(".")), None)
+    return from_mapping(cls, data, source if not overrides else f"{source} (+ overrides)", lines)
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass as plain data (for writing the resolved config next to a run's outputs)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)

@@ -1,0 +1,177 @@
+"""Loaders that shard data across ranks the way single-process training would see it.
+
+Why: the classic DDP mistakes are a missing DistributedSampler (every rank trains on everything), a
+forgotten ``set_epoch`` (the same order every epoch), a batch size that silently means something else,
+and evaluation on padded duplicates. Here the sampler is always there (a world of one is just one
+shard), the epoch advances by itself, the global batch is stated at start, and evaluation shards
+carry no padding, so a metric over N processes equals the single-process value exactly.
+
+The training order is DistributedSampler's (the same permutation for a seed and an epoch), so N
+processes with batch b see, step by step, exactly the samples one process with batch N*b sees.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional, Sized
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from multigpu.errors import ConfigError
+
+
+class ShardedSampler(Sampler[int]):
+    """This rank's share of a (shuffled) epoch, resumable part-way through.
+
+    Same indices as ``torch.utils.data.DistributedSampler`` for the same arguments; adds
+    ``skip(n)`` so a resumed run continues with the sample after the last one it trained on.
+    """
+
+    def __init__(self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
+        self.length = length
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._skip = 0
+        if drop_last and length % num_replicas:
+            self.num_samples = length // num_replicas
+        else:
+            self.num_samples = math.ceil(length / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, samples: int) -> None:
+        """Leave out the first ``samples`` indices of this rank's next pass (resume inside an epoch)."""
+        self._skip = max(0, min(samples, self.num_samples))
+
+    def epoch_indices(self) -> list[int]:
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(self.length, generator=generator).tolist()
+        else:
+            indices = list(range(self.length))
+        if self.drop_last:
+            indices = indices[: self.total_size]
+        elif len(indices) < self.total_size:
+            padding = self.total_size - len(indices)
+            indices += (indices * math.ceil(padding / max(len(indices), 1)))[:padding]
+        return indices[self.rank : self.total_size : self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self._skip = self._skip, 0
+        return iter(self.epoch_indices()[skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self._skip
+
+
+class EvalSampler(Sampler[int]):
+    """Every sample exactly once across ranks, no padding: rank r takes r, r+W, r+2W, ..."""
+
+    def __init__(self, length: int, num_replicas: int = 1, rank: int = 0) -> None:
+        self.length, self.num_replicas, self.rank = length, num_replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.num_replicas))
+
+
+class Loader:
+    """A DataLoader over this rank's shard that reshuffles every epoch by itself.
+
+    Iterating it runs one epoch and moves to the next; ``set_epoch`` (the PyTorch tutorial's call)
+    still works and wins. ``batch_size`` is per process.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: Sampler, batch_size: int, world_size: int) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.epoch = 0
+        self._resume_batches = 0
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, batches_done: int) -> None:
+        """The next pass is ``epoch``, starting after its first ``batches_done`` batches."""
+        self.epoch = epoch
+        self._resume_batches = batches_done
+
+    def __iter__(self) -> Iterator[Any]:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        if self._resume_batches and isinstance(self.sampler, ShardedSampler):
+            self.sampler.skip(self._resume_batches * self.batch_size)
+        self._resume_batches = 0
+        yield from self.loader
+        self.epoch += 1
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch}
+
+
+def _length(dataset: Any) -> int:
+    if not isinstance(dataset, Sized):
+        raise ConfigError(
+            f"{type(dataset).__name__} has no len(); a sharded loader needs to know the dataset size.",
+            "use a map-style Dataset, or shard your IterableDataset yourself with run.rank / run.world_size.",
+        )
+    return len(dataset)
+
+
+def make_loader(dataset: Any, batch_size: int, *, rank: int, world_size: int, shuffle: bool = True,
+                seed: int = 0, drop_last: bool = False, evaluation: bool = False,
+                pin_memory: bool = False, **dataloader_kwargs: Any) -> Loader:
+    """A :class:`Loader` for this rank. ``evaluation``: every sample once, no padding, no shuffle."""
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size {batch_size!r} must be a positive integer.", "it is per process: e.g. 32.")
+    for reserved in ("sampler", "batch_sampler", "shuffle"):
+        if reserved in dataloader_kwargs:
+            raise ConfigError(
+                f"run.loader() chooses the sampler itself; got {reserved}=.",
+                "drop it, or build your own DataLoader and pass it where a loader is expected.",
+            )
+    length = _length(dataset)
+    if evaluation:
+        sampler: Sampler = EvalSampler(length, world_size, rank)
+    else:
+        sampler = ShardedSampler(length, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    workers = dataloader_kwargs.get("num_workers", 0)
+    if workers:
+        dataloader_kwargs.setdefault("persistent_workers", True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last and not evaluation,
+                        pin_memory=pin_memory, **dataloader_kwargs)
+    return Loader(loader, sampler, batch_size, world_size)
+
+
+def describe_batch(batch_size: int, world_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:
+    """The sentence printed at start, so nobody trains a week with the wrong effective batch."""
+    global_batch = batch_size * world_size * accumulation
+    parts = [f"batch {batch_size} per process", f"{world_size} process(es)"]
+    if accumulation > 1:
+        parts.append(f"{accumulation} accumulation steps")
+    text = " x ".join(parts) + f" = global batch {global_batch}"
+    if length is not None:
+        text = f"{length} samples, " + text
+    return text

@@ -1,0 +1,67 @@
+"""Mixed precision: bf16 autocast, or fp16 autocast with a gradient scaler.
+
+Why its own small object: the Trainer and a hand-written loop need the same three moves (autocast the
+forward, scale the loss, unscale before clipping and step through the scaler), and getting their
+order wrong silently clips scaled gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager, Optional
+
+import torch
+
+from multigpu.errors import ConfigError
+
+ALIASES = {
+    "32": "32", "fp32": "32", "32-true": "32", "float32": "32",
+    "bf16": "bf16", "bf16-mixed": "bf16", "bfloat16": "bf16",
+    "16": "fp16", "fp16": "fp16", "16-mixed": "fp16", "float16": "fp16",
+}
+
+
+class Precision:
+    def __init__(self, mode: str = "32", device: torch.device = torch.device("cpu")) -> None:
+        key = str(mode).lower()
+        if key not in ALIASES:
+            raise ConfigError(f"unknown precision {mode!r}.", "use '32', 'bf16' (bf16-mixed) or 'fp16' (16-mixed).")
+        self.mode = ALIASES[key]
+        self.device = device
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        if self.mode == "fp16":
+            self.scaler = torch.amp.GradScaler(device.type)
+
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mode)
+
+    def autocast(self) -> ContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Call before clipping, so the clip threshold applies to the true gradients."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Optimizer step (skipped by the scaler on inf/nan gradients); True if it was taken."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= before
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)

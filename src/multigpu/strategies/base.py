@@ -1,0 +1,100 @@
+"""The one small Protocol every strategy follows, and the helpers they share.
+
+Why a Protocol and flat classes: the references that grew inheritance trees of strategies (and
+accelerators, and plugins) are hard to read; a strategy here is one file with a handful of methods.
+Sharded strategies need model and optimizer set up together, so ``setup`` takes both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Union, runtime_checkable
+
+import torch
+from torch import nn
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+OptimizerLike = Union[torch.optim.Optimizer, OptimizerFactory, None]
+
+@runtime_checkable
+class Strategy(Protocol):
+    name: str
+    #: True when each rank holds only part of the state (checkpoints are then written by every rank).
+    sharded: bool
+
+    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        """Move/wrap the model for this strategy and build (or re-bind) the optimizer on its parameters."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        """Skip gradient synchronisation (accumulation micro-steps); a no-op where there is none."""
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's own module, without wrappers."""
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the *whole* model's gradient (across shards/stages), return that norm."""
+
+
+def clean_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """Keys as a plain model names them, so checkpoints load into an unwrapped model on any device.
+
+    Call it on the state of the *unwrapped* module: what is left to remove is ``_orig_mod`` from
+    submodules compiled with torch.compile. A state saved by other tools with every key under
+    ``module.`` (a DDP/DP wrapper) loses that prefix too.
+    """
+    clean = {strip_name(key): value for key, value in state.items()}
+    if clean and all(key.startswith("module.") for key in clean):
+        clean = {key[len("module."):]: value for key, value in clean.items()}
+    return clean
+
+
+def unwrap_module(model: nn.Module) -> nn.Module:
+    """Peel DDP/DP (``.module``) and torch.compile (``._orig_mod``) wrappers, in any order."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> Optional[torch.optim.Optimizer]:
+    """An optimizer for ``model``'s current parameters: call a factory, or keep an instance."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        built = optimizer(model.parameters())
+        if not isinstance(built, torch.optim.Optimizer):
+            from multigpu.errors import MultiGPUError
+
+            raise MultiGPUError(
+                f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer.",
+                "pass e.g. `lambda params: torch.optim.AdamW(params, lr=3e-4)`.",
+            )
+        return built
+    raise TypeError(f"optimizer must be an Optimizer, a factory or None, not {type(optimizer).__name__}")
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: nn.Module) -> torch.optim.Optimizer:
+    """Recreate an optimizer on a model whose parameters were replaced (sharding), keeping its groups.
+
+    ``old_names`` maps ``id(old_param)`` to its name, taken before the model was transformed.
+    """
+    new_params = dict(model.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        params = [new_params[strip_name(old_names[id(p)])] for p in group["params"]]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return type(optimizer)(groups, **optimizer.defaults)
+
+
+def strip_name(name: str) -> str:
+    """Drop the ``_orig_mod`` components torch.compile adds (a name no user module uses)."""
+    return ".".join(p for p in name.split(".") if p != "_orig_mod")
+
+
+def total_grad_norm_clip(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    return nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], max_norm)
+

@@ -1,0 +1,57 @@
+"""``ddp``: DistributedDataParallel, one replica per process, gradients averaged in buckets.
+
+Batch size is per process (the seed documents' rule): the global batch is batch x processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ContextManager, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from multigpu.strategies.base import OptimizerLike, build_optimizer, unwrap_module
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    #: Needed when some parameters get no gradient in a step (costs a graph walk per step).
+    find_unused_parameters: bool = False
+    #: The graph is the same every step: lets DDP skip work and support reentrant checkpointing.
+    static_graph: bool = False
+    #: Gradients share memory with the communication buckets (saves one copy of the gradients).
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: Optional[float] = None
+    #: None keeps torch's default (buffers such as BatchNorm statistics follow rank 0).
+    broadcast_buffers: Optional[bool] = None
+
+
+class DDP:
+    name = "ddp"
+    sharded = False
+
+    def __init__(self, device: torch.device, options: DDPOptions = DDPOptions()) -> None:
+        self.device = device
+        self.options = options
+
+    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        model = model.to(self.device)
+        kwargs = {k: v for k, v in asdict(self.options).items() if v is not None}
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **kwargs)  # broadcasts rank 0's weights
+        return wrapped, build_optimizer(optimizer, model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return model.no_sync()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return unwrap_module(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        # After backward every replica holds the same averaged gradient: the local norm is the global one.
+        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)

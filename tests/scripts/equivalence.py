@@ -1,0 +1,84 @@
+"""Train a small model for a few steps and save its final parameters, for the equivalence tests.
+
+    multigpu run --nproc 2 equivalence.py OUT --batch 4 ...   vs   multigpu run --nproc 1 equivalence.py OUT --batch 8
+
+Options: --batch B (per process) --steps S (optimizer steps per epoch) --epochs E --accumulate A
+--clip C --mode trainer|loop --strategy NAME --precision P --optimizer sgd|adamw
+The dataset holds exactly S x A x global-batch samples, so both runs see the same global batches.
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+from multigpu.strategies import clean_state_dict
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--batch", type=int, required=True)
+parser.add_argument("--global-batch", type=int, required=True)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--clip", type=float, default=None)
+parser.add_argument("--mode", default="trainer")
+parser.add_argument("--strategy", default="auto")
+parser.add_argument("--precision", default="32")
+parser.add_argument("--optimizer", default="adamw")
+parser.add_argument("--tokens", default="")
+args = parser.parse_args()
+
+run = mg.init(seed=1234, timeout_s=60)
+size = args.steps * args.accumulate * args.global_batch
+generator = torch.Generator().manual_seed(7)
+x = torch.randn(size, 12, generator=generator)
+y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
+dataset = TensorDataset(x, y)
+
+
+def make_model():
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def make_optimizer(params):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+class Equivalence(mg.Trainer):
+    def compute_loss(self, batch):
+        inputs, labels = batch
+        return F.cross_entropy(self.model(inputs), labels)
+
+
+if args.mode == "trainer":
+    trainer = Equivalence(run, make_model(), make_optimizer, batch_size=args.batch, epochs=args.epochs,
+                          accumulate=args.accumulate, clip_grad_norm=args.clip, strategy=args.strategy,
+                          precision=args.precision, out_dir=args.out + ".run", resume=False, progress=False)
+    trainer.fit(dataset)
+    model = trainer.strategy.unwrap(trainer.model)
+else:  # the PyTorch-tutorial loop, with the same helpers
+    model, optimizer = run.setup(make_model(), make_optimizer, strategy=args.strategy)
+    loader = run.loader(dataset, batch_size=args.batch, seed=0)
+    for epoch in range(args.epochs):
+        for index, (inputs, labels) in enumerate(loader):
+            inputs, labels = inputs.to(run.device), labels.to(run.device)
+            boundary = (index + 1) % args.accumulate == 0
+            with (run.no_sync(model) if not boundary else torch.enable_grad()):
+                loss = F.cross_entropy(model(inputs), labels) / args.accumulate
+                run.backward(loss)
+            if boundary:
+                if args.clip:
+                    run.clip_grad_norm(model, args.clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    model = run.unwrap(model)
+
+if run.is_main:
+    torch.save(clean_state_dict(model.state_dict()), args.out)

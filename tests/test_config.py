@@ -1,0 +1,87 @@
+"""YAML settings into dataclasses: overrides, types, and errors that name the file, line and key."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+
+from multigpu import config
+from multigpu.errors import ConfigError
+from multigpu.trainer import TrainerSettings
+
+
+@dataclass
+class Inner:
+    hidden: int = 8
+    rate: float = 0.5
+
+
+@dataclass
+class Outer:
+    name: str = "net"
+    inner: Inner = field(default_factory=Inner)
+    layers: list[int] = field(default_factory=lambda: [1, 2])
+    note: Optional[str] = None
+    flag: bool = False
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "h.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_load_with_nested_values_and_overrides(tmp_path):
+    path = _write(tmp_path, "name: big\ninner:\n  hidden: 32\nlayers: [3, 4]\ntrainer:\n  epochs: 4\n")
+    cfg = config.load(Outer, path, ["inner.rate=1e-3", "flag=true", "trainer.batch_size=16", "note=hello"])
+    assert (cfg.name, cfg.inner.hidden, cfg.inner.rate, cfg.layers, cfg.flag) == ("big", 32, 0.001, [3, 4], True)
+    assert (cfg.trainer.epochs, cfg.trainer.batch_size, cfg.note) == (4, 16, "hello")
+
+
+def test_unknown_key_names_file_line_and_nearest_key(tmp_path):
+    path = _write(tmp_path, "name: x\ninner:\n  hiden: 3\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(Outer, path)
+    assert f"{path}:3: unknown key 'inner.hiden'" in str(info.value)
+    assert "did you mean 'inner.hidden'?" in str(info.value)
+
+
+def test_wrong_type_names_file_line_and_type(tmp_path):
+    path = _write(tmp_path, "name: x\n\ninner:\n  hidden: lots\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(Outer, path)
+    assert f"{path}:4: inner.hidden must be int, not 'lots'" in str(info.value)
+
+
+def test_unknown_override_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'trainer.epoch'.*did you mean 'trainer.epochs'"):
+        config.load(Outer, None, ["trainer.epoch=3"])
+    with pytest.raises(ConfigError, match="is not KEY=VALUE"):
+        config.load(Outer, None, ["trainer.epochs"])
+
+
+def test_invalid_trainer_value_is_an_error():
+    with pytest.raises(ConfigError, match="accumulate=0 is invalid"):
+        config.load(Outer, None, ["trainer.accumulate=0"])
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = _write(tmp_path, "name: x\ninner: [1,\n")
+    with pytest.raises(ConfigError, match=r"h.yaml:\d+: invalid YAML"):
+        config.load(Outer, path)
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(Outer, tmp_path / "nope.yaml")
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = config.load(Outer, None, ["inner.hidden=5"])
+    path = _write(tmp_path, config.dump_yaml(cfg))
+    assert config.load(Outer, path) == cfg
+
+
+def test_merge_is_deep():
+    assert config.merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}, "d": 1}

@@ -1,0 +1,81 @@
+"""Strategies in one process: choice by name, options, DataParallel's CPU fallback, precision."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import multigpu as mg
+from multigpu.errors import ConfigError
+from multigpu.precision import Precision
+from multigpu.strategies import DataParallelStrategy, SingleDevice, make_strategy
+from multigpu.world import World
+
+CPU = [torch.device("cpu")]
+
+
+def test_auto_is_single_in_a_world_of_one_and_ddp_in_a_bigger_one():
+    assert make_strategy("auto", World(), CPU).name == "single"
+    assert make_strategy("ddp", World(), CPU).name == "single"  # DDP of one process is plain training
+
+
+def test_unknown_strategy_and_option_are_errors_with_hints():
+    with pytest.raises(ConfigError, match="unknown strategy 'ddpp'.*HINT: choose one of"):
+        make_strategy("ddpp", World(), CPU)
+    with pytest.raises(ConfigError, match="has no option 'find_unused'.*find_unused_parameters"):
+        make_strategy("ddp", World(rank=0, world_size=2, local_world_size=2), CPU, find_unused=True)
+
+
+def test_dp_on_cpu_warns_and_trains_like_single():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = make_strategy("dp", World(), CPU)
+    messages = [str(w.message) for w in caught]
+    assert any("deprecated" in m and "ddp" in m for m in messages)
+    assert any("running on the CPU as 'single'" in m for m in messages)
+    assert isinstance(strategy, DataParallelStrategy)
+    torch.manual_seed(0)
+    model, optimizer = strategy.setup(nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    torch.manual_seed(0)
+    ref_model, ref_opt = SingleDevice(CPU[0]).setup(nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    for m, o, s in ((model, optimizer, strategy), (ref_model, ref_opt, None)):
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    assert torch.equal(model.weight, ref_model.weight)
+
+
+def test_optimizer_factory_must_return_an_optimizer():
+    with pytest.raises(mg.MultiGPUError, match="factory returned"):
+        SingleDevice(CPU[0]).setup(nn.Linear(2, 2), lambda params: "adam")
+
+
+@pytest.mark.parametrize("mode", ["32", "bf16", "fp16"])
+def test_precision_modes_train_on_cpu(mode):
+    precision = Precision(mode, CPU[0])
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    with precision.autocast():
+        loss = F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,)))
+    precision.scale(loss).backward()
+    precision.unscale(optimizer)
+    assert precision.step(optimizer)
+    assert not torch.equal(before, model.weight)
+    assert (mode == "fp16") == bool(precision.state_dict())
+
+
+def test_unknown_precision_is_an_error():
+    with pytest.raises(ConfigError, match="unknown precision 'fp8'"):
+        Precision("fp8")
+
+
+def test_trainer_settings_reject_unknown_keys():
+    class T(mg.Trainer):
+        def compute_loss(self, batch):
+            return batch
+
+    with pytest.raises(ConfigError, match="unknown trainer setting 'epoch'"):
+        T(mg.init(), nn.Linear(1, 1), lambda p: torch.optim.SGD(p, lr=0.1), epoch=3)

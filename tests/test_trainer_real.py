@@ -1,0 +1,80 @@
+"""The Trainer and the digits recipe with real processes: accuracy, checkpoints, resume, exact eval."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, SCRIPTS, multigpu
+
+pytestmark = pytest.mark.timeout(300)
+RECIPE = str(REPO / "examples" / "digits" / "train.py")
+HPARAMS = str(REPO / "examples" / "digits" / "hparams.yaml")
+
+
+def _digits(tmp_path, *overrides, nproc=2):
+    return multigpu("run", "--nproc", str(nproc), RECIPE, HPARAMS, f"trainer.out_dir={tmp_path / 'out'}",
+                    f"data.folder={tmp_path / 'data'}", *overrides)
+
+
+def test_digits_recipe_reaches_95_percent_on_two_processes_in_under_a_minute(tmp_path):
+    started = time.monotonic()
+    proc = _digits(tmp_path)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    final = json.loads((tmp_path / "out" / "final.json").read_text())
+    assert final["accuracy"] >= 0.95
+    assert elapsed < 60
+    assert "batch 32 per process x 2 process(es) = global batch 64" in proc.stdout
+    assert proc.stdout.count("final validation accuracy") == 1  # printed by rank 0 only
+    rows = list(csv.DictReader(open(tmp_path / "out" / "metrics.csv")))
+    assert [int(r["epoch"]) for r in rows] == list(range(1, 16))
+    assert {"train_loss", "valid_accuracy", "valid_loss", "lr", "samples_per_s"} <= set(rows[0])
+    assert (tmp_path / "out" / "config.yaml").exists()
+    assert (tmp_path / "data" / "digits.pt").exists()
+
+
+def test_ddp_checkpoint_loads_into_a_plain_model_on_cpu(tmp_path):
+    proc = _digits(tmp_path, "trainer.epochs=1")
+    assert proc.returncode == 0, proc.stderr
+    (ckpt,) = sorted((tmp_path / "out" / "checkpoints").glob("step-*"))
+    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
+    plain = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Dropout(0.0), nn.Linear(128, 128), nn.GELU(),
+                          nn.Dropout(0.0), nn.Linear(128, 10))
+    plain.load_state_dict(state["model"])  # strict: every key matches
+    assert state["trainer"] == {"epoch": 1, "batch_in_epoch": 0, "global_step": 23}
+    assert {"optimizer", "scheduler", "scaler", "rng"} <= set(state)
+    assert len(state["rng"]) == 2  # one RNG state per rank
+
+
+def test_resume_continues_from_the_saved_epoch(tmp_path):
+    first = _digits(tmp_path, "trainer.epochs=2")
+    assert first.returncode == 0, first.stderr
+    second = _digits(tmp_path, "trainer.epochs=4")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout and "(epoch 2, batch 0, step 46)" in second.stdout
+    assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
+    rows = list(csv.DictReader(open(tmp_path / "out" / "metrics.csv")))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in rows] == [23, 46, 69, 92]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_exact_evaluation_over_101_samples_equals_one_rank(tmp_path, nproc):
+    outs = {}
+    for n in (1, nproc):
+        out = tmp_path / f"eval{n}.json"
+        multigpu("run", "--nproc", str(n), str(SCRIPTS / "exact_eval.py"), str(out), check=True)
+        outs[n] = json.loads(out.read_text())
+    one, many = outs[1], outs[nproc]
+    assert many["trainer"]["accuracy"] == one["trainer"]["accuracy"]  # exactly: counts, no padding
+    assert many["byo"]["accuracy"] == one["byo"]["accuracy"]
+    assert abs(many["trainer"]["loss"] - one["trainer"]["loss"]) < 1e-6
+    assert many["predictions"] == one["predictions"] and len(one["predictions"]) == 101
+    assert many["local_seen"] == len(range(0, 101, nproc))  # rank 0's shard, without padding
