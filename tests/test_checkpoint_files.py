@@ -23,7 +23,7 @@ def test_save_writes_a_folder_with_a_matching_manifest(tmp_path):
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["step"] == 12 and manifest["epoch"] == 1
     size, sha = file_digest(path / STATE_FILE)
-    assert manifest["files"][STATE_FILE] == {"size": size, "sha256": sha}
+    assert manifest["files"][STATE_FILE] == {"size": size, "crc32": sha}
     loaded = checkpoint.load_state(path)
     assert torch.equal(loaded["model"]["w"], torch.ones(4)) and loaded["lr"] == [0.1, 0.2]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -44,7 +44,7 @@ def test_latest_is_the_newest_good_one_and_skips_corrupt_and_truncated(tmp_path)
     assert info.step == 1
     assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.ones(4))
     assert len(reports) == 3
-    assert "does not match its SHA-256" in reports[0]
+    assert "does not match its CRC-32 checksum" in reports[0]
     assert "manifest says" in reports[1] and "truncated" in reports[1]
     assert "no manifest.json" in reports[2]
 

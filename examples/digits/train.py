@@ -122,6 +122,7 @@ def main(argv: list[str]) -> dict:
         lambda params: torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay),
         scheduler=schedule,
         settings=settings,
+        config=cfg,  # ranks compare it before training: a different hparams file on one node fails fast
     )
     if run.is_main:
         Path(settings.out_dir).mkdir(parents=True, exist_ok=True)

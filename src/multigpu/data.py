@@ -88,6 +88,9 @@ class EvalSampler(Sampler[int]):
         return len(range(self.rank, self.length, self.num_replicas))
 
 
+_EPOCH_SEED = 1_000_003
+
+
 class Loader:
     """A DataLoader over this rank's shard that reshuffles every epoch by itself.
 
@@ -95,9 +98,11 @@ class Loader:
     still works and wins. ``batch_size`` is per process.
     """
 
-    def __init__(self, loader: DataLoader, sampler: Sampler, batch_size: int, world_size: int) -> None:
+    def __init__(self, loader: DataLoader, sampler: Sampler, batch_size: int, world_size: int,
+                 seed: int = 0) -> None:
         self.loader = loader
         self.sampler = sampler
+        self.seed = seed
         self.batch_size = batch_size
         self.world_size = world_size
         self.epoch = 0
@@ -118,6 +123,10 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
+        if self.loader.generator is not None:
+            # DataLoader draws its workers' base seed from this generator when an epoch starts; one
+            # seeded per epoch keeps the global RNG untouched and makes a resumed epoch identical.
+            self.loader.generator.manual_seed(_EPOCH_SEED * (self.seed + 1) + self.epoch)
         if self._resume_batches and isinstance(self.sampler, ShardedSampler):
             self.sampler.skip(self._resume_batches * self.batch_size)
         self._resume_batches = 0
@@ -157,12 +166,10 @@ def make_loader(dataset: Any, batch_size: int, *, rank: int, world_size: int, sh
         sampler: Sampler = EvalSampler(length, world_size, rank)
     else:
         sampler = ShardedSampler(length, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-    workers = dataloader_kwargs.get("num_workers", 0)
-    if workers:
-        dataloader_kwargs.setdefault("persistent_workers", True)
+    dataloader_kwargs.setdefault("generator", torch.Generator())
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last and not evaluation,
                         pin_memory=pin_memory, **dataloader_kwargs)
-    return Loader(loader, sampler, batch_size, world_size)
+    return Loader(loader, sampler, batch_size, world_size, seed)
 
 
 def describe_batch(batch_size: int, world_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:

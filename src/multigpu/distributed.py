@@ -12,7 +12,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,16 @@ class ProcessGroup:
         self.settings = settings
         self.backend = choose_backend(device, settings.backend)
         self._started = False
+        self._control: Any = None
+
+    @property
+    def control(self) -> Any:
+        """A CPU (gloo) group for small control messages: stop flags, fingerprints, objects.
+
+        With nccl the default group would need a GPU tensor and a host sync for each of them; with
+        gloo the default group already is one (None means the default group to torch).
+        """
+        return self._control
 
     @property
     def active(self) -> bool:
@@ -99,14 +109,22 @@ class ProcessGroup:
                       timeout=self.settings.timeout)
         if self.backend == "nccl":
             kwargs["device_id"] = self.device  # eager NCCL start: errors surface here, not at step 1
-        if self.world.source in ("torchrun", "env"):
-            # torchrun's agent (or the user) put MASTER_ADDR/PORT in the environment and may host the
-            # store itself; torch's env:// rendezvous knows how to join it.
+        if self.world.agent_store:
+            # The agent hosts the store and keeps it across restarts: keys of the previous attempt are
+            # still there. A prefix per attempt keeps a restarted group from reading them.
+            store = dist.TCPStore(self.world.master_addr, int(self.world.master_port or 0), self.world.world_size,
+                                  is_master=False, timeout=self.settings.timeout)
+            kwargs["store"] = dist.PrefixStore(f"multigpu/attempt_{self.world.restart_count}", store)
+        elif self.world.source in ("torchrun", "env"):
+            # torchrun's agent (or the user) put MASTER_ADDR/PORT in the environment; worker rank 0
+            # hosts the store. torch's env:// rendezvous knows how to do that.
             kwargs["init_method"] = "env://"
         else:
             kwargs["init_method"] = f"tcp://{_host(self.world.master_addr)}:{self.world.master_port}"
         dist.init_process_group(**kwargs)
         self._started = True
+        if self.backend != "gloo":
+            self._control = dist.new_group(backend="gloo", timeout=self.settings.timeout)
         return self
 
     def close(self) -> None:
@@ -126,6 +144,7 @@ class ProcessGroup:
         finally:
             dist.destroy_process_group()
             self._started = False
+            self._control = None
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()

@@ -27,9 +27,12 @@ from torch import nn
 from multigpu import checkpoint
 from multigpu.checkpoint import rng
 from multigpu.data import Loader, describe_batch
+from multigpu.diagnostics import consistency
+from multigpu.diagnostics.watchdog import HangWatchdog
 from multigpu.errors import CheckpointError, ConfigError
 from multigpu.metrics import MetricSums
 from multigpu.precision import Precision
+from multigpu.preemption import Preempted, StopSignal, requeue_slurm_job
 from multigpu.progress import ProgressLine, read_csv, write_csv
 from multigpu.runtime import Run
 from multigpu.strategies.base import OptimizerLike, clean_state_dict
@@ -61,6 +64,12 @@ class TrainerSettings:
     resume: bool = True
     verify_checksums: bool = True
     progress: bool = True
+    #: Stop cleanly on SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (requeue under Slurm on USR1).
+    preemption: bool = True
+    #: Write where every rank is stuck and exit when no step finishes for this long (None: off).
+    hang_timeout_s: Optional[float] = 900.0
+    #: Compare model, settings, data and versions across ranks before training; fail with a diff.
+    check_consistency: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,6 +80,9 @@ class TrainerSettings:
             (self.keep_last >= 1, "keep_last", "1 or more"),
             (self.checkpoint_every_epochs >= 1, "checkpoint_every_epochs", "1 or more"),
             (self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "positive or null"),
+            (self.hang_timeout_s is None or self.hang_timeout_s > 0, "hang_timeout_s", "positive seconds or null"),
+            (self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1, "checkpoint_every_steps",
+             "1 or more, or null"),
         ]
         for ok, name, wanted in checks:
             if not ok:
@@ -122,12 +134,20 @@ class Trainer(abc.ABC):
 
     def __init__(self, run: Run, model: nn.Module, optimizer: OptimizerLike,
                  scheduler: SchedulerLike = None, settings: Optional[TrainerSettings] = None,
-                 **overrides: Any) -> None:
+                 config: Any = None, **overrides: Any) -> None:
+        """``config``: your recipe's own settings (any dataclass or mapping); ranks must agree on it."""
         base = dataclasses.asdict(settings) if settings is not None else {}
         self.settings = TrainerSettings.from_mapping({**base, **overrides})
         self.run = run
         self.device = run.device
         self.precision = Precision(self.settings.precision, self.device)
+        if self.settings.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
+            consistency.check_same_on_all_ranks({
+                **consistency.model_fingerprint(model),
+                "trainer_settings": consistency.config_hash(dataclasses.asdict(self.settings)),
+                "recipe_config": consistency.config_hash(_plain(config)),
+                **consistency.environment_fingerprint(),
+            }, group=run.group.control)
         self.model, self.optimizer = run.setup(model, optimizer, strategy=self.settings.strategy,
                                                **self.settings.strategy_options)
         if self.optimizer is None:
@@ -141,6 +161,8 @@ class Trainer(abc.ABC):
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.progress = ProgressLine(enabled=self.settings.progress and run.is_main)
         self._csv_rows: Optional[list] = None
+        self._stop: Optional[StopSignal] = None
+        self._watchdog: Optional[HangWatchdog] = None
 
     # ------------------------------------------------------------------ your code
     @abc.abstractmethod
@@ -167,9 +189,29 @@ class Trainer(abc.ABC):
         valid_loader = self._as_loader(valid, evaluation=True) if valid is not None else None
         self.run.print("multigpu: " + describe_batch(train_loader.batch_size, self.run.world_size, s.accumulate,
                                                      len(train_loader.dataset)))
+        if s.check_consistency:
+            consistency.check_same_on_all_ranks(
+                {"train_samples": len(train_loader.dataset), "batch_size": train_loader.batch_size,
+                 "valid_samples": len(valid_loader.dataset) if valid_loader is not None else None,
+                 "epochs": epochs}, group=self.run.group.control)
         if s.resume:
             self.resume()
         train_loader.resume_at(self.state.epoch, self.state.batch_in_epoch)
+        self._stop = StopSignal(self.run.group.control, self.run.group.active).install() if s.preemption else None
+        self._watchdog = (HangWatchdog(s.hang_timeout_s, self.out_dir / "hang", self.run.rank, self.run.world_size).start()
+                          if s.hang_timeout_s else None)
+        try:
+            self._fit_epochs(train_loader, valid_loader, epochs)
+        finally:
+            if self._stop is not None:
+                self._stop.uninstall()
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            self._stop = self._watchdog = None
+        return self.history
+
+    def _fit_epochs(self, train_loader: Loader, valid_loader: Optional[Loader], epochs: int) -> None:
+        s = self.settings
         for epoch in range(self.state.epoch, epochs):
             started = time.monotonic()
             train_metrics, samples = self._train_epoch(train_loader, epoch, epochs)
@@ -188,7 +230,6 @@ class Trainer(abc.ABC):
             self.on_epoch_end(epoch, row)
             if (epoch + 1) % s.checkpoint_every_epochs == 0 or epoch + 1 == epochs:
                 self.save()
-        return self.history
 
     def _train_epoch(self, loader: Loader, epoch: int, epochs: int) -> tuple[dict[str, float], int]:
         s = self.settings
@@ -222,11 +263,27 @@ class Trainer(abc.ABC):
             if self.progress.wants_update():
                 rate = samples * self.run.world_size / max(time.monotonic() - started, 1e-9)
                 self.progress.update(epoch, epochs, index + 1, total, (loss_sum / batches).item(), rate)
+            if self._watchdog is not None:
+                self._watchdog.beat(self.state.global_step)
             if boundary and s.checkpoint_every_steps and self.state.global_step % s.checkpoint_every_steps == 0:
                 self.save()
+            if boundary and self._stop is not None and self._stop.poll():
+                self._preempt()
         metrics = MetricSums(self.run.comm_device)
         metrics.add("loss", loss_sum, batches)
         return metrics.compute(), samples * self.run.world_size
+
+    def _preempt(self) -> None:
+        """Every rank agreed to stop at this step: checkpoint it, requeue under Slurm on USR1, exit 75."""
+        reason = self._stop.describe()
+        path = self.save()
+        if self.run.is_main and self._stop.received is not None:
+            requeued = requeue_slurm_job(self.run.world.slurm_job_id, self._stop.received)
+            if requeued:
+                self.run.print(f"multigpu: requeued Slurm job {self.run.world.slurm_job_id}")
+        self.run.print(f"multigpu: stopped by {reason} after step {self.state.global_step}; "
+                       f"checkpoint {path} - run the same command again to resume")
+        raise Preempted(f"preempted by {reason}; resume from {path}")
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> dict[str, float]:
@@ -238,6 +295,8 @@ class Trainer(abc.ABC):
             batch = move_to(batch, self.device)
             with self.precision.autocast():
                 sums.update(self.evaluate_batch(batch))
+            if self._watchdog is not None:
+                self._watchdog.beat(self.state.global_step)
         self.model.train()
         return sums.compute()
 
@@ -339,6 +398,10 @@ class Trainer(abc.ABC):
             warnings.warn(f"multigpu: resuming mid-epoch with global batch {new_global} (was {old_global}); "
                           f"{done % new_global} sample(s) of this epoch are seen twice.", stacklevel=2)
 
+
+
+def _plain(config: Any) -> Any:
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
 
 
 __all__ = ["Trainer", "TrainerSettings", "TrainState", "move_to", "batch_length"]

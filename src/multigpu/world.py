@@ -46,6 +46,8 @@ class World:
     #: CUDA_VISIBLE_DEVICES as the launcher left it (None: not set, every GPU is visible).
     visible_devices: Optional[str] = None
     nodes: tuple[str, ...] = field(default=())
+    #: The Slurm job this process runs in, whatever launched it inside the job ("" outside Slurm).
+    slurm_job_id: str = ""
 
     @property
     def is_distributed(self) -> bool:
@@ -94,7 +96,8 @@ def _common(env: Env) -> dict:
         raise WorldError(
             f"{DEVICES_PER_PROC_VAR}={per_proc} must be at least 1.", "use `multigpu run --gpus-per-proc K` with K >= 1."
         )
-    return {"devices_per_process": per_proc, "visible_devices": env.get("CUDA_VISIBLE_DEVICES")}
+    return {"devices_per_process": per_proc, "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+            "slurm_job_id": env.get("SLURM_JOB_ID", "")}
 
 
 def read_torchrun(env: Env) -> Optional[World]:

@@ -18,7 +18,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from multigpu.errors import LaunchError
 from multigpu.launch.devices import DevicePlan
@@ -120,6 +120,11 @@ def plan_rendezvous(
 def worker_env(request: LaunchRequest) -> dict[str, str]:
     """What the children inherit beyond torch's own RANK/WORLD_SIZE/MASTER_* variables."""
     env = {AGENT_PID_VAR: str(os.getpid()), DEVICES_PER_PROC_VAR: str(request.devices.gpus_per_proc)}
+    if request.rendezvous.backend == "c10d":
+        # torch 2.13's c10d rendezvous otherwise shares one TCPStore across restarts, un-prefixed: a
+        # restarted worker can read the previous attempt's gloo addresses and fail to connect (seen
+        # here in 1 of 6 restarts). Unshared, each rendezvous round bootstraps a fresh store.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if request.devices.visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = request.devices.visible
     if "OMP_NUM_THREADS" not in os.environ and request.devices.nproc > 1:
@@ -164,8 +169,9 @@ def launch(request: LaunchRequest) -> int:
     try:
         elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as failed:
-        _report_failure(failed, log_dir)
-        return _exit_status(failed.get_first_failure()[1].exitcode)
+        rank, failure = root_cause(failed.failures)
+        _report_failure(rank, failure, len(failed.failures) - 1, log_dir)
+        return _exit_status(failure.exitcode)
     except SignalException as stopped:
         _say(f"stopped by {signal.Signals(stopped.sigval).name}; every worker was terminated.")
         return 128 + int(stopped.sigval)
@@ -188,12 +194,30 @@ def _exit_status(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else (exitcode or 1)
 
 
-def _report_failure(failed, log_dir: str) -> None:
-    rank, failure = failed.get_first_failure()
+#: Messages of ranks that failed only because a peer went away first.
+_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "dist backend error",
+              "distbackenderror", "nccl communicator was aborted", "socket timeout", "connection refused",
+              "ranks disagree before training")
+
+
+def root_cause(failures: dict) -> tuple[int, Any]:
+    """The failure that started it: a rank killed by a signal, or one whose error is not a lost peer,
+    before the earliest one. torch orders by error-file timestamps (whole seconds), which often picks a
+    rank that merely noticed that another one had died."""
+
+    def key(item: tuple[int, Any]) -> tuple[int, int, float, int]:
+        rank, failure = item
+        message = str(getattr(failure, "message", "")).lower()
+        return (0 if failure.exitcode < 0 else 1, 1 if any(p in message for p in _PEER_GONE) else 0,
+                failure.timestamp, rank)
+
+    return min(failures.items(), key=key)
+
+
+def _report_failure(rank: int, failure: Any, others: int, log_dir: str) -> None:
     how = (
         f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
     )
-    others = len(failed.failures) - 1
     also = f"; {others} other rank(s) failed after it" if others else ""
     _say(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{also}.")
     stderr_log = _stderr_log(log_dir, failure.local_rank)

@@ -1,0 +1,67 @@
+"""Desync guard: ranks compare a fingerprint before training and fail together, with a readable diff.
+
+Why: ranks that disagree (a different config file on one node, another dataset version, another
+torch) do not fail - they hang in the first collective whose shapes or counts differ, or silently
+train different things. One all-gather of a small dictionary at start turns that into an error on
+every rank within seconds, naming each key that differs and the values on each rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from multigpu.errors import DesyncError
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """Parameter names, shapes and dtypes (hashed, with counts kept readable)."""
+    entries = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+    return {"parameters": len(entries), "parameter_elements": sum(p.numel() for p in model.parameters()),
+            "parameter_layout": digest}
+
+
+def config_hash(config: Any) -> str:
+    text = json.dumps(config, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def environment_fingerprint() -> dict[str, str]:
+    from multigpu import __version__
+
+    return {"torch": torch.__version__, "multigpu": __version__, "python": platform.python_version()}
+
+
+def compare(fingerprints: list[Mapping[str, Any]]) -> list[str]:
+    """Differences from rank 0, one line per key: ``batch_size: rank 0 = 32, rank 1 = 16``."""
+    reference = fingerprints[0]
+    keys = sorted(set().union(*fingerprints), key=str)
+    lines = []
+    for key in keys:
+        values = [fp.get(key, "<missing>") for fp in fingerprints]
+        if any(v != values[0] for v in values[1:]):
+            shown = ", ".join(f"rank {r} = {v}" for r, v in enumerate(values) if r == 0 or v != reference.get(key, "<missing>"))
+            lines.append(f"{key}: {shown}")
+    return lines
+
+
+def check_same_on_all_ranks(fingerprint: Mapping[str, Any], group: Optional[Any] = None) -> None:
+    """All-gather ``fingerprint``; raise :class:`DesyncError` on every rank if any rank differs."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, dict(fingerprint), group=group)
+    differences = compare(gathered)
+    if differences:
+        raise DesyncError(
+            f"ranks disagree before training ({len(differences)} difference(s)): " + "; ".join(differences),
+            "start every rank with the same config, code, data and package versions (a shared "
+            "filesystem or the same container image on every node).",
+        )

@@ -1,0 +1,147 @@
+"""Hang watchdog: when no step finishes for ``timeout_s``, write where every rank is stuck, then exit.
+
+Why: a silent hang is the worst DDP failure - one rank blocked in its data loader, the others waiting
+in an all-reduce, nothing printed until a 30-minute collective timeout (or never). Each rank runs a
+daemon thread that the training loop feeds with ``beat()`` (one float store, nothing else). When the
+beats stop, every rank dumps its Python stacks (faulthandler) to ``<folder>/rank<N>.txt`` and a one-line
+summary of where its main thread is; rank 0 gathers the summaries into ``<folder>/report.txt`` and
+prints it; every rank then exits with :data:`EXIT_HANG`, so the launcher stops the job: no orphans.
+
+The files go through the filesystem, not a collective: a hung collective is what we are reporting.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+#: Exit status of a worker stopped by the hang watchdog (the ``timeout`` command's convention).
+EXIT_HANG = 124
+
+_KINDS = (
+    ("torch/utils/data", "in the data loader"),
+    ("torch/distributed", "in a collective (all_reduce/barrier/broadcast)"),
+    ("torch/nn/parallel/distributed", "in DDP (gradient synchronisation)"),
+    ("torch/autograd", "in backward (DDP's gradient all-reduce runs here)"),
+    ("torch/_tensor.py", "in backward (DDP's gradient all-reduce runs here)"),
+    ("multigpu/preemption", "waiting for the other ranks' stop flags"),
+    ("multigpu/checkpoint", "writing or reading a checkpoint"),
+)
+
+
+def where(frame_stack: list[traceback.FrameSummary]) -> str:
+    """A short description of a stack: what the thread is doing and the innermost user line."""
+    kind = "in user code"
+    for frame in reversed(frame_stack):
+        path = frame.filename.replace(os.sep, "/")
+        for marker, label in _KINDS:
+            if marker in path:
+                kind = label
+                break
+        else:
+            continue
+        break
+    user = [f for f in frame_stack if "site-packages" not in f.filename and "/multigpu/" not in f.filename.replace(os.sep, "/")]
+    last = (user or frame_stack)[-1] if frame_stack else None
+    at = f" at {Path(last.filename).name}:{last.lineno} in {last.name}()" if last else ""
+    return kind + at
+
+
+class HangWatchdog:
+    def __init__(self, timeout_s: float, folder: Path, rank: int, world_size: int,
+                 grace_s: float = 5.0, exit: Callable[[int], None] = os._exit) -> None:
+        self.timeout_s = timeout_s
+        self.folder = Path(folder)
+        self.rank = rank
+        self.world_size = world_size
+        self.grace_s = grace_s
+        self._exit = exit
+        self._last = time.monotonic()
+        self._step = 0
+        self._stop = threading.Event()
+        self._main = threading.main_thread()
+        self._thread: Optional[threading.Thread] = None
+        self.fired = False
+
+    def beat(self, step: int = 0) -> None:
+        """Record progress (called once per training step; costs two attribute stores)."""
+        self._last = time.monotonic()
+        self._step = step
+
+    def start(self) -> "HangWatchdog":
+        for name in (f"rank{self.rank}.stack", f"rank{self.rank}.summary") + (("report.txt",) if self.rank == 0 else ()):
+            try:
+                (self.folder / name).unlink()  # a report of an earlier hang must not be read as this one
+            except FileNotFoundError:
+                pass
+        self._last = time.monotonic()
+        self._thread = threading.Thread(target=self._watch, name="multigpu-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        interval = max(0.05, min(self.timeout_s / 4, 5.0))
+        while not self._stop.wait(interval):
+            idle = time.monotonic() - self._last
+            if idle >= self.timeout_s:
+                self.fired = True
+                self._report(idle)
+                self._exit(EXIT_HANG)
+                return
+
+    # -------------------------------------------------------------- the report
+    def _report(self, idle: float) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        frame = sys._current_frames().get(self._main.ident)
+        summary = where(traceback.extract_stack(frame)) if frame is not None else "main thread gone"
+        line = f"rank {self.rank}: no progress for {idle:.0f} s after step {self._step}, {summary}"
+        path = self.folder / f"rank{self.rank}.txt"
+        with open(path, "w") as handle:
+            handle.write(line + "\n\n")
+            handle.flush()
+            faulthandler.dump_traceback(file=handle, all_threads=True)
+        os.replace(path, self.folder / f"rank{self.rank}.stack")  # complete: others may read it now
+        (self.folder / f"rank{self.rank}.summary").write_text(line + "\n")
+        report = self.folder / "report.txt"
+        if self.rank == 0:
+            summaries = self._collect()
+            text = (f"multigpu: hang detected - no training step finished for {self.timeout_s:g} s.\n"
+                    + "\n".join(summaries) + f"\nfull stacks: {self.folder}/rank<N>.stack\n")
+            tmp = report.with_suffix(".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, report)
+            sys.stderr.write(text)
+        else:
+            deadline = time.monotonic() + self.grace_s * 2
+            while not report.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def _collect(self) -> list[str]:
+        deadline = time.monotonic() + self.grace_s
+        lines: dict[int, str] = {}
+        while time.monotonic() < deadline and len(lines) < self.world_size:
+            for r in range(self.world_size):
+                file = self.folder / f"rank{r}.summary"
+                if r not in lines and file.exists():
+                    text = file.read_text().strip()
+                    if text:
+                        lines[r] = text
+            time.sleep(0.05)
+        silent = [r for r in range(self.world_size) if r not in lines]
+        out = [lines[r] for r in sorted(lines)]
+        if silent:
+            out.append(f"ranks {silent} wrote no report within {self.grace_s:g} s (dead, or stuck holding the GIL)")
+        return out

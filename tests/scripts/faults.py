@@ -1,0 +1,90 @@
+"""A small Trainer run (with dropout, so RNG state matters) for the fault-tolerance tests.
+
+    multigpu run --nproc 2 faults.py OUT_DIR [--kill-at STEP] [--kill-rank R] [--sleep S] ...
+
+Saves a checkpoint every step and, at the end, the final parameters to OUT_DIR/final.pt.
+--kill-at STEP      SIGKILL rank --kill-rank while computing step STEP+1 (first attempt only)
+--sleep S           sleep S seconds in every step (gives a test time to send signals)
+--hang-at STEP      rank --kill-rank blocks forever in its data loader at that step
+--desync            rank 1 builds a wider model than rank 0
+--ballast MB        add MB of data to each checkpoint (slow writes, to kill one mid-write)
+--hang-timeout S    the watchdog's timeout
+"""
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+import multigpu as mg
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--kill-at", type=int)
+parser.add_argument("--kill-rank", type=int, default=1)
+parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--hang-at", type=int)
+parser.add_argument("--desync", action="store_true")
+parser.add_argument("--ballast", type=int, default=0)
+parser.add_argument("--hang-timeout", type=float, default=60.0)
+parser.add_argument("--epochs", type=int, default=3)
+args = parser.parse_args()
+
+run = mg.init(seed=0, timeout_s=60)
+out = Path(args.out)
+
+
+class Data(Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(96, 10, generator=g)
+        self.y = torch.randint(0, 3, (96,), generator=g)
+        self.trainer = None
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        if args.hang_at is not None and self.trainer is not None and run.rank == args.kill_rank:
+            if self.trainer.state.global_step >= args.hang_at:
+                while True:  # stuck in the data loader, e.g. a dead network filesystem
+                    time.sleep(1)
+        return self.x[index], self.y[index]
+
+
+class FaultTrainer(mg.Trainer):
+    def compute_loss(self, batch):
+        step = self.state.global_step
+        if (args.kill_at is not None and step == args.kill_at and run.rank == args.kill_rank
+                and run.world.restart_count == 0 and not (out / "resumed-once").exists()):
+            (out / "resumed-once").write_text("killed")  # the next attempt must not kill itself again
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.sleep:
+            time.sleep(args.sleep)
+        inputs, labels = batch
+        return F.cross_entropy(self.model(inputs), labels)
+
+    def checkpoint_state(self):
+        state = super().checkpoint_state()
+        if args.ballast:
+            state["ballast"] = torch.ones(args.ballast * 2**18)  # MB of float32
+        return state
+
+
+width = 24 if not (args.desync and run.rank == 1) else 32
+model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Dropout(0.3), nn.Linear(width, 3))
+data = Data()
+trainer = FaultTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs, batch_size=8,
+                       checkpoint_every_steps=1, keep_last=3, out_dir=str(out), progress=False,
+                       hang_timeout_s=args.hang_timeout)
+data.trainer = trainer
+trainer.fit(data)
+if run.is_main:
+    torch.save(trainer.strategy.unwrap(trainer.model).state_dict(), out / "final.pt")
+    (out / "steps.txt").write_text(str(trainer.state.global_step))
