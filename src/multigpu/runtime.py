@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
@@ -19,9 +20,11 @@ import torch
 from torch import nn
 
 from multigpu import checkpoint, helpers, metrics
+from multigpu.checkpoint import sharded
 from multigpu.checkpoint.rng import seed_everything
 from multigpu.data import Loader, describe_batch, make_loader
 from multigpu.distributed import GroupSettings, ProcessGroup, choose_devices
+from multigpu.errors import ConfigError
 from multigpu.strategies import Strategy, make_strategy
 from multigpu.strategies.base import OptimizerLike, clean_state_dict
 from multigpu.world import World, detect_world
@@ -111,6 +114,19 @@ class Run:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self._need_strategy().unwrap(model)
 
+    def state_dict(self, model: nn.Module) -> dict:
+        """The model's full weights with plain names (no ``module.``/``_orig_mod.``), ready for a plain model.
+
+        Sharded models are gathered to global rank 0 on the CPU; the other ranks get an empty dict.
+        """
+        strategy = self._need_strategy()
+        if strategy.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return clean_state_dict(get_model_state_dict(model, options=options))
+        return clean_state_dict(strategy.unwrap(model).state_dict())
+
     @property
     def comm_device(self) -> torch.device:
         """Where tensors for collectives must live: the GPU for nccl, the CPU otherwise."""
@@ -129,29 +145,63 @@ class Run:
         seed_everything(seed)
 
     # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
-    def save_checkpoint(self, directory: str, step: int, state: dict, keep_last: Optional[int] = None) -> None:
-        """Write ``state`` once (rank 0) as an atomic, verified checkpoint; every rank returns after it exists.
+    def save_checkpoint(self, directory: str, step: int, state: dict, keep_last: Optional[int] = None) -> Path:
+        """Write ``state`` as an atomic, verified checkpoint; every rank calls this and returns after it exists.
 
-        ``nn.Module`` values are stored as clean state dicts (no ``module.``/``_orig_mod.``) and
-        optimizers as their state dicts, so the file loads into a plain model anywhere.
+        Put the model under ``"model"`` and the optimizer under ``"optimizer"``. Replicated strategies
+        write one ``state.pt`` from rank 0 with a clean model state dict (loads into a plain model
+        anywhere); sharded ones (fsdp) write DCP shards from every rank, loadable at any world size.
         """
-        if self.world.is_main:
-            plain = {k: self._plain(v) for k, v in state.items()}
-            checkpoint.save_state(directory, step, plain, meta={"world_size": self.world_size})
+        strategy = self._need_strategy()
+        model, optimizer = state.get("model"), state.get("optimizer")
+        rest = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, nn.Module) else v)
+                for k, v in state.items() if k not in ("model", "optimizer")}
+        meta = {"world_size": self.world_size, "strategy": strategy.name}
+        if strategy.sharded:
+            if not isinstance(model, nn.Module):
+                raise ConfigError("a sharded checkpoint needs the model under state['model'].",
+                                  "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
+            path = sharded.save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
+                                barrier=self.barrier, meta=meta)
+        else:
+            path = Path(directory) / checkpoint.files.step_name(step)
+            if self.is_main:
+                plain = dict(rest)
+                if isinstance(model, nn.Module):
+                    plain["model"] = self.state_dict(model)
+                if optimizer is not None:
+                    plain["optimizer"] = optimizer.state_dict()
+                checkpoint.save_state(directory, step, plain, meta=meta)
+        if self.is_main:
             checkpoint.prune(directory, keep_last)
         self.barrier()
+        return path
 
-    def _plain(self, value: Any) -> Any:
-        if isinstance(value, nn.Module):
-            return clean_state_dict(self.unwrap(value).state_dict())
-        if hasattr(value, "state_dict") and callable(value.state_dict):
-            return value.state_dict()
-        return value
+    def load_checkpoint(self, directory: str, model: Optional[nn.Module] = None,
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[dict]:
+        """Load the newest checkpoint that verifies (corrupt ones are reported and skipped).
 
-    def load_checkpoint(self, directory: str) -> Optional[dict]:
-        """The newest checkpoint that verifies (corrupt ones are reported and skipped), on this device."""
+        With ``model``/``optimizer`` their states are restored in place, whatever the checkpoint's world
+        size or strategy; the rest of the saved dict is returned. None when there is no checkpoint.
+        """
         info = checkpoint.latest(directory, report=self.print)
-        return None if info is None else checkpoint.load_state(info.path, map_location=self.device)
+        if info is None:
+            return None
+        if sharded.is_sharded(info.path):
+            if model is None:
+                raise ConfigError(f"{info.path} is sharded: it loads into a model, not into a dict.",
+                                  "pass model= (and optimizer=), or consolidate it with `multigpu checkpoint consolidate`.")
+            return sharded.load(info.path, model, optimizer, map_location=self.device)
+        state = checkpoint.load_state(info.path, map_location=self.device)
+        if model is not None and "model" in state:
+            if self._need_strategy().sharded:
+                sharded.load_full_into_sharded(model, state.pop("model"))
+                state.pop("optimizer", None)
+            else:
+                self.unwrap(model).load_state_dict(state.pop("model"))
+        if optimizer is not None and "optimizer" in state:
+            optimizer.load_state_dict(state.pop("optimizer"))
+        return state
 
     # ------------------------------------------------------------------ helpers
     def print(self, *args: Any, **kwargs: Any) -> None:

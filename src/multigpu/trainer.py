@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multigpu import checkpoint
-from multigpu.checkpoint import rng
+from multigpu.checkpoint import rng, sharded
 from multigpu.data import Loader, describe_batch
 from multigpu.diagnostics import consistency
 from multigpu.diagnostics.watchdog import HangWatchdog
@@ -45,6 +45,8 @@ class TrainerSettings:
     """Everything the loop does besides your ``compute_loss``; each field can come from a YAML file."""
 
     epochs: int = 1
+    #: Stop after this many optimizer steps, even inside an epoch (None: run every epoch).
+    max_steps: Optional[int] = None
     batch_size: int = 32  # per process: the global batch is batch_size x processes x accumulate
     eval_batch_size: Optional[int] = None
     accumulate: int = 1
@@ -75,6 +77,7 @@ class TrainerSettings:
         checks = [
             (self.accumulate >= 1, "accumulate", "1 or more"),
             (self.epochs >= 0, "epochs", "0 or more"),
+            (self.max_steps is None or self.max_steps >= 0, "max_steps", "0 or more, or null"),
             (self.batch_size >= 1, "batch_size", "1 or more (it is per process)"),
             (self.scheduler_interval in ("step", "epoch"), "scheduler_interval", "'step' or 'epoch'"),
             (self.keep_last >= 1, "keep_last", "1 or more"),
@@ -213,20 +216,28 @@ class Trainer(abc.ABC):
     def _fit_epochs(self, train_loader: Loader, valid_loader: Optional[Loader], epochs: int) -> None:
         s = self.settings
         for epoch in range(self.state.epoch, epochs):
+            if self._steps_done():
+                break
             started = time.monotonic()
             train_metrics, samples = self._train_epoch(train_loader, epoch, epochs)
             elapsed = time.monotonic() - started
             valid_metrics = self.evaluate(valid_loader) if valid_loader is not None else {}
-            if self.scheduler is not None and s.scheduler_interval == "epoch":
-                self.scheduler.step()
-            self.state = TrainState(epoch + 1, 0, self.state.global_step)
-            row = {"epoch": epoch + 1, "step": self.state.global_step,
+            partial = self.state.batch_in_epoch < len(train_loader)  # max_steps stopped it inside the epoch
+            if not partial:
+                if self.scheduler is not None and s.scheduler_interval == "epoch":
+                    self.scheduler.step()
+                self.state = TrainState(epoch + 1, 0, self.state.global_step)
+            done = self.state.batch_in_epoch / len(train_loader) if partial else 1
+            row = {"epoch": round(epoch + done, 4), "step": self.state.global_step,
                    **{f"train_{k}": v for k, v in train_metrics.items()},
                    **{f"valid_{k}": v for k, v in valid_metrics.items()},
                    "lr": self.optimizer.param_groups[0]["lr"],
                    "samples_per_s": samples / elapsed if elapsed > 0 else 0.0, "epoch_s": elapsed}
             self._record(row)
             self.progress.epoch_done(epoch, epochs, {k: v for k, v in row.items() if k not in ("epoch", "step")})
+            if partial:
+                self.save()  # resumable from here with a larger max_steps
+                break
             self.on_epoch_end(epoch, row)
             if (epoch + 1) % s.checkpoint_every_epochs == 0 or epoch + 1 == epochs:
                 self.save()
@@ -269,9 +280,14 @@ class Trainer(abc.ABC):
                 self.save()
             if boundary and self._stop is not None and self._stop.poll():
                 self._preempt()
+            if boundary and self._steps_done():
+                break
         metrics = MetricSums(self.run.comm_device)
         metrics.add("loss", loss_sum, batches)
         return metrics.compute(), samples * self.run.world_size
+
+    def _steps_done(self) -> bool:
+        return self.settings.max_steps is not None and self.state.global_step >= self.settings.max_steps
 
     def _preempt(self) -> None:
         """Every rank agreed to stop at this step: checkpoint it, requeue under Slurm on USR1, exit 75."""
@@ -314,16 +330,23 @@ class Trainer(abc.ABC):
         if self.run.is_main:
             path = self.out_dir / "metrics.csv"
             if self._csv_rows is None:  # first epoch of this process: keep the rows of earlier runs
-                self._csv_rows = [r for r in read_csv(path) if int(r.get("epoch", 0)) < row["epoch"]]
+                self._csv_rows = [r for r in read_csv(path) if float(r.get("epoch", 0)) < row["epoch"]]
             self._csv_rows.append(row)
             write_csv(path, self._csv_rows)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, counters, RNGs."""
+        """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, counters, RNGs.
+
+        Sharded strategies save model and optimizer through DCP instead, so the keys ``model`` and
+        ``optimizer`` are left out here for them.
+        """
+        state: dict[str, Any] = {}
+        if not self.strategy.sharded:
+            state["model"] = clean_state_dict(self.strategy.unwrap(self.model).state_dict())
+            state["optimizer"] = self.optimizer.state_dict()
         return {
-            "model": clean_state_dict(self.strategy.unwrap(self.model).state_dict()),
-            "optimizer": self.optimizer.state_dict(),
+            **state,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.precision.state_dict(),
             "trainer": dataclasses.asdict(self.state),
@@ -336,10 +359,14 @@ class Trainer(abc.ABC):
         state = self.checkpoint_state()
         rng_states = self._gather_rng()
         path = self.checkpoint_dir / checkpoint.files.step_name(self.state.global_step)
+        meta = {"epoch": self.state.epoch, "world_size": self.run.world_size, "strategy": self.strategy.name}
+        state["rng"] = rng_states
+        if self.strategy.sharded:
+            sharded.save(self.checkpoint_dir, self.state.global_step, self.model, self.optimizer, state,
+                         is_main=self.run.is_main, barrier=self.run.barrier, meta=meta)
+        elif self.run.is_main:
+            checkpoint.save_state(self.checkpoint_dir, self.state.global_step, state, meta=meta)
         if self.run.is_main:
-            state["rng"] = rng_states
-            checkpoint.save_state(self.checkpoint_dir, self.state.global_step, state,
-                                  meta={"epoch": self.state.epoch, "world_size": self.run.world_size})
             checkpoint.prune(self.checkpoint_dir, self.settings.keep_last)
         self.run.barrier()
         return path
@@ -358,16 +385,25 @@ class Trainer(abc.ABC):
                                  report=lambda msg: self.run.print(msg))
         if info is None:
             return False
-        state = checkpoint.load_state(info.path, map_location=self.device)
+        if sharded.is_sharded(info.path):
+            state = sharded.load(info.path, self.model, self.optimizer, map_location=self.device)
+        else:
+            state = checkpoint.load_state(info.path, map_location=self.device)
+            if self.strategy.sharded:
+                sharded.load_full_into_sharded(self.model, state.pop("model"))
+                state.pop("optimizer", None)
         self.load_checkpoint_state(state)
         self.run.print(f"multigpu: resumed from {info.path} (epoch {self.state.epoch}, "
                        f"batch {self.state.batch_in_epoch}, step {self.state.global_step})")
         return True
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Restore from ``checkpoint_state()``'s dict; model and optimizer only where it holds them."""
         try:
-            self.strategy.unwrap(self.model).load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if "model" in state:
+                self.strategy.unwrap(self.model).load_state_dict(state["model"])
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
         except (KeyError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"the checkpoint does not fit this model/optimizer: {' '.join(str(exc).split())[:300]}",
                                   "resume with the same model configuration, or start a new out_dir.") from None

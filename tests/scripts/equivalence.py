@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from multigpu.strategies import clean_state_dict
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -62,7 +61,7 @@ if args.mode == "trainer":
                           accumulate=args.accumulate, clip_grad_norm=args.clip, strategy=args.strategy,
                           precision=args.precision, out_dir=args.out + ".run", resume=False, progress=False)
     trainer.fit(dataset)
-    model = trainer.strategy.unwrap(trainer.model)
+    model = trainer.model
 else:  # the PyTorch-tutorial loop, with the same helpers
     model, optimizer = run.setup(make_model(), make_optimizer, strategy=args.strategy)
     loader = run.loader(dataset, batch_size=args.batch, seed=0)
@@ -78,7 +77,7 @@ else:  # the PyTorch-tutorial loop, with the same helpers
                     run.clip_grad_norm(model, args.clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-    model = run.unwrap(model)
 
+state = run.state_dict(model)  # full weights, plain names (gathered from shards under fsdp)
 if run.is_main:
-    torch.save(clean_state_dict(model.state_dict()), args.out)
+    torch.save(state, args.out)

@@ -93,37 +93,55 @@ def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Path
                             meta: Optional[dict] = None) -> Path:
     """Create ``directory/step-<N>`` atomically. ``fill(tmp)`` writes the files into ``tmp`` and returns
     ``{relative name: (size, crc32)}`` for those it already checksummed; the rest are done here."""
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_name(step)
-    tmp = root / f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = temporary_folder(directory, step, unique=True)
     try:
         digests = dict(fill(tmp))
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            rel = path.relative_to(tmp).as_posix()
-            if rel not in digests:
-                digests[rel] = file_digest(path)
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-        manifest = {"format": FORMAT, "step": step, "created": time.time(), **(meta or {}),
-                    "files": {name: {"size": size, "crc32": crc} for name, (size, crc) in sorted(digests.items())}}
-        with open(tmp / MANIFEST, "w") as handle:
-            json.dump(manifest, handle, indent=1, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (a resumed run): replace it, never half of it
-            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
+        return finalize_folder(tmp, step, digests, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def temporary_folder(directory: PathLike, step: int, unique: bool = True) -> Path:
+    """Where a checkpoint is written before it is renamed into place. Sharded saves (every rank writes
+    into it) pass ``unique=False`` so all ranks agree on the name without talking."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    suffix = uuid.uuid4().hex[:8] if unique else "sharded"
+    tmp = root / f".tmp-{step_name(step)}-{suffix}"
+    if not unique and tmp.exists():
+        shutil.rmtree(tmp)  # left by an interrupted save of the same step
+    tmp.mkdir(exist_ok=not unique)
+    return tmp
+
+
+def finalize_folder(tmp: Path, step: int, digests: Optional[dict[str, tuple[int, str]]] = None,
+                    meta: Optional[dict] = None) -> Path:
+    """Checksum what is not yet, fsync everything, write the manifest last, rename into place."""
+    digests = dict(digests or {})
+    root = tmp.parent
+    final = root / step_name(step)
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        rel = path.relative_to(tmp).as_posix()
+        if rel not in digests:
+            digests[rel] = file_digest(path)
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    manifest = {"format": FORMAT, "step": step, "created": time.time(), **(meta or {}),
+                "files": {name: {"size": size, "crc32": crc} for name, (size, crc) in sorted(digests.items())}}
+    with open(tmp / MANIFEST, "w") as handle:
+        json.dump(manifest, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (a resumed run): replace it, never half of it
+        old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
     return final
 
 
@@ -157,6 +175,8 @@ def read_manifest(path: Path) -> dict:
 def verify(path: PathLike, checksums: bool = True) -> dict:
     """Raise :class:`CheckpointError` unless every file listed in the manifest is there, whole and unchanged."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint folder at {path}.", "`multigpu checkpoint list DIR` shows the checkpoints in DIR.")
     manifest = read_manifest(path)
     for name, expected in manifest["files"].items():
         file = path / name

@@ -159,8 +159,9 @@ def launch(request: LaunchRequest) -> int:
         max_restarts=request.max_restarts,
         monitor_interval=request.monitor_interval,
         start_method="spawn",
-        # stderr goes to a file per rank (and on to the console): the failure summary needs its tail.
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.ERR),
+        # Several workers: stderr goes to a file per rank and on to the console with a [rankN] prefix,
+        # for the failure summary. One worker writes straight to the console, unprefixed.
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.ERR if total != "1" else Std.NONE),
         log_line_prefix_template="[rank${rank}]: " if total != "1" else None,
     )
     where = f"node {rdzv.node_rank} of {rdzv.max_nodes}, " if rdzv.max_nodes > 1 else ""
@@ -226,7 +227,8 @@ def _report_failure(rank: int, failure: Any, others: int, log_dir: str) -> None:
         _say(f"last lines of rank {rank}'s stderr ({stderr_log}):")
         for line in tail:
             print(f"    {line}", file=sys.stderr)
-    _say(f"logs of every rank are kept in {log_dir}")
+    if stderr_log is not None:
+        _say(f"logs of every rank are kept in {log_dir}")
 
 
 def _stderr_log(log_dir: str, local_rank: int) -> Optional[Path]:

@@ -1,6 +1,6 @@
-"""How a model and optimizer are wrapped: single, dp, ddp (and, in their own modules, pipeline,
-ddp+pipeline, fsdp). ``make_strategy`` turns a name from the config into one; no strategy imports
-``launch``: who starts the processes is not their business.
+"""How a model and optimizer are wrapped: single, dp, ddp, fsdp, pipeline, ddp+pipeline.
+``make_strategy`` turns a name from the config into one (the model-parallel ones load only when
+asked for); no strategy imports ``launch``: who starts the processes is not their business.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from multigpu.strategies.dp import DataParallelStrategy, split_sizes
 from multigpu.strategies.single import SingleDevice
 from multigpu.world import World
 
-NAMES = ("auto", "single", "dp", "ddp")
+NAMES = ("auto", "single", "dp", "ddp", "fsdp", "pipeline", "ddp+pipeline")
 
 
 def _options(cls: type, strategy: str, options: dict[str, Any]) -> Any:
@@ -52,6 +52,19 @@ def make_strategy(name: str, world: World, devices: Sequence[torch.device], **op
         if len(ids) == 1 and not world.is_distributed:
             ids = list(range(torch.cuda.device_count()))  # a plain process: DataParallel over every GPU
         return DataParallelStrategy(ids)
+    if name == "fsdp":
+        from multigpu.strategies.fsdp import FSDP, FSDPOptions
+
+        fsdp_options = _options(FSDPOptions, name, options)
+        if not world.is_distributed:
+            # Nothing to shard over in a world of one: the same model, trained plainly.
+            return SingleDevice(device)
+        return FSDP(device, fsdp_options)
+    if name in ("pipeline", "ddp+pipeline"):
+        from multigpu.strategies.pipeline import Pipeline, PipelineOptions
+
+        data_parallel = name == "ddp+pipeline" and world.is_distributed
+        return Pipeline(devices, _options(PipelineOptions, name, options), data_parallel=data_parallel)
     raise ConfigError(f"unknown strategy {name!r}.", f"choose one of: {', '.join(NAMES)}.")
 
 
