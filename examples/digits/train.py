@@ -8,17 +8,22 @@ Run it any of these ways; the script does not change:
     torchrun --nproc_per_node=2 examples/digits/train.py examples/digits/hparams.yaml
     python examples/digits/train.py examples/digits/hparams.yaml                     # one process
 
+    multigpu queue examples/digits/runs.yaml                                         # a family of runs
+
 Settings come from hparams.yaml, then KEY=VALUE overrides (dotted for nested keys). The batch size is
-per process. Outputs (metrics.csv, checkpoints/, config.yaml) go to ``trainer.out_dir``; running the
-same command again resumes from the last checkpoint.
+per process. Outputs (metrics.csv, checkpoints/, config.yaml, final.json) go to ``trainer.out_dir``;
+running the same command again resumes from the last checkpoint. The recipe has three stages,
+prepare -> train -> evaluate; ``start_stage=evaluate`` re-evaluates the last checkpoint without training.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +61,11 @@ class DigitsConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: mg.TrainerSettings = field(default_factory=mg.TrainerSettings)
+    start_stage: Optional[str] = None  # prepare, train or evaluate (or 1, 2, 3)
+    end_stage: Optional[str] = None
+
+
+STAGES = ("prepare", "train", "evaluate")
 
 
 def prepare_data(cfg: DataConfig) -> str:
@@ -68,9 +78,11 @@ def prepare_data(cfg: DataConfig) -> str:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(cfg.split_seed))
     n_valid = int(len(x) * cfg.valid_fraction)
     valid, train = order[:n_valid], order[n_valid:]
-    path = Path(cfg.folder) / "digits.pt"
+    path = Path(cfg.folder) / f"digits-{cfg.split_seed}-{cfg.valid_fraction}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"train": (x[train], y[train]), "valid": (x[valid], y[valid])}, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # several runs of a queue may prepare at once
+    torch.save({"train": (x[train], y[train]), "valid": (x[valid], y[valid])}, tmp)
+    os.replace(tmp, path)
     return str(path)
 
 
@@ -99,12 +111,17 @@ class DigitsTrainer(mg.Trainer):
         }
 
 
-def main(argv: list[str]) -> dict:
+def main(argv: list[str]) -> Optional[dict]:
     yaml_path = argv[0] if argv and argv[0].endswith((".yaml", ".yml")) else None
     cfg = config.load(DigitsConfig, yaml_path, argv[1:] if yaml_path else argv)
+    stages = mg.Stages(STAGES, cfg.start_stage, cfg.end_stage)
     run = mg.init(seed=cfg.trainer.seed)
 
-    data_file = mg.run_on_main(prepare_data, cfg.data)
+    if "prepare" in stages:
+        mg.run_on_main(prepare_data, cfg.data)  # once, on rank 0; the other ranks wait
+    data_file = Path(cfg.data.folder) / f"digits-{cfg.data.split_seed}-{cfg.data.valid_fraction}.pt"
+    if not data_file.exists():
+        raise mg.MultiGPUError(f"{data_file} does not exist.", "run the prepare stage first (start_stage=prepare).")
     tensors = torch.load(data_file, weights_only=True)
     train_set, valid_set = TensorDataset(*tensors["train"]), TensorDataset(*tensors["valid"])
 
@@ -127,7 +144,12 @@ def main(argv: list[str]) -> dict:
     if run.is_main:
         Path(settings.out_dir).mkdir(parents=True, exist_ok=True)
         (Path(settings.out_dir) / "config.yaml").write_text(config.dump_yaml(cfg))
-    trainer.fit(train_set, valid_set)
+    if "train" in stages:
+        trainer.fit(train_set, valid_set)
+    if "evaluate" not in stages:
+        return None
+    if "train" not in stages and not trainer.resume():
+        raise mg.MultiGPUError(f"no checkpoint in {trainer.checkpoint_dir} to evaluate.", "run the train stage first.")
     final = trainer.evaluate(valid_set)
     run.print(f"final validation accuracy: {final['accuracy']:.4f} (loss {final['loss']:.4f}, "
               f"{run.world_size} process(es))")

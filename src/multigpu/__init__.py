@@ -18,6 +18,7 @@ from multigpu.helpers import (
 from multigpu.data import Loader
 from multigpu.metrics import MetricSums
 from multigpu.runtime import Run, init
+from multigpu.stages import Stages
 from multigpu.trainer import Trainer, TrainerSettings
 from multigpu.world import World, detect_world
 
@@ -30,6 +31,7 @@ __all__ = [
     "Trainer",
     "TrainerSettings",
     "Run",
+    "Stages",
     "World",
     "detect_world",
     "get_logger",

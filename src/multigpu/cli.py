@@ -28,6 +28,9 @@ examples:
   elastic, 1 to 4 machines joining at host1:29400 (the same line on every machine):
   multigpu run --nnodes 1:4 --rdzv-endpoint host1:29400 train.py
 
+  rehearse a 2-node job (2 processes each) on this machine before using the cluster:
+  multigpu run --simulate-nodes 2 --nproc 2 train.py
+
 Inside the script, `run = mg.init()` finds all of this; the same script also runs under torchrun
 and srun unchanged. Batch sizes are per process: the global batch is batch x processes.
 """
@@ -60,9 +63,13 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     nodes.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node of a c10d rendezvous")
     nodes.add_argument("--rdzv-timeout", type=int, default=900, metavar="S",
                        help="seconds to wait for every node to join (default 900)")
+    nodes.add_argument("--simulate-nodes", type=int, metavar="N",
+                       help="rehearse an N-node job on this machine: N agents on loopback (GPUs split evenly)")
     misc = p.add_argument_group("failures and logs")
     misc.add_argument("--max-restarts", type=int, default=0, metavar="K",
                       help="restart all workers up to K times when one fails (default 0)")
+    misc.add_argument("--stop-timeout", type=int, default=120, metavar="S",
+                      help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL (default 120)")
     misc.add_argument("--log-dir", metavar="DIR", help="keep each rank's stderr here (default: a temp dir, "
                       "removed after a successful run)")
     misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines")
@@ -85,6 +92,27 @@ def _visible_gpus() -> list[str]:
     return ids[:count]
 
 
+def _simulate(args: argparse.Namespace, command: tuple[str, ...]) -> int:
+    from multigpu.launch.simulate import node_commands, run_nodes
+
+    clashing = [flag for flag, value in (("--nnodes", args.nnodes != "1"), ("--node-rank", args.node_rank),
+                                         ("--master-addr", args.master_addr), ("--master-port", args.master_port),
+                                         ("--rdzv-endpoint", args.rdzv_endpoint)) if value]
+    if clashing:
+        raise MultiGPUError(f"--simulate-nodes chooses the nodes itself; drop {clashing[0]}.",
+                            "use either --simulate-nodes N or the real multi-node flags.")
+    flags: list[str] = []
+    for name, value in (("--nproc", args.nproc), ("--gpus", args.gpus), ("--gpus-per-proc", args.gpus_per_proc),
+                        ("--max-restarts", args.max_restarts), ("--stop-timeout", args.stop_timeout),
+                        ("--rdzv-timeout", args.rdzv_timeout)):
+        if value is not None:
+            flags += [name, str(value)]
+    flags += ["--cpu"] if args.cpu else []
+    flags += ["--verbose"] if args.verbose else []
+    visible = 0 if args.cpu else len(_visible_gpus())
+    return run_nodes(node_commands(args.simulate_nodes, [*flags, *command], visible, args.gpus))
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from multigpu.launch.devices import plan_devices
     from multigpu.launch.local import LaunchRequest, launch, plan_rendezvous, split_command
@@ -94,6 +122,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     command = split_command(
         None if args.module else args.script, args.script if args.module else None, args.script_args
     )
+    if args.simulate_nodes is not None:
+        return _simulate(args, command)
     devices = plan_devices(
         [] if args.cpu else _visible_gpus(), gpus=args.gpus, nproc=args.nproc,
         gpus_per_proc=args.gpus_per_proc, cpu=args.cpu,
@@ -105,7 +135,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     request = LaunchRequest(
         command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
-        log_dir=args.log_dir, verbose=args.verbose,
+        log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout,
     )
     return launch(request)
 
@@ -168,6 +198,189 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+SLURM_EXAMPLES = """\
+examples:
+  multigpu slurm --nodes 2 --gpus-per-node 4 --time 20:00:00 train.py hparams.yaml
+  multigpu slurm --nodes 1 --gpus-per-node 8 --partition gpu --account proj train.py
+  multigpu slurm --dry-run --nodes 2 --gpus-per-node 4 train.py     write and show the script only
+  multigpu slurm status 12345          state, exit code, restarts, log path
+  multigpu slurm logs 12345            the end of the job's log
+  multigpu slurm cancel 12345
+
+The script lands in the run folder (--run-dir) with the job's log; it runs one `multigpu run` per node
+with a c10d rendezvous on the first node. --signal=USR1@90 and --requeue let the Trainer checkpoint
+before the time limit and continue in the requeued job.
+"""
+
+QUEUE_EXAMPLES = """\
+examples:
+  multigpu queue runs.yaml                      every run, one per free GPU (CPU: one per core)
+  multigpu queue runs.yaml --gpus 0,1,2,3       on these GPUs only
+  multigpu queue runs.yaml --only net,larger_net --max-parallel 2
+  multigpu queue runs.yaml --gpus-per-run 2     every run gets 2 GPUs (DDP inside the run)
+  multigpu queue runs.yaml --slurm --partition gpu --time 4:00:00   one Slurm job per run
+
+runs.yaml: keys are run names; `larger_net < net` inherits every setting of net and overrides some.
+  net:
+    script: examples/digits/train.py
+    args: [examples/digits/hparams.yaml]
+    gpus: 1
+    overrides: {model.hidden: 128}
+  larger_net < net:
+    overrides: {model.hidden: 512}
+Each run writes into OUT/<run name>/ (run.yaml, log.txt, status.json and the recipe's outputs).
+Running the queue again skips finished runs and resumes interrupted ones.
+"""
+
+
+def add_slurm_job_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Slurm job")
+    g.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (0: CPU nodes)")
+    g.add_argument("--nproc-per-node", type=int, metavar="P", help="processes per node (default: one per GPU)")
+    g.add_argument("--time", metavar="T", help="time limit, e.g. 20:00:00")
+    g.add_argument("--partition", metavar="P")
+    g.add_argument("--account", metavar="A")
+    g.add_argument("--cpus-per-task", type=int, metavar="C", help="CPU cores for each node's task")
+    g.add_argument("--mem", metavar="M", help="memory per node, e.g. 64G")
+    g.add_argument("--job-name", metavar="NAME")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="another #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)")
+    g.add_argument("--dry-run", action="store_true", help="write the script(s), print, do not submit")
+
+
+def slurm_options_from_args(args: argparse.Namespace, gpus_per_node: Optional[int] = None):
+    from multigpu.launch.slurm import SlurmOptions
+
+    return SlurmOptions(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node if args.gpus_per_node is not None else (gpus_per_node or 0),
+        nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, account=args.account,
+        cpus_per_task=args.cpus_per_task, mem=args.mem, job_name=args.job_name,
+        max_restarts=getattr(args, "max_restarts", 0) or 0, extra=tuple(args.sbatch_arg),
+    )
+
+
+def _add_slurm_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("slurm", help="submit a training script as a Slurm job (or: status|logs|cancel JOBID)",
+                       description="Write a readable sbatch script into the run folder and submit it.",
+                       epilog=SLURM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_slurm_job_options(p)
+    p.add_argument("--run-dir", metavar="DIR", help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restarts of the workers inside the job")
+    p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
+    p.add_argument("script", help="training script, or status|logs|cancel")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (or the job id)")
+    p.set_defaults(handler=_cmd_slurm)
+
+
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    import time as _time
+    from pathlib import Path
+
+    from multigpu.launch import slurm
+    from multigpu.launch.local import split_command
+
+    if args.script in ("status", "logs", "cancel") and not args.module:
+        if len(args.script_args) != 1:
+            raise MultiGPUError(f"`multigpu slurm {args.script}` takes one job id.", f"write `multigpu slurm {args.script} 12345`.")
+        job_id = args.script_args[0]
+        if args.script == "status":
+            print(slurm.status(job_id))
+        elif args.script == "cancel":
+            slurm.cancel(job_id)
+            print(f"cancelled job {job_id}")
+        else:
+            path = slurm.log_path(job_id)
+            if not path.exists():
+                raise MultiGPUError(f"job {job_id} has no log yet at {path}.", "it may still be pending: `multigpu slurm status`.")
+            lines = path.read_text(errors="replace").splitlines()
+            print(f"==> {path} (last {min(len(lines), 50)} of {len(lines)} lines)")
+            print("\n".join(lines[-50:]))
+        return 0
+    command = split_command(None if args.module else args.script, args.script if args.module else None, args.script_args)
+    options = slurm_options_from_args(args)
+    name = options.job_name or Path(args.script).stem.replace(".", "_")
+    run_dir = Path(args.run_dir or Path("outputs") / "slurm" / f"{name}-{_time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    job = slurm.SlurmJob(command=command, run_dir=run_dir, options=options)
+    if args.dry_run:
+        path = slurm.write(job)
+        print(path.read_text())
+        print(f"# written to {path}; submit with: sbatch {path}")
+        return 0
+    job_id = slurm.submit(job)
+    print(f"submitted job {job_id}")
+    print(f"  script: {job.script_path}")
+    print(f"  log:    {str(job.log_pattern).replace('%j', job_id)}")
+    print(f"  follow: multigpu slurm status {job_id} | multigpu slurm logs {job_id}")
+    return 0
+
+
+def _add_queue_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("queue", help="train many runs at once on a pool of GPUs (or as Slurm jobs)",
+                       description="Place each run of a runs file on free GPUs (CPU: process slots).",
+                       epilog=QUEUE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs_file")
+    p.add_argument("--gpus", metavar="IDS", help="the GPU pool, e.g. 0,1,2,3 (default: every visible GPU)")
+    p.add_argument("--slots", type=int, metavar="N", help="CPU machine: runs at once (default: CPU cores)")
+    p.add_argument("--gpus-per-run", type=int, metavar="K", help="override every run's gpus: setting")
+    p.add_argument("--only", metavar="NAMES", help="comma-separated run names to run (in that order)")
+    p.add_argument("--max-parallel", type=int, metavar="M", help="at most M runs at once")
+    p.add_argument("--out", metavar="DIR", help="where run folders go (default: outputs/<runs file name>)")
+    p.add_argument("--no-live", action="store_true", help="print one line per event instead of a live table")
+    p.add_argument("--slurm", action="store_true", help="submit each run as its own Slurm job instead")
+    add_slurm_job_options(p)
+    p.set_defaults(handler=_cmd_queue)
+
+
+def _cmd_queue(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from multigpu.launch.devices import parse_gpu_ids
+    from multigpu.queue.display import Display
+    from multigpu.queue.runs import load_runs
+    from multigpu.queue.scheduler import Queue
+
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    specs = load_runs(args.runs_file, only)
+    if args.gpus_per_run is not None:
+        if args.gpus_per_run < 1:
+            raise MultiGPUError(f"--gpus-per-run {args.gpus_per_run} must be at least 1.", "use 1 or more.")
+        for spec in specs:
+            spec.gpus = args.gpus_per_run
+    out = Path(args.out or Path("outputs") / Path(args.runs_file).stem)
+    if args.slurm:
+        from multigpu.queue.slurm_jobs import submit_runs
+
+        return submit_runs(specs, out, slurm_options_from_args(args), dry_run=args.dry_run)
+    visible = _visible_gpus()
+    if args.gpus is not None:
+        if not visible:
+            raise MultiGPUError(f"--gpus {args.gpus} was given but no GPU is visible.", "use --slots N on a CPU machine.")
+        ids = parse_gpu_ids(args.gpus)
+        bad = [i for i in ids if i >= len(visible)]
+        if bad:
+            raise MultiGPUError(f"--gpus {args.gpus}: GPU {bad[0]} does not exist; {len(visible)} are visible.",
+                                "choose ids from `multigpu env`.")
+        slots, on_gpus = [visible[i] for i in ids], True
+    elif visible:
+        slots, on_gpus = visible, True
+    else:
+        count = args.slots or os.cpu_count() or 1
+        if count < 1:
+            raise MultiGPUError(f"--slots {count} must be at least 1.", "use --slots 1 or more.")
+        slots, on_gpus = [str(i) for i in range(count)], False
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise MultiGPUError(f"--max-parallel {args.max_parallel} must be at least 1.", "use 1 or more.")
+    display = Display(Console(), live=False if args.no_live else None)
+    queue = Queue(specs, out, slots, on_gpus, args.max_parallel, display)
+    code = queue.run()
+    display.summary(queue)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multigpu",
@@ -177,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_run_parser(sub)
+    _add_slurm_parser(sub)
+    _add_queue_parser(sub)
     _add_checkpoint_parser(sub)
     env = sub.add_parser("env", help="print what this machine offers (torch, GPUs, backends, detected launcher)")
     env.set_defaults(handler=_cmd_env)

@@ -212,3 +212,55 @@ def to_dict(obj: Any) -> Any:
 
 def dump_yaml(obj: Any) -> str:
     return yaml.safe_dump(to_dict(obj), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------- inheritance
+
+
+def split_run_key(key: str) -> tuple[str, Optional[str]]:
+    name, sep, parent = str(key).partition("<")
+    return name.strip(), (parent.strip() or None) if sep else None
+
+
+def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>", lines: Optional[Lines] = None) -> dict[str, dict]:
+    """``{"net": {...}, "larger_net < net": {...}}`` -> every entry with its ancestors' settings merged in.
+
+    ``child < parent`` takes every setting of ``parent`` (deeply: nested groups merge key by key) and
+    overrides some. Chains are allowed; a cycle, an unknown parent or a name defined twice is an error
+    naming the line.
+    """
+    lines = lines or {}
+    own: dict[str, dict] = {}
+    parents: dict[str, Optional[str]] = {}
+    where: dict[str, str] = {}
+    for key, value in data.items():
+        name, parent = split_run_key(key)
+        at = _where(source, lines, (str(key),))
+        if not name:
+            raise ConfigError(f"{at}: {key!r} has no run name before '<'.", "write `child < parent:`.")
+        if name in own:
+            raise ConfigError(f"{at}: run {name!r} is defined twice (also at {where[name]}).", "give each run one entry.")
+        if value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f"{at}: run {name!r} must be a group of settings, not {value!r}.",
+                              f"indent its settings under `{key}:`.")
+        own[name], parents[name], where[name] = dict(value or {}), parent, at
+    for name, parent in parents.items():
+        if parent is not None and parent not in own:
+            close = difflib.get_close_matches(parent, list(own), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"defined runs: {', '.join(own)}."
+            raise ConfigError(f"{where[name]}: {name!r} inherits from {parent!r}, which is not defined.", hint)
+    resolved: dict[str, dict] = {}
+
+    def resolve(name: str, chain: tuple[str, ...]) -> dict:
+        if name in chain:
+            cycle = " < ".join((*chain[chain.index(name):], name))
+            raise ConfigError(f"{where[name]}: inheritance cycle {cycle}.", "break the cycle: a run cannot inherit from itself.")
+        if name not in resolved:
+            parent = parents[name]
+            base = resolve(parent, (*chain, name)) if parent is not None else {}
+            resolved[name] = merge(base, own[name])
+        return resolved[name]
+
+    for name in own:
+        resolve(name, ())
+    return {name: resolved[name] for name in own}

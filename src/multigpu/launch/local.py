@@ -56,6 +56,8 @@ class LaunchRequest:
     max_restarts: int = 0
     log_dir: Optional[str] = None
     monitor_interval: float = 0.1
+    #: After forwarding SIGTERM/SIGUSR1, how long workers may take to checkpoint before SIGKILL.
+    stop_timeout_s: int = 120
     verbose: bool = False
     extra_env: dict = field(default_factory=dict)
 
@@ -159,6 +161,9 @@ def launch(request: LaunchRequest) -> int:
         max_restarts=request.max_restarts,
         monitor_interval=request.monitor_interval,
         start_method="spawn",
+        # USR1 too: Slurm's "time is nearly up" warning must reach the workers, not kill the launcher.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        shutdown_timeout=request.stop_timeout_s,
         # Several workers: stderr goes to a file per rank and on to the console with a [rankN] prefix,
         # for the failure summary. One worker writes straight to the console, unprefixed.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.ERR if total != "1" else Std.NONE),

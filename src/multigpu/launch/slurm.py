@@ -1,0 +1,201 @@
+"""``multigpu slurm``: write a readable sbatch script into the run folder, submit it, follow the job.
+
+The script is the seed documents' two-script recipe in one: one task per node, each running
+``multigpu run`` with a c10d rendezvous on the first node. The master address comes from the node
+list through ``scontrol show node`` (its NodeAddr, which resolves even where node names do not), the
+port from the job id, and ``--signal=USR1@90`` warns the job 90 s before its time is up, so the
+Trainer checkpoints and requeues it. Every user-supplied argument is shell-quoted.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from multigpu.errors import LaunchError
+from multigpu.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
+
+SCRIPT_NAME = "job.sbatch"
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    nodes: int = 1
+    gpus_per_node: int = 0
+    nproc_per_node: Optional[int] = None  # default: one per GPU, or 1 on CPU nodes
+    time: Optional[str] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    cpus_per_task: Optional[int] = None
+    mem: Optional[str] = None
+    job_name: Optional[str] = None
+    max_restarts: int = 0
+    signal_seconds: int = 90
+    requeue: bool = True
+    extra: tuple[str, ...] = ()  # further #SBATCH lines, e.g. ("--qos=high",)
+
+    def validate(self) -> None:
+        if self.nodes < 1:
+            raise LaunchError(f"--nodes {self.nodes} must be at least 1.", "use --nodes 1 or more.")
+        if self.gpus_per_node < 0:
+            raise LaunchError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more.", "use 0 on CPU nodes.")
+        if self.nproc_per_node is not None and self.nproc_per_node < 1:
+            raise LaunchError(f"--nproc-per-node {self.nproc_per_node} must be at least 1.", "use 1 or more.")
+        if self.time is not None and not _TIME.match(self.time):
+            raise LaunchError(f"--time {self.time!r} is not a Slurm time.", "write MM, HH:MM:SS or D-HH:MM:SS, e.g. 20:00:00.")
+        if self.job_name is not None and not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.job_name):
+            raise LaunchError(f"--job-name {self.job_name!r} has characters Slurm and shells mangle.",
+                              "use letters, digits and _.+- only.")
+
+    @property
+    def processes(self) -> int:
+        return self.nproc_per_node or (self.gpus_per_node or 1)
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    command: tuple[str, ...]  # ("train.py", *args) or ("-m", "pkg.mod", *args)
+    run_dir: Path
+    options: SlurmOptions = field(default_factory=SlurmOptions)
+    workdir: Path = field(default_factory=Path.cwd)
+    python: str = sys.executable
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def script_path(self) -> Path:
+        return self.run_dir / SCRIPT_NAME
+
+    @property
+    def log_pattern(self) -> Path:
+        return self.run_dir / "slurm-%j.out"
+
+
+def render(job: SlurmJob) -> str:
+    """The sbatch script, meant to be read: every line says what it is for."""
+    o = job.options
+    o.validate()
+    if re.search(r"\s", str(job.run_dir)):
+        raise LaunchError(f"the run folder {str(job.run_dir)!r} contains whitespace, which #SBATCH lines cannot hold.",
+                          "choose a --run-dir without spaces.")
+    q = shlex.quote
+    lines = ["#!/bin/bash", f"# Written by `multigpu slurm` on {time.strftime('%Y-%m-%d %H:%M:%S')}. Submit with: sbatch {q(str(job.script_path))}"]
+    sbatch = [f"--job-name={o.job_name or job.run_dir.name}", f"--nodes={o.nodes}", "--ntasks-per-node=1",
+              f"--output={job.log_pattern}", "--open-mode=append", f"--signal=USR1@{o.signal_seconds}"]
+    if o.requeue:
+        sbatch.append("--requeue")
+    if o.gpus_per_node:
+        sbatch.append(f"--gpus-per-node={o.gpus_per_node}")
+    for flag, value in (("time", o.time), ("partition", o.partition), ("account", o.account),
+                        ("cpus-per-task", o.cpus_per_task), ("mem", o.mem)):
+        if value is not None:
+            sbatch.append(f"--{flag}={value}")
+    sbatch += list(o.extra)
+    lines += [f"#SBATCH {line}" for line in sbatch]
+    launcher = [job.python, "-m", "multigpu", "run", "--nnodes", "$SLURM_JOB_NUM_NODES",
+                "--nproc", str(o.processes), "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id", "$SLURM_JOB_ID"]
+    if not o.gpus_per_node:
+        launcher.append("--cpu")
+    if o.max_restarts:
+        launcher += ["--max-restarts", str(o.max_restarts)]
+    # $-variables of the launcher line are ours (double-quoted, expanded by bash); the user's
+    # arguments are single-quoted: they arrive exactly as typed and run nothing.
+    rendered = " ".join(f'"{part}"' if part.startswith("$") else q(part) for part in launcher)
+    rendered += " " + " ".join(q(part) for part in job.command)
+    lines += [
+        "",
+        "set -euo pipefail",
+        f"cd {q(str(job.workdir))}",
+        *[f"export {name}={q(value)}" for name, value in job.env],
+        "",
+        "# The first node hosts the rendezvous. Its NodeAddr resolves even where node names do not.",
+        'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'MASTER_ADDR=$(scontrol show node "$first_node" 2>/dev/null | grep -o "NodeAddr=[^ ]*" | cut -d= -f2 || true)',
+        'MASTER_ADDR=${MASTER_ADDR:-$first_node}',
+        f"MASTER_PORT=$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))",
+        "export MASTER_ADDR MASTER_PORT",
+        'echo "multigpu: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
+        'rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        "",
+        "# One task per node; each starts this node's workers. USR1 (time nearly up) reaches every task:",
+        "# the workers checkpoint and rank 0 requeues the job, which then resumes from that checkpoint.",
+        f"srun --kill-on-bad-exit=1 {rendered}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write(job: SlurmJob) -> Path:
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    job.script_path.write_text(render(job))
+    job.script_path.chmod(0o755)
+    return job.script_path
+
+
+def _slurm_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise LaunchError(f"`{name}` is not on PATH: this machine is not a Slurm login node.",
+                          "run on a machine with the Slurm client, or use --dry-run to only write the script.")
+    return path
+
+
+def _call(args: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"`{' '.join(args[:2])}` did not answer in {timeout:.0f} s.",
+                          "is slurmctld reachable? try `sinfo`.") from None
+
+
+def submit(job: SlurmJob) -> str:
+    """Write the script and ``sbatch`` it; returns the job id."""
+    script = write(job)
+    done = _call([_slurm_tool("sbatch"), "--parsable", str(script)])
+    if done.returncode != 0:
+        raise LaunchError(f"sbatch refused the job: {' '.join(done.stderr.split())[:300]}",
+                          f"read the script at {script}; check --partition/--account/--time.")
+    return done.stdout.strip().split(";")[0]
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """``scontrol show job`` as a dict (JobState, ExitCode, StdOut, Restarts, ...); {} if unknown."""
+    done = _call([_slurm_tool("scontrol"), "show", "job", "-o", str(job_id)])
+    if done.returncode != 0:
+        return {}
+    info = {}
+    for token in done.stdout.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            info[key] = value
+    return info
+
+
+def status(job_id: str) -> str:
+    info = job_info(job_id)
+    if not info:
+        raise LaunchError(f"Slurm knows no job {job_id}.", "check the id with `squeue --me`; finished jobs are "
+                          "forgotten after MinJobAge.")
+    return (f"job {job_id} ({info.get('JobName', '?')}): {info.get('JobState', '?')}, exit {info.get('ExitCode', '?')}, "
+            f"restarts {info.get('Restarts', '0')}, nodes {info.get('NodeList', '?')}, elapsed {info.get('RunTime', '?')}, "
+            f"log {info.get('StdOut', '?')}")
+
+
+def log_path(job_id: str) -> Path:
+    info = job_info(job_id)
+    if not info or "StdOut" not in info:
+        raise LaunchError(f"Slurm knows no job {job_id}.", "check the id with `squeue --me`.")
+    return Path(info["StdOut"].replace("%j", str(job_id)))
+
+
+def cancel(job_id: str) -> None:
+    done = _call([_slurm_tool("scancel"), str(job_id)])
+    if done.returncode != 0:
+        raise LaunchError(f"scancel {job_id} failed: {done.stderr.strip()}", "check the id with `squeue --me`.")

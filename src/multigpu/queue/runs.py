@@ -1,0 +1,106 @@
+"""The runs file: keys are run names, ``larger_net < net`` inherits every setting of ``net``.
+
+Each run names its recipe (a script or module, its arguments, ``key=value`` overrides) and how many
+GPUs - or, on a CPU machine, process slots - it needs::
+
+    net:
+      script: examples/digits/train.py
+      args: [examples/digits/hparams.yaml]
+      gpus: 1
+      overrides: {model.hidden: 128, trainer.epochs: 10}
+    larger_net < net:
+      overrides: {model.hidden: 512}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from multigpu import config
+from multigpu.errors import ConfigError
+
+
+@dataclass
+class RunSpec:
+    name: str
+    script: Optional[str] = None
+    module: Optional[str] = None
+    args: list[str] = field(default_factory=list)
+    #: ``key=value`` settings handed to the recipe after its arguments (dotted keys for nested ones).
+    overrides: dict[str, Any] = field(default_factory=dict)
+    #: GPUs the run needs (on a CPU machine: process slots).
+    gpus: int = 1
+    #: Processes inside the run (DDP within a run); default: one per GPU, or one per slot on a CPU.
+    nproc: Optional[int] = None
+    env: dict[str, str] = field(default_factory=dict)
+    #: The override that tells the recipe where to write (set to the run's folder); null: none.
+    out_dir_key: Optional[str] = "trainer.out_dir"
+    #: The metrics.csv column shown in the status table (default: the first valid_* column).
+    metric: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if (self.script is None) == (self.module is None):
+            raise ConfigError(f"run {self.name!r} needs exactly one of script: or module:.",
+                              "e.g. script: examples/digits/train.py")
+        if self.gpus < 1:
+            raise ConfigError(f"run {self.name!r}: gpus {self.gpus} must be at least 1.", "use gpus: 1 or more.")
+        if self.nproc is not None and self.nproc < 1:
+            raise ConfigError(f"run {self.name!r}: nproc {self.nproc} must be at least 1.", "use nproc: 1 or more.")
+
+    def processes(self, on_gpus: bool) -> int:
+        return self.nproc or (self.gpus if on_gpus else 1)
+
+    def recipe_args(self, folder: Path) -> list[str]:
+        out = [str(a) for a in self.args]
+        out += [f"{key}={format_value(value)}" for key, value in self.overrides.items()]
+        if self.out_dir_key:
+            out.append(f"{self.out_dir_key}={folder}")
+        return out
+
+    def command(self, folder: Path, on_gpus: bool, python: str = sys.executable) -> list[str]:
+        target = ["-m", self.module] if self.module else [self.script]
+        cpu = [] if on_gpus else ["--cpu"]
+        return [python, "-m", "multigpu", "run", "--nproc", str(self.processes(on_gpus)), *cpu, *target,
+                *self.recipe_args(folder)]
+
+    def resolved(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+    def fingerprint(self) -> str:
+        """Changes when anything that affects the run's result changes (not its name)."""
+        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric")}
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def format_value(value: Any) -> str:
+    """A YAML scalar the recipe's ``key=value`` parser reads back as the same value."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def load_runs(path: str | Path, only: Optional[Sequence[str]] = None) -> list[RunSpec]:
+    """Every run of the file, inheritance resolved, in file order (``only``: just these, in that order)."""
+    data, lines = config.load_yaml(path)
+    if not data:
+        raise ConfigError(f"{path} defines no runs.", "add `name:` entries with script:, args:, overrides:.")
+    resolved = config.resolve_inheritance(data, str(path), lines)
+    raw_keys = {config.split_run_key(key)[0]: key for key in data}
+    specs = []
+    for name, settings in resolved.items():
+        run_lines = {path_[1:]: line for path_, line in lines.items() if path_ and path_[0] == raw_keys[name]}
+        specs.append(config.from_mapping(RunSpec, {"name": name, **settings}, f"{path} (run {name!r})", run_lines))
+    if only:
+        names = [s.name for s in specs]
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise ConfigError(f"--only names {unknown[0]!r}, which {path} does not define.", f"runs: {', '.join(names)}.")
+        specs = [next(s for s in specs if s.name == n) for n in only]
+    return specs

@@ -1,0 +1,230 @@
+"""Place runs on a pool of GPUs (or CPU slots): each run gets its own devices, its own rendezvous port
+(every ``multigpu run`` picks a free one), its own folder with its resolved config, log and status.
+
+A failing run frees its devices and the others go on; the queue reports it at the end with the tail
+of its log. Running the queue again skips finished runs (same config) and restarts interrupted or
+failed ones, which resume from their own checkpoints. On Ctrl-C or SIGTERM the running runs get
+SIGTERM - the Trainer checkpoints and stops - and are marked interrupted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Optional, Sequence
+
+import yaml
+
+from multigpu.errors import ConfigError
+from multigpu.queue.runs import RunSpec
+
+STATUS_FILE = "status.json"
+LOG_FILE = "log.txt"
+CONFIG_FILE = "run.yaml"
+STOP_GRACE_S = 60.0
+
+
+@dataclass
+class RunState:
+    spec: RunSpec
+    folder: Path
+    state: str = "queued"  # queued, running, done, failed, interrupted, skipped
+    slots: list[str] = field(default_factory=list)
+    started: Optional[float] = None
+    ended: Optional[float] = None
+    exit_code: Optional[int] = None
+    proc: Optional[subprocess.Popen] = None
+    log: Optional[IO[str]] = None
+    note: str = ""
+
+    @property
+    def elapsed(self) -> Optional[float]:
+        if self.started is None:
+            return None
+        return (self.ended or time.time()) - self.started
+
+    def save_status(self) -> None:
+        status = {"state": self.state, "exit_code": self.exit_code, "started": self.started, "ended": self.ended,
+                  "slots": self.slots, "fingerprint": self.spec.fingerprint()}
+        tmp = self.folder / (STATUS_FILE + ".tmp")
+        tmp.write_text(json.dumps(status, indent=1))
+        os.replace(tmp, self.folder / STATUS_FILE)
+
+    def load_status(self) -> dict:
+        try:
+            return json.loads((self.folder / STATUS_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+
+def _die_with_queue() -> None:
+    """In the child before exec: its own session (Ctrl-C reaches only the queue, which stops runs
+    gracefully), and SIGTERM - a graceful stop - if the queue itself dies."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+class Queue:
+    def __init__(self, specs: Sequence[RunSpec], root: Path, slots: Sequence[str], on_gpus: bool,
+                 max_parallel: Optional[int] = None, display: Optional[Callable[["Queue", str], None]] = None,
+                 poll_s: float = 0.1) -> None:
+        self.root = Path(root)
+        self.slots = list(slots)
+        self.on_gpus = on_gpus
+        self.max_parallel = max_parallel or len(self.slots)
+        self.display = display or (lambda queue, event: None)
+        self.poll_s = poll_s
+        self.runs = [RunState(spec, self.root / spec.name) for spec in specs]
+        self._stop = threading.Event()
+        self._stop_signal: Optional[int] = None
+        for run in self.runs:
+            if run.spec.gpus > len(self.slots):
+                unit = "GPU(s)" if on_gpus else "slot(s)"
+                raise ConfigError(
+                    f"run {run.spec.name!r} needs {run.spec.gpus} {unit} but the pool has {len(self.slots)}.",
+                    "give the queue more --gpus (or --slots), or lower the run's gpus: setting.",
+                )
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._skip_finished()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.started = time.time()
+        try:
+            while True:
+                self._reap()
+                if self._stop.is_set():
+                    self._stop_all()
+                    break
+                self._launch_ready()
+                if not any(r.state in ("queued", "running") for r in self.runs):
+                    break
+                self.display(self, "tick")
+                time.sleep(self.poll_s)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.ended = time.time()
+        self.display(self, "end")
+        if self._stop_signal is not None:
+            return 128 + self._stop_signal
+        return 0 if all(r.state in ("done", "skipped") for r in self.runs) else 1
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signum
+        self._stop.set()
+
+    def _skip_finished(self) -> None:
+        for run in self.runs:
+            status = run.load_status()
+            if status.get("state") == "done" and status.get("fingerprint") == run.spec.fingerprint():
+                run.state, run.exit_code = "skipped", 0
+                run.started, run.ended = status.get("started"), status.get("ended")
+                run.note = "finished earlier"
+            elif status.get("state") in ("interrupted", "failed", "running"):
+                run.note = f"{status['state']} earlier: resuming"
+
+    def _free_slots(self) -> list[str]:
+        taken = {s for r in self.runs if r.state == "running" for s in r.slots}
+        return [s for s in self.slots if s not in taken]
+
+    def _launch_ready(self) -> None:
+        running = sum(1 for r in self.runs if r.state == "running")
+        for run in self.runs:
+            if run.state != "queued" or running >= self.max_parallel:
+                continue
+            free = self._free_slots()
+            if len(free) < run.spec.gpus:
+                continue  # a later, smaller run may still fit
+            self._start(run, free[: run.spec.gpus])
+            running += 1
+
+    def _start(self, run: RunState, slots: list[str]) -> None:
+        run.folder.mkdir(parents=True, exist_ok=True)
+        (run.folder / CONFIG_FILE).write_text(yaml.safe_dump(run.spec.resolved(), sort_keys=False))
+        env = {**os.environ, **{k: str(v) for k, v in run.spec.env.items()}, "MULTIGPU_RUN_NAME": run.spec.name}
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
+        if not self.on_gpus and "OMP_NUM_THREADS" not in os.environ:
+            # CPU slots share the cores: each run gets its share, or the runs thrash each other.
+            share = max(1, (os.cpu_count() or 1) // len(self.slots)) * len(slots)
+            env["OMP_NUM_THREADS"] = str(max(1, share // run.spec.processes(False)))
+        command = run.spec.command(run.folder, self.on_gpus)
+        run.log = open(run.folder / LOG_FILE, "a")
+        run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
+        run.log.flush()
+        run.proc = subprocess.Popen(command, stdout=run.log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_queue)
+        run.state, run.slots, run.started, run.ended, run.exit_code = "running", slots, time.time(), None, None
+        run.save_status()
+        self.display(self, f"start {run.spec.name}")
+
+    def _reap(self) -> None:
+        for run in self.runs:
+            if run.state != "running" or run.proc is None:
+                continue
+            code = run.proc.poll()
+            if code is None:
+                continue
+            self._finish(run, code)
+
+    def _finish(self, run: RunState, code: int, interrupted: bool = False) -> None:
+        run.exit_code, run.ended = code, time.time()
+        run.state = "done" if code == 0 else ("interrupted" if interrupted or code in (75, 143, 130) else "failed")
+        if run.log is not None:
+            run.log.close()
+            run.log = None
+        run.proc = None
+        run.save_status()
+        self.display(self, f"{run.state} {run.spec.name}")
+
+    def _stop_all(self) -> None:
+        """Graceful: SIGTERM to every running run (its workers checkpoint and stop), then wait."""
+        running = [r for r in self.runs if r.state == "running" and r.proc is not None]
+        for run in running:
+            try:
+                run.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + STOP_GRACE_S
+        for run in running:
+            try:
+                code = run.proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                run.proc.kill()
+                code = run.proc.wait()
+            self._finish(run, code, interrupted=True)
+        for run in self.runs:
+            if run.state == "queued":
+                run.note = "not started"
+
+    # ------------------------------------------------------------------ reporting
+    def makespan(self) -> tuple[float, float]:
+        """(wall time from the first start to the last end, the runs' own durations x their GPUs/slots)
+        of this pass: the ideal makespan is the second divided by the size of the pool."""
+        ran = [r for r in self.runs if r.state not in ("skipped", "queued") and r.started and r.ended]
+        if not ran:
+            return 0.0, 0.0
+        work = sum((r.ended - r.started) * r.spec.gpus for r in ran)
+        return max(r.ended for r in ran) - min(r.started for r in ran), work
+
+
+def log_tail(folder: Path, lines: int = 15) -> list[str]:
+    try:
+        text = (folder / LOG_FILE).read_text(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]

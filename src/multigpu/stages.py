@@ -1,0 +1,60 @@
+"""Recipe stages (prepare -> train -> evaluate ...) run from ``start_stage`` to ``end_stage``.
+
+Why: the ASDF notes run recipes in numbered stages so that a family of runs can share data
+preparation, or re-evaluate without retraining. A recipe lists its stages once; the config picks the
+range by name or by number (1-based, as in ASDF), and a wrong name is an error, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+from multigpu.errors import ConfigError
+
+StageRef = Union[str, int, None]
+
+
+class Stages:
+    def __init__(self, names: Sequence[str], start: StageRef = None, end: StageRef = None) -> None:
+        if not names or len(set(names)) != len(names):
+            raise ValueError("stage names must be unique and at least one")
+        self.names = list(names)
+        self.start = self._index(start, "start_stage", default=0)
+        self.end = self._index(end, "end_stage", default=len(self.names) - 1)
+        if self.start > self.end:
+            raise ConfigError(f"start_stage {self.names[self.start]!r} comes after end_stage {self.names[self.end]!r}.",
+                              f"the stages run in this order: {' -> '.join(self.names)}.")
+
+    def _index(self, ref: StageRef, setting: str, default: int) -> int:
+        if ref is None or ref == "":
+            return default
+        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+            number = int(ref)
+            if not 1 <= number <= len(self.names):
+                raise ConfigError(f"{setting}={number} is not a stage: they are numbered 1..{len(self.names)}.",
+                                  f"stages: {', '.join(f'{i + 1}={n}' for i, n in enumerate(self.names))}.")
+            return number - 1
+        if ref not in self.names:
+            raise ConfigError(f"{setting}={ref!r} is not a stage of this recipe.", f"choose from: {', '.join(self.names)}.")
+        return self.names.index(ref)
+
+    @property
+    def selected(self) -> list[str]:
+        return self.names[self.start : self.end + 1]
+
+    def __contains__(self, name: object) -> bool:
+        if name not in self.names:
+            raise ConfigError(f"{name!r} is not a stage of this recipe.", f"stages: {', '.join(self.names)}.")
+        return self.start <= self.names.index(name) <= self.end  # type: ignore[arg-type]
+
+    def run(self, functions: Mapping[str, Callable[[], object]], announce: Optional[Callable[[str], None]] = None) -> dict:
+        """Call the selected stages in order; returns ``{stage: result}``."""
+        missing = [n for n in self.names if n not in functions]
+        if missing:
+            raise ValueError(f"no function for stage(s) {missing}")
+        results = {}
+        for name in self.selected:
+            if announce is not None:
+                announce(f"stage {self.names.index(name) + 1}/{len(self.names)}: {name}")
+            results[name] = functions[name]()
+        return results

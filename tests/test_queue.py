@@ -1,0 +1,219 @@
+"""multigpu queue on CPU slots: inheritance, the slot limit, isolation of failures, resuming an
+interrupted queue, stages, and the makespan against the ideal."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu
+from multigpu.config import resolve_inheritance
+from multigpu.errors import ConfigError
+from multigpu.queue.runs import load_runs
+from multigpu.stages import Stages
+
+pytestmark = pytest.mark.timeout(300)
+SLEEP = str(SCRIPTS / "sleep_run.py")
+
+
+def _runs_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "runs.yaml"
+    path.write_text(text)
+    return path
+
+
+def _status(folder: Path) -> dict:
+    return json.loads((folder / "status.json").read_text())
+
+
+def _max_overlap(intervals: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    best = current = 0
+    for _, delta in events:
+        current += delta
+        best = max(best, current)
+    return best
+
+
+# ------------------------------------------------------------------ runs files (no processes)
+
+def test_inheritance_chains_merge_deeply():
+    runs = resolve_inheritance({
+        "net": {"script": "t.py", "overrides": {"a": 1, "b": 2}},
+        "larger_net < net": {"overrides": {"a": 10}},
+        "huge < larger_net": {"gpus": 2},
+    })
+    assert runs["huge"] == {"script": "t.py", "overrides": {"a": 10, "b": 2}, "gpus": 2}
+    assert runs["net"]["overrides"] == {"a": 1, "b": 2}
+
+
+def test_cycle_unknown_parent_and_duplicates_are_errors_with_lines(tmp_path):
+    with pytest.raises(ConfigError, match=r"runs.yaml:2: inheritance cycle a < b < a|runs.yaml:4: inheritance cycle"):
+        load_runs(_runs_file(tmp_path, "\na < b:\n  script: x.py\nb < a:\n  script: x.py\n"))
+    with pytest.raises(ConfigError, match=r"runs.yaml:4: 'big' inherits from 'nett', which is not defined.*did you mean 'net'"):
+        load_runs(_runs_file(tmp_path, "net:\n  script: x.py\n\nbig < nett:\n  gpus: 2\n"))
+    with pytest.raises(ConfigError, match="defined twice"):
+        load_runs(_runs_file(tmp_path, "net:\n  script: x.py\nnet < other:\n  gpus: 1\nother:\n  script: y.py\n"))
+    with pytest.raises(ConfigError, match=r"run 'net'.*:3: unknown key 'gpu'.*did you mean 'gpus'"):
+        load_runs(_runs_file(tmp_path, "net:\n  script: x.py\n  gpu: 2\n"))
+    with pytest.raises(ConfigError, match="needs exactly one of script: or module:"):
+        load_runs(_runs_file(tmp_path, "net:\n  gpus: 1\n"))
+
+
+def test_runs_file_of_the_digits_recipe_has_related_configurations():
+    specs = {s.name: s for s in load_runs(REPO / "examples" / "digits" / "runs.yaml")}
+    assert len(specs) >= 3
+    assert specs["deep_net"].overrides["model.hidden"] == 256  # from larger_net, which got it from net... overridden
+    assert specs["deep_net"].overrides["trainer.epochs"] == specs["net"].overrides["trainer.epochs"]
+
+
+def test_stages_select_a_range_by_name_or_number():
+    stages = Stages(["prepare", "train", "evaluate"], start="train")
+    assert stages.selected == ["train", "evaluate"] and "prepare" not in stages and "evaluate" in stages
+    assert Stages(["prepare", "train", "evaluate"], start=2, end=2).selected == ["train"]
+    with pytest.raises(ConfigError, match="start_stage='trian' is not a stage"):
+        Stages(["prepare", "train"], start="trian")
+    with pytest.raises(ConfigError, match="comes after end_stage"):
+        Stages(["prepare", "train"], start="train", end="prepare")
+    with pytest.raises(ConfigError, match="numbered 1..2"):
+        Stages(["prepare", "train"], end=5)
+
+
+# ------------------------------------------------------------------ real queues
+
+def test_five_runs_with_inheritance_on_two_slots(tmp_path):
+    runs = _runs_file(tmp_path, f"""
+net:
+  script: examples/digits/train.py
+  args: [examples/digits/hparams.yaml]
+  overrides: {{trainer.epochs: 2, model.hidden: 32, data.folder: {tmp_path / 'data'}}}
+wide < net:
+  overrides: {{model.hidden: 96}}
+wider < wide:
+  overrides: {{model.hidden: 160}}
+deep < wide:
+  overrides: {{model.depth: 3}}
+fast < net:
+  overrides: {{optim.lr: 0.01}}
+""")
+    out = tmp_path / "q"
+    proc = multigpu("queue", str(runs), "--slots", "2", "--out", str(out), "--no-live", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = ["net", "wide", "wider", "deep", "fast"]
+    intervals = []
+    for name in names:
+        folder = out / name
+        status = _status(folder)
+        assert status["state"] == "done" and status["exit_code"] == 0
+        intervals.append((status["started"], status["ended"]))
+        resolved = yaml.safe_load((folder / "run.yaml").read_text())
+        assert resolved["name"] == name
+        assert (folder / "metrics.csv").read_text().count("\n") == 3  # header + 2 epochs
+        assert (folder / "config.yaml").exists() and (folder / "log.txt").exists()
+    assert yaml.safe_load((out / "deep" / "run.yaml").read_text())["overrides"]["model.hidden"] == 96
+    recipe_config = yaml.safe_load((out / "wider" / "config.yaml").read_text())
+    assert recipe_config["model"]["hidden"] == 160  # the override reached the recipe
+    assert _max_overlap(intervals) == 2  # never more than 2 at once, and the pool was used
+    assert "summary" in proc.stdout and "makespan" in proc.stdout
+
+
+def test_a_failing_run_is_isolated_and_reported_with_its_log(tmp_path):
+    runs = _runs_file(tmp_path, f"""
+ok:
+  script: {SLEEP}
+  args: ["0.5"]
+  out_dir_key: out_dir
+bad < ok:
+  overrides: {{fail: 1}}
+also_ok < ok:
+  overrides: {{score: 0.9}}
+""")
+    out = tmp_path / "q"
+    proc = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live")
+    assert proc.returncode == 1
+    assert _status(out / "bad")["state"] == "failed" and _status(out / "bad")["exit_code"] == 4
+    assert _status(out / "ok")["state"] == _status(out / "also_ok")["state"] == "done"
+    assert "bad failed (exit 4)" in proc.stdout and "this run fails on purpose" in proc.stdout
+
+
+def test_an_interrupted_queue_resumes_without_redoing_finished_runs(tmp_path):
+    runs = _runs_file(tmp_path, f"""
+first:
+  script: {SCRIPTS / 'faults.py'}
+  args: [--sleep, "0.05"]
+  out_dir_key: null
+second < first:
+  args: [--sleep, "0.3"]
+third < first: {{}}
+""")
+    # faults.py takes its output folder as first argument: give each run its own.
+    data = yaml.safe_load(runs.read_text())
+    out = tmp_path / "q"
+    base = list(data["first"]["args"])
+    for key, name in (("first", "first"), ("second < first", "second"), ("third < first", "third")):
+        data[key]["args"] = [str(out / name), *(data[key].get("args") or base)]
+    runs.write_text(yaml.safe_dump(data))
+    queue = subprocess.Popen([PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out), "--no-live"],
+                             env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until `second` is training (a checkpoint of step 2 exists)
+            if list((out / "second" / "checkpoints").glob("step-0000000[2-9]")):
+                break
+            time.sleep(0.1)
+        queue.send_signal(signal.SIGTERM)
+        stdout, _ = queue.communicate(timeout=120)
+    finally:
+        queue.kill()
+    assert queue.returncode == 128 + signal.SIGTERM
+    assert _status(out / "first")["state"] == "done"
+    assert _status(out / "second")["state"] == "interrupted"
+    assert not (out / "third" / "status.json").exists()
+    first_ended = _status(out / "first")["ended"]
+    again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live", timeout=240)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _status(out / "first")["ended"] == first_ended  # not redone
+    assert _status(out / "second")["state"] == _status(out / "third")["state"] == "done"
+    assert "resumed from" in (out / "second" / "log.txt").read_text()
+    assert "skipped" in again.stdout
+
+
+def test_makespan_of_equal_runs_is_within_ten_percent_of_the_ideal(tmp_path):
+    runs = _runs_file(tmp_path, "\n".join(
+        f"r{i}:\n  script: {SLEEP}\n  args: ['3']\n  out_dir_key: out_dir\n" for i in range(4)))
+    out = tmp_path / "q"
+    proc = multigpu("queue", str(runs), "--slots", "2", "--out", str(out), "--no-live")
+    assert proc.returncode == 0, proc.stdout
+    statuses = [_status(out / f"r{i}") for i in range(4)]
+    makespan = max(s["ended"] for s in statuses) - min(s["started"] for s in statuses)
+    ideal = sum(s["ended"] - s["started"] for s in statuses) / 2
+    print(f"makespan {makespan:.2f} s, ideal {ideal:.2f} s, ratio {makespan / ideal:.3f}")
+    assert makespan <= 1.10 * ideal
+
+
+def test_queue_input_errors_are_one_line_with_a_hint(tmp_path):
+    runs = _runs_file(tmp_path, f"a:\n  script: {SLEEP}\n  gpus: 3\n")
+    proc = multigpu("queue", str(runs), "--slots", "2", "--out", str(tmp_path / "q"))
+    assert proc.returncode == 2 and "needs 3 slot(s) but the pool has 2" in proc.stderr and "HINT" in proc.stderr
+    proc = multigpu("queue", str(runs), "--only", "b")
+    assert proc.returncode == 2 and "--only names 'b'" in proc.stderr
+    proc = multigpu("queue", str(runs), "--gpus", "0")
+    assert proc.returncode == 2 and "no GPU is visible" in proc.stderr
+
+
+def test_digits_stages_evaluate_without_training(tmp_path):
+    base = ["examples/digits/hparams.yaml", f"trainer.out_dir={tmp_path / 'out'}", f"data.folder={tmp_path / 'd'}",
+            "trainer.epochs=1"]
+    missing = multigpu("run", "examples/digits/train.py", *base, "start_stage=train")
+    assert missing.returncode == 1 and "run the prepare stage first" in missing.stderr
+    trained = multigpu("run", "examples/digits/train.py", *base, "end_stage=train", check=True)
+    assert "final validation accuracy" not in trained.stdout
+    evaluated = multigpu("run", "examples/digits/train.py", *base, "start_stage=evaluate", check=True)
+    assert "resumed from" in evaluated.stdout and "final validation accuracy" in evaluated.stdout
+    assert "epoch 1/1" not in evaluated.stdout
