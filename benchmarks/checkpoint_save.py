@@ -56,7 +56,7 @@ def main() -> None:
         for index in range(args.repeats):
             runs = [("torch.save", lambda: plain(state, folder, False)),
                     ("torch.save+fsync", lambda: plain(state, folder, True)),
-                    ("multigpu", lambda: ours(state, folder, index))]
+                    ("multigpu", lambda step=index: ours(state, folder, step))]
             for name, fn in (runs if index % 2 == 0 else runs[::-1]):
                 started = time.perf_counter()
                 fn()

@@ -183,3 +183,21 @@ def test_backend_choice():
         choose_backend(torch.device("cpu"), "nccl")
     with pytest.raises(LaunchError, match="unknown backend"):
         choose_backend(torch.device("cpu"), "tcp")
+
+
+def test_root_cause_prefers_the_rank_that_started_it():
+    from types import SimpleNamespace
+
+    from multigpu.launch.local import root_cause
+
+    def failure(exitcode, message="", timestamp=100):
+        return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp)
+
+    killed = failure(-9, "Signal 9 (SIGKILL) received by PID 7")
+    stopped = failure(-15, "Signal 15 (SIGTERM) received by PID 6")
+    lost = failure(1, "RuntimeError: Connection reset by peer", timestamp=99)
+    own = failure(3, "ValueError: bad value", timestamp=101)
+    assert root_cause({0: stopped, 1: killed})[0] == 1
+    assert root_cause({0: lost, 1: own})[0] == 1
+    assert root_cause({0: lost, 1: stopped})[0] == 1
+    assert root_cause({0: own, 1: own})[0] == 0

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu, processes_with, wait_for_files, wait_until_gone
+from conftest import PY, SCRIPTS, child_env, multigpu, wait_for_files, wait_until_gone
 
 pytestmark = pytest.mark.timeout(240)
 ALLREDUCE = str(SCRIPTS / "allreduce.py")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ def test_pipeline_outputs_and_gradients_equal_the_unsplit_model(stages, micro_ba
     assert torch.allclose(out, ref, atol=1e-6)
     (out ** 2).sum().backward()
     (ref ** 2).sum().backward()
-    for (name, p), (_, q) in zip(piped.named_parameters(), reference.named_parameters()):
+    for (name, p), (_, q) in zip(piped.named_parameters(), reference.named_parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
     assert list(piped.state_dict()) == list(reference.state_dict())  # loads into the unsplit model
 

@@ -78,7 +78,7 @@ def test_two_nodes_train_like_one_node(nodes, tmp_path, kind):
 def test_global_ranks_follow_node_times_procs_plus_local_rank_across_real_hosts(nodes, tmp_path):
     results = _launch(nodes, _rendezvous("static", nodes, nproc=2), [str(SCRIPTS / "allreduce.py")])
     records = []
-    for node, result in results.items():
+    for result in results.values():
         assert result.returncode == 0, result.stderr
         records += [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     by_rank = {r["rank"]: r for r in records}
@@ -92,7 +92,7 @@ def test_nodes_that_disagree_on_sizes_fail_with_a_clear_error(nodes):
     flags = _rendezvous("static", nodes)
     flags["a"] = [*flags["a"][:-2], "--nproc", "2"]  # node a starts 2 processes, node b 1
     results = _launch(nodes, flags, [str(SCRIPTS / "allreduce.py")], timeout=120)
-    for node, result in results.items():
+    for result in results.values():
         assert result.returncode != 0
     text = results["a"].stderr + results["b"].stderr
     assert "every node must start the same number of processes" in text

@@ -41,7 +41,7 @@ def test_dp_on_cpu_warns_and_trains_like_single():
     torch.manual_seed(0)
     ref_model, ref_opt = SingleDevice(CPU[0]).setup(nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1))
     x, y = torch.randn(8, 3), torch.randn(8, 1)
-    for m, o, s in ((model, optimizer, strategy), (ref_model, ref_opt, None)):
+    for m, o in ((model, optimizer), (ref_model, ref_opt)):
         F.mse_loss(m(x), y).backward()
         o.step()
     assert torch.equal(model.weight, ref_model.weight)

@@ -175,7 +175,7 @@ def test_inconsistent_values_name_the_variable_and_give_a_hint(env, needle):
 
 def test_world_is_immutable():
     world = detect_world(TORCHRUN)
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
         world.rank = 0  # type: ignore[misc]
 
 

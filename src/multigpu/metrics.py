@@ -45,7 +45,7 @@ class MetricSums:
         stacked = torch.stack([self._sums[n] for n in names])
         if _group_active():
             dist.all_reduce(stacked)
-        return {n: s / c if c > 0 else float("nan") for n, (s, c) in zip(names, stacked.tolist())}
+        return {n: s / c if c > 0 else float("nan") for n, (s, c) in zip(names, stacked.tolist(), strict=True)}
 
     def reset(self) -> None:
         self._sums.clear()
@@ -77,6 +77,6 @@ def gather_in_order(local: torch.Tensor) -> torch.Tensor:
     dist.all_gather(shards, padded)
     total = int(sum(s.item() for s in sizes))
     out = torch.empty((total, *local.shape[1:]), dtype=local.dtype, device=local.device)
-    for r, (shard, n) in enumerate(zip(shards, sizes)):
+    for r, (shard, n) in enumerate(zip(shards, sizes, strict=True)):
         out[r::world] = shard[: int(n.item())]
     return out

@@ -22,15 +22,15 @@ ALIASES = {
 
 
 class Precision:
-    def __init__(self, mode: str = "32", device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, mode: str = "32", device: Optional[torch.device] = None) -> None:
         key = str(mode).lower()
         if key not in ALIASES:
             raise ConfigError(f"unknown precision {mode!r}.", "use '32', 'bf16' (bf16-mixed) or 'fp16' (16-mixed).")
         self.mode = ALIASES[key]
-        self.device = device
+        self.device = device if device is not None else torch.device("cpu")
         self.scaler: Optional[torch.amp.GradScaler] = None
         if self.mode == "fp16":
-            self.scaler = torch.amp.GradScaler(device.type)
+            self.scaler = torch.amp.GradScaler(self.device.type)
 
     @property
     def dtype(self) -> Optional[torch.dtype]:

@@ -181,7 +181,7 @@ class Trainer(abc.ABC):
         n = batch_length(batch)
         return {"loss": (self.compute_loss(batch).detach() * n, n)}
 
-    def on_epoch_end(self, epoch: int, metrics: Mapping[str, Any]) -> None:
+    def on_epoch_end(self, epoch: int, metrics: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
         """Called on every rank after each epoch's evaluation, with the global metrics."""
 
     # ------------------------------------------------------------------ loops

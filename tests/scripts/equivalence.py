@@ -8,7 +8,6 @@ The dataset holds exactly S x A x global-batch samples, so both runs see the sam
 """
 
 import argparse
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +64,7 @@ if args.mode == "trainer":
 else:  # the PyTorch-tutorial loop, with the same helpers
     model, optimizer = run.setup(make_model(), make_optimizer, strategy=args.strategy)
     loader = run.loader(dataset, batch_size=args.batch, seed=0)
-    for epoch in range(args.epochs):
+    for _ in range(args.epochs):  # the loader reshuffles every epoch by itself
         for index, (inputs, labels) in enumerate(loader):
             inputs, labels = inputs.to(run.device), labels.to(run.device)
             boundary = (index + 1) % args.accumulate == 0

@@ -204,18 +204,24 @@ def _exit_status(exitcode: int) -> int:
 _PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "dist backend error",
               "distbackenderror", "nccl communicator was aborted", "socket timeout", "connection refused",
               "ranks disagree before training")
+_STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP), int(signal.SIGUSR1)}
 
 
 def root_cause(failures: dict) -> tuple[int, Any]:
-    """The failure that started it: a rank killed by a signal, or one whose error is not a lost peer,
-    before the earliest one. torch orders by error-file timestamps (whole seconds), which often picks a
-    rank that merely noticed that another one had died."""
+    """The failure that started it. torch orders by error-file timestamps (whole seconds), which often
+    picks a rank that merely noticed that another one had died. Ours, most telling first: a rank killed
+    by a signal nobody sends on purpose at shutdown (SIGKILL, SIGSEGV, SIGABRT...); a rank whose own
+    error is not a lost peer; a rank stopped by SIGTERM/SIGINT (the launcher stops the survivors that
+    way); a rank that lost its peer. Ties go to the earliest, then the lowest rank."""
 
-    def key(item: tuple[int, Any]) -> tuple[int, int, float, int]:
+    def key(item: tuple[int, Any]) -> tuple[int, float, int]:
         rank, failure = item
         message = str(getattr(failure, "message", "")).lower()
-        return (0 if failure.exitcode < 0 else 1, 1 if any(p in message for p in _PEER_GONE) else 0,
-                failure.timestamp, rank)
+        if failure.exitcode < 0:
+            priority = 2 if -failure.exitcode in _STOP_SIGNALS else 0
+        else:
+            priority = 3 if any(p in message for p in _PEER_GONE) else 1
+        return (priority, failure.timestamp, rank)
 
     return min(failures.items(), key=key)
 

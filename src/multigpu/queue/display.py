@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import time
-from pathlib import Path
 from typing import Optional
 
 from rich.console import Console

@@ -82,7 +82,7 @@ class PipelineModule(nn.Sequential):
         self.devices = list(devices)
         self.micro_batches = micro_batches
         self.output_to_first_device = output_to_first_device
-        for (start, end), device in zip(self.bounds, self.devices):
+        for (start, end), device in zip(self.bounds, self.devices, strict=True):
             for index in range(start, end):
                 self[index].to(device)
 
@@ -138,7 +138,7 @@ def split_model(model: Any, stages: int, split_points: Optional[Sequence[int]] =
         raise ConfigError(f"{len(points)} split point(s) make {len(points) + 1} stages, not {stages}.",
                           "give stages - 1 split points, or drop one of the two settings.")
     bounds = [0, *points, len(layers)]
-    return layers, list(zip(bounds, bounds[1:]))
+    return layers, list(zip(bounds, bounds[1:], strict=False))
 
 
 class Pipeline:
