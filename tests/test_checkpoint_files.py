@@ -105,3 +105,16 @@ def test_clean_state_dict_loads_into_a_plain_model():
     nn.Sequential(nn.Linear(2, 2)).load_state_dict(state)
     other_tool = {f"module.{k}": v for k, v in state.items()}
     assert sorted(clean_state_dict(other_tool)) == ["0.bias", "0.weight"]
+
+
+def test_retention_never_removes_the_checkpoint_just_written(tmp_path):
+    """A resume skipped a corrupt step-9 and went on from step 2: saving step 3 with keep_last=1 must
+    keep step 3 and move step 9 aside, not delete it."""
+    for step in (1, 2, 9):
+        checkpoint.save_state(tmp_path, step, _state(float(step)))
+    moved = checkpoint.prune(tmp_path, keep_last=1, newest=2)
+    checkpoint.save_state(tmp_path, 3, _state(3.0))
+    moved += checkpoint.prune(tmp_path, keep_last=1, newest=3)
+    assert [i.step for i in checkpoint.list_checkpoints(tmp_path)] == [3]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("abandoned-step-00000009")]
+    assert len(aside) == 1 and (aside[0] / STATE_FILE).exists()

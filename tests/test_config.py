@@ -85,3 +85,21 @@ def test_dump_round_trips(tmp_path):
 
 def test_merge_is_deep():
     assert config.merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}, "d": 1}
+
+
+def test_sequence_and_optional_sequence_fields():
+    from typing import Sequence
+
+    @dataclass
+    class WithSequence:
+        names: Optional[Sequence[str]] = None
+
+    assert config.from_mapping(WithSequence, {"names": ["a", "b"]}).names == ["a", "b"]
+    assert config.from_mapping(WithSequence, {"names": None}).names is None
+
+
+def test_config_hash_ignores_memory_addresses():
+    from multigpu.diagnostics.consistency import config_hash
+
+    assert config_hash({"fn": lambda: 1, "tags": {"b", "a"}}) == config_hash({"fn": lambda: 2, "tags": {"a", "b"}})
+    assert config_hash({"lr": 0.1}) != config_hash({"lr": 0.2})

@@ -66,6 +66,20 @@ def test_kill_at_any_step_then_resume_is_bitwise_equal(tmp_path, reference, kill
     assert _bitwise_equal(_final(tmp_path), reference)
 
 
+def test_resume_inside_an_epoch_with_accumulation_is_bitwise_equal(tmp_path, no_leftovers):
+    """6 batches per epoch, 4 per optimizer step: a resumed epoch must still take its short last step."""
+    reference = tmp_path / "reference"
+    assert _run(reference, "--accumulate", "4").returncode == 0
+    assert (reference / "steps.txt").read_text() == "6"
+    interrupted = tmp_path / "interrupted"
+    assert _run(interrupted, "--accumulate", "4", "--kill-at", "3").returncode != 0
+    resumed = _run(interrupted, "--accumulate", "4", "--kill-at", "3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "(epoch 1, batch 4, step 3)" in resumed.stdout
+    assert (interrupted / "steps.txt").read_text() == "6"
+    assert _bitwise_equal(_final(interrupted), _final(reference))
+
+
 @pytest.mark.parametrize("rendezvous", ["c10d", "c10d-again", "static"])
 def test_elastic_restart_after_sigkill_resumes_by_itself(tmp_path, reference, no_leftovers, rendezvous):
     """Repeated because a restart used to read the previous attempt's store keys in ~1 of 6 runs."""

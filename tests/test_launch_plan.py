@@ -201,3 +201,17 @@ def test_root_cause_prefers_the_rank_that_started_it():
     assert root_cause({0: lost, 1: own})[0] == 1
     assert root_cause({0: lost, 1: stopped})[0] == 1
     assert root_cause({0: own, 1: own})[0] == 0
+
+
+def test_simulated_nodes_split_the_gpus():
+    from multigpu.launch.simulate import node_commands
+
+    commands = node_commands(2, ["t.py"], visible_gpus=4, gpus_flag=None)
+    assert [c[c.index("--gpus") + 1] for c in commands] == ["0,1", "2,3"]
+    commands = node_commands(2, ["t.py"], visible_gpus=8, gpus_flag="4-7")
+    assert [c[c.index("--gpus") + 1] for c in commands] == ["4,5", "6,7"]
+    assert all("--gpus" not in c for c in node_commands(2, ["--cpu", "t.py"], visible_gpus=0, gpus_flag=None))
+    with pytest.raises(LaunchError, match="cannot be split evenly"):
+        node_commands(2, ["t.py"], visible_gpus=3, gpus_flag=None)
+    with pytest.raises(LaunchError, match="at least 2"):
+        node_commands(1, ["t.py"], visible_gpus=0, gpus_flag=None)

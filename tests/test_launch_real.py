@@ -175,8 +175,23 @@ def test_run_on_main_once_longer_than_the_timeout_and_shared(tmp_path, no_leftov
 def test_run_on_main_failure_stops_every_rank(tmp_path, no_leftovers):
     proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers)
     assert proc.returncode == 1
-    assert "RuntimeError: the dataset is broken" in proc.stderr
-    assert "run_on_main(prepare) failed on rank 0" in proc.stderr  # rank 1's one-line error
+    assert "error: rank 0" in proc.stderr and "RuntimeError: the dataset is broken" in proc.stderr
+
+
+def test_run_on_main_failure_raises_on_the_waiting_ranks_too(tmp_path, no_leftovers):
+    """Without a launcher to stop them (plain RANK/WORLD_SIZE processes), the waiting rank raises too."""
+    from multigpu.launch.ports import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([PY, str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers],
+                              env=child_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    results = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1]
+    assert "RuntimeError: the dataset is broken" in results[0][1]
+    # rank 0's error reached it, or the store rank 0 hosted vanished first: either way it says so
+    assert "run_on_main(prepare) failed on rank 0" in results[1][1] or "run_on_main(prepare) lost rank 0" in results[1][1]
 
 
 def test_help_documents_every_option():

@@ -217,3 +217,15 @@ def test_digits_stages_evaluate_without_training(tmp_path):
     evaluated = multigpu("run", "examples/digits/train.py", *base, "start_stage=evaluate", check=True)
     assert "resumed from" in evaluated.stdout and "final validation accuracy" in evaluated.stdout
     assert "epoch 1/1" not in evaluated.stdout
+
+
+def test_a_run_whose_settings_changed_starts_afresh_and_keeps_the_old_outputs(tmp_path):
+    runs = _runs_file(tmp_path, f"a:\n  script: {SLEEP}\n  args: ['0.2']\n  out_dir_key: out_dir\n  overrides: {{score: 0.1}}\n")
+    out = tmp_path / "q"
+    assert multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live").returncode == 0
+    runs.write_text(runs.read_text().replace("score: 0.1", "score: 0.2"))
+    again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live")
+    assert again.returncode == 0, again.stdout
+    assert "0.2" in (out / "a" / "metrics.csv").read_text()
+    (old,) = [p for p in out.iterdir() if p.name.startswith("a.old-")]
+    assert "0.1" in (old / "metrics.csv").read_text()

@@ -79,3 +79,46 @@ def test_trainer_settings_reject_unknown_keys():
 
     with pytest.raises(ConfigError, match="unknown trainer setting 'epoch'"):
         T(mg.init(), nn.Linear(1, 1), lambda p: torch.optim.SGD(p, lr=0.1), epoch=3)
+
+
+@pytest.mark.parametrize("name, instead", [("single", "ddp"), ("dp", "ddp"), ("pipeline", "ddp+pipeline")])
+def test_strategies_without_sync_are_refused_in_a_multi_process_job(name, instead):
+    world = World(rank=0, world_size=2, local_world_size=2)
+    with pytest.raises(ConfigError) as info:
+        make_strategy(name, world, CPU)
+    assert "keeps no replicas in sync" in str(info.value) and instead in info.value.hint
+
+
+def test_resume_off_with_old_checkpoints_is_refused(tmp_path):
+    class T(mg.Trainer):
+        def compute_loss(self, batch):
+            return F.mse_loss(self.model(batch[0]), batch[1])
+
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    run = mg.init()
+    T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path), progress=False,
+      batch_size=4).fit(data)
+    with pytest.raises(ConfigError, match="holds checkpoints of an earlier run and resume is off"):
+        T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path), progress=False,
+          batch_size=4, resume=False).fit(data)
+
+
+def test_trainer_uses_the_strategy_given_to_init():
+    class T(mg.Trainer):
+        def compute_loss(self, batch):
+            return batch
+
+    run = mg.init(strategy="pipeline")
+    trainer = T(run, nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert trainer.strategy.name == "pipeline"
+
+
+def test_rebuilt_optimizer_keeps_its_hyperparameters():
+    from multigpu.strategies.base import rebuild_optimizer
+
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rebuilt = rebuild_optimizer(optimizer, {id(p): n for n, p in model.named_parameters()}, model)
+    assert rebuilt is not optimizer and rebuilt.param_groups[0]["lr"] == 0.1

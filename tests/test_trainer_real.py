@@ -78,3 +78,16 @@ def test_exact_evaluation_over_101_samples_equals_one_rank(tmp_path, nproc):
     assert abs(many["trainer"]["loss"] - one["trainer"]["loss"]) < 1e-6
     assert many["predictions"] == one["predictions"] and len(one["predictions"]) == 101
     assert many["local_seen"] == len(range(0, 101, nproc))  # rank 0's shard, without padding
+
+
+def test_fsdp_evaluation_with_uneven_shards_does_not_hang(tmp_path):
+    """101 samples, eval batch 5 on 2 ranks: 11 batches on rank 0, 10 on rank 1; FSDP's forward is a
+    collective, so the shorter rank repeats one (its results dropped). The metrics stay exact."""
+    single = tmp_path / "one.json"
+    multigpu("run", "--nproc", "1", str(SCRIPTS / "exact_eval.py"), str(single), check=True)
+    sharded = tmp_path / "fsdp.json"
+    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "exact_eval.py"), str(sharded), "fsdp", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    one, many = json.loads(single.read_text()), json.loads(sharded.read_text())
+    assert many["trainer"]["accuracy"] == one["trainer"]["accuracy"]
+    assert abs(many["trainer"]["loss"] - one["trainer"]["loss"]) < 1e-6

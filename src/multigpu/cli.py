@@ -7,6 +7,7 @@ exit status 2 (bad input, nothing was started); a failed run returns the failing
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Optional, Sequence
 
@@ -102,7 +103,7 @@ def _simulate(args: argparse.Namespace, command: tuple[str, ...]) -> int:
         raise MultiGPUError(f"--simulate-nodes chooses the nodes itself; drop {clashing[0]}.",
                             "use either --simulate-nodes N or the real multi-node flags.")
     flags: list[str] = []
-    for name, value in (("--nproc", args.nproc), ("--gpus", args.gpus), ("--gpus-per-proc", args.gpus_per_proc),
+    for name, value in (("--nproc", args.nproc), ("--gpus-per-proc", args.gpus_per_proc),
                         ("--max-restarts", args.max_restarts), ("--stop-timeout", args.stop_timeout),
                         ("--rdzv-timeout", args.rdzv_timeout)):
         if value is not None:
@@ -249,11 +250,11 @@ def add_slurm_job_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-run", action="store_true", help="write the script(s), print, do not submit")
 
 
-def slurm_options_from_args(args: argparse.Namespace, gpus_per_node: Optional[int] = None):
+def slurm_options_from_args(args: argparse.Namespace):
     from multigpu.launch.slurm import SlurmOptions
 
     return SlurmOptions(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node if args.gpus_per_node is not None else (gpus_per_node or 0),
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, account=args.account,
         cpus_per_task=args.cpus_per_task, mem=args.mem, job_name=args.job_name,
         max_restarts=getattr(args, "max_restarts", 0) or 0, extra=tuple(args.sbatch_arg),
@@ -299,6 +300,8 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
         return 0
     command = split_command(None if args.module else args.script, args.script if args.module else None, args.script_args)
     options = slurm_options_from_args(args)
+    if options.gpus_per_node is None:
+        options = dataclasses.replace(options, gpus_per_node=0)
     name = options.job_name or Path(args.script).stem.replace(".", "_")
     run_dir = Path(args.run_dir or Path("outputs") / "slurm" / f"{name}-{_time.strftime('%Y%m%d-%H%M%S')}").resolve()
     job = slurm.SlurmJob(command=command, run_dir=run_dir, options=options)

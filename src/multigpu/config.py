@@ -8,6 +8,7 @@ line to fix and the nearest known key. No code is executed from config files.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import types
@@ -133,13 +134,13 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
             raise ConfigError(f"{_where(source, lines, path)}: {key} must be a group of keys, not {value!r}.",
                               f"indent its settings under `{path[-1]}:`.")
         return from_mapping(tp, value, source, lines, path)
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+    if origin in (list, tuple, collections.abc.Sequence) or tp in (list, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"{_where(source, lines, path)}: {key} must be a list, not {value!r}.", f"write {key}: [a, b].")
         args = typing.get_args(tp)
         items = [_convert(v, args[0], source, lines, path) for v in value] if args and args[0] is not Ellipsis else list(value)
         return tuple(items) if (origin is tuple or tp is tuple) else items
-    if origin in (dict, Mapping) or tp is dict:
+    if origin in (dict, collections.abc.Mapping) or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{_where(source, lines, path)}: {key} must be a mapping, not {value!r}.", f"write {key}: {{a: 1}}.")
         return dict(value)

@@ -136,9 +136,6 @@ class Loader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch}
-
 
 def _length(dataset: Any) -> int:
     if not isinstance(dataset, Sized):

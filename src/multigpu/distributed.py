@@ -127,20 +127,30 @@ class ProcessGroup:
             self._control = dist.new_group(backend="gloo", timeout=self.settings.timeout)
         return self
 
-    def close(self) -> None:
-        """Barrier, destroy, flush: the order that keeps workers from aborting at interpreter exit."""
+    def barrier(self) -> None:
+        if not self.active:
+            return
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def close(self, goodbye: bool = True) -> None:
+        """Barrier, destroy, flush: the order that keeps workers from aborting at interpreter exit.
+
+        ``goodbye=False`` (leaving because of an error) skips the barrier: the other ranks are in some
+        other collective and would only make this one wait. The barrier runs on the CPU control group
+        with ``teardown_timeout``, also under nccl, so a missing rank costs seconds, not 30 minutes.
+        """
         if not self.active:
             self._started = False
             return
         try:
-            if self.backend == "gloo":
-                dist.monitored_barrier(timeout=self.settings.teardown_timeout)
-            elif self.backend == "nccl":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.barrier()
+            if goodbye:
+                dist.monitored_barrier(group=self._control, timeout=self.settings.teardown_timeout)
         except Exception as exc:  # a peer already gone: still destroy our side
-            warnings.warn(f"multigpu: goodbye barrier failed on rank {self.world.rank}: {exc}", stacklevel=2)
+            warnings.warn(f"multigpu: goodbye barrier failed on rank {self.world.rank}: {' '.join(str(exc).split())[:200]}",
+                          stacklevel=2)
         finally:
             dist.destroy_process_group()
             self._started = False

@@ -139,15 +139,21 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
 def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float) -> str:
     started = last_notice = time.monotonic()
     delay = 0.01
-    while not store.check([key]):
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
-        now = time.monotonic()
-        if now - last_notice >= notice_every_s:
-            last_notice = now
-            print(f"multigpu: rank {me} still waiting for rank 0 to finish {_name(fn)} ({now - started:.0f} s)",
-                  file=sys.stderr, flush=True)
-    return store.get(key).decode()
+    try:
+        while not store.check([key]):
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+            now = time.monotonic()
+            if now - last_notice >= notice_every_s:
+                last_notice = now
+                print(f"multigpu: rank {me} still waiting for rank 0 to finish {_name(fn)} ({now - started:.0f} s)",
+                      file=sys.stderr, flush=True)
+        return store.get(key).decode()
+    except RuntimeError as exc:  # the store (hosted by rank 0 or its launcher) went away
+        raise MultiGPUError(
+            f"run_on_main({_name(fn)}) lost rank 0 while waiting for it ({' '.join(str(exc).split())[:120]}).",
+            "rank 0 failed or was stopped; its own error is above.",
+        ) from None
 
 
 def _name(fn: Callable) -> str:

@@ -47,9 +47,6 @@ class MetricSums:
             dist.all_reduce(stacked)
         return {n: s / c if c > 0 else float("nan") for n, (s, c) in zip(names, stacked.tolist(), strict=True)}
 
-    def reset(self) -> None:
-        self._sums.clear()
-
 
 def reduce_sums(values: Mapping[str, tuple[Number, Number]], device: Union[str, torch.device] = "cpu") -> dict[str, float]:
     """One-shot :class:`MetricSums`: ``{"acc": (correct, n)}`` on each rank -> the global ratio."""

@@ -10,6 +10,7 @@ process (sequentially, or in tests) do not interfere.
 from __future__ import annotations
 
 import atexit
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +25,7 @@ from multigpu.checkpoint import sharded
 from multigpu.checkpoint.rng import seed_everything
 from multigpu.data import Loader, describe_batch, make_loader
 from multigpu.distributed import GroupSettings, ProcessGroup, choose_devices
-from multigpu.errors import ConfigError
+from multigpu.errors import CheckpointError, ConfigError
 from multigpu.strategies import Strategy, make_strategy
 from multigpu.strategies.base import OptimizerLike, clean_state_dict
 from multigpu.world import World, detect_world
@@ -117,7 +118,8 @@ class Run:
     def state_dict(self, model: nn.Module) -> dict:
         """The model's full weights with plain names (no ``module.``/``_orig_mod.``), ready for a plain model.
 
-        Sharded models are gathered to global rank 0 on the CPU; the other ranks get an empty dict.
+        Sharded models are gathered to global rank 0 on the CPU - a collective: call it on every rank
+        (the other ranks get an empty dict), not inside ``if run.is_main:``.
         """
         strategy = self._need_strategy()
         if strategy.sharded:
@@ -145,18 +147,21 @@ class Run:
         seed_everything(seed)
 
     # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
-    def save_checkpoint(self, directory: str, step: int, state: dict, keep_last: Optional[int] = None) -> Path:
+    def save_checkpoint(self, directory: str | Path, step: int, state: dict, keep_last: Optional[int] = None,
+                        meta: Optional[dict] = None) -> Path:
         """Write ``state`` as an atomic, verified checkpoint; every rank calls this and returns after it exists.
 
         Put the model under ``"model"`` and the optimizer under ``"optimizer"``. Replicated strategies
         write one ``state.pt`` from rank 0 with a clean model state dict (loads into a plain model
         anywhere); sharded ones (fsdp) write DCP shards from every rank, loadable at any world size.
+        ``keep_last``: delete all but the newest so many (checkpoints of later steps, left by a run
+        that was abandoned, are moved aside, never deleted).
         """
         strategy = self._need_strategy()
         model, optimizer = state.get("model"), state.get("optimizer")
         rest = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, nn.Module) else v)
                 for k, v in state.items() if k not in ("model", "optimizer")}
-        meta = {"world_size": self.world_size, "strategy": strategy.name}
+        meta = {"world_size": self.world_size, "strategy": strategy.name, **(meta or {})}
         if strategy.sharded:
             if not isinstance(model, nn.Module):
                 raise ConfigError("a sharded checkpoint needs the model under state['model'].",
@@ -173,34 +178,62 @@ class Run:
                     plain["optimizer"] = optimizer.state_dict()
                 checkpoint.save_state(directory, step, plain, meta=meta)
         if self.is_main:
-            checkpoint.prune(directory, keep_last)
+            for moved in checkpoint.prune(directory, keep_last, newest=step):
+                if moved.name.startswith("abandoned-"):
+                    self.print(f"multigpu: moved {moved.name[len('abandoned-'):]} aside to {moved} "
+                               f"(a later step than the one just saved: left by an abandoned run)")
         self.barrier()
         return path
 
-    def load_checkpoint(self, directory: str, model: Optional[nn.Module] = None,
+    def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint.CheckpointInfo]:
+        """The newest checkpoint that verifies, chosen by rank 0 and the same on every rank.
+
+        Rank 0 alone reads and checks the files (each skipped one is reported); the others take its
+        choice, so ranks never pick different steps from a lagging shared-filesystem listing.
+        """
+        info = checkpoint.latest(directory, checksums=checksums, report=self.print) if self.is_main else None
+        if not self.group.active:
+            return info
+        import torch.distributed as dist
+
+        box = [None if info is None else (str(info.path), info.step, info.meta)]
+        dist.broadcast_object_list(box, src=0, group=self.group.control)
+        if box[0] is None:
+            return None
+        path, step, manifest = box[0]
+        return checkpoint.CheckpointInfo(Path(path), step, manifest)
+
+    def load_checkpoint(self, where: str | Path, model: Optional[nn.Module] = None,
                         optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[dict]:
-        """Load the newest checkpoint that verifies (corrupt ones are reported and skipped).
+        """Load a checkpoint: ``where`` is a ``step-N`` folder, or a folder of them (the newest good one).
 
         With ``model``/``optimizer`` their states are restored in place, whatever the checkpoint's world
         size or strategy; the rest of the saved dict is returned. None when there is no checkpoint.
         """
-        info = checkpoint.latest(directory, report=self.print)
-        if info is None:
-            return None
-        if sharded.is_sharded(info.path):
+        path = Path(where)
+        if not (path / checkpoint.files.MANIFEST).exists():
+            info = self.latest_checkpoint(path)
+            if info is None:
+                return None
+            path = info.path
+        if sharded.is_sharded(path):
             if model is None:
-                raise ConfigError(f"{info.path} is sharded: it loads into a model, not into a dict.",
+                raise ConfigError(f"{path} is sharded: it loads into a model, not into a dict.",
                                   "pass model= (and optimizer=), or consolidate it with `multigpu checkpoint consolidate`.")
-            return sharded.load(info.path, model, optimizer, map_location=self.device)
-        state = checkpoint.load_state(info.path, map_location=self.device)
-        if model is not None and "model" in state:
-            if self._need_strategy().sharded:
-                sharded.load_full_into_sharded(model, state.pop("model"))
-                state.pop("optimizer", None)
-            else:
-                self.unwrap(model).load_state_dict(state.pop("model"))
-        if optimizer is not None and "optimizer" in state:
-            optimizer.load_state_dict(state.pop("optimizer"))
+            return sharded.load(path, model, optimizer, map_location=self.device)
+        state = checkpoint.load_state(path, map_location=self.device)
+        try:
+            if model is not None and "model" in state:
+                if self._need_strategy().sharded:
+                    sharded.load_full_into_sharded(model, state.pop("model"))
+                    state.pop("optimizer", None)
+                else:
+                    self.unwrap(model).load_state_dict(state.pop("model"))
+            if optimizer is not None and "optimizer" in state:
+                optimizer.load_state_dict(state.pop("optimizer"))
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{path} does not fit this model/optimizer: {' '.join(str(exc).split())[:300]}",
+                                  "resume with the same model configuration, or start a new out_dir.") from None
         return state
 
     # ------------------------------------------------------------------ helpers
@@ -214,22 +247,20 @@ class Run:
         return helpers.run_on_main(fn, *args, **kwargs)
 
     def barrier(self) -> None:
-        if self.group.active:
-            import torch.distributed as dist
-
-            if self.backend == "nccl":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.barrier()
+        self.group.barrier()
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Barrier, destroy the process group, flush. Safe to call twice; also runs at exit."""
+        """Barrier, destroy the process group, flush. Safe to call twice; also runs at exit.
+
+        When the process is leaving because of an uncaught exception (``sys.last_value`` is set, as
+        Python and the worker wrapper do) the goodbye barrier is skipped: the others cannot join it.
+        """
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
-        self.group.close()
+        self.group.close(goodbye=getattr(sys, "last_value", None) is None)
 
     def __enter__(self) -> "Run":
         return self

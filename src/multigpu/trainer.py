@@ -24,18 +24,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu import checkpoint
-from multigpu.checkpoint import rng, sharded
+from multigpu.checkpoint import rng
 from multigpu.data import Loader, describe_batch
 from multigpu.diagnostics import consistency
 from multigpu.diagnostics.watchdog import HangWatchdog
-from multigpu.errors import CheckpointError, ConfigError
+from multigpu.errors import ConfigError
 from multigpu.metrics import MetricSums
 from multigpu.precision import Precision
 from multigpu.preemption import Preempted, StopSignal, requeue_slurm_job
 from multigpu.progress import ProgressLine, read_csv, write_csv
 from multigpu.runtime import Run
-from multigpu.strategies.base import OptimizerLike, clean_state_dict
+from multigpu.strategies.base import OptimizerLike
 
 SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
 
@@ -52,7 +51,7 @@ class TrainerSettings:
     accumulate: int = 1
     clip_grad_norm: Optional[float] = None
     precision: str = "32"
-    strategy: str = "auto"
+    strategy: Optional[str] = None  # None: the one given to mg.init() ("auto" unless said otherwise)
     strategy_options: dict = field(default_factory=dict)
     scheduler_interval: str = "step"  # or "epoch"
     seed: int = 0
@@ -151,12 +150,17 @@ class Trainer(abc.ABC):
                 "recipe_config": consistency.config_hash(_plain(config)),
                 **consistency.environment_fingerprint(),
             }, group=run.group.control)
-        self.model, self.optimizer = run.setup(model, optimizer, strategy=self.settings.strategy,
+        self.model, self.optimizer = run.setup(model, optimizer, strategy=self.settings.strategy or run.strategy_name,
                                                **self.settings.strategy_options)
         if self.optimizer is None:
             raise ConfigError("the Trainer needs an optimizer.", "pass one, or a factory like "
                               "`lambda params: torch.optim.AdamW(params, lr=1e-3)`.")
         self.strategy = run.strategy
+        if (scheduler is not None and not callable(scheduler) and isinstance(optimizer, torch.optim.Optimizer)
+                and self.optimizer is not optimizer):
+            raise ConfigError(f"strategy {self.strategy.name!r} rebuilt the optimizer on its sharded parameters, so "
+                              "the scheduler given still drives the old one.",
+                              "pass a scheduler factory: scheduler=lambda optimizer: CosineAnnealingLR(optimizer, ...).")
         self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler  # a factory or an instance
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
@@ -199,6 +203,9 @@ class Trainer(abc.ABC):
                  "epochs": epochs}, group=self.run.group.control)
         if s.resume:
             self.resume()
+        elif self.run.latest_checkpoint(self.checkpoint_dir, checksums=False) is not None:
+            raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
+                              "set resume: true to continue that run, or choose a new out_dir.")
         train_loader.resume_at(self.state.epoch, self.state.batch_in_epoch)
         self._stop = StopSignal(self.run.group.control, self.run.group.active).install() if s.preemption else None
         self._watchdog = (HangWatchdog(s.hang_timeout_s, self.out_dir / "hang", self.run.rank, self.run.world_size).start()
@@ -238,7 +245,8 @@ class Trainer(abc.ABC):
             if partial:
                 self.save()  # resumable from here with a larger max_steps
                 break
-            self.on_epoch_end(epoch, row)
+            with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
+                self.on_epoch_end(epoch, row)
             if (epoch + 1) % s.checkpoint_every_epochs == 0 or epoch + 1 == epochs:
                 self.save()
 
@@ -246,7 +254,7 @@ class Trainer(abc.ABC):
         s = self.settings
         model, optimizer, precision, strategy = self.model, self.optimizer, self.precision, self.strategy
         model.train()
-        total = len(loader) + self.state.batch_in_epoch
+        total = len(loader)  # the whole epoch: a resumed pass skips its first batches only once it starts
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = 0
         samples = 0
@@ -303,18 +311,45 @@ class Trainer(abc.ABC):
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> dict[str, float]:
-        """Global metrics over ``data`` (a dataset or an eval loader); exact across any number of ranks."""
+        """Global metrics over ``data`` (a dataset or an eval loader); exact across any number of ranks.
+
+        Evaluation shards differ in length by up to one batch. Replicated models are evaluated without
+        their DDP wrapper (whose forward may broadcast buffers - a collective the ranks would not all
+        join); sharded ones need every rank's forward, so the ranks with fewer batches repeat one whose
+        results are dropped.
+        """
         loader = self._as_loader(data, evaluation=True)
+        wrapped = self.model
+        sharded_model = self.strategy.sharded
+        self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
         sums = MetricSums(self.run.comm_device)
-        for batch in loader:
-            batch = move_to(batch, self.device)
-            with self.precision.autocast():
-                sums.update(self.evaluate_batch(batch))
-            if self._watchdog is not None:
-                self._watchdog.beat(self.state.global_step)
-        self.model.train()
+        extra = self._missing_batches(len(loader)) if sharded_model else 0
+        try:
+            last = None
+            for batch in loader:
+                last = move_to(batch, self.device)
+                with self.precision.autocast():
+                    sums.update(self.evaluate_batch(last))
+                if self._watchdog is not None:
+                    self._watchdog.beat(self.state.global_step)
+            for _ in range(extra):  # keep FSDP's all-gathers paired across ranks; results dropped
+                with self.precision.autocast():
+                    self.evaluate_batch(last)
+        finally:
+            self.model = wrapped
+            self.model.train()
         return sums.compute()
+
+    def _missing_batches(self, mine: int) -> int:
+        if not self.run.group.active:
+            return 0
+        most = torch.tensor([mine])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.run.group.control)
+        if mine == 0 and most.item() > 0:
+            raise ConfigError("a sharded model needs every rank to evaluate at least one batch.",
+                              "use an evaluation set with at least as many samples as processes.")
+        return int(most.item()) - mine
 
     def _as_loader(self, data: Any, evaluation: bool) -> Loader:
         if isinstance(data, Loader):
@@ -336,17 +371,11 @@ class Trainer(abc.ABC):
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: weights, optimizer, scheduler, scaler, counters, RNGs.
-
-        Sharded strategies save model and optimizer through DCP instead, so the keys ``model`` and
-        ``optimizer`` are left out here for them.
-        """
-        state: dict[str, Any] = {}
-        if not self.strategy.sharded:
-            state["model"] = clean_state_dict(self.strategy.unwrap(self.model).state_dict())
-            state["optimizer"] = self.optimizer.state_dict()
+        """Everything needed to continue exactly: the model and optimizer (as objects: the run saves them
+        in the strategy's format), scheduler, scaler, counters and data layout. Extend it to save more."""
         return {
-            **state,
+            "model": self.model,
+            "optimizer": self.optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.precision.state_dict(),
             "trainer": dataclasses.asdict(self.state),
@@ -355,58 +384,35 @@ class Trainer(abc.ABC):
         }
 
     def save(self) -> Path:
-        """Write a checkpoint of the current state (rank 0 writes; every rank returns once it exists)."""
+        """Write a checkpoint of the current state (every rank calls it; returns once it exists)."""
         state = self.checkpoint_state()
-        rng_states = self._gather_rng()
-        path = self.checkpoint_dir / checkpoint.files.step_name(self.state.global_step)
-        meta = {"epoch": self.state.epoch, "world_size": self.run.world_size, "strategy": self.strategy.name}
-        state["rng"] = rng_states
-        if self.strategy.sharded:
-            sharded.save(self.checkpoint_dir, self.state.global_step, self.model, self.optimizer, state,
-                         is_main=self.run.is_main, barrier=self.run.barrier, meta=meta)
-        elif self.run.is_main:
-            checkpoint.save_state(self.checkpoint_dir, self.state.global_step, state, meta=meta)
-        if self.run.is_main:
-            checkpoint.prune(self.checkpoint_dir, self.settings.keep_last)
-        self.run.barrier()
-        return path
+        state["rng"] = self._gather_rng()  # every rank's generators, held by rank 0
+        meta = {"epoch": self.state.epoch}
+        with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
+            return self.run.save_checkpoint(self.checkpoint_dir, self.state.global_step, state,
+                                            keep_last=self.settings.keep_last, meta=meta)
 
     def _gather_rng(self) -> list[dict]:
         mine = rng.capture()
         if not self.run.group.active:
             return [mine]
         gathered: list[Any] = [None] * self.run.world_size if self.run.is_main else None
-        dist.gather_object(mine, gathered, dst=0)
+        dist.gather_object(mine, gathered, dst=0, group=self.run.group.control)
         return gathered if self.run.is_main else []
 
     def resume(self) -> bool:
         """Load the newest checkpoint that verifies, if any; corrupt ones are reported and skipped."""
-        info = checkpoint.latest(self.checkpoint_dir, checksums=self.settings.verify_checksums,
-                                 report=lambda msg: self.run.print(msg))
+        info = self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums)
         if info is None:
             return False
-        if sharded.is_sharded(info.path):
-            state = sharded.load(info.path, self.model, self.optimizer, map_location=self.device)
-        else:
-            state = checkpoint.load_state(info.path, map_location=self.device)
-            if self.strategy.sharded:
-                sharded.load_full_into_sharded(self.model, state.pop("model"))
-                state.pop("optimizer", None)
-        self.load_checkpoint_state(state)
+        state = self.run.load_checkpoint(info.path, self.model, self.optimizer)
+        self.load_checkpoint_state(state or {})
         self.run.print(f"multigpu: resumed from {info.path} (epoch {self.state.epoch}, "
                        f"batch {self.state.batch_in_epoch}, step {self.state.global_step})")
         return True
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Restore from ``checkpoint_state()``'s dict; model and optimizer only where it holds them."""
-        try:
-            if "model" in state:
-                self.strategy.unwrap(self.model).load_state_dict(state["model"])
-            if "optimizer" in state:
-                self.optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"the checkpoint does not fit this model/optimizer: {' '.join(str(exc).split())[:300]}",
-                                  "resume with the same model configuration, or start a new out_dir.") from None
+        """Restore the rest of ``checkpoint_state()`` (the run already restored model and optimizer)."""
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.precision.load_state_dict(state.get("scaler") or {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from multigpu.errors import WorldError
@@ -310,7 +310,3 @@ def detect_world(env: Optional[Env] = None, readers: Sequence[Reader] = READERS)
             return validate(world)
     return validate(World(**_common(env)))
 
-
-def with_overrides(world: World, **changes) -> World:
-    """A copy with some fields changed (tests and the simulate-nodes rehearsal use this)."""
-    return validate(replace(world, **changes))

@@ -33,16 +33,18 @@ class Eval(mg.Trainer):
                 "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels))}
 
 
-trainer = Eval(run, model, lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, resume=False, progress=False,
-               out_dir=sys.argv[1] + ".run")
+strategy = sys.argv[2] if len(sys.argv) > 2 else "auto"
+trainer = Eval(run, model, lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, eval_batch_size=5, resume=False,
+               progress=False, out_dir=sys.argv[1] + ".run", strategy=strategy)
 metrics = trainer.evaluate(TensorDataset(x, y))
 
 # The same through the bring-your-own-loop helpers, plus per-sample predictions in dataset order.
 loader = run.eval_loader(TensorDataset(x, y), batch_size=7)
 correct, seen, predictions = 0, 0, []
+plain = run.unwrap(trainer.model) if strategy != "fsdp" else trainer.model
 with torch.no_grad():
     for inputs, labels in loader:
-        logits = trainer.model(inputs)
+        logits = plain(inputs)
         correct += int((logits.argmax(1) == labels).sum())
         seen += len(labels)
         predictions.append(logits.argmax(1))

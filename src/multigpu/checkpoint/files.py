@@ -43,10 +43,6 @@ class CheckpointInfo:
     step: int
     meta: dict
 
-    @property
-    def epoch(self) -> int:
-        return int(self.meta.get("epoch", 0))
-
 
 class _HashingWriter:
     """A file wrapper that checksums and counts what ``torch.save`` writes, so nothing is read back."""
@@ -233,17 +229,30 @@ def load_state(path: PathLike, map_location: Union[str, torch.device, None] = "c
                               "the file is corrupt or not a torch checkpoint; use an earlier one.") from None
 
 
-def prune(directory: PathLike, keep_last: Optional[int]) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints and any leftovers of interrupted writes."""
+def prune(directory: PathLike, keep_last: Optional[int], newest: Optional[int] = None) -> list[Path]:
+    """Delete leftovers of interrupted writes and all but the newest ``keep_last`` checkpoints.
+
+    ``newest``: the step just saved. Checkpoints of later steps belong to a run that was abandoned
+    (the resume skipped them as corrupt): they are renamed ``abandoned-step-N`` - out of the way,
+    never deleted - so retention cannot remove the checkpoint that was just written.
+    """
     root = Path(directory)
     removed = []
-    if root.is_dir():
-        for entry in root.iterdir():
-            if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    found = list_checkpoints(root)
+    if newest is not None:
+        for info in [i for i in found if i.step > newest]:
+            target = root / f"abandoned-{info.path.name}-{uuid.uuid4().hex[:6]}"
+            info.path.rename(target)
+            removed.append(target)
+        found = [i for i in found if i.step <= newest]
     if keep_last is not None and keep_last > 0:
-        for info in list_checkpoints(root)[keep_last:]:
+        for info in found[keep_last:]:
             shutil.rmtree(info.path, ignore_errors=True)
             removed.append(info.path)
     return removed

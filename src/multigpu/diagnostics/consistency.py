@@ -29,7 +29,15 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
 
 
 def config_hash(config: Any) -> str:
-    text = json.dumps(config, sort_keys=True, default=repr)
+    """A hash of plain data. Values JSON cannot hold are hashed by type name (a function's repr carries
+    its memory address, which differs per process) and sets in sorted order."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(repr(v) for v in value)
+        return f"<{type(value).__qualname__}>"
+
+    text = json.dumps(config, sort_keys=True, default=plain)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

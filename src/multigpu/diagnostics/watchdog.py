@@ -12,6 +12,7 @@ The files go through the filesystem, not a collective: a hung collective is what
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -19,7 +20,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 #: Exit status of a worker stopped by the hang watchdog (the ``timeout`` command's convention).
 EXIT_HANG = 124
@@ -64,6 +65,7 @@ class HangWatchdog:
         self._exit = exit
         self._last = time.monotonic()
         self._step = 0
+        self._paused = 0
         self._stop = threading.Event()
         self._main = threading.main_thread()
         self._thread: Optional[threading.Thread] = None
@@ -85,6 +87,16 @@ class HangWatchdog:
         self._thread.start()
         return self
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No hang report while inside (a long checkpoint write, a user hook); the clock restarts after."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._last = time.monotonic()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -94,7 +106,7 @@ class HangWatchdog:
         interval = max(0.05, min(self.timeout_s / 4, 5.0))
         while not self._stop.wait(interval):
             idle = time.monotonic() - self._last
-            if idle >= self.timeout_s:
+            if idle >= self.timeout_s and not self._paused:
                 self.fired = True
                 self._report(idle)
                 self._exit(EXIT_HANG)

@@ -20,10 +20,6 @@ class DevicePlan:
     visible: Optional[str]
     gpus_per_proc: int = 1
 
-    @property
-    def uses_gpus(self) -> bool:
-        return bool(self.visible)
-
     def describe(self) -> str:
         if not self.visible:
             return f"{self.nproc} CPU process(es)"

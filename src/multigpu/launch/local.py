@@ -130,10 +130,18 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
     if request.devices.visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = request.devices.visible
     if "OMP_NUM_THREADS" not in os.environ and request.devices.nproc > 1:
-        # torchrun's default of 1 starves CPU training; split the cores instead.
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // request.devices.nproc))
+        # torchrun's default of 1 starves CPU training; split the cores this process may use instead
+        # (its affinity: a Slurm task sees its allocation, not the whole node).
+        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // request.devices.nproc))
     env.update({k: str(v) for k, v in request.extra_env.items()})
     return env
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def launch(request: LaunchRequest) -> int:
@@ -184,13 +192,15 @@ def launch(request: LaunchRequest) -> int:
     except KeyboardInterrupt:
         _say("interrupted; every worker was terminated.")
         return 130
-    except Exception as exc:  # rendezvous or agent failures: one line, no traceback
+    except Exception as exc:  # rendezvous or agent failures: one line, no traceback; status 1, not 2
         text = " ".join(str(exc).split()) or type(exc).__name__
-        raise LaunchError(
+        error = LaunchError(
             f"the launcher failed before the workers finished: {text[:400]}",
             "check --master-addr/--master-port or --rdzv-endpoint, and that every node was started "
             "(run with --verbose for torch's own log).",
-        ) from None
+        )
+        print(error.one_line(), file=sys.stderr, flush=True)
+        return 1
     if not keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0

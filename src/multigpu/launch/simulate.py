@@ -15,22 +15,27 @@ import time
 from typing import Optional, Sequence
 
 from multigpu.errors import LaunchError
+from multigpu.launch.devices import parse_gpu_ids
 from multigpu.launch.ports import free_port
 
 
 def node_commands(nodes: int, run_args: Sequence[str], visible_gpus: int, gpus_flag: Optional[str],
                   python: str = sys.executable) -> list[list[str]]:
-    """One ``multigpu run`` command line per simulated node (``run_args``: the flags and the target)."""
+    """One ``multigpu run`` command line per simulated node (``run_args``: the flags and the target,
+    without --gpus). The GPUs - the ones named by ``gpus_flag``, else every visible one - are split
+    evenly between the nodes."""
     if nodes < 2:
         raise LaunchError(f"--simulate-nodes {nodes} must be at least 2.", "use --simulate-nodes 2 or more.")
+    ids = parse_gpu_ids(gpus_flag) if gpus_flag is not None else list(range(visible_gpus))
+    if ids and len(ids) % nodes:
+        raise LaunchError(f"{len(ids)} GPU(s) cannot be split evenly across {nodes} simulated nodes.",
+                          "name a multiple of the node count with --gpus, or pass --cpu to rehearse with CPU processes.")
+    per_node = len(ids) // nodes
     port = free_port()
     commands = []
-    per_node = visible_gpus // nodes if visible_gpus and gpus_flag is None else 0
-    if visible_gpus and gpus_flag is None and per_node == 0:
-        raise LaunchError(f"{visible_gpus} GPU(s) cannot be split across {nodes} simulated nodes.",
-                          "simulate fewer nodes, or pass --cpu to rehearse with CPU processes.")
     for rank in range(nodes):
-        gpus = ["--gpus", f"{rank * per_node}-{(rank + 1) * per_node - 1}"] if per_node else []
+        mine = ids[rank * per_node : (rank + 1) * per_node]
+        gpus = ["--gpus", ",".join(str(i) for i in mine)] if mine else []
         commands.append([python, "-m", "multigpu", "run", "--nnodes", str(nodes), "--node-rank", str(rank),
                          "--master-addr", "127.0.0.1", "--master-port", str(port), *gpus, *run_args])
     return commands

@@ -29,7 +29,7 @@ _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 @dataclass(frozen=True)
 class SlurmOptions:
     nodes: int = 1
-    gpus_per_node: int = 0
+    gpus_per_node: Optional[int] = None  # None: 0 for `multigpu slurm`, each run's gpus for the queue
     nproc_per_node: Optional[int] = None  # default: one per GPU, or 1 on CPU nodes
     time: Optional[str] = None
     partition: Optional[str] = None
@@ -45,7 +45,7 @@ class SlurmOptions:
     def validate(self) -> None:
         if self.nodes < 1:
             raise LaunchError(f"--nodes {self.nodes} must be at least 1.", "use --nodes 1 or more.")
-        if self.gpus_per_node < 0:
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
             raise LaunchError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more.", "use 0 on CPU nodes.")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise LaunchError(f"--nproc-per-node {self.nproc_per_node} must be at least 1.", "use 1 or more.")

@@ -91,8 +91,13 @@ def run_user_code(argv: list[str]) -> int:
 
 
 def finish(code: int) -> None:
-    """Release the script's objects, run atexit handlers (process-group teardown), flush, exit hard."""
-    sys.last_type = sys.last_value = sys.last_traceback = None
+    """Release the script's objects, run atexit handlers (process-group teardown), flush, exit hard.
+
+    A failing script leaves ``sys.last_value`` set, as Python does for an uncaught exception, so the
+    teardown skips its goodbye barrier (the other ranks are not coming).
+    """
+    sys.last_type = sys.last_traceback = None
+    sys.last_value = SystemExit(code) if code else None
     gc.collect()  # close files the script left open, so nothing buffered is lost
     try:
         atexit._run_exitfuncs()

@@ -24,12 +24,15 @@ from typing import IO, Any, Callable, Optional, Sequence
 import yaml
 
 from multigpu.errors import ConfigError
+from multigpu.launch.local import usable_cores
 from multigpu.queue.runs import RunSpec
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"
 CONFIG_FILE = "run.yaml"
-STOP_GRACE_S = 60.0
+#: How long runs get to stop on Ctrl-C/SIGTERM: more than `multigpu run`'s --stop-timeout (120 s), so a
+#: checkpoint in progress is never cut off by the queue's SIGKILL.
+STOP_GRACE_S = 150.0
 
 
 @dataclass
@@ -131,7 +134,14 @@ class Queue:
     def _skip_finished(self) -> None:
         for run in self.runs:
             status = run.load_status()
-            if status.get("state") == "done" and status.get("fingerprint") == run.spec.fingerprint():
+            if not status:
+                continue
+            if status.get("fingerprint") != run.spec.fingerprint():
+                # Its settings changed: its checkpoints belong to the old settings. Keep them, aside.
+                aside = run.folder.with_name(f"{run.folder.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+                run.folder.rename(aside)
+                run.note = f"settings changed: earlier outputs moved to {aside.name}"
+            elif status.get("state") == "done":
                 run.state, run.exit_code = "skipped", 0
                 run.started, run.ended = status.get("started"), status.get("ended")
                 run.note = "finished earlier"
@@ -160,7 +170,7 @@ class Queue:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
         if not self.on_gpus and "OMP_NUM_THREADS" not in os.environ:
             # CPU slots share the cores: each run gets its share, or the runs thrash each other.
-            share = max(1, (os.cpu_count() or 1) // len(self.slots)) * len(slots)
+            share = max(1, usable_cores() // len(self.slots)) * len(slots)
             env["OMP_NUM_THREADS"] = str(max(1, share // run.spec.processes(False)))
         command = run.spec.command(run.folder, self.on_gpus)
         run.log = open(run.folder / LOG_FILE, "a")

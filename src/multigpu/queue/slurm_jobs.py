@@ -24,8 +24,9 @@ def submit_runs(specs: Sequence[RunSpec], out: Path, options: slurm.SlurmOptions
         folder = out / spec.name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / CONFIG_FILE).write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
-        gpus = options.gpus_per_node
-        run_options = replace(options, job_name=spec.name, nproc_per_node=options.nproc_per_node or spec.processes(gpus > 0))
+        gpus = spec.gpus if options.gpus_per_node is None else options.gpus_per_node
+        run_options = replace(options, job_name=spec.name, gpus_per_node=gpus,
+                              nproc_per_node=options.nproc_per_node or spec.processes(gpus > 0))
         target = ("-m", spec.module) if spec.module else (spec.script,)
         job = slurm.SlurmJob(command=(*target, *spec.recipe_args(folder)), run_dir=folder, options=run_options,
                              env=tuple(sorted((k, str(v)) for k, v in spec.env.items())))

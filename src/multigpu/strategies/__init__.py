@@ -37,6 +37,13 @@ def make_strategy(name: str, world: World, devices: Sequence[torch.device], **op
     if name == "auto":
         name = "ddp" if world.is_distributed else "single"
     device = devices[0]
+    if world.is_distributed and name in ("single", "dp", "pipeline"):
+        instead = {"single": "ddp (or auto)", "dp": "ddp", "pipeline": "ddp+pipeline"}[name]
+        raise ConfigError(
+            f"strategy {name!r} keeps no replicas in sync, but this job has {world.world_size} processes: each "
+            "would train its own model on its own shard.",
+            f"use strategy {instead}, or launch a single process.",
+        )
     if name == "single":
         _options(_NoOptions, name, options)
         return SingleDevice(device)
@@ -49,7 +56,7 @@ def make_strategy(name: str, world: World, devices: Sequence[torch.device], **op
     if name == "dp":
         _options(_NoOptions, name, options)
         ids = [d.index for d in devices if d.type == "cuda"]
-        if len(ids) == 1 and not world.is_distributed:
+        if len(ids) == 1:
             ids = list(range(torch.cuda.device_count()))  # a plain process: DataParallel over every GPU
         return DataParallelStrategy(ids)
     if name == "fsdp":
@@ -63,8 +70,7 @@ def make_strategy(name: str, world: World, devices: Sequence[torch.device], **op
     if name in ("pipeline", "ddp+pipeline"):
         from multigpu.strategies.pipeline import Pipeline, PipelineOptions
 
-        data_parallel = name == "ddp+pipeline" and world.is_distributed
-        return Pipeline(devices, _options(PipelineOptions, name, options), data_parallel=data_parallel)
+        return Pipeline(devices, _options(PipelineOptions, name, options), data_parallel=world.is_distributed)
     raise ConfigError(f"unknown strategy {name!r}.", f"choose one of: {', '.join(NAMES)}.")
 
 

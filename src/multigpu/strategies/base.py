@@ -7,6 +7,7 @@ Sharded strategies need model and optimizer set up together, so ``setup`` takes 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Union, runtime_checkable
 
 import torch
@@ -34,6 +35,24 @@ class Strategy(Protocol):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the *whole* model's gradient (across shards/stages), return that norm."""
+
+
+class PlainGradients:
+    """The moves every strategy shares unless it shards or syncs gradients its own way: a plain
+    backward, nothing to skip for accumulation, peel the wrappers, clip by the local norm (which is
+    the global one wherever every rank holds the whole, already averaged, gradient)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def no_sync(self, model: nn.Module) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return unwrap_module(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def clean_state_dict(state: dict[str, Any]) -> dict[str, Any]:
@@ -93,8 +112,4 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str
 def strip_name(name: str) -> str:
     """Drop the ``_orig_mod`` components torch.compile adds (a name no user module uses)."""
     return ".".join(p for p in name.split(".") if p != "_orig_mod")
-
-
-def total_grad_norm_clip(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    return nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], max_norm)
 

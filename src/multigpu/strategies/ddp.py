@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.strategies.base import OptimizerLike, build_optimizer, unwrap_module
+from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class DDPOptions:
     broadcast_buffers: Optional[bool] = None
 
 
-class DDP:
+class DDP(PlainGradients):
+    """After backward every replica holds the same averaged gradient, so the plain clip is global."""
+
     name = "ddp"
     sharded = False
 
@@ -43,15 +45,5 @@ class DDP:
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **kwargs)  # broadcasts rank 0's weights
         return wrapped, build_optimizer(optimizer, model)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return unwrap_module(model)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # After backward every replica holds the same averaged gradient: the local norm is the global one.
-        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)

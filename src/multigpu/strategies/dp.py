@@ -5,15 +5,14 @@ opposite of ddp, where the batch is per process.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from typing import ContextManager, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from multigpu.strategies.base import OptimizerLike, build_optimizer, unwrap_module
+from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer
 
 DEPRECATION = (
     "multigpu: strategy 'dp' (torch.nn.DataParallel) is deprecated and slower than 'ddp'; "
@@ -34,7 +33,7 @@ def split_sizes(batch_size: int, n_devices: int) -> list[int]:
     return sizes
 
 
-class DataParallelStrategy:
+class DataParallelStrategy(PlainGradients):
     name = "dp"
     sharded = False
 
@@ -52,15 +51,3 @@ class DataParallelStrategy:
         model = model.to(self.device)
         wrapped = nn.DataParallel(model, device_ids=self.device_ids) if len(self.device_ids) > 1 else model
         return wrapped, build_optimizer(optimizer, model)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def no_sync(self, model: nn.Module) -> ContextManager:
-        return contextlib.nullcontext()
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return unwrap_module(model)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)

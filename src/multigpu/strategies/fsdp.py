@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import OptimizerLike, build_optimizer, rebuild_optimizer, unwrap_module
+from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer, rebuild_optimizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -90,7 +90,7 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
     return [m for m in modules if id(m) not in inside]
 
 
-class FSDP:
+class FSDP(PlainGradients):
     name = "fsdp"
     sharded = True
 
@@ -119,14 +119,8 @@ class FSDP:
             return model, rebuild_optimizer(optimizer, names, model)
         return model, build_optimizer(optimizer, model)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
     def no_sync(self, model: nn.Module) -> ContextManager:
         return _no_gradient_sync(model)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return unwrap_module(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         # Gradients are DTensor shards: clip_grad_norm_ computes the norm over every shard of every

@@ -19,8 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import OptimizerLike, build_optimizer, unwrap_module
-from multigpu.strategies.single import SingleDevice
+from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ def split_model(model: Any, stages: int, split_points: Optional[Sequence[int]] =
     return layers, list(zip(bounds, bounds[1:], strict=False))
 
 
-class Pipeline:
+class Pipeline(PlainGradients):
     name = "pipeline"
     sharded = False
 
@@ -180,17 +179,10 @@ class Pipeline:
         # A module spanning several devices: DDP takes no device_ids and reduces on each device.
         return DistributedDataParallel(piped, device_ids=None), built
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync() if isinstance(model, DistributedDataParallel) else SingleDevice(self.device).no_sync(model)
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return unwrap_module(model)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # clip_grad_norm_ gathers the per-device norms onto the first device: the norm of the whole model.
-        return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # clip_grad_norm (inherited): clip_grad_norm_ gathers the per-device norms onto the first device,
+    # which is the norm of the whole model.
 
 
