@@ -336,12 +336,12 @@ def _add_queue_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_queue(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     from rich.console import Console
 
-    from multigpu.launch.devices import parse_gpu_ids
+    from multigpu.launch.devices import plan_devices
+    from multigpu.launch.local import usable_cores
     from multigpu.queue.display import Display
     from multigpu.queue.runs import load_runs
     from multigpu.queue.scheduler import Queue
@@ -359,19 +359,11 @@ def _cmd_queue(args: argparse.Namespace) -> int:
 
         return submit_runs(specs, out, slurm_options_from_args(args), dry_run=args.dry_run)
     visible = _visible_gpus()
-    if args.gpus is not None:
-        if not visible:
-            raise MultiGPUError(f"--gpus {args.gpus} was given but no GPU is visible.", "use --slots N on a CPU machine.")
-        ids = parse_gpu_ids(args.gpus)
-        bad = [i for i in ids if i >= len(visible)]
-        if bad:
-            raise MultiGPUError(f"--gpus {args.gpus}: GPU {bad[0]} does not exist; {len(visible)} are visible.",
-                                "choose ids from `multigpu env`.")
-        slots, on_gpus = [visible[i] for i in ids], True
-    elif visible:
-        slots, on_gpus = visible, True
+    if visible or args.gpus is not None:
+        # The same --gpus rules (and errors) as `multigpu run`: indexes into the visible GPUs.
+        slots, on_gpus = plan_devices(visible, gpus=args.gpus).visible.split(","), True
     else:
-        count = args.slots or os.cpu_count() or 1
+        count = args.slots if args.slots is not None else usable_cores()
         if count < 1:
             raise MultiGPUError(f"--slots {count} must be at least 1.", "use --slots 1 or more.")
         slots, on_gpus = [str(i) for i in range(count)], False

@@ -60,7 +60,8 @@ def plan_devices(
     if gpus is not None:
         ids = parse_gpu_ids(gpus)
         if not visible_gpus:
-            raise LaunchError(f"--gpus {gpus} was given but no GPU is visible.", "use --nproc N for N CPU processes.")
+            raise LaunchError(f"--gpus {gpus} was given but no GPU is visible.",
+                              "use CPU processes instead: --nproc N with `run`, --slots N with `queue`.")
         bad = [i for i in ids if i >= len(visible_gpus)]
         if bad:
             raise LaunchError(
