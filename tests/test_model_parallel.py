@@ -93,7 +93,8 @@ def test_more_stages_than_gpus_of_the_process_is_a_hint_error():
 def test_strategy_names_and_fallbacks():
     assert make_strategy("pipeline", World(), [CPU]).name == "pipeline"
     assert make_strategy("ddp+pipeline", World(), [CPU]).name == "pipeline"  # one process: nothing to replicate
-    assert make_strategy("fsdp", World(), [CPU]).name == "single"  # one process: nothing to shard
+    alone = make_strategy("fsdp", World(), [CPU])  # one process: nothing to shard, but checkpoints stay DCP
+    assert (alone.name, alone.sharded, alone.distributed) == ("fsdp", True, False)
     with pytest.raises(ConfigError, match="fsdp option param_dtype='fp12'"):
         make_strategy("fsdp", World(rank=0, world_size=2, local_world_size=2), [CPU], param_dtype="fp12")
     with pytest.raises(ConfigError, match="has no option 'microbatches'"):

@@ -1,17 +1,19 @@
 """The ``multigpu`` command: a thin layer that parses flags and calls launch, queue and diagnostics.
 
-Nothing imports this module. Every :class:`MultiGPUError` becomes one line on stderr with its HINT and
-exit status 2 (bad input, nothing was started); a failed run returns the failing worker's status.
+Nothing imports this module. Every :class:`MultiGPUError` - and every flag argparse refuses, and every
+file the system refuses to open - becomes one line on stderr with a HINT and exit status 2 (bad input,
+nothing was started); a failed run returns the failing worker's status. Commands import what they use
+when they run, so ``multigpu slurm status`` or a mistyped flag answers without loading torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
-from multigpu.errors import MultiGPUError
+from multigpu import validate
+from multigpu.errors import ConfigError, LaunchError, MultiGPUError
 
 RUN_EXAMPLES = """\
 examples:
@@ -35,6 +37,54 @@ examples:
 Inside the script, `run = mg.init()` finds all of this; the same script also runs under torchrun
 and srun unchanged. Batch sizes are per process: the global batch is batch x processes.
 """
+
+SLURM_EXAMPLES = """\
+examples:
+  multigpu slurm --nodes 2 --gpus-per-node 4 --time 20:00:00 train.py hparams.yaml
+  multigpu slurm --nodes 1 --gpus-per-node 8 --partition gpu --account proj train.py
+  multigpu slurm --dry-run --nodes 2 --gpus-per-node 4 train.py     write and show the script only
+  multigpu slurm status 12345          state, exit code, restarts, log path
+  multigpu slurm logs 12345            the end of the job's log
+  multigpu slurm cancel 12345
+
+The script lands in the run folder (--run-dir) with the job's log; it runs one `multigpu run` per node
+with a c10d rendezvous on the first node. --signal=USR1@90 and --requeue let the Trainer checkpoint
+before the time limit and continue in the requeued job.
+"""
+
+QUEUE_EXAMPLES = """\
+examples:
+  multigpu queue runs.yaml                      every run, one per free GPU (CPU: one per core)
+  multigpu queue runs.yaml --gpus 0,1,2,3       on these GPUs only
+  multigpu queue runs.yaml --only net,larger_net --max-parallel 2
+  multigpu queue runs.yaml --gpus-per-run 2     every run gets 2 GPUs (DDP inside the run)
+  multigpu queue runs.yaml --slurm --partition gpu --time 4:00:00   one Slurm job per run
+
+runs.yaml: keys are run names; `larger_net < net` inherits every setting of net and overrides some.
+  net:
+    script: examples/digits/train.py
+    args: [examples/digits/hparams.yaml]
+    gpus: 1
+    overrides: {model.hidden: 128}
+  larger_net < net:
+    overrides: {model.hidden: 512}
+Each run writes into OUT/<run name>/ (run.yaml, log.txt, status.json and the recipe's outputs).
+Running the queue again skips finished runs and resumes interrupted ones.
+"""
+
+SLURM_ACTIONS = ("submit", "status", "logs", "cancel")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a refused flag is our one line with a HINT (argparse prints usage and a second line)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"multigpu: error: {self.prog}: {' '.join(message.split())}. HINT: see `{self.prog} --help`.",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------- run
 
 
 def _add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -71,8 +121,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                       help="restart all workers up to K times when one fails (default 0)")
     misc.add_argument("--stop-timeout", type=int, default=120, metavar="S",
                       help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL (default 120)")
-    misc.add_argument("--log-dir", metavar="DIR", help="keep each rank's stderr here (default: a temp dir, "
-                      "removed after a successful run)")
+    misc.add_argument("--log-dir", metavar="DIR", help="keep each rank's stdout/stderr here (default: a temporary "
+                      "folder, removed after a successful run)")
     misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines")
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
@@ -80,55 +130,39 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_run)
 
 
-def _visible_gpus() -> list[str]:
-    import os
+def _check_run_flags(args: argparse.Namespace) -> None:
+    validate.count(args.max_restarts, "--max-restarts", LaunchError, low=0, high=1000)
+    validate.positive_seconds(args.stop_timeout, "--stop-timeout", LaunchError)
+    validate.positive_seconds(args.rdzv_timeout, "--rdzv-timeout", LaunchError)
+    validate.count(args.node_rank, "--node-rank", LaunchError, low=0, high=validate.MAX_NODES)
+    if args.master_port is not None:
+        validate.count(args.master_port, "--master-port", LaunchError, low=1, high=65535,
+                       hint="use a port from 1024 to 65535.")
+    if args.log_dir is not None:
+        from multigpu.launch.local import prepare_log_dir
 
-    import torch
-
-    count = torch.cuda.device_count()
-    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if raw is None:
-        return [str(i) for i in range(count)]
-    ids = [part.strip() for part in raw.split(",") if part.strip()]
-    return ids[:count]
-
-
-def _simulate(args: argparse.Namespace, command: tuple[str, ...]) -> int:
-    from multigpu.launch.simulate import node_commands, run_nodes
-
-    clashing = [flag for flag, value in (("--nnodes", args.nnodes != "1"), ("--node-rank", args.node_rank),
-                                         ("--master-addr", args.master_addr), ("--master-port", args.master_port),
-                                         ("--rdzv-endpoint", args.rdzv_endpoint)) if value]
-    if clashing:
-        raise MultiGPUError(f"--simulate-nodes chooses the nodes itself; drop {clashing[0]}.",
-                            "use either --simulate-nodes N or the real multi-node flags.")
-    flags: list[str] = []
-    for name, value in (("--nproc", args.nproc), ("--gpus-per-proc", args.gpus_per_proc),
-                        ("--max-restarts", args.max_restarts), ("--stop-timeout", args.stop_timeout),
-                        ("--rdzv-timeout", args.rdzv_timeout)):
-        if value is not None:
-            flags += [name, str(value)]
-    flags += ["--cpu"] if args.cpu else []
-    flags += ["--verbose"] if args.verbose else []
-    visible = 0 if args.cpu else len(_visible_gpus())
-    return run_nodes(node_commands(args.simulate_nodes, [*flags, *command], visible, args.gpus))
+        prepare_log_dir(args.log_dir)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from multigpu.launch.devices import plan_devices
+    from multigpu.launch.devices import plan_devices, visible_gpus
     from multigpu.launch.local import LaunchRequest, launch, plan_rendezvous, split_command
 
-    if args.max_restarts < 0:
-        raise MultiGPUError(f"--max-restarts {args.max_restarts} must be 0 or more.", "use --max-restarts 0..K.")
-    command = split_command(
-        None if args.module else args.script, args.script if args.module else None, args.script_args
-    )
+    _check_run_flags(args)
+    command = split_command(None if args.module else args.script, args.script if args.module else None,
+                            args.script_args)
     if args.simulate_nodes is not None:
-        return _simulate(args, command)
-    devices = plan_devices(
-        [] if args.cpu else _visible_gpus(), gpus=args.gpus, nproc=args.nproc,
-        gpus_per_proc=args.gpus_per_proc, cpu=args.cpu,
-    )
+        from multigpu.launch.simulate import simulate
+
+        return simulate(args.simulate_nodes, command, visible=[] if args.cpu else visible_gpus(), gpus=args.gpus,
+                        nproc=args.nproc, gpus_per_proc=args.gpus_per_proc, cpu=args.cpu,
+                        max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
+                        rdzv_timeout=args.rdzv_timeout, verbose=args.verbose,
+                        clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
+                                  "--master-addr": args.master_addr, "--master-port": args.master_port,
+                                  "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
+    devices = plan_devices([] if args.cpu else visible_gpus(), gpus=args.gpus, nproc=args.nproc,
+                           gpus_per_proc=args.gpus_per_proc, cpu=args.cpu)
     rendezvous = plan_rendezvous(
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
@@ -141,97 +175,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return launch(request)
 
 
-def _cmd_env(args: argparse.Namespace) -> int:
-    from multigpu.diagnostics.environment import report
-
-    print(report())
-    return 0
-
-
-def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoint", help="list, verify or consolidate checkpoints",
-                       description="Inspect checkpoint folders written by multigpu (replicated or sharded).")
-    actions = p.add_subparsers(dest="action", metavar="ACTION")
-    actions.required = True
-    listing = actions.add_parser("list", help="the checkpoints in a folder, newest first, with their state")
-    listing.add_argument("directory")
-    verify = actions.add_parser("verify", help="check every file of a checkpoint against its manifest")
-    verify.add_argument("path")
-    consolidate = actions.add_parser("consolidate", help="one plain state.pt from a sharded (fsdp) checkpoint")
-    consolidate.add_argument("path", help="a sharded checkpoint folder (step-N) or a folder of them (the newest)")
-    consolidate.add_argument("--out", help="folder for the consolidated checkpoint (default: <parent>/consolidated)")
-    p.set_defaults(handler=_cmd_checkpoint)
-
-
-def _cmd_checkpoint(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from multigpu import checkpoint
-    from multigpu.checkpoint import sharded
-    from multigpu.errors import CheckpointError
-
-    if args.action == "list":
-        found = checkpoint.list_checkpoints(args.directory)
-        if not found:
-            print(f"no checkpoints in {args.directory}")
-            return 1
-        for info in found:
-            try:
-                manifest = checkpoint.verify(info.path)
-                kind = "sharded" if sharded.is_sharded(info.path) else "replicated"
-                print(f"{info.path}  step {info.step}  epoch {manifest.get('epoch', '?')}  "
-                      f"{kind}, world size {manifest.get('world_size', '?')}  ok")
-            except CheckpointError as exc:
-                print(f"{info.path}  step {info.step}  CORRUPT: {exc.message}")
-        return 0
-    if args.action == "verify":
-        manifest = checkpoint.verify(args.path)
-        print(f"{args.path}: ok ({len(manifest['files'])} file(s) match the manifest)")
-        return 0
-    path = Path(args.path)
-    if not sharded.is_sharded(path):
-        info = checkpoint.latest(path)
-        if info is None:
-            raise CheckpointError(f"no checkpoint at {path}.", "give a step-N folder or the folder holding them.")
-        path = info.path
-    out = sharded.consolidate(path, Path(args.out) if args.out else None)
-    print(f"consolidated {path} -> {out / 'state.pt'} (load with torch.load(..., weights_only=True)['model'])")
-    return 0
-
-
-SLURM_EXAMPLES = """\
-examples:
-  multigpu slurm --nodes 2 --gpus-per-node 4 --time 20:00:00 train.py hparams.yaml
-  multigpu slurm --nodes 1 --gpus-per-node 8 --partition gpu --account proj train.py
-  multigpu slurm --dry-run --nodes 2 --gpus-per-node 4 train.py     write and show the script only
-  multigpu slurm status 12345          state, exit code, restarts, log path
-  multigpu slurm logs 12345            the end of the job's log
-  multigpu slurm cancel 12345
-
-The script lands in the run folder (--run-dir) with the job's log; it runs one `multigpu run` per node
-with a c10d rendezvous on the first node. --signal=USR1@90 and --requeue let the Trainer checkpoint
-before the time limit and continue in the requeued job.
-"""
-
-QUEUE_EXAMPLES = """\
-examples:
-  multigpu queue runs.yaml                      every run, one per free GPU (CPU: one per core)
-  multigpu queue runs.yaml --gpus 0,1,2,3       on these GPUs only
-  multigpu queue runs.yaml --only net,larger_net --max-parallel 2
-  multigpu queue runs.yaml --gpus-per-run 2     every run gets 2 GPUs (DDP inside the run)
-  multigpu queue runs.yaml --slurm --partition gpu --time 4:00:00   one Slurm job per run
-
-runs.yaml: keys are run names; `larger_net < net` inherits every setting of net and overrides some.
-  net:
-    script: examples/digits/train.py
-    args: [examples/digits/hparams.yaml]
-    gpus: 1
-    overrides: {model.hidden: 128}
-  larger_net < net:
-    overrides: {model.hidden: 512}
-Each run writes into OUT/<run name>/ (run.yaml, log.txt, status.json and the recipe's outputs).
-Running the queue again skips finished runs and resumes interrupted ones.
-"""
+# --------------------------------------------------------------------------------------- slurm
 
 
 def add_slurm_job_options(p: argparse.ArgumentParser) -> None:
@@ -262,48 +206,48 @@ def slurm_options_from_args(args: argparse.Namespace):
 
 
 def _add_slurm_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("slurm", help="submit a training script as a Slurm job (or: status|logs|cancel JOBID)",
-                       description="Write a readable sbatch script into the run folder and submit it.",
+    p = sub.add_parser("slurm", help="submit a training script as a Slurm job; status|logs|cancel JOBID",
+                       description="Write a readable sbatch script into the run folder and submit it. "
+                       "`multigpu slurm train.py ...` is short for `multigpu slurm submit train.py ...`.",
                        epilog=SLURM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_slurm_job_options(p)
-    p.add_argument("--run-dir", metavar="DIR", help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restarts of the workers inside the job")
-    p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
-    p.add_argument("script", help="training script, or status|logs|cancel")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (or the job id)")
-    p.set_defaults(handler=_cmd_slurm)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    submit = actions.add_parser("submit", help="write the sbatch script and submit it (the default action)",
+                                epilog=SLURM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_slurm_job_options(submit)
+    submit.add_argument("--run-dir", metavar="DIR",
+                        help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
+    submit.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restarts of the workers inside the job")
+    submit.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
+    submit.add_argument("script", help="training script (or module with -m)")
+    submit.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    submit.set_defaults(handler=_cmd_slurm_submit)
+    for name, text in (("status", "state, exit code, restarts, nodes and log path of a job"),
+                       ("logs", "the end of a job's log"), ("cancel", "cancel a job")):
+        action = actions.add_parser(name, help=text, description=text)
+        action.add_argument("job_id", help="the Slurm job id")
+        if name == "logs":
+            action.add_argument("--lines", type=int, default=50, metavar="N", help="how many lines (default 50)")
+        action.set_defaults(handler=_cmd_slurm_job)
 
 
-def _cmd_slurm(args: argparse.Namespace) -> int:
-    import time as _time
+def _cmd_slurm_submit(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
     from pathlib import Path
 
     from multigpu.launch import slurm
     from multigpu.launch.local import split_command
 
-    if args.script in ("status", "logs", "cancel") and not args.module:
-        if len(args.script_args) != 1:
-            raise MultiGPUError(f"`multigpu slurm {args.script}` takes one job id.", f"write `multigpu slurm {args.script} 12345`.")
-        job_id = args.script_args[0]
-        if args.script == "status":
-            print(slurm.status(job_id))
-        elif args.script == "cancel":
-            slurm.cancel(job_id)
-            print(f"cancelled job {job_id}")
-        else:
-            path = slurm.log_path(job_id)
-            if not path.exists():
-                raise MultiGPUError(f"job {job_id} has no log yet at {path}.", "it may still be pending: `multigpu slurm status`.")
-            lines = path.read_text(errors="replace").splitlines()
-            print(f"==> {path} (last {min(len(lines), 50)} of {len(lines)} lines)")
-            print("\n".join(lines[-50:]))
-        return 0
-    command = split_command(None if args.module else args.script, args.script if args.module else None, args.script_args)
+    command = split_command(None if args.module else args.script, args.script if args.module else None,
+                            args.script_args)
     options = slurm_options_from_args(args)
     if options.gpus_per_node is None:
         options = dataclasses.replace(options, gpus_per_node=0)
-    name = options.job_name or Path(args.script).stem.replace(".", "_")
-    run_dir = Path(args.run_dir or Path("outputs") / "slurm" / f"{name}-{_time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    options.validate()
+    name = options.job_name or Path(args.script).stem
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".-") or "job"
+    run_dir = Path(args.run_dir or Path("outputs") / "slurm" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     job = slurm.SlurmJob(command=command, run_dir=run_dir, options=options)
     if args.dry_run:
         path = slurm.write(job)
@@ -318,13 +262,34 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_slurm_job(args: argparse.Namespace) -> int:
+    from multigpu.launch import slurm
+
+    job_id = slurm.check_job_id(args.job_id)
+    if args.action == "status":
+        print(slurm.status(job_id))
+    elif args.action == "cancel":
+        slurm.cancel(job_id)
+        print(f"cancelled job {job_id}")
+    else:
+        lines = validate.count(args.lines, "--lines", LaunchError, high=100_000)
+        path, tail, total = slurm.log_tail(job_id, lines)
+        print(f"==> {path} (last {len(tail)} of {total} lines)")
+        print("\n".join(tail))
+    return 0
+
+
+# --------------------------------------------------------------------------------------- queue
+
+
 def _add_queue_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("queue", help="train many runs at once on a pool of GPUs (or as Slurm jobs)",
                        description="Place each run of a runs file on free GPUs (CPU: process slots).",
                        epilog=QUEUE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs_file")
     p.add_argument("--gpus", metavar="IDS", help="the GPU pool, e.g. 0,1,2,3 (default: every visible GPU)")
-    p.add_argument("--slots", type=int, metavar="N", help="CPU machine: runs at once (default: CPU cores)")
+    p.add_argument("--slots", type=int, metavar="N", help="N CPU process slots instead of GPUs (default on a "
+                   "machine without GPUs: one per core)")
     p.add_argument("--gpus-per-run", type=int, metavar="K", help="override every run's gpus: setting")
     p.add_argument("--only", metavar="NAMES", help="comma-separated run names to run (in that order)")
     p.add_argument("--max-parallel", type=int, metavar="M", help="at most M runs at once")
@@ -338,46 +303,107 @@ def _add_queue_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_queue(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rich.console import Console
-
-    from multigpu.launch.devices import plan_devices
-    from multigpu.launch.local import usable_cores
-    from multigpu.queue.display import Display
     from multigpu.queue.runs import load_runs
-    from multigpu.queue.scheduler import Queue
 
-    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
     specs = load_runs(args.runs_file, only)
     if args.gpus_per_run is not None:
-        if args.gpus_per_run < 1:
-            raise MultiGPUError(f"--gpus-per-run {args.gpus_per_run} must be at least 1.", "use 1 or more.")
+        validate.count(args.gpus_per_run, "--gpus-per-run", ConfigError)
         for spec in specs:
             spec.gpus = args.gpus_per_run
+    if args.max_parallel is not None:
+        validate.count(args.max_parallel, "--max-parallel", ConfigError)
     out = Path(args.out or Path("outputs") / Path(args.runs_file).stem)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder.", "give a folder for the run folders.")
     if args.slurm:
         from multigpu.queue.slurm_jobs import submit_runs
 
-        return submit_runs(specs, out, slurm_options_from_args(args), dry_run=args.dry_run)
-    visible = _visible_gpus()
-    if visible or args.gpus is not None:
-        # The same --gpus rules (and errors) as `multigpu run`: indexes into the visible GPUs.
-        slots, on_gpus = plan_devices(visible, gpus=args.gpus).visible.split(","), True
-    else:
-        count = args.slots if args.slots is not None else usable_cores()
-        if count < 1:
-            raise MultiGPUError(f"--slots {count} must be at least 1.", "use --slots 1 or more.")
-        slots, on_gpus = [str(i) for i in range(count)], False
-    if args.max_parallel is not None and args.max_parallel < 1:
-        raise MultiGPUError(f"--max-parallel {args.max_parallel} must be at least 1.", "use 1 or more.")
+        options = slurm_options_from_args(args)
+        return submit_runs(specs, out, options, dry_run=args.dry_run)
+    from rich.console import Console
+
+    from multigpu.launch.devices import visible_gpus
+    from multigpu.queue.display import Display
+    from multigpu.queue.pool import plan_pool
+    from multigpu.queue.scheduler import Queue
+
+    pool = plan_pool(visible_gpus(), gpus=args.gpus, slots=args.slots)
     display = Display(Console(), live=False if args.no_live else None)
-    queue = Queue(specs, out, slots, on_gpus, args.max_parallel, display)
+    queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display)
     code = queue.run()
     display.summary(queue)
     return code
 
 
+# ---------------------------------------------------------------------------------- checkpoint
+
+
+def _add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoint", help="list, verify or consolidate checkpoints",
+                       description="Inspect checkpoint folders written by multigpu (replicated or sharded).")
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    listing = actions.add_parser("list", help="the checkpoints in a folder, newest first, with their state")
+    listing.add_argument("directory")
+    verify = actions.add_parser("verify", help="check every file of a checkpoint against its manifest")
+    verify.add_argument("path")
+    consolidate = actions.add_parser("consolidate", help="one plain state.pt from a sharded (fsdp) checkpoint")
+    consolidate.add_argument("path", help="a sharded checkpoint folder (step-N) or a folder of them (the newest)")
+    consolidate.add_argument("--out", help="folder for the consolidated checkpoint (default: <parent>/consolidated)")
+    p.set_defaults(handler=_cmd_checkpoint)
+
+
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multigpu import checkpoint
+    from multigpu.checkpoint import sharded
+    from multigpu.errors import CheckpointError
+
+    if args.action == "list":
+        if not Path(args.directory).is_dir():
+            raise CheckpointError(f"{args.directory} is not a folder.", "give the folder holding step-N checkpoints.")
+        found = checkpoint.list_checkpoints(args.directory)
+        if not found:
+            print(f"no checkpoints in {args.directory}")
+            return 1
+        for info in found:
+            try:
+                manifest = checkpoint.verify(info.path)
+                kind = "sharded" if manifest.get("sharded") else "replicated"
+                print(f"{info.path}  step {info.step}  epoch {manifest.get('epoch', '?')}  "
+                      f"{kind}, world size {manifest.get('world_size', '?')}  ok")
+            except CheckpointError as exc:
+                print(f"{info.path}  step {info.step}  CORRUPT: {exc.message}")
+        return 0
+    if args.action == "verify":
+        manifest = checkpoint.verify(args.path)
+        print(f"{args.path}: ok ({len(manifest['files'])} file(s) match the manifest)")
+        return 0
+    path = Path(args.path)
+    if not (path / checkpoint.files.MANIFEST).exists():
+        info = checkpoint.latest(path)
+        if info is None:
+            raise CheckpointError(f"no checkpoint at {path}.", "give a step-N folder or the folder holding them.")
+        path = info.path
+    out = sharded.consolidate(path, Path(args.out) if args.out else None)
+    print(f"consolidated {path} -> {out / 'state.pt'} (load with torch.load(..., weights_only=True)['model'])")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ env
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from multigpu.diagnostics.environment import report
+
+    print(report())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="multigpu",
         description="Run one PyTorch training script on every GPU, several machines, Slurm, or a GPU pool.",
     )
@@ -399,13 +425,30 @@ def _version() -> str:
     return f"multigpu {__version__}"
 
 
+def _with_default_actions(argv: list[str]) -> list[str]:
+    """``multigpu slurm train.py`` means ``multigpu slurm submit train.py`` (the short form users type)."""
+    if len(argv) >= 2 and argv[0] == "slurm" and argv[1] not in (*SLURM_ACTIONS, "-h", "--help"):
+        return ["slurm", "submit", *argv[1:]]
+    return argv
+
+
+def _os_error_line(exc: OSError) -> str:
+    what = exc.strerror or type(exc).__name__
+    names = [str(n) for n in (exc.filename, exc.filename2) if n is not None]
+    return (f"multigpu: error: {what}{': ' + ' -> '.join(names) if names else ''}. "
+            "HINT: check the path, that its folder exists, free disk space and permissions.")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = _with_default_actions(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
     except MultiGPUError as exc:
         print(exc.one_line(), file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file or folder the system refused: the user's to fix, not a bug of ours
+        print(_os_error_line(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("multigpu: interrupted", file=sys.stderr)

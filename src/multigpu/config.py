@@ -26,36 +26,125 @@ Lines = dict[tuple[str, ...], int]
 
 # ----------------------------------------------------------------------------------- reading YAML
 
+#: Files larger than this are refused before parsing (a settings file is a few kilobytes).
+MAX_YAML_BYTES = 4 << 20
+#: Nodes a document may expand to once its aliases are followed: PyYAML shares aliased objects, but
+#: anything that walks the result (merging, hashing, printing) expands them - a few hundred bytes of
+#: nested aliases ("billion laughs") reach millions of nodes.
+MAX_YAML_NODES = 100_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
-def _walk(node: yaml.Node, path: tuple[str, ...], lines: Lines) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = (*path, str(key_node.value))
-            lines[key] = key_node.start_mark.line + 1
-            _walk(value_node, key, lines)
+
+def _check_tree(node: yaml.Node, source: str) -> Lines:
+    """Refuse alias bombs, recursive aliases and duplicate keys; return the line of every key.
+
+    One pass over the node graph with each node's expanded size memoised by identity, so an alias
+    costs a lookup, not a re-walk. Lines are recorded on the first path that reaches a node.
+    """
+    sizes: dict[int, int] = {}
+    lines: Lines = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node, path: Optional[tuple[str, ...]]) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise ConfigError(f"{source}:{node.start_mark.line + 1}: a YAML alias refers to itself.",
+                              "remove the recursive alias (*name inside the value it names).")
+        active.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                line = key_node.start_mark.line + 1
+                if key_node.tag == _MERGE_TAG:
+                    total += size(value_node, None)
+                    continue
+                if isinstance(key_node, yaml.ScalarNode):
+                    name = str(key_node.value)
+                    if name in seen:
+                        raise ConfigError(f"{source}:{line}: key {name!r} is given twice (also at line {seen[name]}).",
+                                          "keep one of them: YAML would silently use the last.")
+                    seen[name] = line
+                child = (*path, str(key_node.value)) if path is not None else None
+                if child is not None:
+                    lines.setdefault(child, line)
+                total += size(key_node, None) + size(value_node, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                total += size(item, None)
+        active.discard(key)
+        sizes[key] = total
+        if total > MAX_YAML_NODES:
+            raise ConfigError(f"{source}: the document expands to more than {MAX_YAML_NODES:,} values "
+                              "through its aliases.", "write the values out, or use fewer nested aliases (&name/*name).")
+        return total
+
+    size(node, ())
+    return lines
+
+
+def parse_yaml(text: str, source: str = "<yaml>") -> tuple[Any, Lines]:
+    """One YAML document from ``text`` with PyYAML's safe loader, bounded: (value, line of every key).
+
+    Every problem is a :class:`ConfigError` naming ``source`` and the line: invalid syntax, a
+    duplicate key, an alias that refers to itself or expands past :data:`MAX_YAML_NODES`, nesting
+    too deep to parse. No tag constructs Python objects (safe loader).
+    """
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)  # checks the characters already: inside the try
+        node = loader.get_single_node()
+        if node is None:
+            return None, {}
+        lines = _check_tree(node, source)
+        return loader.construct_document(node), lines
+    except yaml.YAMLError as exc:
+        context, problem_mark = getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)
+        mark = context or problem_mark
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        if context is not None and problem_mark is not None and problem_mark.line != context.line:
+            problem = f"{getattr(exc, 'context', '')}: {problem} at line {problem_mark.line + 1}".strip(": ")
+        raise ConfigError(f"{where}: invalid YAML ({problem}).", "fix the syntax at that line.") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: the YAML is nested too deeply to read.", "flatten the structure.") from None
+    except (ValueError, TypeError, OverflowError) as exc:  # e.g. a timestamp like 2020-13-45
+        raise ConfigError(f"{source}: a value cannot be read ({' '.join(str(exc).split())[:200]}).",
+                          "quote it to keep it as text.") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def read_text_file(path: Union[str, Path], what: str = "file", limit: int = MAX_YAML_BYTES) -> str:
+    """A UTF-8 text file, with every failure (missing, a folder, too large, not UTF-8) a ConfigError."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(limit + 1)
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a folder, not a {what}.", "give the path of the file.") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}.", "check the path.") from None
+    if len(raw) > limit:
+        raise ConfigError(f"{path} is larger than {limit >> 20} MiB: not a {what}.", "check the path.")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not valid UTF-8 (byte {raw[exc.start]:#04x}).",
+                          "save the file as UTF-8.") from None
 
 
 def load_yaml(path: Union[str, Path]) -> tuple[dict, Lines]:
     """The mapping in ``path`` and the line of every (nested) key."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}.", "check the path.") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: invalid YAML ({problem}).", "fix the syntax at that line.") from None
+    data, lines = parse_yaml(read_text_file(path, "YAML file"), str(path))
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values.", "write `key: value` lines.")
-    lines: Lines = {}
-    _walk(node, (), lines)
     return data, lines
 
 
@@ -68,8 +157,10 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not KEY=VALUE.", "write e.g. trainer.epochs=3 (dotted for nested keys).")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+            value = parse_yaml(raw, f"override {key}")[0] if raw.strip() else ""
+        except ConfigError as exc:
+            if "invalid YAML" not in exc.message:
+                raise  # a bomb or a duplicate key is refused, not passed on as text
             value = raw
         out[key] = value
     return out
@@ -102,7 +193,7 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
 # ----------------------------------------------------------------------------- typed conversion
 
 
-def _where(source: str, lines: Lines, path: tuple[str, ...]) -> str:
+def where(source: str, lines: Lines, path: tuple[str, ...]) -> str:
     line = lines.get(path)
     return f"{source}:{line}" if line else source
 
@@ -128,26 +219,26 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
                 return _convert(value, option, source, lines, path)
             except ConfigError as exc:
                 errors.append(exc)
-        raise errors[0] if errors else ConfigError(f"{_where(source, lines, path)}: {key} cannot be null.", "give a value.")
+        raise errors[0] if errors else ConfigError(f"{where(source, lines, path)}: {key} cannot be null.", "give a value.")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{_where(source, lines, path)}: {key} must be a group of keys, not {value!r}.",
+            raise ConfigError(f"{where(source, lines, path)}: {key} must be a group of keys, not {value!r}.",
                               f"indent its settings under `{path[-1]}:`.")
         return from_mapping(tp, value, source, lines, path)
     if origin in (list, tuple, collections.abc.Sequence) or tp in (list, tuple):
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{_where(source, lines, path)}: {key} must be a list, not {value!r}.", f"write {key}: [a, b].")
+            raise ConfigError(f"{where(source, lines, path)}: {key} must be a list, not {value!r}.", f"write {key}: [a, b].")
         args = typing.get_args(tp)
         items = [_convert(v, args[0], source, lines, path) for v in value] if args and args[0] is not Ellipsis else list(value)
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin in (dict, collections.abc.Mapping) or tp is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{_where(source, lines, path)}: {key} must be a mapping, not {value!r}.", f"write {key}: {{a: 1}}.")
+            raise ConfigError(f"{where(source, lines, path)}: {key} must be a mapping, not {value!r}.", f"write {key}: {{a: 1}}.")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{_where(source, lines, path)}: {key} must be true or false, not {value!r}.", "write true or false.")
+        raise ConfigError(f"{where(source, lines, path)}: {key} must be true or false, not {value!r}.", "write true or false.")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -164,7 +255,7 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
             return str(value)
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{_where(source, lines, path)}: {key} must be {_type_name(tp)}, not {value!r}.",
+    raise ConfigError(f"{where(source, lines, path)}: {key} must be {_type_name(tp)}, not {value!r}.",
                       f"give {key} a value of type {_type_name(tp)}.")
 
 
@@ -178,7 +269,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>"
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean {'.'.join((*path, close[0]))!r}?" if close else f"known keys: {', '.join(fields)}."
-            raise ConfigError(f"{_where(source, lines, (*path, str(key)))}: unknown key {'.'.join((*path, str(key)))!r}.", hint)
+            raise ConfigError(f"{where(source, lines, (*path, str(key)))}: unknown key {'.'.join((*path, str(key)))!r}.", hint)
     values = {name: _convert(value, hints[name], source, lines, (*path, name)) for name, value in data.items()}
     try:
         return cls(**values)
@@ -233,29 +324,29 @@ def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>", lines: 
     lines = lines or {}
     own: dict[str, dict] = {}
     parents: dict[str, Optional[str]] = {}
-    where: dict[str, str] = {}
+    defined_at: dict[str, str] = {}
     for key, value in data.items():
         name, parent = split_run_key(key)
-        at = _where(source, lines, (str(key),))
+        at = where(source, lines, (str(key),))
         if not name:
             raise ConfigError(f"{at}: {key!r} has no run name before '<'.", "write `child < parent:`.")
         if name in own:
-            raise ConfigError(f"{at}: run {name!r} is defined twice (also at {where[name]}).", "give each run one entry.")
+            raise ConfigError(f"{at}: run {name!r} is defined twice (also at {defined_at[name]}).", "give each run one entry.")
         if value is not None and not isinstance(value, Mapping):
             raise ConfigError(f"{at}: run {name!r} must be a group of settings, not {value!r}.",
                               f"indent its settings under `{key}:`.")
-        own[name], parents[name], where[name] = dict(value or {}), parent, at
+        own[name], parents[name], defined_at[name] = dict(value or {}), parent, at
     for name, parent in parents.items():
         if parent is not None and parent not in own:
             close = difflib.get_close_matches(parent, list(own), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"defined runs: {', '.join(own)}."
-            raise ConfigError(f"{where[name]}: {name!r} inherits from {parent!r}, which is not defined.", hint)
+            raise ConfigError(f"{defined_at[name]}: {name!r} inherits from {parent!r}, which is not defined.", hint)
     resolved: dict[str, dict] = {}
 
     def resolve(name: str, chain: tuple[str, ...]) -> dict:
         if name in chain:
             cycle = " < ".join((*chain[chain.index(name):], name))
-            raise ConfigError(f"{where[name]}: inheritance cycle {cycle}.", "break the cycle: a run cannot inherit from itself.")
+            raise ConfigError(f"{defined_at[name]}: inheritance cycle {cycle}.", "break the cycle: a run cannot inherit from itself.")
         if name not in resolved:
             parent = parents[name]
             base = resolve(parent, (*chain, name)) if parent is not None else {}

@@ -21,13 +21,12 @@ import torch
 from torch import nn
 
 from multigpu import checkpoint, helpers, metrics
-from multigpu.checkpoint import sharded
+from multigpu.checkpoint.io import CheckpointIO, choose_io
 from multigpu.checkpoint.rng import seed_everything
 from multigpu.data import Loader, describe_batch, make_loader
 from multigpu.distributed import GroupSettings, ProcessGroup, choose_devices
-from multigpu.errors import CheckpointError, ConfigError
 from multigpu.strategies import Strategy, make_strategy
-from multigpu.strategies.base import OptimizerLike, clean_state_dict
+from multigpu.strategies.base import OptimizerLike
 from multigpu.world import World, detect_world
 
 T = TypeVar("T")
@@ -121,13 +120,13 @@ class Run:
         Sharded models are gathered to global rank 0 on the CPU - a collective: call it on every rank
         (the other ranks get an empty dict), not inside ``if run.is_main:``.
         """
-        strategy = self._need_strategy()
-        if strategy.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return self.checkpoint_io.model_state(model)
 
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return clean_state_dict(get_model_state_dict(model, options=options))
-        return clean_state_dict(strategy.unwrap(model).state_dict())
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """How this run's checkpoints are written and read, from its strategy (one file, or DCP shards)."""
+        strategy = self._need_strategy()
+        return choose_io(strategy.sharded, self.is_main, self.barrier, strategy.unwrap)
 
     @property
     def comm_device(self) -> torch.device:
@@ -157,26 +156,12 @@ class Run:
         ``keep_last``: delete all but the newest so many (checkpoints of later steps, left by a run
         that was abandoned, are moved aside, never deleted).
         """
-        strategy = self._need_strategy()
+        io = self.checkpoint_io
         model, optimizer = state.get("model"), state.get("optimizer")
         rest = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, nn.Module) else v)
                 for k, v in state.items() if k not in ("model", "optimizer")}
-        meta = {"world_size": self.world_size, "strategy": strategy.name, **(meta or {})}
-        if strategy.sharded:
-            if not isinstance(model, nn.Module):
-                raise ConfigError("a sharded checkpoint needs the model under state['model'].",
-                                  "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
-            path = sharded.save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
-                                barrier=self.barrier, meta=meta)
-        else:
-            path = Path(directory) / checkpoint.files.step_name(step)
-            if self.is_main:
-                plain = dict(rest)
-                if isinstance(model, nn.Module):
-                    plain["model"] = self.state_dict(model)
-                if optimizer is not None:
-                    plain["optimizer"] = optimizer.state_dict()
-                checkpoint.save_state(directory, step, plain, meta=meta)
+        meta = {"world_size": self.world_size, "strategy": self._need_strategy().name, **(meta or {})}
+        path = io.save(Path(directory), step, model if isinstance(model, nn.Module) else None, optimizer, rest, meta)
         if self.is_main:
             for moved in checkpoint.prune(directory, keep_last, newest=step):
                 if moved.name.startswith("abandoned-"):
@@ -203,38 +188,26 @@ class Run:
         path, step, manifest = box[0]
         return checkpoint.CheckpointInfo(Path(path), step, manifest)
 
-    def load_checkpoint(self, where: str | Path, model: Optional[nn.Module] = None,
+    def load_checkpoint(self, where: "str | Path | checkpoint.CheckpointInfo", model: Optional[nn.Module] = None,
                         optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[dict]:
-        """Load a checkpoint: ``where`` is a ``step-N`` folder, or a folder of them (the newest good one).
+        """Load a checkpoint: ``where`` is a ``step-N`` folder, a folder of them (the newest good one), or
+        what ``latest_checkpoint`` returned (already verified).
 
         With ``model``/``optimizer`` their states are restored in place, whatever the checkpoint's world
-        size or strategy; the rest of the saved dict is returned. None when there is no checkpoint.
+        size; the rest of the saved dict is returned. None when there is no checkpoint. A folder is
+        verified against its manifest first, and read the way this run's strategy reads checkpoints.
         """
+        if isinstance(where, checkpoint.CheckpointInfo):
+            return self.checkpoint_io.load(where.path, where.meta, model, optimizer, self.device)
         path = Path(where)
         if not (path / checkpoint.files.MANIFEST).exists():
             info = self.latest_checkpoint(path)
             if info is None:
                 return None
-            path = info.path
-        if sharded.is_sharded(path):
-            if model is None:
-                raise ConfigError(f"{path} is sharded: it loads into a model, not into a dict.",
-                                  "pass model= (and optimizer=), or consolidate it with `multigpu checkpoint consolidate`.")
-            return sharded.load(path, model, optimizer, map_location=self.device)
-        state = checkpoint.load_state(path, map_location=self.device)
-        try:
-            if model is not None and "model" in state:
-                if self._need_strategy().sharded:
-                    sharded.load_full_into_sharded(model, state.pop("model"))
-                    state.pop("optimizer", None)
-                else:
-                    self.unwrap(model).load_state_dict(state.pop("model"))
-            if optimizer is not None and "optimizer" in state:
-                optimizer.load_state_dict(state.pop("optimizer"))
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"{path} does not fit this model/optimizer: {' '.join(str(exc).split())[:300]}",
-                                  "resume with the same model configuration, or start a new out_dir.") from None
-        return state
+            path, manifest = info.path, info.meta
+        else:
+            manifest = checkpoint.verify(path)
+        return self.checkpoint_io.load(path, manifest, model, optimizer, self.device)
 
     # ------------------------------------------------------------------ helpers
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -405,7 +405,7 @@ class Trainer(abc.ABC):
         info = self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums)
         if info is None:
             return False
-        state = self.run.load_checkpoint(info.path, self.model, self.optimizer)
+        state = self.run.load_checkpoint(info, self.model, self.optimizer)
         self.load_checkpoint_state(state or {})
         self.run.print(f"multigpu: resumed from {info.path} (epoch {self.state.epoch}, "
                        f"batch {self.state.batch_in_epoch}, step {self.state.global_step})")

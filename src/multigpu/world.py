@@ -278,15 +278,15 @@ def validate(world: World) -> World:
     where = f"(from {world.source})"
     if world.world_size < 1:
         raise WorldError(f"world size {world.world_size} {where} must be at least 1.", "check the launcher's variables.")
-    if not 0 <= world.node_rank < world.num_nodes:
-        raise WorldError(
-            f"node rank {world.node_rank} is outside the {world.num_nodes} node(s) {where}.",
-            "give each machine a --node-rank from 0 to --nnodes minus 1.",
-        )
     if not 0 <= world.rank < world.world_size:
         raise WorldError(
             f"rank {world.rank} is outside world size {world.world_size} {where}.",
             "RANK/SLURM_PROCID must be below WORLD_SIZE/SLURM_NTASKS; relaunch instead of setting them by hand.",
+        )
+    if not 0 <= world.node_rank < world.num_nodes:
+        raise WorldError(
+            f"node rank {world.node_rank} is outside the {world.num_nodes} node(s) {where}.",
+            "give each machine a --node-rank from 0 to --nnodes minus 1.",
         )
     if not 0 <= world.local_rank < world.local_world_size:
         raise WorldError(

@@ -23,7 +23,7 @@ import uuid
 import warnings
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -86,13 +86,17 @@ def step_name(step: int) -> str:
 
 
 def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Path], dict[str, tuple[int, str]]],
-                            meta: Optional[dict] = None) -> Path:
+                            meta: Optional[dict] = None, overwrite: bool = True) -> Path:
     """Create ``directory/step-<N>`` atomically. ``fill(tmp)`` writes the files into ``tmp`` and returns
-    ``{relative name: (size, crc32)}`` for those it already checksummed; the rest are done here."""
+    ``{relative name: (size, crc32)}`` for those it already checksummed; the rest are done here.
+    ``overwrite=False``: an existing ``step-<N>`` is an error, checked before anything is written."""
+    if not overwrite and (Path(directory) / step_name(step)).exists():
+        raise CheckpointError(f"{Path(directory) / step_name(step)} already exists.",
+                              "choose another output folder; an existing checkpoint is never replaced.")
     tmp = temporary_folder(directory, step, unique=True)
     try:
         digests = dict(fill(tmp))
-        return finalize_folder(tmp, step, digests, meta)
+        return finalize_folder(tmp, step, digests, meta, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -112,8 +116,13 @@ def temporary_folder(directory: PathLike, step: int, unique: bool = True) -> Pat
 
 
 def finalize_folder(tmp: Path, step: int, digests: Optional[dict[str, tuple[int, str]]] = None,
-                    meta: Optional[dict] = None) -> Path:
-    """Checksum what is not yet, fsync everything, write the manifest last, rename into place."""
+                    meta: Optional[dict] = None, overwrite: bool = True) -> Path:
+    """Checksum what is not yet, fsync everything, write the manifest last, rename into place.
+
+    Replacing an existing step takes two renames (old aside to ``.old-step-N-*``, new into place); a
+    crash between them leaves the only copy aside, and :func:`recover` puts it back before anyone
+    prunes or chooses a checkpoint.
+    """
     digests = dict(digests or {})
     root = tmp.parent
     final = root / step_name(step)
@@ -130,6 +139,8 @@ def finalize_folder(tmp: Path, step: int, digests: Optional[dict[str, tuple[int,
         handle.flush()
         os.fsync(handle.fileno())
     _fsync_dir(tmp)
+    if final.exists() and not overwrite:
+        raise CheckpointError(f"{final} already exists.", "choose another output folder; it is never replaced.")
     if final.exists():  # the same step saved again (a resumed run): replace it, never half of it
         old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
         final.rename(old)
@@ -154,18 +165,68 @@ def save_state(directory: PathLike, step: int, state: dict, meta: Optional[dict]
     return write_checkpoint_folder(directory, step, fill, meta)
 
 
+#: A manifest lists a few files; anything bigger is not one of ours.
+MAX_MANIFEST_BYTES = 16 << 20
+_CRC = re.compile(r"[0-9a-f]{8}")
+#: The files a checkpoint of each kind cannot be loaded without.
+REQUIRED = {False: (STATE_FILE,), True: (".metadata", "extra.pt")}
+
+
 def read_manifest(path: Path) -> dict:
+    """The manifest of checkpoint folder ``path``, its structure checked (a CheckpointError otherwise)."""
+    file = Path(path) / MANIFEST
     try:
-        with open(path / MANIFEST) as handle:
-            manifest = json.load(handle)
+        with open(file, "rb") as handle:
+            raw = handle.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no {MANIFEST}: it was not written completely.",
                               "delete the folder; an earlier checkpoint is used instead.") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path / MANIFEST} is unreadable ({exc}).", "delete the folder.") from None
-    if not isinstance(manifest, dict) or "files" not in manifest:
-        raise CheckpointError(f"{path / MANIFEST} is not a multigpu manifest.", "delete the folder.")
+    except OSError as exc:
+        raise CheckpointError(f"{file} is unreadable ({exc.strerror or exc}).", "delete the folder.") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{file} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a multigpu manifest.",
+                              "delete the folder.")
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({' '.join(str(exc).split())[:100]}).", "delete the folder.") from None
+    check_manifest(manifest, file)
     return manifest
+
+
+def check_manifest(manifest: Any, where: Path) -> None:
+    """Every entry a plain relative name inside the folder with an integer size and a CRC-32; the
+    state files of its kind present. A manifest is data from disk: nothing in it is trusted further."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where} is not a valid multigpu manifest: {why}.", "delete the folder.")
+
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise bad("it has no 'files' mapping")
+    for key in ("step", "world_size", "epoch"):
+        if key in manifest and (isinstance(manifest[key], bool) or not isinstance(manifest[key], int)):
+            raise bad(f"{key!r} is not an integer")
+    if not isinstance(manifest.get("sharded", False), bool):
+        raise bad("'sharded' is not true or false")
+    for name, entry in manifest["files"].items():
+        safe_member_name(name, where)
+        if (not isinstance(entry, dict) or isinstance(entry.get("size"), bool) or not isinstance(entry.get("size"), int)
+                or entry["size"] < 0 or not isinstance(entry.get("crc32"), str) or not _CRC.fullmatch(entry["crc32"])):
+            raise bad(f"the entry of {name!r} needs an integer 'size' and an 8-digit hex 'crc32'")
+    missing = [name for name in REQUIRED[manifest.get("sharded", False)] if name not in manifest["files"]]
+    if missing:
+        raise bad(f"it does not list {missing[0]}, without which the checkpoint cannot load")
+    if manifest.get("sharded") and not any(n.endswith(".distcp") for n in manifest["files"]):
+        raise bad("a sharded checkpoint lists no .distcp shard")
+
+
+def safe_member_name(name: Any, where: Path) -> str:
+    """A file name inside a checkpoint folder: relative, no ``..``, no control characters."""
+    pure = PurePosixPath(name) if isinstance(name, str) else None
+    if (pure is None or not name or len(name) > 1024 or pure.is_absolute() or "\\" in name
+            or any(part in ("", ".", "..") for part in name.split("/")) or re.search(r"[\x00-\x1f\x7f]", name)):
+        raise CheckpointError(f"{where} names the file {str(name)[:80]!r}, which is not inside the checkpoint folder.",
+                              "the manifest is corrupt or was tampered with; delete the folder.")
+    return name
 
 
 def verify(path: PathLike, checksums: bool = True) -> dict:
@@ -176,6 +237,9 @@ def verify(path: PathLike, checksums: bool = True) -> dict:
     manifest = read_manifest(path)
     for name, expected in manifest["files"].items():
         file = path / name
+        if file.is_symlink() or any(p.is_symlink() for p in file.parents if path in p.parents):
+            raise CheckpointError(f"checkpoint {path}: {name} is a symbolic link.",
+                                  "a checkpoint holds plain files only; delete it.")
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} lacks {name}.", "it is incomplete; delete it.")
         size = file.stat().st_size
@@ -203,9 +267,34 @@ def list_checkpoints(directory: PathLike) -> list[CheckpointInfo]:
     return sorted(found, key=lambda info: info.step, reverse=True)
 
 
+_OLD = re.compile(r"^\.old-(step-\d{8,})-[0-9a-f]+$")
+
+
+def recover(directory: PathLike) -> list[Path]:
+    """Finish replacements a crash interrupted: ``.old-step-N-*`` is put back as ``step-N`` when no
+    ``step-N`` exists (it is then the only copy), and removed when the new ``step-N`` is in place."""
+    root = Path(directory)
+    restored = []
+    if not root.is_dir():
+        return restored
+    for entry in sorted(root.iterdir()):
+        match = _OLD.match(entry.name)
+        if not match or not entry.is_dir() or entry.is_symlink():
+            continue
+        final = root / match.group(1)
+        if final.exists():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.rename(final)
+            restored.append(final)
+    return restored
+
+
 def latest(directory: PathLike, checksums: bool = True,
            report: Callable[[str], None] = lambda msg: warnings.warn(msg, stacklevel=3)) -> Optional[CheckpointInfo]:
     """The newest checkpoint that verifies; each one skipped is reported with the reason."""
+    for path in recover(directory):
+        report(f"multigpu: restored {path.name}, left aside by a save that was interrupted")
     for info in list_checkpoints(directory):
         try:
             manifest = verify(info.path, checksums)
@@ -237,11 +326,12 @@ def prune(directory: PathLike, keep_last: Optional[int], newest: Optional[int] =
     never deleted - so retention cannot remove the checkpoint that was just written.
     """
     root = Path(directory)
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
+    recover(root)
     for entry in root.iterdir():
-        if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
+        if entry.name.startswith(".tmp-step-") and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     found = list_checkpoints(root)

@@ -7,9 +7,11 @@ CUDA_VISIBLE_DEVICES is unset), like ASDF's ``gpu_ids`` in the seed documents.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from multigpu import validate
 from multigpu.errors import LaunchError
 
 
@@ -27,14 +29,37 @@ class DevicePlan:
         return f"{self.nproc} process(es) on GPU(s) {self.visible}{per}"
 
 
+def visible_gpus() -> list[str]:
+    """The GPU ids this shell can see, as CUDA_VISIBLE_DEVICES names them (or 0..N-1 when unset).
+
+    On a machine without an NVIDIA or AMD driver this answers without importing torch (~2 s), so
+    commands that only need to know "no GPU here" stay fast.
+    """
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/nvidiactl")):
+        return []
+    import torch
+
+    count = torch.cuda.device_count()
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return [str(i) for i in range(count)]
+    ids = [part.strip() for part in raw.split(",") if part.strip()]
+    return ids[:count]
+
+
 def parse_gpu_ids(text: str) -> list[int]:
     ids: list[int] = []
     for part in text.split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise LaunchError(f"--gpus {text!r}: {part!r} is not a GPU index.", "write --gpus 0,2,3 or --gpus 0-3.")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or len(lo) > 4 or len(hi) > 4:
+            raise LaunchError(f"--gpus {text[:40]!r}: {part[:20]!r} is not a GPU index.", "write --gpus 0,2,3 or --gpus 0-3.")
+        if sep and int(hi) < int(lo):
+            raise LaunchError(f"--gpus {text[:40]!r}: the range {part!r} runs backwards.", "write --gpus 0-3.")
         ids.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+        if len(ids) > validate.MAX_PROCS_PER_NODE:
+            raise LaunchError(f"--gpus {text[:40]!r} names more than {validate.MAX_PROCS_PER_NODE} GPUs.",
+                              "list the GPUs of this machine (`nvidia-smi -L`).")
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise LaunchError(f"--gpus {text!r} names GPU {duplicates[0]} twice.", "list each GPU once.")
@@ -49,10 +74,9 @@ def plan_devices(
     cpu: bool = False,
 ) -> DevicePlan:
     """Decide processes and CUDA_VISIBLE_DEVICES. ``visible_gpus`` are the ids this shell can see."""
-    if gpus_per_proc < 1:
-        raise LaunchError(f"--gpus-per-proc {gpus_per_proc} must be at least 1.", "use --gpus-per-proc 1 or more.")
-    if nproc is not None and nproc < 1:
-        raise LaunchError(f"--nproc {nproc} must be at least 1.", "use --nproc 1 or more.")
+    validate.count(gpus_per_proc, "--gpus-per-proc", LaunchError)
+    if nproc is not None:
+        validate.count(nproc, "--nproc", LaunchError)
     if cpu:
         if gpus is not None:
             raise LaunchError("--cpu and --gpus contradict each other.", "drop one of them.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -20,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.ports import require_free_port
+from multigpu.launch.worker import AGENT_PID_VAR, LOG_DIR_VAR, PREFIX_VAR
 from multigpu.world import DEVICES_PER_PROC_VAR
 
-#: Lets a worker notice that its launcher is gone and exit (no orphans even if the agent is SIGKILLed).
-AGENT_PID_VAR = "MULTIGPU_AGENT_PID"
 WORKER_MODULE = "multigpu.launch.worker"
 STDERR_TAIL_LINES = 20
 DEFAULT_RDZV_TIMEOUT_S = 900
@@ -60,16 +61,19 @@ class LaunchRequest:
     stop_timeout_s: int = 120
     verbose: bool = False
     extra_env: dict = field(default_factory=dict)
+    #: "[rankN]: " before each stderr line: "always", "never", or "auto" (not on a terminal, else if N > 1).
+    tee_prefix: str = "auto"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     lo, sep, hi = str(text).partition(":")
     try:
-        min_nodes, max_nodes = int(lo), int(hi if sep else lo)
+        min_nodes, max_nodes = int(lo[:12]), int((hi if sep else lo)[:12])
     except ValueError:
         raise LaunchError(f"--nnodes {text!r} is not a number or MIN:MAX.", "write --nnodes 2 or --nnodes 1:4.") from None
     if not 0 < min_nodes <= max_nodes:
         raise LaunchError(f"--nnodes {text!r}: need 0 < MIN <= MAX.", "write --nnodes 2 or --nnodes 1:4.")
+    validate.count(max_nodes, "--nnodes", LaunchError, high=validate.MAX_NODES)
     return min_nodes, max_nodes
 
 
@@ -84,13 +88,17 @@ def plan_rendezvous(
 ) -> Rendezvous:
     """Static rendezvous for ``--master-addr/--master-port`` (the seeds' recipe), c10d otherwise."""
     min_nodes, max_nodes = parse_nnodes(nnodes)
+    for flag, text in (("--master-addr", master_addr), ("--rdzv-id", rdzv_id)):
+        if text is not None:
+            validate.plain_text(text, flag, LaunchError, allow_space=False, pattern=r"[\w.:\[\]%-]{1,255}",
+                                example="host1 or 10.0.0.1")
     if rdzv_endpoint:
         if master_port is not None or master_addr is not None:
             raise LaunchError(
                 "--rdzv-endpoint and --master-addr/--master-port both name the rendezvous.", "give only one of them."
             )
         host, _, port = rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not port.isdigit() or not 0 < int(port[:6]) < 65536 or re.search(r"[\s\x00-\x1f]", host):
             raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT.", "write --rdzv-endpoint node1:29400.")
         return Rendezvous("c10d", rdzv_endpoint, rdzv_id or "multigpu", min_nodes, max_nodes, 0, timeout_s)
     if min_nodes != max_nodes:
@@ -117,6 +125,21 @@ def plan_rendezvous(
     if node_rank == 0:
         require_free_port(int(master_port))  # node 0 hosts the store: refuse a taken port now
     return Rendezvous("static", f"{addr}:{master_port}", rdzv_id or "multigpu", max_nodes, max_nodes, node_rank, timeout_s)
+
+
+def prepare_log_dir(path: str) -> Path:
+    """``--log-dir``: created if missing; a file, or a folder we cannot write, is refused now."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise LaunchError(f"--log-dir {path} is a file, not a folder.", "give a folder for the per-rank logs.")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot create --log-dir {path}: {exc.strerror or exc}.",
+                          "give a folder you can write to.") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise LaunchError(f"--log-dir {path} is not writable.", "give a folder you can write to.")
+    return folder
 
 
 def worker_env(request: LaunchRequest) -> dict[str, str]:
@@ -153,9 +176,14 @@ def launch(request: LaunchRequest) -> int:
 
     if not request.verbose:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures ourselves
-    os.environ.update(worker_env(request))
     keep_logs = request.log_dir is not None
-    log_dir = request.log_dir or tempfile.mkdtemp(prefix="multigpu-logs-")
+    log_dir = str(prepare_log_dir(request.log_dir)) if keep_logs else tempfile.mkdtemp(prefix="multigpu-logs-")
+    env = worker_env(request)
+    env[LOG_DIR_VAR] = log_dir
+    if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not sys.stderr.isatty()
+                                           and request.devices.nproc * request.rendezvous.max_nodes > 1):
+        env[PREFIX_VAR] = "1"
+    os.environ.update(env)
     rdzv = request.rendezvous
     total = f"{request.devices.nproc * rdzv.max_nodes}" if rdzv.min_nodes == rdzv.max_nodes else "elastic"
     config = LaunchConfig(
@@ -172,20 +200,20 @@ def launch(request: LaunchRequest) -> int:
         # USR1 too: Slurm's "time is nearly up" warning must reach the workers, not kill the launcher.
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         shutdown_timeout=request.stop_timeout_s,
-        # Several workers: stderr goes to a file per rank and on to the console with a [rankN] prefix,
-        # for the failure summary. One worker writes straight to the console, unprefixed.
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.ERR if total != "1" else Std.NONE),
-        log_line_prefix_template="[rank${rank}]: " if total != "1" else None,
+        # Workers write to this terminal directly; each copies its stderr into log_dir itself
+        # (worker.py + tee.py), so progress bars keep redrawing in place. torch keeps its error files here.
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.NONE),
     )
     where = f"node {rdzv.node_rank} of {rdzv.max_nodes}, " if rdzv.max_nodes > 1 else ""
-    _say(f"{request.devices.describe()} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
+    threads = f", {env['OMP_NUM_THREADS']} CPU thread(s) each" if "OMP_NUM_THREADS" in env else ""
+    _say(f"{request.devices.describe()}{threads} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
     command = ("-u", "-m", WORKER_MODULE, *request.command)
+    failed = False
     try:
         elastic_launch(config, sys.executable)(*command)
-    except ChildFailedError as failed:
-        rank, failure = root_cause(failed.failures)
-        _report_failure(rank, failure, len(failed.failures) - 1, log_dir)
-        return _exit_status(failure.exitcode)
+    except ChildFailedError as failure:
+        failed = True
+        return report_failure(failure.failures, log_dir)
     except SignalException as stopped:
         _say(f"stopped by {signal.Signals(stopped.sigval).name}; every worker was terminated.")
         return 128 + int(stopped.sigval)
@@ -193,6 +221,7 @@ def launch(request: LaunchRequest) -> int:
         _say("interrupted; every worker was terminated.")
         return 130
     except Exception as exc:  # rendezvous or agent failures: one line, no traceback; status 1, not 2
+        failed = True
         text = " ".join(str(exc).split()) or type(exc).__name__
         error = LaunchError(
             f"the launcher failed before the workers finished: {text[:400]}",
@@ -200,10 +229,17 @@ def launch(request: LaunchRequest) -> int:
             "(run with --verbose for torch's own log).",
         )
         print(error.one_line(), file=sys.stderr, flush=True)
+        if keep_logs or _has_logs(log_dir):
+            _say(f"logs of every rank are kept in {log_dir}")
         return 1
-    if not keep_logs:
-        shutil.rmtree(log_dir, ignore_errors=True)
+    finally:
+        if not keep_logs and not failed:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _has_logs(log_dir: str) -> bool:
+    return any(Path(log_dir).glob("rank*.stderr"))
 
 
 def _exit_status(exitcode: int) -> int:
@@ -236,29 +272,54 @@ def root_cause(failures: dict) -> tuple[int, Any]:
     return min(failures.items(), key=key)
 
 
-def _report_failure(rank: int, failure: Any, others: int, log_dir: str) -> None:
-    how = (
-        f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-    )
+def one_line_error(failure: Any) -> str:
+    """The ``multigpu: error: ...`` line a worker recorded for a MultiGPUError ('' for other failures)."""
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict):
+        return str((message.get("extraInfo") or {}).get("multigpu_error") or "")
+    return ""
+
+
+def report_failure(failures: dict, log_dir: str) -> int:
+    """Print the failure once: a MultiGPUError every failed rank shares as one line ("on all N ranks"),
+    otherwise the root-cause rank with the tail of its stderr. Ranks the launcher stopped itself
+    (SIGTERM after the first failure) are not counted as failures."""
+    rank, failure = root_cause(failures)
+    own = {r: f for r, f in failures.items() if not (r != rank and -f.exitcode in _STOP_SIGNALS)}
+    lines = {r: one_line_error(f) for r, f in own.items()}
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    if lines.get(rank):
+        same = [r for r, line in lines.items() if line == lines[rank]]
+        where = f" (on all {len(same)} ranks)" if len(same) == len(own) and len(same) > 1 else (
+            f" (on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, sorted(same)))})" if len(failures) > 1 else "")
+        print(f"{lines[rank]}{where}", file=sys.stderr, flush=True)
+        others = len(own) - len(same)
+        if others:
+            _say(f"{others} other rank(s) failed differently; logs of every rank are kept in {log_dir}")
+        return _exit_status(failure.exitcode)
+    others = len(own) - 1
     also = f"; {others} other rank(s) failed after it" if others else ""
     _say(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{also}.")
-    stderr_log = _stderr_log(log_dir, failure.local_rank)
+    stderr_log = _stderr_log(log_dir, rank)
     tail = _tail(stderr_log, STDERR_TAIL_LINES) if stderr_log else []
     if tail:
         _say(f"last lines of rank {rank}'s stderr ({stderr_log}):")
         for line in tail:
             print(f"    {line}", file=sys.stderr)
-    if stderr_log is not None:
-        _say(f"logs of every rank are kept in {log_dir}")
+    _say(f"logs of every rank are kept in {log_dir}")
+    return _exit_status(failure.exitcode)
 
 
-def _stderr_log(log_dir: str, local_rank: int) -> Optional[Path]:
-    """torch keeps ``<log_dir>/<run>/attempt_<n>/<local_rank>/stderr.log``; the newest attempt failed."""
-    logs = sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
+def _stderr_log(log_dir: str, rank: int) -> Optional[Path]:
+    """The newest attempt's copy of rank ``rank``'s stderr (see worker.stderr_log_path)."""
+    logs = sorted(Path(log_dir).glob(f"rank{rank}.attempt*.stderr"),
+                  key=lambda p: int(p.name.rsplit("attempt", 1)[1].split(".")[0]))
     return logs[-1] if logs else None
 
 
 def _tail(path: Path, lines: int) -> list[str]:
+    """The last lines, as a terminal would have shown them: a progress bar's redraws (\r) keep only
+    their last state, ANSI colours are dropped."""
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)
@@ -266,7 +327,9 @@ def _tail(path: Path, lines: int) -> list[str]:
             text = handle.read().decode(errors="replace")
     except OSError:
         return []
-    return [line for line in text.splitlines() if line.strip()][-lines:]
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+    shown = [line.rsplit("\r", 1)[-1] if "\r" in line.rstrip("\r") else line.rstrip("\r") for line in text.split("\n")]
+    return [line for line in shown if line.strip()][-lines:]
 
 
 def _say(message: str) -> None:

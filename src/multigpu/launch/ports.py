@@ -38,6 +38,9 @@ def port_is_free(port: int, host: str = "") -> bool:
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
                     return False
+                if exc.errno == errno.EACCES:
+                    raise LaunchError(f"port {port} needs root privileges to listen on (ports below 1024 do).",
+                                      "use a port from 1024 to 65535, e.g. --master-port 29500.") from None
                 if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
                     continue
                 raise

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.launch.devices import parse_gpu_ids
 from multigpu.launch.ports import free_port
@@ -24,8 +25,8 @@ def node_commands(nodes: int, run_args: Sequence[str], visible_gpus: int, gpus_f
     """One ``multigpu run`` command line per simulated node (``run_args``: the flags and the target,
     without --gpus). The GPUs - the ones named by ``gpus_flag``, else every visible one - are split
     evenly between the nodes."""
-    if nodes < 2:
-        raise LaunchError(f"--simulate-nodes {nodes} must be at least 2.", "use --simulate-nodes 2 or more.")
+    validate.count(nodes, "--simulate-nodes", LaunchError, low=2, high=validate.MAX_SIMULATED_NODES,
+                   hint=f"use 2 to {validate.MAX_SIMULATED_NODES} simulated nodes.")
     ids = parse_gpu_ids(gpus_flag) if gpus_flag is not None else list(range(visible_gpus))
     if ids and len(ids) % nodes:
         raise LaunchError(f"{len(ids)} GPU(s) cannot be split evenly across {nodes} simulated nodes.",
@@ -39,6 +40,28 @@ def node_commands(nodes: int, run_args: Sequence[str], visible_gpus: int, gpus_f
         commands.append([python, "-m", "multigpu", "run", "--nnodes", str(nodes), "--node-rank", str(rank),
                          "--master-addr", "127.0.0.1", "--master-port", str(port), *gpus, *run_args])
     return commands
+
+
+def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus: Optional[str],
+             nproc: Optional[int], gpus_per_proc: int, cpu: bool, max_restarts: int, stop_timeout: int,
+             rdzv_timeout: int, verbose: bool, clashing: dict) -> int:
+    """``multigpu run --simulate-nodes N``: refuse the real multi-node flags, then run N local agents."""
+    given = [flag for flag, value in clashing.items() if value]
+    if given:
+        raise LaunchError(f"--simulate-nodes chooses the nodes itself; drop {given[0]}.",
+                          "use either --simulate-nodes N or the real multi-node flags.")
+    validate.count(nodes, "--simulate-nodes", LaunchError, low=2, high=validate.MAX_SIMULATED_NODES)
+    if nproc is not None:
+        validate.count(nproc * nodes, f"--simulate-nodes {nodes} x --nproc", LaunchError,
+                       hint=f"all simulated nodes run on this machine: keep the total at most {validate.MAX_PROCS_PER_NODE}.")
+    flags: list[str] = []
+    for name, value in (("--nproc", nproc), ("--gpus-per-proc", gpus_per_proc), ("--max-restarts", max_restarts),
+                        ("--stop-timeout", stop_timeout), ("--rdzv-timeout", rdzv_timeout)):
+        if value is not None:
+            flags += [name, str(value)]
+    flags += ["--cpu"] if cpu else []
+    flags += ["--verbose"] if verbose else []
+    return run_nodes(node_commands(nodes, [*flags, *command], 0 if cpu else len(visible), gpus))
 
 
 def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
@@ -43,17 +44,28 @@ class SlurmOptions:
     extra: tuple[str, ...] = ()  # further #SBATCH lines, e.g. ("--qos=high",)
 
     def validate(self) -> None:
-        if self.nodes < 1:
-            raise LaunchError(f"--nodes {self.nodes} must be at least 1.", "use --nodes 1 or more.")
-        if self.gpus_per_node is not None and self.gpus_per_node < 0:
-            raise LaunchError(f"--gpus-per-node {self.gpus_per_node} must be 0 or more.", "use 0 on CPU nodes.")
-        if self.nproc_per_node is not None and self.nproc_per_node < 1:
-            raise LaunchError(f"--nproc-per-node {self.nproc_per_node} must be at least 1.", "use 1 or more.")
-        if self.time is not None and not _TIME.match(self.time):
-            raise LaunchError(f"--time {self.time!r} is not a Slurm time.", "write MM, HH:MM:SS or D-HH:MM:SS, e.g. 20:00:00.")
-        if self.job_name is not None and not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.job_name):
-            raise LaunchError(f"--job-name {self.job_name!r} has characters Slurm and shells mangle.",
-                              "use letters, digits and _.+- only.")
+        """Every value that reaches the script: numbers as numbers in bounds, names as names, no
+        control characters (a newline would end the #SBATCH block and start a shell line)."""
+        validate.count(self.nodes, "--nodes", LaunchError, high=validate.MAX_NODES)
+        if self.gpus_per_node is not None:
+            validate.count(self.gpus_per_node, "--gpus-per-node", LaunchError, low=0, hint="use 0 on CPU nodes.")
+        if self.nproc_per_node is not None:
+            validate.count(self.nproc_per_node, "--nproc-per-node", LaunchError)
+        if self.cpus_per_task is not None:
+            validate.count(self.cpus_per_task, "--cpus-per-task", LaunchError)
+        validate.count(self.max_restarts, "--max-restarts", LaunchError, low=0, high=1000)
+        validate.count(self.signal_seconds, "signal_seconds", LaunchError, high=3600)
+        checks = (("--time", self.time, _TIME.pattern.strip("^$"), "20:00:00"),
+                  ("--partition", self.partition, r"[A-Za-z0-9_.,:+-]{1,200}", "gpu"),
+                  ("--account", self.account, r"[A-Za-z0-9_.:+-]{1,200}", "myproject"),
+                  ("--mem", self.mem, r"\d{1,12}(\.\d+)?[KMGTkmgt]?[Bb]?", "64G"),
+                  ("--job-name", self.job_name, r"[A-Za-z0-9_.+-]{1,200}", "train"))
+        for flag, value, pattern, example in checks:
+            if value is not None:
+                validate.plain_text(value, flag, LaunchError, allow_space=False, pattern=pattern, example=example)
+        for arg in self.extra:
+            validate.plain_text(arg, "--sbatch-arg", LaunchError, allow_space=False,
+                                pattern=r"--?[A-Za-z][A-Za-z0-9-]*(=\S*)?", example="--qos=high")
 
     @property
     def processes(self) -> int:
@@ -68,6 +80,9 @@ class SlurmJob:
     workdir: Path = field(default_factory=Path.cwd)
     python: str = sys.executable
     env: tuple[tuple[str, str], ...] = ()
+    #: ``multigpu queue --slurm``: the job writes its end state here, with this settings fingerprint.
+    status_file: Optional[Path] = None
+    fingerprint: str = ""
 
     @property
     def script_path(self) -> Path:
@@ -82,9 +97,14 @@ def render(job: SlurmJob) -> str:
     """The sbatch script, meant to be read: every line says what it is for."""
     o = job.options
     o.validate()
-    if re.search(r"\s", str(job.run_dir)):
-        raise LaunchError(f"the run folder {str(job.run_dir)!r} contains whitespace, which #SBATCH lines cannot hold.",
-                          "choose a --run-dir without spaces.")
+    if re.search(r"[\s%\x00-\x1f\x7f]", str(job.run_dir)):
+        raise LaunchError(f"the run folder {str(job.run_dir)[:80]!r} contains whitespace, % or control characters, "
+                          "which #SBATCH lines cannot hold.", "choose a --run-dir of plain characters.")
+    for name, value in job.env:
+        validate.env_name(name, LaunchError, allow_code_loading=True)
+        validate.plain_text(value, f"environment variable {name}", LaunchError)
+    for part in (*job.command, str(job.workdir), job.python):
+        validate.plain_text(part, "an argument of the job", LaunchError)
     q = shlex.quote
     lines = ["#!/bin/bash", f"# Written by `multigpu slurm` on {time.strftime('%Y-%m-%d %H:%M:%S')}. Submit with: sbatch {q(str(job.script_path))}"]
     sbatch = [f"--job-name={o.job_name or job.run_dir.name}", f"--nodes={o.nodes}", "--ntasks-per-node=1",
@@ -126,7 +146,21 @@ def render(job: SlurmJob) -> str:
         "",
         "# One task per node; each starts this node's workers. USR1 (time nearly up) reaches every task:",
         "# the workers checkpoint and rank 0 requeues the job, which then resumes from that checkpoint.",
-        f"srun --kill-on-bad-exit=1 {rendered}",
+    ]
+    if job.status_file is None:
+        lines += [f"srun --kill-on-bad-exit=1 {rendered}", ""]
+        return "\n".join(lines)
+    if not re.fullmatch(r"[0-9a-f]{0,64}", job.fingerprint):
+        raise LaunchError(f"fingerprint {job.fingerprint[:20]!r} is not hex.", "this is a bug; please report it.")
+    tmp, final = q(str(job.status_file) + ".tmp"), q(str(job.status_file))
+    lines += [
+        "code=0",
+        f"srun --kill-on-bad-exit=1 {rendered} || code=$?",
+        "# The end state for `multigpu queue --slurm` (75: preempted, requeued or resumable).",
+        'state=done; [ "$code" -eq 0 ] || state=failed; [ "$code" -ne 75 ] || state=interrupted',
+        f"printf '{{\"state\": \"%s\", \"exit_code\": %d, \"job_id\": \"%s\", \"fingerprint\": "
+        f"\"{job.fingerprint}\"}}\\n' \"$state\" \"$code\" \"$SLURM_JOB_ID\" > {tmp} && mv {tmp} {final}",
+        'exit "$code"',
         "",
     ]
     return "\n".join(lines)
@@ -165,17 +199,38 @@ def submit(job: SlurmJob) -> str:
     return done.stdout.strip().split(";")[0]
 
 
+def check_job_id(job_id: str) -> str:
+    """A Slurm job id (``123``, ``123_4`` for an array task, ``123+1`` for a het component)."""
+    if not re.fullmatch(r"\d{1,12}([_+]\d{1,9})?", str(job_id)):
+        raise LaunchError(f"{str(job_id)[:40]!r} is not a Slurm job id.", "give the number sbatch printed, e.g. 12345.")
+    return str(job_id)
+
+
 def job_info(job_id: str) -> dict[str, str]:
-    """``scontrol show job`` as a dict (JobState, ExitCode, StdOut, Restarts, ...); {} if unknown."""
-    done = _call([_slurm_tool("scontrol"), "show", "job", "-o", str(job_id)])
+    """``scontrol show job`` as a dict (JobState, ExitCode, StdOut, Restarts, ...); {} if Slurm knows no
+    such job. A controller that cannot be reached is an error, not "no such job"."""
+    done = _call([_slurm_tool("scontrol"), "show", "job", "-o", check_job_id(job_id)])
     if done.returncode != 0:
-        return {}
+        text = " ".join(done.stderr.split())
+        if "invalid job id" in text.lower():
+            return {}
+        raise LaunchError(f"cannot reach the Slurm controller: {text[:200] or f'scontrol exited {done.returncode}'}",
+                          "check that slurmctld is up (`sinfo`, `scontrol ping`) and retry.")
     info = {}
     for token in done.stdout.split():
         key, sep, value = token.partition("=")
         if sep:
             info[key] = value
     return info
+
+
+#: Job states in which the job still exists in the queue or runs: never submit the same run again.
+ACTIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+                 "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "SPECIAL_EXIT", "STOPPED")
+
+
+def is_active(job_id: str) -> bool:
+    return job_info(job_id).get("JobState", "") in ACTIVE_STATES
 
 
 def status(job_id: str) -> str:
@@ -195,7 +250,22 @@ def log_path(job_id: str) -> Path:
     return Path(info["StdOut"].replace("%j", str(job_id)))
 
 
+def log_tail(job_id: str, lines: int = 50) -> tuple[Path, list[str], int]:
+    """(log path, its last ``lines`` lines, the number of lines) - read from the end, whatever its size."""
+    path = log_path(job_id)
+    if not path.is_file():
+        raise LaunchError(f"job {job_id} has no log yet at {path}.", "it may still be pending: `multigpu slurm status`.")
+    with open(path, "rb") as handle:
+        handle.seek(0, 2)
+        size = handle.tell()
+        handle.seek(max(0, size - (1 << 20)))
+        text = handle.read().decode(errors="replace")
+    all_lines = text.splitlines()
+    return path, all_lines[-lines:], len(all_lines)
+
+
 def cancel(job_id: str) -> None:
-    done = _call([_slurm_tool("scancel"), str(job_id)])
+    done = _call([_slurm_tool("scancel"), check_job_id(job_id)])
     if done.returncode != 0:
-        raise LaunchError(f"scancel {job_id} failed: {done.stderr.strip()}", "check the id with `squeue --me`.")
+        raise LaunchError(f"scancel {job_id} failed: {' '.join(done.stderr.split())[:200]}",
+                          "check the id with `squeue --me`.")

@@ -5,8 +5,12 @@ Why a wrapper: a worker whose interpreter tears down with live process-group thr
 2.13 on gloo: 19 of 40 two-process launches aborted when nothing was destroyed, 0 of 40 with
 barrier + destroy. This wrapper runs the script, runs the atexit handlers (``mg.init()`` registered
 its barrier + destroy there), flushes, and leaves with ``os._exit`` and the script's own status, so
-C++ static destructors never run. It also prints a :class:`MultiGPUError` as one line, not a
-traceback, and ends the worker if its launcher dies (no orphans, even after SIGKILL of the agent).
+C++ static destructors never run. It also:
+
+- copies its stderr, untouched, to the launcher's terminal and to a per-rank file (:mod:`.tee`);
+- reports a :class:`MultiGPUError` to the launcher (which prints it once for all ranks) instead of
+  printing it on every rank, and prints other errors' tracebacks without this wrapper's own frames;
+- ends the worker if its launcher dies (no orphans, even after SIGKILL of the agent).
 
 Usage (by the launcher): ``python -u -m multigpu.launch.worker script.py args...`` or ``-m pkg.mod args...``
 """
@@ -15,16 +19,30 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
+import time
 import traceback
+
+#: Set by ``multigpu run``: the launcher's pid, the per-rank log folder, and the rank prefix to add.
+AGENT_PID_VAR = "MULTIGPU_AGENT_PID"
+LOG_DIR_VAR = "MULTIGPU_LOG_DIR"
+PREFIX_VAR = "MULTIGPU_TEE_PREFIX"
+_TEE: "subprocess.Popen | None" = None
+
+
+def stderr_log_path(log_dir: str, rank: int, attempt: int) -> str:
+    """Where rank ``rank``'s stderr of restart ``attempt`` is kept (the launcher reads it back)."""
+    return os.path.join(log_dir, f"rank{rank}.attempt{attempt}.stderr")
 
 
 def _die_with_launcher() -> None:
     """Ask Linux to SIGKILL this worker when the agent that started it dies."""
-    expected = os.environ.get("MULTIGPU_AGENT_PID")
+    expected = os.environ.get(AGENT_PID_VAR)
     if not expected or not sys.platform.startswith("linux"):
         return
     try:
@@ -38,15 +56,58 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
-def _record_error(exc: BaseException) -> None:
-    """Write torch elastic's error file so the launcher orders failures by when they happened."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+def _tee_stderr() -> None:
+    """Send fd 2 through a pseudo-terminal (or a pipe when the launcher's stderr is not a terminal)
+    read by a small copier process: the terminal sees the bytes unchanged, the file keeps a copy."""
+    log_dir = os.environ.get(LOG_DIR_VAR)
+    if not log_dir:
         return
+    path = stderr_log_path(log_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        os.makedirs(log_dir, exist_ok=True)
+        if os.isatty(2):
+            import pty
+            import termios
+            import tty
 
-        ErrorHandler().record_exception(exc)
-    except Exception:
+            reader, writer = pty.openpty()
+            tty.setraw(writer)  # no newline translation: the bytes arrive as written
+            try:
+                import fcntl
+
+                size = fcntl.ioctl(2, termios.TIOCGWINSZ, b"\0" * 8)
+                fcntl.ioctl(writer, termios.TIOCSWINSZ, size)  # bars size themselves to the real terminal
+            except OSError:
+                pass
+        else:
+            reader, writer = os.pipe()
+        prefix = f"[rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" else ""
+        terminal = os.dup(2)
+        global _TEE
+        _TEE = subprocess.Popen([sys.executable, "-m", "multigpu.launch.tee", str(reader), path,
+                                 *([prefix] if prefix else [])],
+                                stdin=subprocess.DEVNULL, stdout=terminal, pass_fds=(reader,), close_fds=True)
+        os.close(reader)
+        os.close(terminal)
+        sys.stderr.flush()
+        os.dup2(writer, 2)
+        os.close(writer)
+    except OSError:
+        return  # no copy for the failure report: the worker runs anyway
+
+
+def _record_error(exc: BaseException, one_line: str = "") -> None:
+    """Write torch elastic's error file: the launcher orders failures by it and prints ``one_line``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": one_line or f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc))[-20000:],
+                                      "timestamp": str(int(time.time())), "multigpu_error": one_line}}}
+    try:
+        with open(path, "w") as handle:
+            json.dump(data, handle)
+    except OSError:
         pass
 
 
@@ -57,6 +118,18 @@ def _exit_code(code: object) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
+
+
+_OWN_FILES = (os.path.abspath(__file__), os.path.abspath(runpy.__file__))
+
+
+def print_user_traceback(exc: BaseException) -> None:
+    """The traceback as ``python script.py`` would print it: this wrapper's and runpy's frames dropped."""
+    tb = exc.__traceback__
+    while tb is not None and (os.path.abspath(tb.tb_frame.f_code.co_filename) in _OWN_FILES
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
 
 
 def run_user_code(argv: list[str]) -> int:
@@ -79,15 +152,31 @@ def run_user_code(argv: list[str]) -> int:
     except SystemExit as exc:
         return _exit_code(exc.code)
     except MultiGPUError as exc:
-        _record_error(exc)
-        print(exc.one_line(), file=sys.stderr)
+        _record_error(exc, exc.one_line())
+        if os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            _append_to_rank_log(exc.one_line())  # the launcher prints it, once for all ranks
+        else:
+            print(exc.one_line(), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:
         _record_error(exc)
-        traceback.print_exc()
+        print_user_traceback(exc)
         return 1
+
+
+def _append_to_rank_log(line: str) -> None:
+    log_dir = os.environ.get(LOG_DIR_VAR)
+    if not log_dir:
+        print(line, file=sys.stderr)
+        return
+    path = stderr_log_path(log_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    try:
+        with open(path, "a") as handle:
+            handle.write(line + "\n")
+    except OSError:
+        print(line, file=sys.stderr)
 
 
 def finish(code: int) -> None:
@@ -109,11 +198,26 @@ def finish(code: int) -> None:
             stream.flush()
         except Exception:
             pass
+    _drain_tee()
     os._exit(code)
+
+
+def _drain_tee() -> None:
+    """Close our end of the stderr copy and let the copier finish, so the launcher reads a whole log."""
+    if _TEE is None:
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        _TEE.wait(timeout=2)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
 def main() -> None:
     _die_with_launcher()
+    _tee_stderr()
     code = run_user_code(sys.argv[1:])
     finish(code)
 

@@ -13,7 +13,9 @@ from typing import Optional
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from multigpu.queue.scheduler import Queue, RunState, log_tail
 
@@ -22,20 +24,26 @@ STYLE = {"queued": "dim", "running": "bold cyan", "done": "green", "skipped": "g
 
 
 def last_metrics(run: RunState) -> dict[str, str]:
-    """The final metrics of a run: its final.json if the recipe wrote one, else the last metrics.csv row."""
+    """The final metrics of a run: its final.json if the recipe wrote one, else the last metrics.csv row.
+
+    These files are written by the recipe (or by whoever wrote the folder): anything unreadable or of
+    the wrong shape counts as "no metrics", never as a crash of the queue's display.
+    """
     final = run.folder / "final.json"
-    if final.exists():
-        try:
-            return {k: f"{v:.4g}" if isinstance(v, float) else str(v) for k, v in json.loads(final.read_text()).items()}
-        except (OSError, ValueError):
-            pass
-    path = run.folder / "metrics.csv"
     try:
-        with open(path, newline="") as handle:
-            rows = list(csv.DictReader(handle))
-    except OSError:
+        values = json.loads(final.read_text()) if final.exists() else None
+    except (OSError, ValueError):
+        values = None
+    if isinstance(values, dict):
+        return {str(k): f"{v:.4g}" if isinstance(v, float) else str(v)[:40] for k, v in list(values.items())[:50]}
+    try:
+        with open(run.folder / "metrics.csv", newline="", errors="replace") as handle:
+            last = None
+            for last in csv.DictReader(handle):
+                pass
+    except (OSError, csv.Error):
         return {}
-    return dict(rows[-1]) if rows else {}
+    return {k: str(v)[:40] for k, v in (last or {}).items() if isinstance(k, str) and v is not None}
 
 
 def headline(run: RunState) -> str:
@@ -64,12 +72,12 @@ def _elapsed(run: RunState) -> str:
 
 def status_table(queue: Queue) -> Table:
     unit = "GPUs" if queue.on_gpus else "slots"
-    table = Table(title=f"multigpu queue: {queue.root}", title_justify="left")
+    table = Table(title=Text(f"multigpu queue: {queue.root}"), title_justify="left")
     for column in ("run", "state", unit, "elapsed", "last metric", "note"):
         table.add_column(column)
-    for run in queue.runs:
-        table.add_row(run.spec.name, f"[{STYLE[run.state]}]{run.state}[/]", ",".join(run.slots), _elapsed(run),
-                      headline(run), run.note)
+    for run in queue.runs:  # user strings as Text: never read as rich markup
+        table.add_row(Text(run.spec.name), Text(run.state, style=STYLE[run.state]), Text(",".join(run.slots)),
+                      _elapsed(run), Text(headline(run)), Text(run.note))
     return table
 
 
@@ -103,7 +111,12 @@ class Display:
         state, name = event.split(" ", 1)
         run = next(r for r in queue.runs if r.spec.name == name)
         where = f" on {'GPU' if queue.on_gpus else 'slot'} {','.join(run.slots)}" if state == "start" else ""
-        extra = f" after {_elapsed(run)} (exit {run.exit_code}) {headline(run)}" if state != "start" else ""
+        if state == "skipped":
+            extra = f" - {run.note}" if run.note else ""
+        elif state != "start":
+            extra = f" after {_elapsed(run)} (exit {run.exit_code}) {headline(run)}"
+        else:
+            extra = f" ({run.note})" if run.note else ""
         self.console.print(f"[queue] {state} {name}{where}{extra}".rstrip(), highlight=False, markup=False)
 
     def summary(self, queue: Queue) -> None:
@@ -112,17 +125,18 @@ class Display:
         finals = {run.spec.name: last_metrics(run) for run in queue.runs}
         for values in finals.values():
             metric_names += [k for k in values if k not in metric_names and k not in ("epoch", "step", "lr", "epoch_s")]
-        for column in ("run", "state", "elapsed", *metric_names):
-            table.add_column(column)
+        notes = any(run.note for run in queue.runs)
+        for column in ("run", "state", "elapsed", *metric_names, *(["note"] if notes else [])):
+            table.add_column(Text(column))
         for run in queue.runs:
             values = finals[run.spec.name]
-            table.add_row(run.spec.name, f"[{STYLE[run.state]}]{run.state}[/]", _elapsed(run),
-                          *[_short(values.get(k, "")) for k in metric_names])
+            table.add_row(Text(run.spec.name), Text(run.state, style=STYLE[run.state]), _elapsed(run),
+                          *[Text(_short(values.get(k, ""))) for k in metric_names], *([Text(run.note)] if notes else []))
         self.console.print(table)
         for run in queue.runs:
             if run.state == "failed":
-                self.console.print(f"[bold red]{run.spec.name} failed (exit {run.exit_code}); last lines of "
-                                   f"{run.folder / 'log.txt'}:[/]")
+                self.console.print(f"[bold red]{escape(run.spec.name)} failed (exit {run.exit_code}); last lines of "
+                                   f"{escape(str(run.folder / 'log.txt'))}:[/]")
                 for line in log_tail(run.folder):
                     self.console.print(f"    {line}", highlight=False, markup=False)
         span, work = queue.makespan()

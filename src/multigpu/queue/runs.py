@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from multigpu import config
+from multigpu import config, validate
 from multigpu.errors import ConfigError
 
 
@@ -46,13 +47,24 @@ class RunSpec:
     metric: Optional[str] = None
 
     def __post_init__(self) -> None:
+        validate.run_name(self.name, ConfigError)
+        where = f"run {self.name!r}: "
         if (self.script is None) == (self.module is None):
-            raise ConfigError(f"run {self.name!r} needs exactly one of script: or module:.",
-                              "e.g. script: examples/digits/train.py")
-        if self.gpus < 1:
-            raise ConfigError(f"run {self.name!r}: gpus {self.gpus} must be at least 1.", "use gpus: 1 or more.")
-        if self.nproc is not None and self.nproc < 1:
-            raise ConfigError(f"run {self.name!r}: nproc {self.nproc} must be at least 1.", "use nproc: 1 or more.")
+            raise ConfigError(f"{where}needs exactly one of script: or module:.", "e.g. script: examples/digits/train.py")
+        for what, text in (("script", self.script), ("module", self.module), ("out_dir_key", self.out_dir_key),
+                           ("metric", self.metric), *(("args", a) for a in self.args)):
+            if text is not None:
+                validate.plain_text(text, f"{where}{what}", ConfigError)
+        if self.module is not None and not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
+            raise ConfigError(f"{where}module {self.module!r} is not a module name.", "write e.g. module: mypkg.train")
+        validate.count(self.gpus, f"{where}gpus", ConfigError)
+        if self.nproc is not None:
+            validate.count(self.nproc, f"{where}nproc", ConfigError)
+        for name, value in self.env.items():
+            validate.env_name(name, ConfigError, where)
+            validate.plain_text(value, f"{where}env {name}", ConfigError)
+        for key in self.overrides:
+            validate.plain_text(key, f"{where}override key", ConfigError, allow_space=False)
 
     def processes(self, on_gpus: bool) -> int:
         return self.nproc or (self.gpus if on_gpus else 1)
@@ -91,13 +103,27 @@ def load_runs(path: str | Path, only: Optional[Sequence[str]] = None) -> list[Ru
     data, lines = config.load_yaml(path)
     if not data:
         raise ConfigError(f"{path} defines no runs.", "add `name:` entries with script:, args:, overrides:.")
+    folded: dict[str, str] = {}
+    for key in data:
+        name, parent = config.split_run_key(key)
+        at = f"{config.where(str(path), lines, (str(key),))}: "
+        validate.run_name(name, ConfigError, at)
+        if name.lower() in folded and folded[name.lower()] != name:
+            raise ConfigError(f"{at}run names {folded[name.lower()]!r} and {name!r} differ only in case.",
+                              "they would share one folder on some file systems; rename one.")
+        folded[name.lower()] = name
     resolved = config.resolve_inheritance(data, str(path), lines)
     raw_keys = {config.split_run_key(key)[0]: key for key in data}
     specs = []
     for name, settings in resolved.items():
         run_lines = {path_[1:]: line for path_, line in lines.items() if path_ and path_[0] == raw_keys[name]}
-        specs.append(config.from_mapping(RunSpec, {"name": name, **settings}, f"{path} (run {name!r})", run_lines))
-    if only:
+        if "name" in settings:
+            raise ConfigError(f"{config.where(str(path), lines, (raw_keys[name], 'name'))}: run {name!r} sets name:, "
+                              "which is the run's key.", "remove name: (rename the entry instead).")
+        specs.append(config.from_mapping(RunSpec, {**settings, "name": name}, f"{path} (run {name!r})", run_lines))
+    if only is not None:
+        if not only:
+            raise ConfigError("--only names no run.", "give comma-separated run names, or leave --only out for every run.")
         names = [s.name for s in specs]
         unknown = [n for n in only if n not in names]
         if unknown:

@@ -25,6 +25,7 @@ import yaml
 
 from multigpu.errors import ConfigError
 from multigpu.launch.local import usable_cores
+from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import RunSpec
 
 STATUS_FILE = "status.json"
@@ -47,6 +48,11 @@ class RunState:
     proc: Optional[subprocess.Popen] = None
     log: Optional[IO[str]] = None
     note: str = ""
+    lock: Optional[RunLock] = None
+
+    def __post_init__(self) -> None:
+        if self.lock is None:
+            self.lock = RunLock(self.folder.parent, self.spec.name)
 
     @property
     def elapsed(self) -> Optional[float]:
@@ -61,11 +67,6 @@ class RunState:
         tmp.write_text(json.dumps(status, indent=1))
         os.replace(tmp, self.folder / STATUS_FILE)
 
-    def load_status(self) -> dict:
-        try:
-            return json.loads((self.folder / STATUS_FILE).read_text())
-        except (OSError, ValueError):
-            return {}
 
 
 def _die_with_queue() -> None:
@@ -105,6 +106,9 @@ class Queue:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._skip_finished()
+        for run in self.runs:
+            if run.state == "skipped":
+                self.display(self, f"skipped {run.spec.name}")
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.started = time.time()
         try:
@@ -118,11 +122,14 @@ class Queue:
                     break
                 self.display(self, "tick")
                 time.sleep(self.poll_s)
+        except BaseException:
+            self._stop_all()  # the queue itself failed: its runs stop cleanly and are marked interrupted
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        self.ended = time.time()
-        self.display(self, "end")
+            self.ended = time.time()
+            self.display(self, "end")  # always: a live table left running hides the cursor
         if self._stop_signal is not None:
             return 128 + self._stop_signal
         return 0 if all(r.state in ("done", "skipped") for r in self.runs) else 1
@@ -132,21 +139,18 @@ class Queue:
         self._stop.set()
 
     def _skip_finished(self) -> None:
+        """Show what each run will do; the decision is taken again, under the run's lock, at its start."""
         for run in self.runs:
-            status = run.load_status()
-            if not status:
+            if not run.lock.acquire():
+                run.state, run.note = "skipped", f"running in another queue (pid {run.lock.holder()})"
                 continue
-            if status.get("fingerprint") != run.spec.fingerprint():
-                # Its settings changed: its checkpoints belong to the old settings. Keep them, aside.
-                aside = run.folder.with_name(f"{run.folder.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-                run.folder.rename(aside)
-                run.note = f"settings changed: earlier outputs moved to {aside.name}"
-            elif status.get("state") == "done":
+            run.lock.release()
+            decision = decide(run.folder, run.spec.fingerprint())
+            if decision.action == "skip":
+                status = decision.status
                 run.state, run.exit_code = "skipped", 0
                 run.started, run.ended = status.get("started"), status.get("ended")
-                run.note = "finished earlier"
-            elif status.get("state") in ("interrupted", "failed", "running"):
-                run.note = f"{status['state']} earlier: resuming"
+            run.note = decision.note
 
     def _free_slots(self) -> list[str]:
         taken = {s for r in self.runs if r.state == "running" for s in r.slots}
@@ -164,6 +168,18 @@ class Queue:
             running += 1
 
     def _start(self, run: RunState, slots: list[str]) -> None:
+        if not run.lock.acquire():
+            run.state, run.note = "skipped", f"running in another queue (pid {run.lock.holder()})"
+            self.display(self, f"skipped {run.spec.name}")
+            return
+        decision = decide(run.folder, run.spec.fingerprint())
+        if decision.action == "skip":  # another queue finished it since this one started
+            run.lock.release()
+            run.state, run.exit_code, run.note = "skipped", 0, decision.note
+            self.display(self, f"skipped {run.spec.name}")
+            return
+        if decision.action == "fresh":
+            run.note = move_aside(run.folder)
         run.folder.mkdir(parents=True, exist_ok=True)
         (run.folder / CONFIG_FILE).write_text(yaml.safe_dump(run.spec.resolved(), sort_keys=False))
         env = {**os.environ, **{k: str(v) for k, v in run.spec.env.items()}, "MULTIGPU_RUN_NAME": run.spec.name}
@@ -176,8 +192,14 @@ class Queue:
         run.log = open(run.folder / LOG_FILE, "a")
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         run.log.flush()
-        run.proc = subprocess.Popen(command, stdout=run.log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_queue)
+        try:
+            run.proc = subprocess.Popen(command, stdout=run.log, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=_die_with_queue)
+        except OSError as exc:  # a run that cannot start fails alone
+            run.log.write(f"multigpu: cannot start the run: {exc}\n")
+            run.started = time.time()
+            self._finish(run, 127)
+            return
         run.state, run.slots, run.started, run.ended, run.exit_code = "running", slots, time.time(), None, None
         run.save_status()
         self.display(self, f"start {run.spec.name}")
@@ -199,6 +221,7 @@ class Queue:
             run.log = None
         run.proc = None
         run.save_status()
+        run.lock.release()
         self.display(self, f"{run.state} {run.spec.name}")
 
     def _stop_all(self) -> None:
@@ -230,6 +253,51 @@ class Queue:
             return 0.0, 0.0
         work = sum((r.ended - r.started) * r.spec.gpus for r in ran)
         return max(r.ended for r in ran) - min(r.started for r in ran), work
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "start" (new), "resume", "skip" (finished with these settings) or "fresh" (settings changed)
+    note: str
+    status: dict
+
+
+def decide(folder: Path, fingerprint: str, active_job: Optional[Callable[[str], bool]] = None) -> Decision:
+    """What to do with a run given what its folder says - the same rules for the local queue and for
+    ``--slurm`` (``active_job``: is this Slurm job still queued or running?)."""
+    status = read_status(folder)
+    if not status:
+        return Decision("start", "", status)
+    job = str(status.get("job_id") or "")
+    if active_job is not None and job and active_job(job):
+        if status.get("fingerprint") != fingerprint:
+            raise ConfigError(f"the settings of run {folder.name!r} changed but its Slurm job {job} is still queued or "
+                              "running.", f"wait for it, or cancel it first (`multigpu slurm cancel {job}`).")
+        return Decision("skip", f"already submitted as job {job}", status)
+    if status.get("fingerprint") != fingerprint:
+        return Decision("fresh", "settings changed", status)
+    if status.get("state") == "done":
+        return Decision("skip", "finished earlier", status)
+    return Decision("resume", f"{status.get('state', 'stopped')} earlier: resuming", status)
+
+
+def read_status(folder: Path) -> dict:
+    try:
+        status = json.loads((folder / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def move_aside(folder: Path) -> str:
+    """Keep the outputs of earlier settings under ``<name>.old-<time>`` (never overwrite, never delete)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = folder.with_name(f"{folder.name}.old-{stamp}")
+    n = 1
+    while aside.exists():
+        aside, n = folder.with_name(f"{folder.name}.old-{stamp}-{n}"), n + 1
+    folder.rename(aside)
+    return f"settings changed: earlier outputs moved to {aside.name}"
 
 
 def log_tail(folder: Path, lines: int = 15) -> list[str]:

@@ -62,11 +62,7 @@ def make_strategy(name: str, world: World, devices: Sequence[torch.device], **op
     if name == "fsdp":
         from multigpu.strategies.fsdp import FSDP, FSDPOptions
 
-        fsdp_options = _options(FSDPOptions, name, options)
-        if not world.is_distributed:
-            # Nothing to shard over in a world of one: the same model, trained plainly.
-            return SingleDevice(device)
-        return FSDP(device, fsdp_options)
+        return FSDP(device, _options(FSDPOptions, name, options), distributed=world.is_distributed)
     if name in ("pipeline", "ddp+pipeline"):
         from multigpu.strategies.pipeline import Pipeline, PipelineOptions
 

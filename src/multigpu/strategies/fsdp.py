@@ -94,15 +94,21 @@ class FSDP(PlainGradients):
     name = "fsdp"
     sharded = True
 
-    def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions()) -> None:
+    def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions(), distributed: bool = True) -> None:
         self.device = device
         self.options = options
+        #: False in a world of one: nothing to shard over, the model trains plainly - but checkpoints
+        #: stay DCP shards, so a run can move between one process and many in both directions.
+        self.distributed = distributed
         self._param_dtype = _dtype(options.param_dtype, "param_dtype")
         self._reduce_dtype = _dtype(options.reduce_dtype, "reduce_dtype")
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        if not self.distributed:
+            model = model.to(self.device)
+            return model, build_optimizer(optimizer, model)
         names = {id(p): n for n, p in model.named_parameters()}
         if not self.options.cpu_offload:
             model = model.to(self.device)
@@ -120,7 +126,7 @@ class FSDP(PlainGradients):
         return model, build_optimizer(optimizer, model)
 
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return _no_gradient_sync(model)
+        return _no_gradient_sync(model) if self.distributed else contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         # Gradients are DTensor shards: clip_grad_norm_ computes the norm over every shard of every

@@ -1,0 +1,134 @@
+"""How a run writes and reads its checkpoints, chosen once from its strategy: one file, or DCP shards.
+
+Why an interface here and not branches in ``Run``: the two formats differ in who writes (rank 0
+alone, or every rank), in what a model's state is (gathered full tensors, or each rank's shards) and
+in what a load may trust. ``ReplicatedIO`` reads only ``state.pt`` (``weights_only=True``) - it never
+looks at DCP metadata, so a folder carrying a planted ``.metadata`` is not read as sharded. ``ShardedIO``
+reads DCP shards through :mod:`multigpu.checkpoint.dcp_safe`, and also takes a replicated checkpoint
+(its model weights). Both write through the same atomic folder and manifest
+(:mod:`multigpu.checkpoint.files`); which kind a folder holds is what its manifest says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+from torch import nn
+
+from multigpu.checkpoint import files, sharded
+from multigpu.errors import CheckpointError
+
+Unwrap = Callable[[nn.Module], nn.Module]
+
+
+class CheckpointIO(Protocol):
+    #: Written into the manifest and shown by ``multigpu checkpoint list``.
+    kind: str
+
+    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
+             meta: dict) -> Path:
+        """Every rank calls this; returns once ``directory/step-N`` exists."""
+
+    def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
+             map_location: Any) -> dict:
+        """Restore model and optimizer in place; return the rest of the saved state."""
+
+    def model_state(self, model: nn.Module) -> dict:
+        """The model's full weights with plain names (a collective for sharded models)."""
+
+
+def _misfit(path: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(f"{path} does not fit this model/optimizer: {' '.join(str(exc).split())[:300]}",
+                           "resume with the same model configuration, or start a new out_dir.")
+
+
+class ReplicatedIO:
+    """Every rank holds the whole model: rank 0 writes one ``state.pt`` that loads into a plain model."""
+
+    kind = "replicated"
+
+    def __init__(self, is_main: bool, unwrap: Unwrap) -> None:
+        self.is_main = is_main
+        self.unwrap = unwrap
+
+    def model_state(self, model: nn.Module) -> dict:
+        from multigpu.strategies.base import clean_state_dict
+
+        return clean_state_dict(self.unwrap(model).state_dict())
+
+    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
+             meta: dict) -> Path:
+        if self.is_main:
+            plain = dict(rest)
+            if isinstance(model, nn.Module):
+                plain["model"] = self.model_state(model)
+            if optimizer is not None:
+                plain["optimizer"] = optimizer.state_dict()
+            return files.save_state(directory, step, plain, meta=meta)
+        return Path(directory) / files.step_name(step)
+
+    def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
+             map_location: Any) -> dict:
+        if manifest.get("sharded"):
+            raise CheckpointError(
+                f"{path} is a sharded (DCP) checkpoint; this run's strategy keeps whole replicas and reads "
+                "only single-file checkpoints.",
+                "resume with the sharded strategy that wrote it (e.g. strategy: fsdp, any world size), or turn it "
+                f"into one file with `multigpu checkpoint consolidate {path}`.")
+        state = files.load_state(path, map_location=map_location)
+        try:
+            if model is not None and "model" in state:
+                self.unwrap(model).load_state_dict(state.pop("model"))
+            if optimizer is not None and "optimizer" in state:
+                optimizer.load_state_dict(state.pop("optimizer"))
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            raise _misfit(path, exc) from None
+        return state
+
+
+class ShardedIO:
+    """Each rank holds shards: every rank writes its own through DCP; loads reshard to any layout."""
+
+    kind = "sharded"
+
+    def __init__(self, is_main: bool, barrier: Callable[[], None]) -> None:
+        self.is_main = is_main
+        self.barrier = barrier
+
+    def model_state(self, model: nn.Module) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from multigpu.strategies.base import clean_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return clean_state_dict(get_model_state_dict(model, options=options))
+
+    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
+             meta: dict) -> Path:
+        if not isinstance(model, nn.Module):
+            raise CheckpointError("a sharded checkpoint needs the model under state['model'].",
+                                  "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
+        return sharded.save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
+                            barrier=self.barrier, meta=meta)
+
+    def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
+             map_location: Any) -> dict:
+        if model is None:
+            raise CheckpointError(f"{path} is loaded by a sharded strategy: it loads into a model, not into a dict.",
+                                  "pass model= (and optimizer=), or consolidate it with `multigpu checkpoint consolidate`.")
+        if manifest.get("sharded"):
+            return sharded.load(path, model, optimizer, map_location=map_location, manifest=manifest)
+        state = files.load_state(path, map_location=map_location)
+        try:
+            if "model" in state:
+                sharded.load_full_into_sharded(model, state.pop("model"))
+            state.pop("optimizer", None)
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            raise _misfit(path, exc) from None
+        return state
+
+
+def choose_io(sharded_strategy: bool, is_main: bool, barrier: Callable[[], None], unwrap: Unwrap) -> CheckpointIO:
+    """The one place that decides the format: from the strategy, once."""
+    return ShardedIO(is_main, barrier) if sharded_strategy else ReplicatedIO(is_main, unwrap)

@@ -1,0 +1,107 @@
+"""The degrees of parallelism of a run, and the DeviceMesh built from them - once, asked by everyone.
+
+Why: data parallelism is not the only dimension. With tensor parallelism (``tp``) several ranks share
+one batch; with HSDP (``dp_replicate`` x ``dp_shard``) the data-parallel ranks form two mesh dimensions.
+Every consumer asks this object for its own dimension instead of assuming "data-parallel size ==
+world size": the sampler shards by :attr:`dp_rank` / :attr:`dp_size`, the global batch is batch x
+``dp_size``, metrics reduce over the data-parallel group, the sharded strategies take their sub-mesh.
+Learned from torchtitan's ``ParallelDims`` (degrees validated once, one mesh, everyone asks it for a
+dimension) and Lightning Fabric's ``distributed_sampler_kwargs``.
+
+Rank layout: ``rank = (replicate * dp_shard + shard) * tp + tp_rank`` - tensor parallelism innermost,
+so a tp group is consecutive ranks of one node (its collectives run every layer and must not cross
+the network); data-parallel groups are strided.
+
+The mesh is built only when a strategy needs one (fsdp, hsdp, fsdp+tp): plain DDP uses the default
+group and pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from multigpu.errors import ConfigError
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Degrees whose product is the world size. ``Parallelism.plain(world)`` is pure data parallelism."""
+
+    world_size: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @classmethod
+    def plain(cls, world_size: int) -> "Parallelism":
+        return cls(world_size, 1, world_size, 1)
+
+    @classmethod
+    def from_degrees(cls, world_size: int, local_world_size: int, *, dp_replicate: int = 1,
+                     dp_shard: Optional[int] = None, tp: int = 1, pp: int = 1) -> "Parallelism":
+        """Validate requested degrees; ``dp_shard`` None (or -1) takes what is left of the world."""
+        for name, value in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.", f"use {name}: 1 or more.")
+        if pp != 1:
+            raise ConfigError(f"pp={pp}: pipeline stages across processes are not supported.",
+                              "use strategy pipeline (or ddp+pipeline) - its stages run in one process over "
+                              "--gpus-per-proc GPUs - and leave pp at 1.")
+        rest = dp_replicate * tp
+        if dp_shard is None or dp_shard == -1:
+            if world_size % rest:
+                raise ConfigError(f"dp_replicate={dp_replicate} x tp={tp} = {rest} does not divide the world size "
+                                  f"{world_size}.", f"choose degrees whose product divides {world_size}.")
+            dp_shard = world_size // rest
+        if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1:
+            raise ConfigError(f"dp_shard={dp_shard!r} must be a whole number of at least 1 (or -1: the rest).",
+                              "leave dp_shard out to use the rest of the world.")
+        if dp_replicate * dp_shard * tp != world_size:
+            raise ConfigError(f"dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} = "
+                              f"{dp_replicate * dp_shard * tp}, but the world has {world_size} processes.",
+                              f"choose degrees whose product is {world_size} (dp_shard -1 takes the rest).")
+        if tp > 1 and local_world_size % tp:
+            raise ConfigError(f"tp={tp} would span nodes: each node runs {local_world_size} process(es).",
+                              f"tensor parallelism talks every layer; keep it within a node: tp must divide "
+                              f"{local_world_size}.")
+        return cls(world_size, dp_replicate, dp_shard, tp)
+
+    # ---------------------------------------------------------------- who am I in each dimension
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data: the sampler's number of shards, the global batch's factor."""
+        return self.dp_replicate * self.dp_shard
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        """This rank's data shard: ranks of one tensor-parallel group read the same batch."""
+        return rank // self.tp
+
+    def dp_group_ranks(self, rank: int) -> list[int]:
+        """The ranks that hold the same tensor-parallel slice and different data (metrics reduce here)."""
+        return [r for r in range(self.world_size) if r % self.tp == rank % self.tp]
+
+    @property
+    def is_plain(self) -> bool:
+        return self.tp == 1 and self.dp_replicate == 1
+
+    def describe(self) -> str:
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"dp_replicate {self.dp_replicate}")
+        parts.append(f"dp_shard {self.dp_shard}" if (self.dp_replicate > 1 or self.tp > 1) else f"dp {self.dp_shard}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
+        return " x ".join(parts)
+
+    # ---------------------------------------------------------------- the mesh
+    def build_mesh(self, device_type: str) -> Any:
+        """``init_device_mesh`` over (dp_replicate, dp_shard, tp): a collective, every rank calls it once."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)

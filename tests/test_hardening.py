@@ -1,0 +1,282 @@
+"""Regression tests for the hardening of input from others: each reproduces an input that got through
+before (a crash, a folder renamed or replaced, a job submitted twice, a live table left broken)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu
+from multigpu import checkpoint
+from multigpu.checkpoint.files import MANIFEST, finalize_folder, save_state, step_name
+from multigpu.errors import ConfigError, LaunchError
+from multigpu.queue.display import status_table
+from multigpu.queue.lock import RunLock
+from multigpu.queue.runs import RunSpec
+from multigpu.queue.scheduler import RunState, decide
+
+pytestmark = pytest.mark.timeout(180)
+SLEEP = str(SCRIPTS / "sleep_run.py")
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((3,), value)}}
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_a_crash_between_the_two_renames_of_a_replacement_is_recovered(tmp_path, monkeypatch):
+    """Saving step 5 again moves the old folder aside, then renames the new one in. A crash between
+    the two used to leave the only copy as .old-step-*, which the next prune deleted."""
+    save_state(tmp_path, 5, _state(1.0))
+    real_rename = Path.rename
+    calls = []
+
+    def crash_on_second(self, target):
+        calls.append(Path(target).name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("power cut")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        save_state(tmp_path, 5, _state(2.0))
+    monkeypatch.setattr(Path, "rename", real_rename)
+    assert not (tmp_path / step_name(5)).exists() and any(p.name.startswith(".old-step-") for p in tmp_path.iterdir())
+    checkpoint.prune(tmp_path, keep_last=1, newest=5)  # what the next save does first
+    info = checkpoint.latest(tmp_path)
+    assert info is not None and info.step == 5
+    assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.ones(3))  # the old copy, whole
+
+
+def test_a_crash_after_the_replacement_leaves_no_stale_copy(tmp_path):
+    save_state(tmp_path, 5, _state(2.0))
+    aside = tmp_path / ".old-step-00000005-deadbeef"
+    (aside).mkdir()
+    (aside / "state.pt").write_bytes(b"old")
+    reports = []
+    info = checkpoint.latest(tmp_path, report=reports.append)
+    assert info.step == 5 and not aside.exists() and not reports
+    assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda m: m.__setitem__("files", ["state.pt"]), "no 'files' mapping"),
+    (lambda m: m["files"]["state.pt"].pop("crc32"), "8-digit hex 'crc32'"),
+    (lambda m: m.__setitem__("files", {}), "does not list state.pt"),
+    (lambda m: m["files"].__setitem__("../../x", {"size": 1, "crc32": "00000000"}), "not inside the checkpoint"),
+])
+def test_a_resume_skips_a_malformed_manifest_as_corrupt(tmp_path, change, why):
+    """Used to crash the Trainer's resume (and verify/list/consolidate) with a KeyError or TypeError."""
+    save_state(tmp_path, 1, _state(1.0))
+    bad = save_state(tmp_path, 2, _state(2.0))
+    manifest = json.loads((bad / MANIFEST).read_text())
+    change(manifest)
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    reports = []
+    info = checkpoint.latest(tmp_path, report=reports.append)
+    assert info.step == 1 and len(reports) == 1 and why in reports[0]
+    listing = multigpu("checkpoint", "list", str(tmp_path))
+    assert listing.returncode == 0 and "CORRUPT" in listing.stdout and "Traceback" not in listing.stderr
+
+
+def test_the_trainer_resumes_past_a_malformed_checkpoint(tmp_path):
+    import multigpu as mg
+
+    class Fit(mg.Trainer):
+        def compute_loss(self, batch):
+            x, y = batch
+            return nn.functional.mse_loss(self.model(x), y)
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
+    with mg.init(env={}) as run:
+        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
+                      out_dir=str(tmp_path), progress=False)
+        trainer.fit(data)
+    newest = max((tmp_path / "checkpoints").glob("step-*"))
+    manifest = json.loads((newest / MANIFEST).read_text())
+    manifest["files"] = ["state.pt"]
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    with mg.init(env={}) as run:
+        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
+                      out_dir=str(tmp_path), progress=False)
+        assert trainer.resume() and trainer.state.global_step == 4  # the epoch-1 checkpoint
+
+
+def test_consolidate_never_replaces_the_source(tmp_path):
+    """`consolidate STEP --out <its parent>` used to replace the sharded step with a partial one."""
+    from multigpu.checkpoint import sharded
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    step = sharded.save(tmp_path, 4, model, opt, {"trainer": {}}, is_main=True, barrier=lambda: None)
+    before = {p.name: p.stat().st_mtime_ns for p in step.iterdir()}
+    proc = multigpu("checkpoint", "consolidate", str(step), "--out", str(tmp_path))
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in step.iterdir()} == before
+    assert checkpoint.verify(step)["sharded"] is True
+
+
+def test_finalize_never_overwrites_when_told_not_to(tmp_path):
+    save_state(tmp_path, 1, _state(1.0))
+    tmp = tmp_path / ".tmp-step-00000001-x"
+    tmp.mkdir()
+    torch.save(_state(9.0), tmp / "state.pt")
+    with pytest.raises(Exception, match="already exists"):
+        finalize_folder(tmp, 1, overwrite=False)
+    assert torch.equal(checkpoint.load_state(tmp_path / step_name(1))["model"]["w"], torch.ones(3))
+
+
+# ------------------------------------------------------------------ queue: locks, decisions, display
+
+
+def test_decide_follows_the_same_rules_for_local_and_slurm(tmp_path):
+    folder = tmp_path / "run"
+    assert decide(folder, "f1").action == "start"
+    folder.mkdir()
+    (folder / "status.json").write_text(json.dumps({"state": "done", "fingerprint": "f1"}))
+    assert decide(folder, "f1").action == "skip"
+    assert decide(folder, "f2").action == "fresh"
+    (folder / "status.json").write_text(json.dumps({"state": "submitted", "job_id": "7", "fingerprint": "f1"}))
+    assert decide(folder, "f1", active_job=lambda job: True).action == "skip"
+    assert "already submitted as job 7" in decide(folder, "f1", active_job=lambda job: True).note
+    assert decide(folder, "f1", active_job=lambda job: False).action == "resume"
+    with pytest.raises(ConfigError, match="still queued or running"):
+        decide(folder, "f2", active_job=lambda job: True)
+    (folder / "status.json").write_text("[1, 2]")  # not ours: start over, never crash
+    assert decide(folder, "f1").action == "start"
+
+
+def test_the_lock_dies_with_its_holder(tmp_path):
+    holder = subprocess.Popen([PY, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from multigpu.queue.lock import RunLock; from pathlib import Path; "
+                               "lock = RunLock(Path(sys.argv[2]), 'a'); assert lock.acquire(); print('held', flush=True); "
+                               "time.sleep(60)", str(REPO / "src"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock = RunLock(tmp_path, "a")
+        assert not lock.acquire()
+        assert lock.holder() == str(holder.pid)
+        holder.kill()
+        holder.wait()
+        assert lock.acquire()
+        lock.release()
+    finally:
+        holder.kill()
+
+
+def test_two_queues_on_one_out_never_run_a_run_twice(tmp_path):
+    runs = tmp_path / "runs.yaml"
+    runs.write_text(f"slow:\n  script: {SLEEP}\n  args: ['4']\n  out_dir_key: out_dir\n")
+    out = tmp_path / "q"
+    first = subprocess.Popen([PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out), "--no-live"],
+                             env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "slow" / "status.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live")
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "running in another queue" in second.stdout
+        stdout, _ = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0, stdout
+    log = (out / "slow" / "log.txt").read_text()
+    assert log.count("=== ") == 1  # started once
+
+
+def test_a_name_that_would_escape_is_refused_before_anything_is_written(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data.txt").write_text("precious")
+    runs = tmp_path / "runs.yaml"
+    runs.write_text(f"../victim:\n  script: {SLEEP}\n  args: ['0']\n  out_dir_key: out_dir\n")
+    out = tmp_path / "q"
+    proc = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live")
+    assert proc.returncode == 2 and "is not allowed" in proc.stderr
+    assert not out.exists() and (victim / "data.txt").read_text() == "precious"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("victim")] == ["victim"]
+
+
+def test_markup_in_notes_and_metrics_is_shown_as_text(tmp_path):
+    """A run name with rich markup (a[/]) used to crash the live table; names are now refused, and every
+    other string shown (notes, metric values read from the run's folder) is plain text."""
+    spec = RunSpec(name="net", script="t.py")
+    folder = tmp_path / "net"
+    folder.mkdir()
+    (folder / "metrics.csv").write_text("epoch,valid_[/]bold\n1,[/]oops[red]\n")
+    (folder / "final.json").write_text("[1, 2]")  # not a mapping: ignored, not a crash
+    run = RunState(spec, folder, note="moved [/] aside [bold]x")
+
+    class Fake:
+        root, on_gpus, runs = Path("q[/]"), False, [run]
+
+    console = Console(record=True, width=200)
+    console.print(status_table(Fake()))
+    text = console.export_text()
+    assert "moved [/] aside [bold]x" in text and "[/]oops[red]" in text and "q[/]" in text
+
+
+# ------------------------------------------------------------------ Slurm scripts and commands
+
+
+def test_the_queue_job_script_writes_its_end_state_and_is_valid_bash(tmp_path):
+    from multigpu.launch import slurm
+
+    job = slurm.SlurmJob(command=("t.py", "a b"), run_dir=tmp_path / "r", options=slurm.SlurmOptions(),
+                         env=(("A", "x y"),), status_file=tmp_path / "r" / "status.json", fingerprint="ab12")
+    text = slurm.render(job)
+    assert "|| code=$?" in text and '"fingerprint": \\"ab12\\"' not in text
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # run the trailer alone with a failing srun: it must write a parseable status
+    trailer = re.sub(r"(?m)^srun .* \|\| code=\$\?$", "false || code=$?", text[text.index("code=0"):])
+    assert "false || code=$?" in trailer
+    runner = tmp_path / "trailer.sh"
+    runner.write_text("SLURM_JOB_ID=42\n" + trailer)
+    (tmp_path / "r").mkdir()
+    done = subprocess.run(["bash", str(runner)])
+    assert done.returncode == 1
+    status = json.loads((tmp_path / "r" / "status.json").read_text())
+    assert status == {"state": "failed", "exit_code": 1, "job_id": "42", "fingerprint": "ab12"}
+
+
+def _fake_scontrol(tmp_path: Path, stderr: str, code: int) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "scontrol"
+    tool.write_text(f"#!/bin/sh\necho '{stderr}' >&2\nexit {code}\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_slurm_status_tells_an_unreachable_controller_from_an_unknown_job(tmp_path):
+    env = _fake_scontrol(tmp_path, "slurm_load_jobs error: Unable to contact slurm controller (connect failure)", 1)
+    proc = multigpu("slurm", "status", "123", env=env)
+    assert proc.returncode == 2 and "cannot reach the Slurm controller" in proc.stderr
+    (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\n"
+                                               "exit 1\n")
+    proc = multigpu("slurm", "status", "123", env=env)
+    assert proc.returncode == 2 and "Slurm knows no job 123" in proc.stderr
+
+
+def test_slurm_options_are_validated_for_the_queue_too(tmp_path):
+    from multigpu.launch.slurm import SlurmOptions
+
+    for options, needle in ((SlurmOptions(partition="a\nb"), "--partition"), (SlurmOptions(mem="1G;x"), "--mem"),
+                            (SlurmOptions(extra=("--qos=a b",)), "--sbatch-arg"), (SlurmOptions(nodes=0), "--nodes")):
+        with pytest.raises(LaunchError, match=needle):
+            options.validate()

@@ -1,0 +1,451 @@
+"""Hostile and malformed input, table-driven, through the real command line (and plain ``python``).
+
+Each case runs a real subprocess in a fresh folder and asserts what a user is promised:
+- a non-zero exit within 30 s,
+- exactly one ``multigpu: error: ... HINT: ...`` line naming the problem, and no traceback,
+- nothing written outside the output folder, no file changed or removed,
+- no process left behind,
+- for planted pickles and shell injections: the planted command did not run.
+
+The inputs cover every command and file format: CLI flags of run/slurm/queue/checkpoint, runs files,
+hparams files and overrides, checkpoint manifests and shards, and the launchers' environment variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import PY, REPO, SCRIPTS, child_env, processes_with
+
+pytestmark = pytest.mark.timeout(120)
+SLEEP = str(SCRIPTS / "sleep_run.py")
+DIGITS = str(REPO / "examples" / "digits" / "train.py")
+PWNED = "PWNED"  # the file every planted command tries to create (in the case's folder)
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]  # "multigpu" arguments; or, with python=True, the arguments of plain `python`
+    expect: str  # a fragment of the error line
+    setup: Optional[Callable[[Path], None]] = None  # writes input files into the case folder
+    env: dict = field(default_factory=dict)
+    python: bool = False
+
+
+def write(name: str, text: str, binary: bool = False) -> Callable[[Path], None]:
+    def setup(folder: Path) -> None:
+        (folder / name).write_bytes(text.encode("latin-1") if binary else text.encode())
+    return setup
+
+
+def runs(text: str) -> Callable[[Path], None]:
+    return write("runs.yaml", text)
+
+
+RUN_OK = f"  script: {SLEEP}\n  args: ['0']\n  out_dir_key: out_dir\n"
+BOMB = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9) if i else ', '.join(['x'] * 9)}]\n" for i in range(8))
+
+
+# ------------------------------------------------------------------------------- checkpoints
+
+def _tiny() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def sharded_ckpt(folder: Path, name: str = "ckpt") -> Path:
+    from multigpu.checkpoint import sharded
+
+    model, opt = _tiny()
+    return sharded.save(folder / name, 3, model, opt, {"trainer": {"epoch": 1}}, is_main=True, barrier=lambda: None,
+                        meta={"world_size": 1})
+
+
+def replicated_ckpt(folder: Path, name: str = "ckpt") -> Path:
+    from multigpu.checkpoint import files
+
+    model, opt = _tiny()
+    return files.save_state(folder / name, 3, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+
+def edit_manifest(step: Path, change: Callable[[dict], None]) -> None:
+    manifest = json.loads((step / "manifest.json").read_text())
+    change(manifest)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+
+def refresh_entry(step: Path, name: str) -> None:
+    from multigpu.checkpoint.files import file_digest
+
+    size, crc = file_digest(step / name)
+    edit_manifest(step, lambda m: m["files"].__setitem__(name, {"size": size, "crc32": crc}))
+
+
+class Planted:
+    """Unpickling this runs a shell command that creates PWNED in the current folder."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {PWNED}",))
+
+
+def planted_metadata(folder: Path) -> None:
+    step = sharded_ckpt(folder)
+    (step / ".metadata").write_bytes(pickle.dumps(Planted()))
+    refresh_entry(step, ".metadata")  # the manifest verifies: only the unpickler stands in the way
+
+
+def planted_byte_entry(folder: Path) -> None:
+    """A DCP shard whose non-tensor entry (an optimizer hyperparameter) is a pickled command."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from multigpu.checkpoint import files
+
+    model, opt = _tiny()
+    model_state, optim_state = get_state_dict(model, [opt])
+    for group in optim_state["param_groups"]:
+        group["lr"] = Planted()
+    tmp = folder / "ckpt" / ".tmp-step-00000003-x"
+    tmp.mkdir(parents=True)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp), no_dist=True)
+    torch.save({"trainer": {}}, tmp / "extra.pt")
+    files.finalize_folder(tmp, 3, meta={"sharded": True})
+
+
+def torn_shard(folder: Path) -> None:
+    step = sharded_ckpt(folder)
+    (shard,) = step.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    refresh_entry(step, shard.name)
+
+
+def manifest_case(change: Callable[[dict], None], kind: str = "replicated") -> Callable[[Path], None]:
+    def setup(folder: Path) -> None:
+        step = (replicated_ckpt if kind == "replicated" else sharded_ckpt)(folder)
+        edit_manifest(step, change)
+    return setup
+
+
+def symlinked_state(folder: Path) -> None:
+    step = replicated_ckpt(folder)
+    (folder / "elsewhere.pt").write_bytes((step / "state.pt").read_bytes())
+    (step / "state.pt").unlink()
+    (step / "state.pt").symlink_to(folder / "elsewhere.pt")
+
+
+def named_best(folder: Path) -> None:
+    (folder / "best").mkdir()
+
+
+STEP = "ckpt/step-00000003"
+
+# ----------------------------------------------------------------------------------- the table
+
+CASES = [
+    # multigpu run: processes, devices, ports, timeouts, logs
+    Case("run-nproc-0", ["run", "--nproc", "0", "s.py"], "--nproc 0 must be at least 1", write("s.py", "")),
+    Case("run-nproc-negative", ["run", "--nproc", "-3", "s.py"], "--nproc -3 must be at least 1", write("s.py", "")),
+    Case("run-nproc-100000", ["run", "--nproc", "100000", "s.py"], "more than 4,096", write("s.py", "")),
+    Case("run-nproc-text", ["run", "--nproc", "abc", "s.py"], "invalid int value"),
+    Case("run-nproc-float", ["run", "--nproc", "1e23", "s.py"], "invalid int value"),
+    Case("run-gpus-per-proc-0", ["run", "--gpus-per-proc", "0", "s.py"], "--gpus-per-proc 0", write("s.py", "")),
+    Case("run-gpus-without-gpu", ["run", "--gpus", "0", "s.py"], "no GPU is visible", write("s.py", "")),
+    Case("run-gpus-garbage", ["run", "--gpus", "0,x", "s.py"], "is not a GPU index", write("s.py", "")),
+    Case("run-gpus-huge", ["run", "--gpus", "0-99999999999", "s.py"], "is not a GPU index", write("s.py", "")),
+    Case("run-port-too-high", ["run", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "70000",
+                               "s.py"], "--master-port 70000", write("s.py", "")),
+    Case("run-port-zero", ["run", "--master-port", "0", "s.py"], "--master-port 0", write("s.py", "")),
+    Case("run-log-dir-is-file", ["run", "--log-dir", "s.py", "s.py"], "is a file", write("s.py", "")),
+    Case("run-log-dir-under-file", ["run", "--log-dir", "s.py/logs", "s.py"], "cannot create --log-dir",
+         write("s.py", "")),
+    Case("run-stop-timeout-negative", ["run", "--stop-timeout", "-5", "s.py"], "--stop-timeout -5", write("s.py", "")),
+    Case("run-rdzv-timeout-negative", ["run", "--rdzv-timeout", "-5", "s.py"], "--rdzv-timeout -5", write("s.py", "")),
+    Case("run-rdzv-endpoint-no-port", ["run", "--rdzv-endpoint", "nohost", "s.py"], "is not HOST:PORT",
+         write("s.py", "")),
+    Case("run-rdzv-endpoint-port-range", ["run", "--rdzv-endpoint", "h:99999", "s.py"], "is not HOST:PORT",
+         write("s.py", "")),
+    Case("run-nnodes-zero", ["run", "--nnodes", "0", "s.py"], "need 0 < MIN <= MAX", write("s.py", "")),
+    Case("run-nnodes-inverted", ["run", "--nnodes", "2:1", "s.py"], "need 0 < MIN <= MAX", write("s.py", "")),
+    Case("run-nnodes-huge", ["run", "--nnodes", "100000000000000000000000", "s.py"], "--nnodes",
+         write("s.py", "")),
+    Case("run-nnodes-without-master", ["run", "--nnodes", "2", "s.py"], "needs --master-addr", write("s.py", "")),
+    Case("run-node-rank-outside", ["run", "--nnodes", "2", "--node-rank", "5", "--master-addr", "127.0.0.1",
+                                   "--master-port", "29999", "s.py"], "--node-rank 5 is outside", write("s.py", "")),
+    Case("run-master-addr-newline", ["run", "--nnodes", "2", "--master-addr", "h\nx", "--master-port", "29999", "s.py"],
+         "--master-addr", write("s.py", "")),
+    Case("run-max-restarts-negative", ["run", "--max-restarts", "-1", "s.py"], "--max-restarts -1", write("s.py", "")),
+    Case("run-simulate-one-node", ["run", "--simulate-nodes", "1", "s.py"], "--simulate-nodes 1", write("s.py", "")),
+    Case("run-simulate-huge", ["run", "--simulate-nodes", "100000", "s.py"], "--simulate-nodes 100000",
+         write("s.py", "")),
+    Case("run-simulate-with-port", ["run", "--simulate-nodes", "2", "--master-port", "29500", "s.py"],
+         "drop --master-port", write("s.py", "")),
+    Case("run-missing-script", ["run", "nope.py"], "does not exist"),
+    Case("run-script-is-folder", ["run", "."], "does not exist"),
+    # multigpu slurm: every value that reaches the sbatch script
+    Case("slurm-nodes-zero", ["slurm", "--dry-run", "--nodes", "0", "s.py"], "--nodes 0", write("s.py", "")),
+    Case("slurm-partition-newline", ["slurm", "--dry-run", "--partition", f"gpu\ntouch {PWNED}", "s.py"],
+         "--partition", write("s.py", "")),
+    Case("slurm-account-semicolon", ["slurm", "--dry-run", "--account", f"a;touch {PWNED}", "s.py"], "--account",
+         write("s.py", "")),
+    Case("slurm-mem-newline", ["slurm", "--dry-run", "--mem", f"64G\ntouch {PWNED}", "s.py"], "--mem",
+         write("s.py", "")),
+    Case("slurm-sbatch-arg-newline", ["slurm", "--dry-run", f"--sbatch-arg=--qos=high\ntouch {PWNED}", "s.py"],
+         "--sbatch-arg", write("s.py", "")),
+    Case("slurm-sbatch-arg-not-a-flag", ["slurm", "--dry-run", "--sbatch-arg=qos", "s.py"], "--sbatch-arg",
+         write("s.py", "")),
+    Case("slurm-time-injection", ["slurm", "--dry-run", "--time", f"1:00; touch {PWNED}", "s.py"], "--time",
+         write("s.py", "")),
+    Case("slurm-job-name-space", ["slurm", "--dry-run", "--job-name", "a b", "s.py"], "--job-name", write("s.py", "")),
+    Case("slurm-run-dir-is-file", ["slurm", "--dry-run", "--run-dir", "s.py", "s.py"], "HINT", write("s.py", "")),
+    Case("slurm-run-dir-space", ["slurm", "--dry-run", "--run-dir", "out/a b", "s.py"], "contains whitespace",
+         write("s.py", "")),
+    Case("slurm-run-dir-percent", ["slurm", "--dry-run", "--run-dir", "out/a%j", "s.py"], "contains whitespace, %",
+         write("s.py", "")),
+    Case("slurm-argument-newline", ["slurm", "--dry-run", "s.py", f"x\ntouch {PWNED}"], "control characters",
+         write("s.py", "")),
+    Case("slurm-cpus-zero", ["slurm", "--dry-run", "--cpus-per-task", "0", "s.py"], "--cpus-per-task 0",
+         write("s.py", "")),
+    Case("slurm-nproc-huge", ["slurm", "--dry-run", "--nproc-per-node", "100000", "s.py"], "more than 4,096",
+         write("s.py", "")),
+    Case("slurm-gpus-negative", ["slurm", "--dry-run", "--gpus-per-node", "-1", "s.py"], "--gpus-per-node -1",
+         write("s.py", "")),
+    Case("slurm-status-not-an-id", ["slurm", "status", "abc"], "is not a Slurm job id"),
+    Case("slurm-logs-injection", ["slurm", "logs", f"1;touch {PWNED}"], "is not a Slurm job id"),
+    Case("slurm-status-two-ids", ["slurm", "status", "1", "2"], "unrecognized arguments"),
+    # runs files
+    Case("runs-missing", ["queue", "nope.yaml"], "cannot read nope.yaml"),
+    Case("runs-is-folder", ["queue", "."], "is a folder"),
+    Case("runs-invalid-yaml", ["queue", "runs.yaml"], "runs.yaml:2: invalid YAML", runs("a:\n  b: [1, 2\n")),
+    Case("runs-invalid-utf8", ["queue", "runs.yaml"], "not valid UTF-8", write("runs.yaml", "a:\n  s: \xff\xfe\n", True)),
+    Case("runs-alias-bomb", ["queue", "runs.yaml"], "expands to more than", runs(BOMB)),
+    Case("runs-recursive-alias", ["queue", "runs.yaml"], "refers to itself", runs("a: &x\n  b: *x\n")),
+    Case("runs-duplicate-run", ["queue", "runs.yaml"], "runs.yaml:7: key 'a' is given twice (also at line 1)",
+         runs(f"a:\n{RUN_OK}b:\n  script: x\na:\n  script: y\n")),
+    Case("runs-duplicate-setting", ["queue", "runs.yaml"], "key 'gpus' is given twice",
+         runs(f"a:\n{RUN_OK}  gpus: 1\n  gpus: 2\n")),
+    Case("runs-name-dotdot", ["queue", "runs.yaml"], "run name '../escape' is not allowed", runs(f"../escape:\n{RUN_OK}")),
+    Case("runs-name-absolute", ["queue", "runs.yaml"], "is not allowed", runs(f"/tmp/abs:\n{RUN_OK}")),
+    Case("runs-name-dot-slash", ["queue", "runs.yaml"], "run name './net' is not allowed", runs(f"./net:\n{RUN_OK}")),
+    Case("runs-name-nul", ["queue", "runs.yaml"], "is not allowed", runs(f'"a\\0b":\n{RUN_OK}')),
+    Case("runs-name-too-long", ["queue", "runs.yaml"], "is not allowed", runs(f"{'n' * 300}:\n{RUN_OK}")),
+    Case("runs-name-hidden", ["queue", "runs.yaml"], "run name '.hidden' is not allowed", runs(f".hidden:\n{RUN_OK}")),
+    Case("runs-name-markup", ["queue", "runs.yaml"], "is not allowed", runs(f"'a[/]':\n{RUN_OK}")),
+    Case("runs-names-case", ["queue", "runs.yaml"], "differ only in case", runs(f"Net:\n{RUN_OK}net:\n{RUN_OK}")),
+    Case("runs-name-setting", ["queue", "runs.yaml"], "sets name:", runs(f"a:\n{RUN_OK}  name: ../x\n")),
+    Case("runs-env-injection", ["queue", "runs.yaml", "--slurm", "--dry-run"], "is not an identifier",
+         runs(f"a:\n{RUN_OK}  env: {{'X=1; touch {PWNED}; Y': v}}\n")),
+    Case("runs-env-equals", ["queue", "runs.yaml", "--slots", "1"], "is not an identifier",
+         runs(f"a:\n{RUN_OK}  env: {{'A=B': v}}\n")),
+    Case("runs-env-preload", ["queue", "runs.yaml", "--slots", "1"], "LD_PRELOAD changes which code",
+         runs(f"a:\n{RUN_OK}  env: {{LD_PRELOAD: /tmp/x.so}}\n")),
+    Case("runs-env-value-newline", ["queue", "runs.yaml", "--slots", "1"], "control characters",
+         runs(f'a:\n{RUN_OK}  env: {{A: "x\\ny"}}\n')),
+    Case("runs-module-injection", ["queue", "runs.yaml"], "is not a module name",
+         runs("a:\n  module: 'os; touch x'\n")),
+    Case("runs-only-empty", ["queue", "runs.yaml", "--only", ""], "--only names no run", runs(f"a:\n{RUN_OK}")),
+    Case("runs-only-unknown", ["queue", "runs.yaml", "--only", "zz"], "--only names 'zz'", runs(f"a:\n{RUN_OK}")),
+    Case("queue-slots-zero", ["queue", "runs.yaml", "--slots", "0"], "--slots 0", runs(f"a:\n{RUN_OK}")),
+    Case("queue-slots-huge", ["queue", "runs.yaml", "--slots", "100000"], "more than 4,096", runs(f"a:\n{RUN_OK}")),
+    Case("queue-max-parallel-zero", ["queue", "runs.yaml", "--max-parallel", "0"], "--max-parallel 0",
+         runs(f"a:\n{RUN_OK}")),
+    Case("queue-gpus-per-run-zero", ["queue", "runs.yaml", "--gpus-per-run", "0"], "--gpus-per-run 0",
+         runs(f"a:\n{RUN_OK}")),
+    Case("queue-out-is-file", ["queue", "runs.yaml", "--out", "runs.yaml"], "is a file", runs(f"a:\n{RUN_OK}")),
+    Case("runs-gpus-zero", ["queue", "runs.yaml"], "gpus 0 must be at least 1", runs(f"a:\n{RUN_OK}  gpus: 0\n")),
+    Case("runs-nproc-huge", ["queue", "runs.yaml"], "more than 4,096", runs(f"a:\n{RUN_OK}  nproc: 100000\n")),
+    Case("runs-nproc-text", ["queue", "runs.yaml"], "nproc must be", runs(f"a:\n{RUN_OK}  nproc: 1e23\n")),
+    Case("runs-cycle", ["queue", "runs.yaml"], "inheritance cycle", runs(f"a < b:\n{RUN_OK}b < a:\n{RUN_OK}")),
+    Case("runs-unknown-parent", ["queue", "runs.yaml"], "which is not defined", runs(f"a < zz:\n{RUN_OK}")),
+    Case("runs-unknown-key", ["queue", "runs.yaml"], "unknown key 'gpu'", runs(f"a:\n{RUN_OK}  gpu: 1\n")),
+    Case("runs-script-and-module", ["queue", "runs.yaml"], "exactly one of script", runs(f"a:\n{RUN_OK}  module: m\n")),
+    Case("runs-top-level-list", ["queue", "runs.yaml"], "top level must be a mapping", runs("- a\n- b\n")),
+    Case("runs-python-tag", ["queue", "runs.yaml"], "invalid YAML",
+         runs(f"a: !!python/object/apply:os.system ['touch {PWNED}']\n")),
+    Case("queue-slurm-partition-newline", ["queue", "runs.yaml", "--slurm", "--dry-run", "--partition", "a\nb"],
+         "--partition", runs(f"a:\n{RUN_OK}")),
+    # checkpoints: manifests, shards, planted pickles, outputs that would overwrite
+    Case("ckpt-list-missing", ["checkpoint", "list", "nowhere"], "is not a folder"),
+    Case("ckpt-verify-missing", ["checkpoint", "verify", "nowhere"], "no checkpoint folder"),
+    Case("ckpt-manifest-dotdot", ["checkpoint", "verify", STEP], "not inside the checkpoint folder",
+         manifest_case(lambda m: m["files"].__setitem__("../../../etc/passwd", {"size": 1, "crc32": "00000000"}))),
+    Case("ckpt-manifest-absolute", ["checkpoint", "verify", STEP], "not inside the checkpoint folder",
+         manifest_case(lambda m: m["files"].__setitem__("/etc/passwd", {"size": 1, "crc32": "00000000"}))),
+    Case("ckpt-manifest-files-list", ["checkpoint", "verify", STEP], "no 'files' mapping",
+         manifest_case(lambda m: m.__setitem__("files", ["state.pt"]))),
+    Case("ckpt-manifest-no-crc", ["checkpoint", "verify", STEP], "8-digit hex 'crc32'",
+         manifest_case(lambda m: m["files"]["state.pt"].pop("crc32"))),
+    Case("ckpt-manifest-empty-files", ["checkpoint", "verify", STEP], "does not list state.pt",
+         manifest_case(lambda m: m.__setitem__("files", {}))),
+    Case("ckpt-manifest-not-json", ["checkpoint", "verify", STEP], "is not valid JSON",
+         lambda f: (replicated_ckpt(f) / "manifest.json").write_text("{nope")),
+    Case("ckpt-manifest-step-text", ["checkpoint", "verify", STEP], "'step' is not an integer",
+         manifest_case(lambda m: m.__setitem__("step", "3; rm"))),
+    Case("ckpt-state-symlink", ["checkpoint", "verify", STEP], "is a symbolic link", symlinked_state),
+    Case("ckpt-truncated", ["checkpoint", "verify", STEP], "(truncated?)",
+         lambda f: (replicated_ckpt(f) / "state.pt").write_bytes(b"x")),
+    Case("ckpt-sharded-without-shards", ["checkpoint", "verify", STEP], "lists no .distcp shard",
+         manifest_case(lambda m: [m["files"].pop(k) for k in list(m["files"]) if k.endswith(".distcp")], "sharded")),
+    Case("ckpt-consolidate-planted-metadata", ["checkpoint", "consolidate", STEP, "--out", "out"],
+         "posix.system, which is not checkpoint metadata", planted_metadata),
+    Case("ckpt-resume-planted-entry", ["-c", "import multigpu as mg, torch; from torch import nn; "
+                                       "run = mg.init(strategy='fsdp'); m, o = run.setup(nn.Sequential(nn.Linear(3, 4), "
+                                       "nn.Linear(4, 2)), lambda p: torch.optim.AdamW(p)); "
+                                       "run.load_checkpoint('ckpt', m, o)"],
+         "non-tensor checkpoint entry was refused", planted_byte_entry, python=True),
+    Case("ckpt-resume-planted-metadata", ["-c", "import multigpu as mg, torch; from torch import nn; "
+                                          "run = mg.init(strategy='fsdp'); m, o = run.setup(nn.Sequential("
+                                          "nn.Linear(3, 4), nn.Linear(4, 2)), lambda p: torch.optim.AdamW(p)); "
+                                          "run.load_checkpoint('ckpt', m, o)"],
+         "posix.system, which is not checkpoint metadata", planted_metadata, python=True),
+    Case("ckpt-replicated-resume-ignores-metadata", ["-c", "import multigpu as mg, torch; from torch import nn; "
+                                                     "run = mg.init(); m, o = run.setup(nn.Linear(3, 4), "
+                                                     "lambda p: torch.optim.AdamW(p)); run.load_checkpoint('ckpt', m, o)"],
+         "is a sharded (DCP) checkpoint", planted_metadata, python=True),
+    Case("ckpt-consolidate-into-its-parent", ["checkpoint", "consolidate", STEP, "--out", "ckpt"], "already exists",
+         lambda f: sharded_ckpt(f) and None),
+    Case("ckpt-consolidate-into-itself", ["checkpoint", "consolidate", STEP, "--out", f"{STEP}/x"],
+         "is inside the checkpoint", lambda f: sharded_ckpt(f) and None),
+    Case("ckpt-consolidate-best", ["checkpoint", "consolidate", "best"], "no checkpoint at best", named_best),
+    Case("ckpt-consolidate-torn-shard", ["checkpoint", "consolidate", STEP, "--out", "out"], "HINT", torn_shard),
+    Case("ckpt-consolidate-replicated", ["checkpoint", "consolidate", STEP, "--out", "out"], "is not a sharded",
+         lambda f: replicated_ckpt(f) and None),
+    # hparams files and overrides, under plain python (the one-line hook) and under multigpu run
+    Case("hparams-duplicate-key", [DIGITS, "h.yaml"], "h.yaml:3: key 'trainer' is given twice",
+         write("h.yaml", "trainer:\n  epochs: 1\ntrainer:\n  epochs: 2\n"), python=True),
+    Case("hparams-alias-bomb", [DIGITS, "h.yaml"], "expands to more than", write("h.yaml", BOMB), python=True),
+    Case("hparams-python-tag", [DIGITS, "h.yaml"], "invalid YAML",
+         write("h.yaml", f"model: !!python/object/apply:os.system ['touch {PWNED}']\n"), python=True),
+    Case("hparams-unknown-override", [DIGITS, "trainer.epoch=3"], "did you mean 'trainer.epochs'", python=True),
+    Case("hparams-empty-override", [DIGITS, "=3"], "is not KEY=VALUE", python=True),
+    Case("hparams-override-bomb", [DIGITS, "model.hidden=" + BOMB.replace("\n", ", ").join("{}")],
+         "expands to more than", python=True),
+    Case("hparams-under-run", ["run", DIGITS, "h.yaml"], "key 'trainer' is given twice",
+         write("h.yaml", "trainer: {}\ntrainer: {}\n")),
+    # launchers' environment variables
+    Case("env-rank-without-world-size", ["-c", "import multigpu as mg; mg.init()"], "RANK is set but WORLD_SIZE is not",
+         env={"RANK": "0"}, python=True),
+    Case("env-world-size-text", ["-c", "import multigpu as mg; mg.init()"], "WORLD_SIZE='abc' is not an integer",
+         env={"RANK": "0", "WORLD_SIZE": "abc"}, python=True),
+    Case("env-rank-outside", ["-c", "import multigpu as mg; mg.init()"], "rank 5 is outside world size 2",
+         env={"RANK": "5", "WORLD_SIZE": "2", "MASTER_PORT": "29999"}, python=True),
+    Case("env-slurm-nodelist", ["-c", "import multigpu as mg; mg.init()"], "unbalanced brackets",
+         env={"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2"},
+         python=True),
+    Case("env-slurm-tasks", ["-c", "import multigpu as mg; mg.init()"], "cannot parse SLURM_TASKS_PER_NODE",
+         env={"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(x"},
+         python=True),
+    Case("env-devices-per-proc", ["-c", "import multigpu as mg; mg.init()"], "MULTIGPU_DEVICES_PER_PROC=0",
+         env={"MULTIGPU_DEVICES_PER_PROC": "0"}, python=True),
+]
+
+
+def _snapshot(root: Path, skip: Path) -> dict[str, tuple[int, int]]:
+    found = {}
+    for path in root.rglob("*"):
+        if skip == path or skip in path.parents:
+            continue
+        stat = path.lstat()
+        found[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def test_the_table_is_large_and_unique():
+    assert len(CASES) >= 60
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_hostile_input(case: Case, tmp_path: Path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "precious.txt").write_text("keep me")
+    if case.setup is not None:
+        case.setup(work)
+    allowed = work / "out"
+    before_outside = _snapshot(tmp_path, work)
+    before_inputs = _snapshot(work, allowed)
+    env = child_env({"HOME": str(tmp_path), **case.env})
+    command = [PY, *case.argv] if case.python else [PY, "-m", "multigpu", *case.argv]
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=30, env=env, cwd=work)
+    finally:
+        left = processes_with(str(work))
+    elapsed = time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert elapsed < 30
+    assert "Traceback" not in output, output
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: error:")]
+    assert len(errors) == 1, output
+    assert "HINT:" in errors[0] and case.expect in errors[0], output
+    assert not left, f"processes left behind: {left}"
+    assert not (work / PWNED).exists() and not (tmp_path / PWNED).exists(), "the planted command ran"
+    assert _snapshot(tmp_path, work) == before_outside, "something outside the case folder changed"
+    after_inputs = _snapshot(work, allowed)
+    changed = {k for k in before_inputs if after_inputs.get(k) != before_inputs[k]}
+    assert not changed, f"input files changed or removed: {sorted(changed)}"
+    created = sorted(set(after_inputs) - set(before_inputs))
+    assert all(c.startswith(("outputs", "__pycache__")) or "__pycache__" in c for c in created), created
+
+
+def test_a_privileged_port_as_non_root_is_one_line(monkeypatch):
+    """``--master-port 80`` as a normal user: the bind fails with EACCES (simulated: the tests run as root)."""
+    import errno
+    import socket
+
+    from multigpu.errors import LaunchError
+    from multigpu.launch import ports
+
+    class Refusing(socket.socket):
+        def bind(self, address):
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(ports.socket, "socket", Refusing)
+    with pytest.raises(LaunchError, match="port 80 needs root privileges"):
+        ports.require_free_port(80)
+
+
+def test_consolidating_a_checkpoint_folder_named_best_works(tmp_path):
+    """The step comes from the manifest, not from the folder's name (was: int('best') crashed)."""
+    from multigpu.checkpoint import sharded
+
+    step = sharded_ckpt(tmp_path)
+    best = tmp_path / "best"
+    shutil.copytree(step, best)
+    out = sharded.consolidate(best, tmp_path / "plain")
+    assert out.name == "step-00000003" and (out / "state.pt").exists()
+    state = torch.load(out / "state.pt", weights_only=True)
+    model, _ = _tiny()
+    model.load_state_dict(state["model"])
+
+
+def test_the_python_hook_can_show_the_traceback(tmp_path):
+    env = child_env({"RANK": "0", "MULTIGPU_TRACEBACK": "1"})
+    proc = subprocess.run([PY, "-c", "import multigpu as mg; mg.init()"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "WorldError" in proc.stderr
+
+
+if __name__ == "__main__":  # pragma: no cover - list the cases
+    for c in CASES:
+        print(c.id)
+    sys.exit(0)
