@@ -69,3 +69,10 @@ def test_compiled_model_checkpoint_has_plain_names(tmp_path):
     state = clean_state_dict(unwrap_module(model).state_dict())
     assert sorted(state) == ["0.bias", "0.weight"]
     assert mg.World().world_size == 1
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+def test_training_steps_make_no_host_synchronisation(tmp_path, precision):
+    gpus = "0,1" if GPUS >= 2 else "0"
+    multigpu("run", "--gpus", gpus, str(SCRIPTS / "no_sync.py"), str(tmp_path), "--precision", precision, check=True)
+    assert int((tmp_path / "ok-rank0.txt").read_text()) >= 30

@@ -22,8 +22,8 @@ from multigpu.checkpoint.files import MANIFEST, finalize_folder, save_state, ste
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.queue.display import status_table
 from multigpu.queue.lock import RunLock
-from multigpu.queue.runs import RunSpec
-from multigpu.queue.scheduler import RunState, decide
+from multigpu.queue.runs import QueueEntry
+from multigpu.queue.scheduler import EntryState, decide
 
 pytestmark = pytest.mark.timeout(180)
 SLEEP = str(SCRIPTS / "sleep_run.py")
@@ -213,12 +213,12 @@ def test_a_name_that_would_escape_is_refused_before_anything_is_written(tmp_path
 def test_markup_in_notes_and_metrics_is_shown_as_text(tmp_path):
     """A run name with rich markup (a[/]) used to crash the live table; names are now refused, and every
     other string shown (notes, metric values read from the run's folder) is plain text."""
-    spec = RunSpec(name="net", script="t.py")
+    spec = QueueEntry(name="net", script="t.py")
     folder = tmp_path / "net"
     folder.mkdir()
     (folder / "metrics.csv").write_text("epoch,valid_[/]bold\n1,[/]oops[red]\n")
     (folder / "final.json").write_text("[1, 2]")  # not a mapping: ignored, not a crash
-    run = RunState(spec, folder, note="moved [/] aside [bold]x")
+    run = EntryState(spec, folder, note="moved [/] aside [bold]x")
 
     class Fake:
         root, on_gpus, runs = Path("q[/]"), False, [run]

@@ -137,6 +137,54 @@ def torn_shard(folder: Path) -> None:
     refresh_entry(step, shard.name)
 
 
+def build_attack(folder: Path) -> None:
+    """BUILD on an admitted class (PosixPath) would set its attributes for the whole process."""
+    step = sharded_ckpt(folder)
+    body = (step / ".metadata").read_bytes()
+    evil = (b"\x80\x02cpathlib\nPosixPath\nN}X\x06\x00\x00\x00parentcpathlib\nPosixPath\n"
+            b"X\x0b\x00\x00\x00/tmp/victim\x85Rs\x86b0")
+    (step / ".metadata").write_bytes(evil + body[2:])
+    refresh_entry(step, ".metadata")
+
+
+def fifo_manifest(folder: Path) -> None:
+    step = replicated_ckpt(folder)
+    (step / "manifest.json").unlink()
+    os.mkfifo(step / "manifest.json")
+
+
+def linked_step(folder: Path) -> None:
+    real = replicated_ckpt(folder, "elsewhere")
+    (folder / "ckpt").mkdir()
+    (folder / STEP).symlink_to(real)
+
+
+def linked_consolidation_target(folder: Path) -> None:
+    sharded_ckpt(folder)
+    (folder / "ckpt" / "consolidated").symlink_to(folder.parent)
+
+
+def bad_counters(folder: Path) -> None:
+    from multigpu.checkpoint import files
+
+    model = nn.Linear(2, 1)
+    files.save_state(folder / "out" / "checkpoints", 3, {"model": model.state_dict(),
+                                                        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
+                                                        "trainer": {"epoch": -10**12, "bogus": 1}})
+
+
+def linked_lock(folder: Path) -> None:
+    runs(f"a:\n{RUN_OK}")(folder)
+    (folder / "out" / ".locks").mkdir(parents=True)
+    (folder / "out" / ".locks" / "a.lock").symlink_to(folder.parent / "precious.txt")
+
+
+TRAIN_TINY = ("import torch, multigpu as mg; from torch import nn; from torch.utils.data import TensorDataset\n"
+              "class T(mg.Trainer):\n    def compute_loss(self, b): return nn.functional.mse_loss(self.model(b[0]), b[1])\n"
+              "run = mg.init(); T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), out_dir='out', "
+              "progress=False).fit(TensorDataset(torch.randn(8, 2), torch.randn(8, 1)))")
+
+
 def manifest_case(change: Callable[[dict], None], kind: str = "replicated") -> Callable[[Path], None]:
     def setup(folder: Path) -> None:
         step = (replicated_ckpt if kind == "replicated" else sharded_ckpt)(folder)
@@ -254,7 +302,7 @@ CASES = [
          runs(f"a:\n{RUN_OK}  env: {{'X=1; touch {PWNED}; Y': v}}\n")),
     Case("runs-env-equals", ["queue", "runs.yaml", "--slots", "1"], "is not an identifier",
          runs(f"a:\n{RUN_OK}  env: {{'A=B': v}}\n")),
-    Case("runs-env-preload", ["queue", "runs.yaml", "--slots", "1"], "LD_PRELOAD changes which code",
+    Case("runs-env-preload", ["queue", "runs.yaml", "--slots", "1"], "LD_PRELOAD may change which code",
          runs(f"a:\n{RUN_OK}  env: {{LD_PRELOAD: /tmp/x.so}}\n")),
     Case("runs-env-value-newline", ["queue", "runs.yaml", "--slots", "1"], "control characters",
          runs(f'a:\n{RUN_OK}  env: {{A: "x\\ny"}}\n')),
@@ -327,6 +375,26 @@ CASES = [
     Case("ckpt-consolidate-torn-shard", ["checkpoint", "consolidate", STEP, "--out", "out"], "HINT", torn_shard),
     Case("ckpt-consolidate-replicated", ["checkpoint", "consolidate", STEP, "--out", "out"], "is not a sharded",
          lambda f: replicated_ckpt(f) and None),
+    Case("ckpt-metadata-build-attack", ["checkpoint", "consolidate", STEP, "--out", "out"],
+         "sets attributes of PosixPath", build_attack),
+    Case("ckpt-fifo-manifest", ["checkpoint", "verify", STEP], "not a regular file", fifo_manifest),
+    Case("ckpt-linked-step", ["checkpoint", "verify", STEP], "is a symbolic link", linked_step),
+    Case("ckpt-linked-consolidation-target", ["checkpoint", "consolidate", STEP], "is a symbolic link",
+         linked_consolidation_target),
+    Case("ckpt-resume-bad-counters", ["-c", TRAIN_TINY], "trainer counters are malformed", bad_counters, python=True),
+    Case("runs-env-pythonwarnings", ["queue", "runs.yaml", "--slots", "1"], "may change which code",
+         runs(f"a:\n{RUN_OK}  env: {{PYTHONWARNINGS: 'ignore::antigravity.X', BROWSER: 'touch {PWNED}'}}\n")),
+    Case("runs-env-slurm-arithmetic", ["queue", "runs.yaml", "--slurm", "--dry-run"], "may change which code",
+         runs(f"a:\n{RUN_OK}  env: {{SLURM_JOB_ID: 'x[$(touch {PWNED})]'}}\n")),
+    Case("runs-env-visible-devices", ["queue", "runs.yaml", "--slots", "1"], "is set by the queue",
+         runs(f"a:\n{RUN_OK}  env: {{CUDA_VISIBLE_DEVICES: '0'}}\n")),
+    Case("runs-script-flag", ["queue", "runs.yaml", "--slots", "1"], "starts with '-'",
+         runs("a:\n  script: --log-dir=/tmp/outside\n  args: [x.py]\n")),
+    Case("runs-surrogate", ["queue", "runs.yaml", "--slots", "1"], "not valid Unicode",
+         runs(f'a:\n{RUN_OK}  env: {{NCCL_DEBUG: "\\ud800"}}\n')),
+    Case("runs-long-chain", ["queue", "runs.yaml"], "inheritance chain longer than",
+         runs("".join(f"r{i} < r{i - 1}: {{}}\n" for i in range(299, 0, -1)) + "r0:\n  script: x.py\n")),
+    Case("queue-linked-lock", ["queue", "runs.yaml", "--slots", "1", "--out", "out"], "symbolic link", linked_lock),
     # hparams files and overrides, under plain python (the one-line hook) and under multigpu run
     Case("hparams-duplicate-key", [DIGITS, "h.yaml"], "h.yaml:3: key 'trainer' is given twice",
          write("h.yaml", "trainer:\n  epochs: 1\ntrainer:\n  epochs: 2\n"), python=True),

@@ -49,8 +49,8 @@ def test_ddp_checkpoint_loads_into_a_plain_model_on_cpu(tmp_path):
                           nn.Dropout(0.0), nn.Linear(128, 10))
     plain.load_state_dict(state["model"])  # strict: every key matches
     assert state["trainer"] == {"epoch": 1, "batch_in_epoch": 0, "global_step": 23}
-    assert {"optimizer", "scheduler", "scaler", "rng"} <= set(state)
-    assert len(state["rng"]) == 2  # one RNG state per rank
+    assert {"optimizer", "scheduler", "scaler", "ranks", "settings", "config"} <= set(state)
+    assert len(state["ranks"]) == 2 and all("rng" in r for r in state["ranks"])  # one RNG state per rank
 
 
 def test_resume_continues_from_the_saved_epoch(tmp_path):

@@ -77,7 +77,7 @@ def test_slurm_two_nodes():
     assert world.nodes == ("gpu01", "gpu02")
     assert world.master_addr == "gpu01"
     assert world.master_port == slurm_port("123456")
-    assert world.job_id == "123456"
+    assert world.launch_id == "123456"
 
 
 def test_slurm_one_node_and_explicit_master():

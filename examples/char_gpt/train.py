@@ -9,6 +9,8 @@ switch with one setting:
     multigpu run examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=pipeline         # 2 stages
     multigpu run --gpus-per-proc 2 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=ddp+pipeline
     multigpu run --gpus 0 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.precision=bf16
+    multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=fsdp+tp trainer.tp=2
+    multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=hsdp trainer.dp_replicate=2
 
 At the end rank 0 prints a sample of generated text and the training throughput in tokens/s.
 """
@@ -95,27 +97,43 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP. Written for tensor parallelism too: with ``fsdp+tp`` the q/k/v and
+    first MLP layers are split by output features and proj/second MLP layer by input features, so a
+    rank sees ``n_head / tp`` heads - the forward infers that from the width it gets, not from cfg."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)  # a key bias shifts every score equally: no effect
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.head_dim, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        heads = q.shape[-1] // self.head_dim  # all heads, or this rank's share under tensor parallelism
+        q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
         return x + self.mlp(self.ln2(x))
 
 
+#: Which layers tensor parallelism splits (Megatron's pairs), by module name in the Sequential below.
+TP_PLAN = {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.proj": "rowwise",
+           "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+
+
 def make_gpt(vocab: int, cfg: ModelConfig) -> nn.Sequential:
-    """Embedding, blocks, head - a Sequential, so ``pipeline`` can split it and ``fsdp`` finds the blocks."""
-    return nn.Sequential(Embed(vocab, cfg), *(Block(cfg) for _ in range(cfg.n_layer)), nn.LayerNorm(cfg.n_embd),
-                         nn.Linear(cfg.n_embd, vocab))
+    """Embedding, blocks, head - a Sequential, so ``pipeline`` can split it and ``fsdp`` finds the blocks;
+    ``tp_plan`` tells ``fsdp+tp`` which layers to split."""
+    model = nn.Sequential(Embed(vocab, cfg), *(Block(cfg) for _ in range(cfg.n_layer)), nn.LayerNorm(cfg.n_embd),
+                          nn.Linear(cfg.n_embd, vocab))
+    model.tp_plan = TP_PLAN
+    return model
 
 
 class GPTTrainer(mg.Trainer):
@@ -156,7 +174,8 @@ def main(argv: list[str]) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     run.print(f"char_gpt: {n_params / 1e6:.2f}M parameters, vocabulary {len(chars)}, strategy {cfg.trainer.strategy}")
     settings = cfg.trainer
-    total_steps = settings.max_steps or settings.epochs * math.ceil(len(train_set) / (settings.batch_size * run.world_size))
+    data_ranks = run.world_size // settings.tp  # tensor-parallel ranks share a batch
+    total_steps = settings.max_steps or settings.epochs * math.ceil(len(train_set) / (settings.batch_size * data_ranks))
 
     def schedule(optimizer):
         warmup = max(cfg.optim.warmup_steps, 1)

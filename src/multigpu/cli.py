@@ -123,7 +123,13 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                       help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL (default 120)")
     misc.add_argument("--log-dir", metavar="DIR", help="keep each rank's stdout/stderr here (default: a temporary "
                       "folder, removed after a successful run)")
+    misc.add_argument("--tee-prefix", choices=("auto", "always", "never"), default="auto",
+                      help="put [rankN] before each line of the workers' stderr: auto (not on a terminal, where "
+                      "progress bars redraw in place; yes in log files with several ranks), always or never")
     misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines")
+    misc.add_argument("--debug", action="store_true",
+                      help="TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO and the NCCL flight recorder (dumped "
+                      "into the log folder on a timeout); keeps every rank's log")
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -157,7 +163,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return simulate(args.simulate_nodes, command, visible=[] if args.cpu else visible_gpus(), gpus=args.gpus,
                         nproc=args.nproc, gpus_per_proc=args.gpus_per_proc, cpu=args.cpu,
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
-                        rdzv_timeout=args.rdzv_timeout, verbose=args.verbose,
+                        rdzv_timeout=args.rdzv_timeout, verbose=args.verbose, debug=args.debug,
                         clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
                                   "--master-addr": args.master_addr, "--master-port": args.master_port,
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
@@ -170,7 +176,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
     request = LaunchRequest(
         command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
-        log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout,
+        log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout, tee_prefix=args.tee_prefix,
+        debug=args.debug,
     )
     return launch(request)
 
@@ -295,6 +302,8 @@ def _add_queue_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-parallel", type=int, metavar="M", help="at most M runs at once")
     p.add_argument("--out", metavar="DIR", help="where run folders go (default: outputs/<runs file name>)")
     p.add_argument("--no-live", action="store_true", help="print one line per event instead of a live table")
+    p.add_argument("--allow-env", action="append", default=[], metavar="NAME",
+                   help="let the runs file set this environment variable (beyond NCCL_*, OMP_*, HF_*, ...; repeatable)")
     p.add_argument("--slurm", action="store_true", help="submit each run as its own Slurm job instead")
     add_slurm_job_options(p)
     p.set_defaults(handler=_cmd_queue)
@@ -306,7 +315,8 @@ def _cmd_queue(args: argparse.Namespace) -> int:
     from multigpu.queue.runs import load_runs
 
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
-    specs = load_runs(args.runs_file, only)
+    allowed = [validate.env_name(n, ConfigError, "--allow-env: ") for a in args.allow_env for n in a.split(",") if n]
+    specs = load_runs(args.runs_file, only, allow_env=allowed)
     if args.gpus_per_run is not None:
         validate.count(args.gpus_per_run, "--gpus-per-run", ConfigError)
         for spec in specs:
@@ -331,7 +341,7 @@ def _cmd_queue(args: argparse.Namespace) -> int:
     pool = plan_pool(visible_gpus(), gpus=args.gpus, slots=args.slots)
     display = Display(Console(), live=False if args.no_live else None)
     queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display)
-    code = queue.run()
+    code = queue.execute()
     display.summary(queue)
     return code
 
@@ -396,9 +406,33 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from multigpu.diagnostics.environment import report
+    from multigpu.diagnostics import environment
 
-    print(report())
+    if args.nproc is not None:
+        validate.count(args.nproc, "--nproc", LaunchError, high=validate.MAX_PROCS_PER_NODE)
+    print(environment.report(), flush=True)
+    if not args.check:
+        return 0
+    ok, lines = environment.check(args.nproc, args.gpus, args.cpu)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------------- plot
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multigpu.plots import find_runs, plot_runs
+
+    runs = find_runs(args.folders)
+    out = Path(args.out) if args.out else (runs[0] if len(runs) == 1 and len(args.folders) == 1
+                                           else Path(args.folders[0])) / "curves.png"
+    if out.suffix.lower() != ".png":
+        raise ConfigError(f"--out {out} does not end in .png.", "give a file name like curves.png.")
+    plot_runs(runs, out, args.metric)
+    print(f"wrote {out} ({len(runs)} run(s): {', '.join(r.name for r in runs[:8])}{', ...' if len(runs) > 8 else ''})")
     return 0
 
 
@@ -414,8 +448,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slurm_parser(sub)
     _add_queue_parser(sub)
     _add_checkpoint_parser(sub)
-    env = sub.add_parser("env", help="print what this machine offers (torch, GPUs, backends, detected launcher)")
+    env = sub.add_parser("env", help="print what this machine offers (torch, GPUs, NCCL, variables); --check "
+                         "runs an all-reduce", description="What a bug report needs about this machine. With "
+                         "--check: an all-reduce through `multigpu run` on the chosen devices, checked and timed.")
+    env.add_argument("--check", action="store_true", help="run an all-reduce smoke test and report bus bandwidth")
+    env.add_argument("--nproc", type=int, metavar="N", help="processes for --check (default: one per GPU, or 1)")
+    env.add_argument("--gpus", metavar="IDS", help="GPUs for --check, e.g. 0,1")
+    env.add_argument("--cpu", action="store_true", help="--check with CPU processes (gloo)")
     env.set_defaults(handler=_cmd_env)
+    plot = sub.add_parser("plot", help="PNG loss curves of a run folder, or of every run in a queue folder",
+                          description="Draw train/valid loss and the validation metric against optimizer step "
+                          "from the metrics.csv and steps.csv files runs write (needs matplotlib).")
+    plot.add_argument("folders", nargs="+", metavar="OUT_DIR", help="a run's out_dir, or a queue's --out folder")
+    plot.add_argument("--out", metavar="FILE.png", help="where to write (default: curves.png in the folder given)")
+    plot.add_argument("--metric", metavar="NAME", help="the metric for the right panel, e.g. valid_accuracy")
+    plot.set_defaults(handler=_cmd_plot)
     return parser
 
 
@@ -449,6 +496,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except OSError as exc:  # a file or folder the system refused: the user's to fix, not a bug of ours
         print(_os_error_line(exc), file=sys.stderr)
+        return 2
+    except UnicodeError as exc:  # text that cannot be written (a lone surrogate from a YAML escape)
+        print(f"multigpu: error: {' '.join(str(exc).split())[:200]}. HINT: use plain UTF-8 text in names, paths "
+              "and values.", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("multigpu: interrupted", file=sys.stderr)

@@ -19,9 +19,11 @@ from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 import yaml
 
 from multigpu.errors import ConfigError
+from multigpu.fileio import read_regular
 
 T = TypeVar("T")
-Lines = dict[tuple[str, ...], int]
+#: The line of each key in its file - or, for a key given on the command line, where it came from.
+Lines = dict[tuple[str, ...], Union[int, str]]
 
 
 # ----------------------------------------------------------------------------------- reading YAML
@@ -122,11 +124,12 @@ def read_text_file(path: Union[str, Path], what: str = "file", limit: int = MAX_
     """A UTF-8 text file, with every failure (missing, a folder, too large, not UTF-8) a ConfigError."""
     path = Path(path)
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(limit + 1)
+        raw = read_regular(path, limit)
     except IsADirectoryError:
         raise ConfigError(f"{path} is a folder, not a {what}.", "give the path of the file.") from None
     except OSError as exc:
+        if exc.errno == 21:
+            raise ConfigError(f"{path} is a folder, not a {what}.", "give the path of the file.") from None
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}.", "check the path.") from None
     if len(raw) > limit:
         raise ConfigError(f"{path} is larger than {limit >> 20} MiB: not a {what}.", "check the path.")
@@ -194,7 +197,10 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
 
 
 def where(source: str, lines: Lines, path: tuple[str, ...]) -> str:
+    """``file:line`` of a key, or where else it came from (a command-line override), else the source."""
     line = lines.get(path)
+    if isinstance(line, str):
+        return line
     return f"{source}:{line}" if line else source
 
 
@@ -259,6 +265,16 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
                       f"give {key} a value of type {_type_name(tp)}.")
 
 
+def check_keys(known: Any, given: Mapping[str, Any], owner: str, noun: str = "setting") -> None:
+    """Refuse keys that ``known`` (a dataclass or a list of names) does not have, naming the nearest one."""
+    names = [f.name for f in dataclasses.fields(known) if f.init] if dataclasses.is_dataclass(known) else list(known)
+    for key in given:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"its {noun}s are: {', '.join(names) or 'none'}."
+            raise ConfigError(f"{owner} has no {noun} {str(key)[:80]!r}.", hint)
+
+
 def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>", lines: Optional[Lines] = None,
                  path: tuple[str, ...] = ()) -> T:
     """Build dataclass ``cls`` from ``data``: unknown keys and wrong types are errors with file:line."""
@@ -284,11 +300,15 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>"
 def load(cls: type[T], path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()) -> T:
     """``cls`` from a YAML file (optional) plus ``key=value`` overrides, validated."""
     data, lines = load_yaml(path) if path else ({}, {})
-    source = str(path) if path else "<defaults>"
+    source = str(path) if path else "the defaults"
+    given = {item.partition("=")[0].strip().lstrip("-"): item for item in overrides}
     for key, value in parse_overrides(overrides).items():
         set_dotted(data, key, value)
-        lines.pop(tuple(key.split(".")), None)
-    return from_mapping(cls, data, source if not overrides else f"{source} (+ overrides)", lines)
+        parts = tuple(key.split("."))
+        for depth in range(1, len(parts) + 1):  # the override is where this key (and its new groups) came from
+            if parts[:depth] not in lines or depth == len(parts):
+                lines[parts[:depth]] = f"the command-line override {given.get(key, key)!r}"
+    return from_mapping(cls, data, source, lines)
 
 
 def to_dict(obj: Any) -> Any:
@@ -307,6 +327,9 @@ def dump_yaml(obj: Any) -> str:
 
 
 # --------------------------------------------------------------------------------- inheritance
+
+
+MAX_INHERITANCE = 100
 
 
 def split_run_key(key: str) -> tuple[str, Optional[str]]:
@@ -344,6 +367,9 @@ def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>", lines: 
     resolved: dict[str, dict] = {}
 
     def resolve(name: str, chain: tuple[str, ...]) -> dict:
+        if len(chain) > MAX_INHERITANCE:
+            raise ConfigError(f"{defined_at[name]}: inheritance chain longer than {MAX_INHERITANCE} runs.",
+                              "shorten the chain of `child < parent` entries.")
         if name in chain:
             cycle = " < ".join((*chain[chain.index(name):], name))
             raise ConfigError(f"{defined_at[name]}: inheritance cycle {cycle}.", "break the cycle: a run cannot inherit from itself.")

@@ -89,6 +89,16 @@ class EvalSampler(Sampler[int]):
 
 
 _EPOCH_SEED = 1_000_003
+_STREAM_SEED = 998_244_353
+
+
+def epoch_generator_seed(seed: int, epoch: int, stream: int = 0) -> int:
+    """The seed of a loader's generator for one epoch: DataLoader draws its workers' base seed from it.
+
+    ``stream`` (the data-parallel rank, unless identical streams were asked for) keeps the workers of
+    different ranks from drawing the same augmentations.
+    """
+    return (_EPOCH_SEED * (seed + 1) + epoch + _STREAM_SEED * stream) % (2**63)
 
 
 class Loader:
@@ -99,10 +109,11 @@ class Loader:
     """
 
     def __init__(self, loader: DataLoader, sampler: Sampler, batch_size: int, world_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, stream: int = 0) -> None:
         self.loader = loader
         self.sampler = sampler
         self.seed = seed
+        self.stream = stream
         self.batch_size = batch_size
         self.world_size = world_size
         self.epoch = 0
@@ -126,7 +137,7 @@ class Loader:
         if self.loader.generator is not None:
             # DataLoader draws its workers' base seed from this generator when an epoch starts; one
             # seeded per epoch keeps the global RNG untouched and makes a resumed epoch identical.
-            self.loader.generator.manual_seed(_EPOCH_SEED * (self.seed + 1) + self.epoch)
+            self.loader.generator.manual_seed(epoch_generator_seed(self.seed, self.epoch, self.stream))
         if self._resume_batches and isinstance(self.sampler, ShardedSampler):
             self.sampler.skip(self._resume_batches * self.batch_size)
         self._resume_batches = 0
@@ -136,19 +147,24 @@ class Loader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def length(self) -> Optional[int]:
+        """Batches per epoch on this rank (a stream's loader has None)."""
+        return len(self.loader)
+
 
 def _length(dataset: Any) -> int:
     if not isinstance(dataset, Sized):
         raise ConfigError(
             f"{type(dataset).__name__} has no len(); a sharded loader needs to know the dataset size.",
-            "use a map-style Dataset, or shard your IterableDataset yourself with run.rank / run.world_size.",
+            "pass it as an IterableDataset (its share is read by each rank), or give it a __len__.",
         )
     return len(dataset)
 
 
 def make_loader(dataset: Any, batch_size: int, *, rank: int, world_size: int, shuffle: bool = True,
                 seed: int = 0, drop_last: bool = False, evaluation: bool = False,
-                pin_memory: bool = False, **dataloader_kwargs: Any) -> Loader:
+                pin_memory: bool = False, stream: int = 0, **dataloader_kwargs: Any) -> Loader:
     """A :class:`Loader` for this rank. ``evaluation``: every sample once, no padding, no shuffle."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size {batch_size!r} must be a positive integer.", "it is per process: e.g. 32.")
@@ -166,13 +182,17 @@ def make_loader(dataset: Any, batch_size: int, *, rank: int, world_size: int, sh
     dataloader_kwargs.setdefault("generator", torch.Generator())
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last and not evaluation,
                         pin_memory=pin_memory, **dataloader_kwargs)
-    return Loader(loader, sampler, batch_size, world_size, seed)
+    return Loader(loader, sampler, batch_size, world_size, seed, stream)
 
 
-def describe_batch(batch_size: int, world_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:
-    """The sentence printed at start, so nobody trains a week with the wrong effective batch."""
+def describe_batch(batch_size: int, world_size: int, accumulation: int = 1, length: Optional[int] = None,
+                   unit: str = "process") -> str:
+    """The sentence printed at start, so nobody trains a week with the wrong effective batch.
+
+    ``world_size``: how many ranks read different data (the data-parallel size); ``unit`` names them.
+    """
     global_batch = batch_size * world_size * accumulation
-    parts = [f"batch {batch_size} per process", f"{world_size} process(es)"]
+    parts = [f"batch {batch_size} per {unit}", f"{world_size} {unit}(es)" if unit == "process" else f"{world_size} {unit}s"]
     if accumulation > 1:
         parts.append(f"{accumulation} accumulation steps")
     text = " x ".join(parts) + f" = global batch {global_batch}"

@@ -70,8 +70,13 @@ class GroupSettings:
     teardown_timeout: timedelta = timedelta(seconds=60)
 
 
-class ProcessGroup:
-    """Owns the default process group of one run: start once, close once (idempotent)."""
+def group_active() -> bool:
+    """Is a process group of more than one rank up? (The one test every helper asks.)"""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class DistSession:
+    """Owns torch.distributed's default process group for one run: start once, close once (idempotent)."""
 
     def __init__(self, world: World, device: torch.device, settings: GroupSettings = GroupSettings()) -> None:
         self.world = world
@@ -94,7 +99,7 @@ class ProcessGroup:
     def active(self) -> bool:
         return self._started and dist.is_initialized()
 
-    def start(self) -> "ProcessGroup":
+    def start(self) -> "DistSession":
         """Join the other ranks. World size 1 starts no group: there is nobody to talk to."""
         if not self.world.is_distributed or self._started:
             return self
@@ -121,7 +126,15 @@ class ProcessGroup:
             kwargs["init_method"] = "env://"
         else:
             kwargs["init_method"] = f"tcp://{_host(self.world.master_addr)}:{self.world.master_port}"
-        dist.init_process_group(**kwargs)
+        try:
+            dist.init_process_group(**kwargs)
+        except Exception as exc:  # nobody came, a wrong address, a stale RANK/WORLD_SIZE in the shell
+            text = " ".join(str(exc).split())
+            raise LaunchError(
+                f"rank {self.world.rank} could not join the other {self.world.world_size - 1} process(es) at "
+                f"{self.world.master_addr}:{self.world.master_port} ({type(exc).__name__}: {text[:200]}).",
+                "start every rank (multigpu run / torchrun / srun do), or unset stale RANK/WORLD_SIZE/MASTER_* "
+                "variables in this shell.") from None
         self._started = True
         if self.backend != "gloo":
             self._control = dist.new_group(backend="gloo", timeout=self.settings.timeout)

@@ -35,10 +35,6 @@ def rank() -> int:
     return dist.get_rank() if _group_ready() else detect_world().rank
 
 
-def world_size() -> int:
-    return dist.get_world_size() if _group_ready() else detect_world().world_size
-
-
 def is_main() -> bool:
     """True in exactly one process of the job (global rank 0)."""
     return rank() == 0
@@ -56,7 +52,12 @@ def rank_zero_only(fn: Callable[..., T]) -> Callable[..., Optional[T]]:
 
 def rank_zero_print(*args: Any, **kwargs: Any) -> None:
     """``print`` on global rank 0 only (flushed, so it interleaves correctly with the launcher's lines)."""
-    if is_main():
+    print_on_main(is_main(), *args, **kwargs)
+
+
+def print_on_main(main: bool, *args: Any, **kwargs: Any) -> None:
+    """``print`` if ``main``, flushed: the one place rank-0 printing happens."""
+    if main:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
 

@@ -1,12 +1,20 @@
 """Stop on SIGTERM / SIGUSR1 at a step every rank agrees on, so one checkpoint captures the run.
 
 Why agreement: the signal may reach the ranks at different steps (or only some of them); a rank that
-stops to checkpoint while another trains on would hang both. Each step boundary starts a tiny
-asynchronous all-reduce (MAX) of this rank's "stop requested" flag on the CPU control group and
-reads the previous one, which finished in the background during the step: every rank sees the same
-value at the same step, with no host synchronisation in the training step. The run stops one step
-after the signal, saves, and exits with :data:`EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try
-again later"), which ``multigpu queue`` and Slurm requeue read as "resume me".
+stops to checkpoint while another trains on would hang both. So the ranks agree at check points: a
+tiny asynchronous all-reduce (MAX) of [this rank's "stop requested" flag, its proposed interval] on
+the CPU control group is started at one check point and read at the next - it finishes in the
+background meanwhile, so no step waits on it and nothing synchronises with the GPU. Every rank reads
+the same value at the same step, stops there, one checkpoint is written, and the run exits with
+:data:`EXIT_PREEMPTED` (75, sysexits' EX_TEMPFAIL: "try again later"), which ``multigpu queue`` and
+Slurm requeue read as "resume me".
+
+Why not every step: that is a second collective per step competing with the gradients' (measured in
+benchmarks/peers.py). The check points are spaced about ``target_s`` seconds apart (between 1 and
+1,000 steps): each rank proposes an interval from its own step time and the agreed one is the
+smallest, so every rank spaces the next check points identically without any other message. A stop
+therefore takes at most two intervals (~4 s) - far inside Slurm's 90 s warning. ``every=K`` fixes the
+interval instead (K=1: the old every-step agreement).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -39,16 +48,25 @@ class Preempted(SystemExit):
 
 
 class StopSignal:
-    """Signal handlers plus the cross-rank agreement. ``poll()`` at each step boundary."""
+    """Signal handlers plus the cross-rank agreement. ``poll()`` once per optimizer step on every rank."""
 
-    def __init__(self, group: Any = None, active: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS) -> None:
+    def __init__(self, group: Any = None, active: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS,
+                 every: Optional[int] = None, target_s: float = 2.0, max_every: int = 1000) -> None:
         self.group = group  # None: the default group (gloo); a gloo subgroup under nccl
         self.distributed = active
         self.signals = tuple(signals)
         self.received: Optional[int] = None
+        self.every = every
+        self.target_s = target_s
+        self.max_every = max_every
+        #: Collectives this agreement has started (the overhead test counts them).
+        self.collectives = 0
         self._previous: dict[int, Any] = {}
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._buffer = torch.zeros(2, dtype=torch.int64)
         self._work: Any = None
+        self._calls = 0
+        self._next_check = 1
+        self._last_check: Optional[tuple[int, float]] = None
 
     # -------------------------------------------------------------- handlers
     def install(self) -> "StopSignal":
@@ -63,31 +81,48 @@ class StopSignal:
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.received = signum
 
-    def uninstall(self) -> None:
-        self.finish()
+    def uninstall(self, wait: bool = True) -> None:
+        """Restore the handlers. ``wait=False`` (leaving by an exception) abandons the outstanding
+        agreement instead of waiting for it: the other ranks may never join it."""
+        if wait:
+            self.finish()
+        self._work = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-    def request(self, signum: int = signal.SIGTERM) -> None:
-        """Ask for a stop as if ``signum`` had arrived (tests, or a user's own condition)."""
-        self.received = signum
 
     # -------------------------------------------------------------- agreement
     def poll(self) -> bool:
         """True on every rank at the same step once any rank has received a stop signal."""
         if not self.distributed:
             return self.received is not None
-        agreed = False
+        self._calls += 1
+        if self._calls < self._next_check:
+            return False
+        stop, interval = False, self.every or 1
         if self._work is not None:
             self._work.wait()
-            agreed = bool(self._flag.item())
             self._work = None
-        if agreed:
+            stop = bool(self._buffer[0])
+            interval = self.every or int(-self._buffer[1])
+        if stop:
             return True
-        self._flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
-        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._buffer = torch.tensor([1 if self.received is not None else 0, -self._propose()], dtype=torch.int64)
+        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.collectives += 1
+        self._next_check = self._calls + max(1, interval)
         return False
+
+    def _propose(self) -> int:
+        """This rank's wish for the interval after the next one: ``target_s`` worth of its own steps."""
+        if self.every:
+            return self.every
+        now = time.monotonic()
+        last, self._last_check = self._last_check, (self._calls, now)
+        if last is None or now <= last[1]:
+            return 1
+        per_step = (now - last[1]) / max(1, self._calls - last[0])
+        return int(min(self.max_every, max(1, self.target_s / per_step)))
 
     def finish(self) -> None:
         """Complete the outstanding all-reduce (every rank calls this at the same point)."""

@@ -1,18 +1,16 @@
-"""A rank-0 progress line with samples/s, and the per-epoch CSV of metrics.
+"""The rank-0 progress line: samples/s and an ETA, redrawn in place on a terminal, printed as a line
+every ``every_s`` seconds in a log file.
 
 Why not a progress-bar library in the training step: a bar redrawn every step costs more than the
-step of a small model; this one redraws at most every ``interval_s`` and only on a terminal. When the
-output is a log file (Slurm, CI, ``multigpu queue``), it prints one line per epoch instead.
+step of a small model; this one checks the clock only when asked (``wants_update``), redraws at most
+every ``interval_s`` on a terminal, and in a log file (Slurm, CI, ``multigpu queue``) prints one line
+every ``every_s`` (default 30 s) so a log shows life before the first epoch ends.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Mapping, Optional, TextIO
 
 
@@ -26,59 +24,55 @@ def format_metrics(values: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 class ProgressLine:
-    def __init__(self, enabled: bool, stream: Optional[TextIO] = None, interval_s: float = 0.25) -> None:
+    def __init__(self, enabled: bool, stream: Optional[TextIO] = None, interval_s: float = 0.25,
+                 every_s: float = 30.0) -> None:
         self.stream = stream or sys.stdout
         self.enabled = enabled
         self.live = enabled and self.stream.isatty()
-        self.interval_s = interval_s
-        self._last = 0.0
+        self.interval_s = interval_s if self.live else every_s
+        self._last = time.monotonic()
         self._width = 0
 
-    def update(self, epoch: int, epochs: int, done: int, total: int, loss: float, samples_per_s: float) -> None:
-        if not self.live:
+    def wants_update(self) -> bool:
+        """Cheap enough for every step: one clock read on rank 0, nothing elsewhere."""
+        return self.enabled and time.monotonic() - self._last >= self.interval_s
+
+    def update(self, epoch: int, epochs: int, done: int, total: Optional[int], loss: float, samples_per_s: float,
+               eta_s: Optional[float] = None) -> None:
+        """``epoch`` counts from 1, as everywhere the user sees it."""
+        if not self.enabled:
             return
-        now = time.monotonic()
-        if now - self._last < self.interval_s and done < total:
-            return
-        self._last = now
-        filled = int(20 * done / max(total, 1))
-        text = (f"epoch {epoch + 1}/{epochs} [{'=' * filled}{' ' * (20 - filled)}] {done}/{total} "
-                f"loss {loss:.4g} {samples_per_s:,.0f} samples/s")
-        self.stream.write("\r" + text.ljust(self._width))
-        self._width = len(text)
+        self._last = time.monotonic()
+        if total:
+            filled = int(20 * done / max(total, 1))
+            where = f"[{'=' * filled}{' ' * (20 - filled)}] {done}/{total}"
+        else:
+            where = f"batch {done}"
+        eta = f" ETA {format_duration(eta_s)}" if eta_s is not None else ""
+        text = f"epoch {epoch}/{epochs} {where} loss {loss:.4g} {samples_per_s:,.0f} samples/s{eta}"
+        if self.live:
+            self.stream.write("\r" + text.ljust(self._width))
+            self._width = len(text)
+        else:
+            self.stream.write(text + "\n")
         self.stream.flush()
 
-    def wants_update(self) -> bool:
-        return self.live and time.monotonic() - self._last >= self.interval_s
-
-    def epoch_done(self, epoch: int, epochs: int, values: Mapping[str, Any]) -> None:
+    def line(self, text: str) -> None:
+        """A line of its own (epoch results, evaluations), clearing a live line first."""
         if not self.enabled:
             return
         if self.live and self._width:
             self.stream.write("\r" + " " * self._width + "\r")
             self._width = 0
-        self.stream.write(f"epoch {epoch + 1}/{epochs}: {format_metrics(values)}\n")
+        self.stream.write(text + "\n")
         self.stream.flush()
 
-
-def write_csv(path: Path, rows: list[Mapping[str, Any]]) -> None:
-    """Rewrite the whole metrics file atomically (it is small): a crash never leaves half a row."""
-    columns: list[str] = []
-    for row in rows:
-        columns.extend(k for k in row if k not in columns)
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buffer.getvalue())
-    os.replace(tmp, path)
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as handle:
-        return list(csv.DictReader(handle))
+    def epoch_done(self, epoch: int, epochs: int, values: Mapping[str, Any]) -> None:
+        self.line(f"epoch {epoch}/{epochs}: {format_metrics(values)}")

@@ -3,28 +3,46 @@
 Why: the script should not care whether torchrun, Slurm, ``multigpu run`` or nobody started it.
 ``init`` reads the world once, picks this process's device(s) and backend, starts the process group
 with a finite timeout, and owns teardown (registered at exit, so a script that forgets still exits
-cleanly). The ``Run`` composes the pieces a script needs; it holds no global state, so two runs in one
-process (sequentially, or in tests) do not interfere.
+cleanly). The ``Run`` composes the pieces a script needs - strategy, data, checkpoints, and the same
+safety a Trainer has (hang watchdog, preemption agreement, consistency check) for a hand-written
+loop - and holds no global state, so two runs in one process (sequentially, or in tests) do not
+interfere.
+
+Leaving by an interrupt: once this rank has seen Ctrl-C (or left ``fit`` by an exception), the other
+ranks may be anywhere, so every collective of the Run refuses at once with a one-line error instead
+of waiting for partners that are not coming: every rank is out within seconds.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import signal
 import sys
+import threading
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
 
 import torch
-
+import torch.distributed as dist
 from torch import nn
 
 from multigpu import checkpoint, helpers, metrics
 from multigpu.checkpoint.io import CheckpointIO, choose_io
+from multigpu.checkpoint import rng
 from multigpu.checkpoint.rng import seed_everything
-from multigpu.data import Loader, describe_batch, make_loader
-from multigpu.distributed import GroupSettings, ProcessGroup, choose_devices
+from multigpu.data import describe_batch
+from multigpu.dataloaders import Agreement, adapt
+from multigpu.diagnostics import consistency
+from multigpu.diagnostics.watchdog import HangWatchdog
+from multigpu.distributed import DistSession, GroupSettings, choose_devices
+from multigpu.errors import CheckpointError, ConfigError, MultiGPUError
+from multigpu.parallel import Parallelism
+from multigpu.preemption import Preempted, StopSignal, requeue_slurm_job
 from multigpu.strategies import Strategy, make_strategy
 from multigpu.strategies.base import OptimizerLike
 from multigpu.world import World, detect_world
@@ -32,17 +50,48 @@ from multigpu.world import World, detect_world
 T = TypeVar("T")
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s random streams after setup: different per rank, reproducible."""
+    return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63)
+
+
 @dataclass
+class Guards:
+    """The safety of the training loop, for the Trainer and for hand-written loops alike."""
+
+    hang_timeout_s: Optional[float] = 900.0
+    report_dir: str = "outputs/hang"
+    preemption: bool = True
+    #: Agree on stopping every K optimizer steps (None: about every 2 s, adapted to the step time).
+    stop_check_every: Optional[int] = None
+
+
+@dataclass(eq=False)  # compared and hashed by identity: it is a live object, not a value
 class Run:
     """One training job as seen from this process."""
 
     world: World
     devices: list[torch.device]
-    group: ProcessGroup
+    session: DistSession
     #: Strategy name used by ``setup`` when it is not given there ("auto": ddp if several processes).
     strategy_name: str = "auto"
     strategy: Optional[Strategy] = None
+    parallelism: Optional[Parallelism] = None
+    #: The seed given to init (None: not seeded); ``same_random_streams``: keep every rank's streams equal.
+    seed: Optional[int] = None
+    same_random_streams: bool = False
+    guards: Guards = field(default_factory=Guards)
+    _mesh: Any = field(default=None, repr=False)
+    _dp_group: Any = field(default=None, repr=False)
+    _loaders_dp: Optional[int] = field(default=None, repr=False)
+    _interrupted: Optional[str] = field(default=None, repr=False)
+    _stop: Optional[StopSignal] = field(default=None, repr=False)
+    _watchdog: Optional[HangWatchdog] = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.parallelism is None:
+            self.parallelism = Parallelism.plain(self.world.world_size)
 
     # ------------------------------------------------------------------ where am I
     @property
@@ -52,7 +101,7 @@ class Run:
 
     @property
     def backend(self) -> str:
-        return self.group.backend
+        return self.session.backend
 
     @property
     def rank(self) -> int:
@@ -70,36 +119,127 @@ class Run:
     def is_main(self) -> bool:
         return self.world.is_main
 
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank reads (ranks of one tensor-parallel group read the same)."""
+        return self.parallelism.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        """How many different shards the data is split into: the global batch is batch x dp_size."""
+        return self.parallelism.dp_size
+
+    @property
+    def control_group(self) -> Any:
+        """The CPU (gloo) group for small control messages (None: the default group, already gloo)."""
+        return self.session.control
+
+    # ------------------------------------------------------------------ parallelism
+    def configure_parallelism(self, *, tp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None) -> Parallelism:
+        """Set the degrees (before ``setup`` and before any loader): their product is the world size."""
+        wanted = Parallelism.from_degrees(self.world_size, self.world.local_world_size, dp_replicate=dp_replicate,
+                                          dp_shard=dp_shard, tp=tp)
+        if wanted == self.parallelism:
+            return wanted
+        if self.strategy is not None or self._mesh is not None:
+            raise ConfigError("the parallelism degrees changed after the model was set up.",
+                              "give tp/dp_replicate to mg.init() or before run.setup().")
+        if self._loaders_dp is not None and self._loaders_dp != wanted.dp_size:
+            raise ConfigError(f"loaders were built for {self._loaders_dp} data shards, but tp={tp}, "
+                              f"dp_replicate={dp_replicate} make {wanted.dp_size}.",
+                              "set the degrees (mg.init(tp=...) or the Trainer settings) before building loaders.")
+        self.parallelism = wanted
+        return wanted
+
+    @property
+    def mesh(self) -> Any:
+        """The job's DeviceMesh over (dp_replicate, dp_shard, tp), built on first use (a collective)."""
+        if self._mesh is None:
+            self._ensure_usable("building the device mesh")
+            self._mesh = self.parallelism.build_mesh(self.device.type)
+        return self._mesh
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel group of this rank (None: every rank, the default group)."""
+        return self._dp_group
+
+    def _make_dp_groups(self) -> None:
+        """With tensor parallelism, metrics reduce over the ranks holding different data only. Every rank
+        creates every group, in the same order (torch's rule for new_group)."""
+        if self.parallelism.tp == 1 or self._dp_group is not None or not self.session.active:
+            return
+        for tp_rank in range(self.parallelism.tp):
+            ranks = [r for r in range(self.world_size) if r % self.parallelism.tp == tp_rank]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self._dp_group = group
+
     # ------------------------------------------------------------------ model, data, metrics
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None, *, strategy: Optional[str] = None,
               **options: Any) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """Wrap ``model`` for the strategy (default: the one given to ``init``) and bind the optimizer.
 
         ``optimizer``: an optimizer, or a factory ``params -> optimizer`` (needed by sharded strategies,
-        which replace the parameters). Returns ``(model, optimizer)`` to use from here on.
+        which replace the parameters). Returns ``(model, optimizer)`` to use from here on. After this,
+        if ``init`` was given a seed, every rank's random streams (dropout, augmentation) differ.
         """
-        self.strategy = make_strategy(strategy or self.strategy_name, self.world, self.devices, **options)
-        return self.strategy.setup(model, optimizer)
+        self._ensure_usable("setting up the model")
+        self.strategy = make_strategy(strategy or self.strategy_name, self.world, self.devices,
+                                      parallelism=self.parallelism, mesh=lambda: self.mesh, **options)
+        wrapped = self.strategy.setup(model, optimizer)
+        self._make_dp_groups()
+        if self.seed is not None and not self.same_random_streams:
+            seed_everything(rank_seed(self.seed, self.rank))
+        return wrapped
 
     def _need_strategy(self) -> Strategy:
         if self.strategy is None:
-            self.strategy = make_strategy(self.strategy_name, self.world, self.devices)
+            self.strategy = make_strategy(self.strategy_name, self.world, self.devices, parallelism=self.parallelism,
+                                          mesh=lambda: self.mesh)
         return self.strategy
 
-    def loader(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, quiet: bool = False, **dataloader_kwargs: Any) -> Loader:
-        """Training loader over this rank's shard; ``batch_size`` is per process. Reshuffles each epoch."""
-        loader = make_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size, shuffle=shuffle,
-                             seed=seed, drop_last=drop_last, pin_memory=self.device.type == "cuda",
+    def loader(self, data: Any, batch_size: Optional[int] = None, *, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, quiet: bool = False, **dataloader_kwargs: Any) -> Any:
+        """Training loader over this rank's share of ``data`` - a Dataset, your own DataLoader (rebuilt
+        with its settings), or an IterableDataset. ``batch_size`` is per data-parallel rank (a
+        DataLoader keeps its own). Reshuffles each epoch by itself."""
+        loader = self._adapt(data, batch_size, evaluation=False, shuffle=shuffle, seed=seed, drop_last=drop_last,
                              **dataloader_kwargs)
         if not quiet:
-            self.print(f"multigpu: {describe_batch(batch_size, self.world_size, length=len(dataset))}")
+            self.print(f"multigpu: {self.describe_batch(loader.batch_size, length=_length(loader))}")
         return loader
 
-    def eval_loader(self, dataset: Any, batch_size: int, **dataloader_kwargs: Any) -> Loader:
-        """Evaluation loader: every sample exactly once across ranks (no padding), in a fixed order."""
-        return make_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size, evaluation=True,
-                           pin_memory=self.device.type == "cuda", **dataloader_kwargs)
+    def eval_loader(self, data: Any, batch_size: Optional[int] = None, **dataloader_kwargs: Any) -> Any:
+        """Evaluation loader: every sample exactly once across ranks (no padding), in a fixed order -
+        rank r of W reads samples r, r+W, r+2W, ... (``gather_in_order`` puts them back in order)."""
+        return self._adapt(data, batch_size, evaluation=True, shuffle=False, **dataloader_kwargs)
+
+    def _adapt(self, data: Any, batch_size: Optional[int], *, evaluation: bool, **options: Any) -> Any:
+        from torch.utils.data import DataLoader
+
+        if batch_size is None and not isinstance(data, DataLoader) and not hasattr(data, "batch_size"):
+            raise ConfigError("a loader needs batch_size (per data-parallel rank).", "e.g. run.loader(data, 32).")
+        self._loaders_dp = self.dp_size
+        return adapt(data, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=batch_size or 1,
+                     evaluation=evaluation, pin_memory=self.device.type == "cuda",
+                     rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
+
+    def _min_agreement(self) -> Optional[Agreement]:
+        if not self.session.active:
+            return None
+
+        def reduce(tensor: torch.Tensor) -> Any:
+            self._ensure_usable("agreeing on the end of a stream")
+            return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control_group, async_op=True)
+
+        return Agreement(reduce)
+
+    def describe_batch(self, batch_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:
+        if self.parallelism.is_plain:
+            return describe_batch(batch_size, self.dp_size, accumulation, length)
+        return (describe_batch(batch_size, self.dp_size, accumulation, length, unit="data-parallel rank")
+                + f" ({self.world_size} processes: {self.parallelism.describe()})")
 
     def backward(self, loss: torch.Tensor) -> None:
         self._need_strategy().backward(loss)
@@ -120,6 +260,7 @@ class Run:
         Sharded models are gathered to global rank 0 on the CPU - a collective: call it on every rank
         (the other ranks get an empty dict), not inside ``if run.is_main:``.
         """
+        self._ensure_usable("gathering the model's weights")
         return self.checkpoint_io.model_state(model)
 
     @property
@@ -133,42 +274,163 @@ class Run:
         """Where tensors for collectives must live: the GPU for nccl, the CPU otherwise."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
+    def metric_sums(self) -> metrics.MetricSums:
+        """An accumulator of (sum, count) per metric whose ``compute()`` reduces over the data-parallel group."""
+        return metrics.MetricSums(self.comm_device, group=self.dp_group, before_reduce=self._ensure_usable)
+
     def reduce(self, values: Mapping[str, tuple[Any, Any]]) -> dict[str, float]:
         """``{"accuracy": (correct, count), ...}`` on each rank -> exact global ratios on every rank."""
-        return metrics.reduce_sums(values, self.comm_device)
+        sums = self.metric_sums()
+        sums.update(values)
+        return sums.compute()
 
     def gather_in_order(self, local: torch.Tensor) -> torch.Tensor:
         """Per-sample outputs of an ``eval_loader`` pass, in dataset order, on every rank."""
-        return metrics.gather_in_order(local.to(self.comm_device))
+        self._ensure_usable("gathering outputs")
+        return metrics.gather_in_order(local.to(self.comm_device), group=self.dp_group)
 
-    def seed(self, seed: int) -> None:
-        """Seed python, numpy and torch the same on every rank (identical initial weights)."""
-        seed_everything(seed)
+    # ------------------------------------------------------------------ the same safety as the Trainer
+    def check_consistency(self, model: nn.Module, config: Any = None, **values: Any) -> None:
+        """Fail on every rank, with a diff, if ranks disagree on the model's layout, ``config``, ``values``
+        or package versions. Call it before ``setup`` (before DDP would hang on a mismatch)."""
+        self._ensure_usable("comparing ranks")
+        consistency.check_same_on_all_ranks({
+            **consistency.model_fingerprint(model),
+            "config": consistency.config_hash(consistency.plain(config)),
+            **{key: consistency.config_hash(consistency.plain(v)) for key, v in values.items()},
+            **consistency.environment_fingerprint(),
+        }, group=self.control_group)
+
+    def configure_guards(self, **settings: Any) -> Guards:
+        """Change the watchdog and preemption settings (before the first ``step_done``/``should_stop``)."""
+        for key in settings:
+            if not hasattr(self.guards, key):
+                raise ConfigError(f"unknown guard setting {key!r}.", f"known: {', '.join(vars(Guards()))}.")
+        self.guards = Guards(**{**vars(self.guards), **settings})
+        return self.guards
+
+    def step_done(self, step: int) -> None:
+        """Call once per optimizer step: the hang watchdog's heartbeat (two attribute stores). The first
+        call starts the watchdog: when no step finishes for ``hang_timeout_s`` it writes where every rank
+        is stuck into ``report_dir`` and ends the job instead of hanging."""
+        watchdog = self._watchdog
+        if watchdog is None:
+            if not self.guards.hang_timeout_s:
+                return
+            watchdog = self._watchdog = HangWatchdog(self.guards.hang_timeout_s, Path(self.guards.report_dir),
+                                                     self.rank, self.world_size).start()
+        watchdog.beat(step)
+
+    def should_stop(self) -> bool:
+        """Call once per optimizer step on every rank: True on every rank at the same step once any rank
+        got SIGTERM/SIGUSR1 (a preemption). Then save a checkpoint and call ``run.exit_preempted(path)``.
+        The first call installs the signal handlers (before it, SIGTERM ends the process as usual)."""
+        if self._stop is None:
+            if not self.guards.preemption:
+                return False
+            self._stop = StopSignal(self.control_group, self.session.active,
+                                    every=self.guards.stop_check_every).install()
+        if self._interrupted:
+            return False
+        return self._stop.poll()
+
+    def exit_preempted(self, checkpoint_path: Any = None, step: Optional[int] = None) -> None:
+        """After a stop agreed by ``should_stop`` and a checkpoint: requeue the Slurm job on SIGUSR1, exit 75."""
+        reason = self._stop.describe() if self._stop is not None else "a stop request"
+        if self.is_main and self._stop is not None and self._stop.received is not None:
+            if requeue_slurm_job(self.world.slurm_job_id, self._stop.received):
+                self.print(f"multigpu: requeued Slurm job {self.world.slurm_job_id}")
+        where = f"; checkpoint {checkpoint_path} - run the same command again to resume" if checkpoint_path else ""
+        after = f" after step {step}" if step is not None else ""
+        self.print(f"multigpu: stopped by {reason}{after}{where}")
+        raise Preempted(f"preempted by {reason}" + (f"; resume from {checkpoint_path}" if checkpoint_path else ""))
+
+    @contextlib.contextmanager
+    def paused_watchdog(self) -> Iterator[None]:
+        """No hang report while inside (a long checkpoint write, an evaluation hook)."""
+        with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
+            yield
+
+    def release_guards(self, clean: bool = True) -> None:
+        """Stop the watchdog and restore the signal handlers. ``clean=False`` (leaving by an exception)
+        abandons the outstanding stop agreement instead of waiting for ranks that may not come."""
+        if self._stop is not None:
+            self._stop.uninstall(wait=clean and not self._interrupted)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._stop = self._watchdog = None
+
+    def interrupted(self, reason: str) -> None:
+        """Mark this rank as having left the lockstep (Ctrl-C, an exception out of ``fit``)."""
+        self._interrupted = self._interrupted or reason
+
+    def _ensure_usable(self, doing: str = "a collective") -> None:
+        if self._interrupted and self.session.active:
+            raise MultiGPUError(f"{doing} needs every rank, but this rank was interrupted ({self._interrupted}) "
+                                "and the others may be anywhere.",
+                                "let the script end after an interrupt; run it again to resume from the last "
+                                "checkpoint.")
 
     # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
     def save_checkpoint(self, directory: str | Path, step: int, state: dict, keep_last: Optional[int] = None,
-                        meta: Optional[dict] = None) -> Path:
+                        meta: Optional[dict] = None, rank_state: Optional[dict] = None) -> Path:
         """Write ``state`` as an atomic, verified checkpoint; every rank calls this and returns after it exists.
 
         Put the model under ``"model"`` and the optimizer under ``"optimizer"``. Replicated strategies
         write one ``state.pt`` from rank 0 with a clean model state dict (loads into a plain model
-        anywhere); sharded ones (fsdp) write DCP shards from every rank, loadable at any world size.
-        ``keep_last``: delete all but the newest so many (checkpoints of later steps, left by a run
-        that was abandoned, are moved aside, never deleted).
+        anywhere); sharded ones (fsdp, hsdp, fsdp+tp) write DCP shards from every rank, loadable at any
+        world size. ``keep_last``: delete all but the newest so many (checkpoints of later steps, left
+        by a run that was abandoned, are moved aside, never deleted).
+
+        Every rank's random-generator states are saved too (and restored by ``load_checkpoint``), so a
+        loop with dropout resumes exactly; ``rank_state``: this rank's own state (tensors to the CPU),
+        given back to the same rank by ``load_checkpoint`` as ``state["rank_state"]``.
         """
+        self._ensure_usable("saving a checkpoint")
         io = self.checkpoint_io
+        state = {**state, "ranks": self._gather_rank_states(rank_state)}
         model, optimizer = state.get("model"), state.get("optimizer")
         rest = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, nn.Module) else v)
                 for k, v in state.items() if k not in ("model", "optimizer")}
         meta = {"world_size": self.world_size, "strategy": self._need_strategy().name, **(meta or {})}
-        path = io.save(Path(directory), step, model if isinstance(model, nn.Module) else None, optimizer, rest, meta)
-        if self.is_main:
-            for moved in checkpoint.prune(directory, keep_last, newest=step):
-                if moved.name.startswith("abandoned-"):
-                    self.print(f"multigpu: moved {moved.name[len('abandoned-'):]} aside to {moved} "
-                               f"(a later step than the one just saved: left by an abandoned run)")
-        self.barrier()
+        with self.paused_watchdog():
+            path = io.save(Path(directory), step, model if isinstance(model, nn.Module) else None, optimizer, rest,
+                           meta)
+            if self.is_main:
+                for moved in checkpoint.prune(directory, keep_last, newest=step):
+                    if moved.name.startswith("abandoned-"):
+                        self.print(f"multigpu: moved {moved.name[len('abandoned-'):]} aside to {moved} "
+                                   f"(a later step than the one just saved: left by an abandoned run)")
+            self.barrier()
         return path
+
+    def _gather_rank_states(self, rank_state: Optional[dict]) -> list[dict]:
+        mine = {"rng": rng.capture(), "own": _to_cpu(rank_state) if rank_state is not None else None}
+        if not self.session.active:
+            return [mine]
+        gathered: list[Any] = [None] * self.world_size if self.is_main else None
+        dist.gather_object(mine, gathered, dst=0, group=self.control_group)
+        return gathered if self.is_main else []
+
+    def _restore_rank_states(self, state: dict) -> dict:
+        """This rank's random streams from the checkpoint; its own state as ``state["rank_state"]``.
+        When the world size changed, rank r takes old rank r's (ranks beyond take rank 0's streams)."""
+        ranks = state.pop("ranks", None) or [{"rng": r} for r in state.pop("rng", None) or []]  # older: "rng"
+        if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
+            raise CheckpointError("the checkpoint's per-rank states are malformed.", "it is corrupt; use an earlier one.")
+        if ranks and len(ranks) != self.world_size:
+            warnings.warn(f"multigpu: the checkpoint holds the state of {len(ranks)} rank(s), this run has "
+                          f"{self.world_size}; rank r takes old rank r's random streams and rank_state "
+                          f"(ranks {len(ranks)} and up take rank 0's streams and no rank_state).", stacklevel=3)
+        mine = ranks[self.rank] if self.rank < len(ranks) else (ranks[0] if ranks else None)
+        if mine is not None and mine.get("rng") is not None:
+            try:
+                rng.restore(mine["rng"])
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+                raise CheckpointError(f"the checkpoint's random-generator states are malformed ({type(exc).__name__}).",
+                                      "it is corrupt; use an earlier one.") from None
+        state["rank_state"] = ranks[self.rank].get("own") if self.rank < len(ranks) else None
+        return state
 
     def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint.CheckpointInfo]:
         """The newest checkpoint that verifies, chosen by rank 0 and the same on every rank.
@@ -176,13 +438,12 @@ class Run:
         Rank 0 alone reads and checks the files (each skipped one is reported); the others take its
         choice, so ranks never pick different steps from a lagging shared-filesystem listing.
         """
+        self._ensure_usable("choosing a checkpoint")
         info = checkpoint.latest(directory, checksums=checksums, report=self.print) if self.is_main else None
-        if not self.group.active:
+        if not self.session.active:
             return info
-        import torch.distributed as dist
-
         box = [None if info is None else (str(info.path), info.step, info.meta)]
-        dist.broadcast_object_list(box, src=0, group=self.group.control)
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
         if box[0] is None:
             return None
         path, step, manifest = box[0]
@@ -197,49 +458,103 @@ class Run:
         size; the rest of the saved dict is returned. None when there is no checkpoint. A folder is
         verified against its manifest first, and read the way this run's strategy reads checkpoints.
         """
+        self._ensure_usable("loading a checkpoint")
         if isinstance(where, checkpoint.CheckpointInfo):
-            return self.checkpoint_io.load(where.path, where.meta, model, optimizer, self.device)
-        path = Path(where)
-        if not (path / checkpoint.files.MANIFEST).exists():
-            info = self.latest_checkpoint(path)
-            if info is None:
-                return None
-            path, manifest = info.path, info.meta
+            path, manifest = where.path, where.meta
         else:
-            manifest = checkpoint.verify(path)
-        return self.checkpoint_io.load(path, manifest, model, optimizer, self.device)
+            path = Path(where)
+            if not (path / checkpoint.files.MANIFEST).exists():
+                info = self.latest_checkpoint(path)
+                if info is None:
+                    return None
+                path, manifest = info.path, info.meta
+            else:
+                manifest = checkpoint.verify(path)
+        state = self.checkpoint_io.load(path, manifest, model, optimizer, self.device)
+        return self._restore_rank_states(state)
 
     # ------------------------------------------------------------------ helpers
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print on global rank 0 only."""
-        if self.world.is_main:
-            kwargs.setdefault("flush", True)
-            print(*args, **kwargs)
+        helpers.print_on_main(self.world.is_main, *args, **kwargs)
 
     def run_on_main(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        self._ensure_usable(f"run_on_main({getattr(fn, '__name__', fn)})")
         return helpers.run_on_main(fn, *args, **kwargs)
 
     def barrier(self) -> None:
-        self.group.barrier()
+        self._ensure_usable("a barrier")
+        self.session.barrier()
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Barrier, destroy the process group, flush. Safe to call twice; also runs at exit.
 
         When the process is leaving because of an uncaught exception (``sys.last_value`` is set, as
-        Python and the worker wrapper do) the goodbye barrier is skipped: the others cannot join it.
+        Python and the worker wrapper do) or after an interrupt, the goodbye barrier is skipped: the
+        others cannot join it.
         """
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
-        self.group.close(goodbye=getattr(sys, "last_value", None) is None)
+        self.release_guards(clean=False)
+        _restore_interrupt_handler(self)
+        self.session.close(goodbye=getattr(sys, "last_value", None) is None and not self._interrupted)
 
     def __enter__(self) -> "Run":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _length(loader: Any) -> Optional[int]:
+    dataset = getattr(loader, "dataset", None)
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+# ---------------------------------------------------------------- Ctrl-C marks the run interrupted
+
+_RUNS_TO_MARK: "weakref.WeakSet[Run]" = weakref.WeakSet()
+_PREVIOUS_HANDLER: list = []
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    for run in list(_RUNS_TO_MARK):
+        run.interrupted("Ctrl-C")
+    raise KeyboardInterrupt
+
+
+def _install_interrupt_handler(run: Run) -> None:
+    """Mark runs interrupted on SIGINT, then raise KeyboardInterrupt as Python would. Only replaces
+    Python's own default handler, only on the main thread, only for multi-process jobs."""
+    if not run.world.is_distributed or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _PREVIOUS_HANDLER.append(signal.signal(signal.SIGINT, _on_interrupt))
+    if signal.getsignal(signal.SIGINT) is _on_interrupt:
+        _RUNS_TO_MARK.add(run)
+
+
+def _restore_interrupt_handler(run: Run) -> None:
+    _RUNS_TO_MARK.discard(run)
+    if (not _RUNS_TO_MARK and _PREVIOUS_HANDLER and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is _on_interrupt):
+        signal.signal(signal.SIGINT, _PREVIOUS_HANDLER.pop())
 
 
 def init(
@@ -249,23 +564,32 @@ def init(
     accelerator: str = "auto",
     strategy: str = "auto",
     seed: Optional[int] = None,
+    same_random_streams: bool = False,
+    tp: int = 1,
+    dp_replicate: int = 1,
     env: Optional[Mapping[str, str]] = None,
 ) -> Run:
     """Find where this process stands and join the others.
 
     ``backend``: nccl for GPUs and gloo for CPUs unless given. ``timeout_s``: how long a collective may
     wait for a missing rank before it fails (instead of hanging). ``accelerator``: 'auto', 'cuda' or
-    'cpu'. ``strategy``: what ``run.setup`` wraps models with (auto, single, dp, ddp, fsdp, pipeline,
-    ddp+pipeline). ``seed``: seed every generator the same on all ranks. ``env``: read this mapping
-    instead of the process environment (tests).
+    'cpu'. ``strategy``: what ``run.setup`` wraps models with (see ``multigpu.strategies``; auto: ddp
+    with several processes, single otherwise). ``seed``: seed python, numpy and torch the same on every
+    rank now - models built before ``run.setup`` are identical - and per rank after it, so dropout and
+    augmentation differ between ranks as they differ between samples of one process
+    (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``: parallelism degrees
+    (the rest of the world shards data). ``env``: read this mapping instead of the environment (tests).
     """
     world = detect_world(env)
     cuda_count = torch.cuda.device_count() if accelerator != "cpu" else 0
     devices = choose_devices(world, cuda_count, accelerator)
+    parallelism = Parallelism.from_degrees(world.world_size, world.local_world_size, dp_replicate=dp_replicate, tp=tp)
     settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
-    group = ProcessGroup(world, devices[0], settings).start()
-    run = Run(world=world, devices=devices, group=group, strategy_name=strategy)
+    session = DistSession(world, devices[0], settings).start()
+    run = Run(world=world, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,
+              seed=seed, same_random_streams=same_random_streams)
     atexit.register(run.close)
+    _install_interrupt_handler(run)
     if seed is not None:
         seed_everything(seed)
     return run

@@ -1,12 +1,26 @@
-"""A short, readable fit/evaluate loop that composes strategy, precision, data and checkpoints.
+"""A short, readable fit/evaluate loop that composes strategy, precision, data, checkpoints and logging.
 
 Subclass and implement ``compute_loss`` (SpeechBrain's Brain and Lightning's LightningModule in one
-method); optionally ``evaluate_batch`` for metrics. Everything else is settings: accumulation (with
-no_sync), clipping, bf16/fp16, LR scheduler stepping, metrics averaged exactly across ranks, a rank-0
-progress line with samples/s, a CSV per epoch, and automatic resume from the latest good checkpoint.
+method); optionally ``evaluate_batch`` for metrics and a few hooks. Everything else is settings:
+accumulation (with no_sync), clipping, bf16/fp16, ``torch.compile``, LR scheduler stepping, metrics
+averaged exactly across ranks, loggers (CSV, TensorBoard, W&B, MLflow), validation inside an epoch,
+the best checkpoint and early stopping, a rank-0 progress line with an ETA, and automatic resume from
+the latest good checkpoint - with the run's safety on: hang watchdog, preemption agreement,
+consistency check (the same ones a hand-written loop gets from :class:`~multigpu.runtime.Run`).
 
-The loop is written so a reader can check it against a hand-written DDP loop line by line; the
-benchmark ``benchmarks/overhead.py`` measures that it costs no more.
+Hooks, in the order they are called (epochs count from 1, as in the progress line and the logs)::
+
+    on_fit_start()
+      on_epoch_start(epoch)
+        on_train_batch_end(step, loss)          every batch; loss is a tensor (no forced sync)
+        [every eval_every_steps steps: on_evaluate_start(), on_validation_end(metrics)]
+      on_evaluate_start(); on_validation_end(metrics)      after the epoch, when there is valid data
+      on_epoch_end(epoch, metrics)
+      on_checkpoint(path)                        after each checkpoint written (also the best one)
+    on_fit_end()
+
+The loop is written so a reader can check it against a hand-written DDP loop line by line;
+``benchmarks/peers.py`` measures that it costs no more.
 """
 
 from __future__ import annotations
@@ -24,19 +38,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.checkpoint import rng
-from multigpu.data import Loader, describe_batch
+from multigpu.config import check_keys
 from multigpu.diagnostics import consistency
-from multigpu.diagnostics.watchdog import HangWatchdog
-from multigpu.errors import ConfigError
-from multigpu.metrics import MetricSums
+from multigpu.errors import CheckpointError, ConfigError
+from multigpu.loggers import Loggers, hparams_of
+from multigpu.monitor import BestTracker
 from multigpu.precision import Precision
-from multigpu.preemption import Preempted, StopSignal, requeue_slurm_job
-from multigpu.progress import ProgressLine, read_csv, write_csv
+from multigpu.preemption import Preempted
+from multigpu.progress import ProgressLine, format_metrics
 from multigpu.runtime import Run
 from multigpu.strategies.base import OptimizerLike
 
 SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
+#: Optimizer settings that a resumed run takes from the code, not from the checkpoint.
+_HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "betas", "eps", "dampening", "nesterov", "alpha", "lr_decay")
 
 
 @dataclass
@@ -46,27 +61,52 @@ class TrainerSettings:
     epochs: int = 1
     #: Stop after this many optimizer steps, even inside an epoch (None: run every epoch).
     max_steps: Optional[int] = None
-    batch_size: int = 32  # per process: the global batch is batch_size x processes x accumulate
+    batch_size: int = 32  # per data-parallel rank: the global batch is batch_size x ranks x accumulate
     eval_batch_size: Optional[int] = None
     accumulate: int = 1
     clip_grad_norm: Optional[float] = None
     precision: str = "32"
     strategy: Optional[str] = None  # None: the one given to mg.init() ("auto" unless said otherwise)
     strategy_options: dict = field(default_factory=dict)
+    #: Tensor-parallel ranks per model replica (strategy fsdp+tp) and replica groups (hsdp).
+    tp: int = 1
+    dp_replicate: int = 1
+    #: torch.compile the model after wrapping: true, or a mapping of torch.compile's options.
+    compile: Any = False
     scheduler_interval: str = "step"  # or "epoch"
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
     num_workers: int = 0
+    #: Batches from datasets are collated with this (not from YAML; your DataLoader keeps its own).
+    collate_fn: Optional[Callable] = None
     out_dir: str = "outputs"
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: Optional[int] = None
     keep_last: int = 2
     resume: bool = True
     verify_checksums: bool = True
+    #: Where the numbers go besides metrics.csv/steps.csv: tensorboard, wandb, mlflow.
+    loggers: list = field(default_factory=list)
+    #: A row of step metrics (loss, lr, samples/s, grad norm, GPU memory) every N optimizer steps (0: none).
+    log_every_n_steps: int = 50
     progress: bool = True
+    #: In a log file (not a terminal), a progress line every so many seconds.
+    progress_every_s: float = 30.0
+    #: Validate every N optimizer steps too, not only after each epoch (exact across ranks).
+    eval_every_steps: Optional[int] = None
+    #: Keep the best checkpoint by this metric (e.g. valid_loss) in checkpoints/best; stop early after
+    #: ``patience`` validations without an improvement larger than ``min_delta``.
+    monitor: Optional[str] = None
+    mode: str = "min"
+    patience: Optional[int] = None
+    min_delta: float = 0.0
+    #: Write curves.png into out_dir at the end of fit (when matplotlib is installed).
+    plot: bool = True
     #: Stop cleanly on SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (requeue under Slurm on USR1).
     preemption: bool = True
+    #: Agree on stopping every K optimizer steps (None: about every 2 s, from the step time).
+    stop_check_every: Optional[int] = None
     #: Write where every rank is stuck and exit when no step finishes for this long (None: off).
     hang_timeout_s: Optional[float] = 900.0
     #: Compare model, settings, data and versions across ranks before training; fail with a diff.
@@ -85,6 +125,15 @@ class TrainerSettings:
             (self.hang_timeout_s is None or self.hang_timeout_s > 0, "hang_timeout_s", "positive seconds or null"),
             (self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1, "checkpoint_every_steps",
              "1 or more, or null"),
+            (self.eval_every_steps is None or self.eval_every_steps >= 1, "eval_every_steps", "1 or more, or null"),
+            (self.log_every_n_steps >= 0, "log_every_n_steps", "0 (off) or more"),
+            (self.progress_every_s > 0, "progress_every_s", "positive seconds"),
+            (self.stop_check_every is None or self.stop_check_every >= 1, "stop_check_every", "1 or more, or null"),
+            (self.collate_fn is None or callable(self.collate_fn), "collate_fn", "a function (set it in code)"),
+            (isinstance(self.compile, (bool, dict)), "compile", "true, false, or a mapping of torch.compile options"),
+            (self.mode in ("min", "max"), "mode", "'min' or 'max'"),
+            (self.patience is None or self.monitor is not None, "patience", "null unless monitor is set"),
+            (self.eval_batch_size is None or self.eval_batch_size >= 1, "eval_batch_size", "1 or more, or null"),
         ]
         for ok, name, wanted in checks:
             if not ok:
@@ -92,16 +141,17 @@ class TrainerSettings:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainerSettings":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown trainer setting {unknown[0]!r}.", f"known settings: {', '.join(sorted(known))}.")
+        check_keys(cls, values, owner="the Trainer", noun="setting")
         return cls(**dict(values))
+
+    def plain(self) -> dict[str, Any]:
+        """The settings as data (for hashing, logging, checkpoints): no functions."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "collate_fn"}
 
 
 @dataclass
 class TrainState:
-    epoch: int = 0  # the epoch in progress (or next to start)
+    epoch: int = 0  # epochs completed (the one in progress is epoch + 1)
     batch_in_epoch: int = 0  # batches of that epoch already trained on
     global_step: int = 0  # optimizer steps taken
 
@@ -131,6 +181,10 @@ def batch_length(batch: Any) -> int:
     return 0
 
 
+class _StopTraining(Exception):
+    """Early stopping decided inside an epoch (the same on every rank)."""
+
+
 class Trainer(abc.ABC):
     """Subclass, implement ``compute_loss(batch) -> loss``, call ``fit(train_set, valid_set)``."""
 
@@ -138,24 +192,25 @@ class Trainer(abc.ABC):
                  scheduler: SchedulerLike = None, settings: Optional[TrainerSettings] = None,
                  config: Any = None, **overrides: Any) -> None:
         """``config``: your recipe's own settings (any dataclass or mapping); ranks must agree on it."""
-        base = dataclasses.asdict(settings) if settings is not None else {}
-        self.settings = TrainerSettings.from_mapping({**base, **overrides})
+        base = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} if settings else {}
+        self.settings = s = TrainerSettings.from_mapping({**base, **overrides})
         self.run = run
+        self.config = config
+        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate)
         self.device = run.device
-        self.precision = Precision(self.settings.precision, self.device)
-        if self.settings.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
-            consistency.check_same_on_all_ranks({
-                **consistency.model_fingerprint(model),
-                "trainer_settings": consistency.config_hash(dataclasses.asdict(self.settings)),
-                "recipe_config": consistency.config_hash(_plain(config)),
-                **consistency.environment_fingerprint(),
-            }, group=run.group.control)
-        self.model, self.optimizer = run.setup(model, optimizer, strategy=self.settings.strategy or run.strategy_name,
-                                               **self.settings.strategy_options)
+        self.precision = Precision(s.precision, self.device)
+        if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
+            run.check_consistency(model, config, trainer_settings=s.plain())
+        self.model, self.optimizer = run.setup(model, optimizer, strategy=s.strategy or run.strategy_name,
+                                               **s.strategy_options)
         if self.optimizer is None:
             raise ConfigError("the Trainer needs an optimizer.", "pass one, or a factory like "
                               "`lambda params: torch.optim.AdamW(params, lr=1e-3)`.")
         self.strategy = run.strategy
+        #: What checkpoints read and write: the wrapped model, never torch.compile's wrapper of it.
+        self.state_model = self.model
+        if s.compile:
+            self.model = torch.compile(self.model, **(s.compile if isinstance(s.compile, dict) else {}))
         if (scheduler is not None and not callable(scheduler) and isinstance(optimizer, torch.optim.Optimizer)
                 and self.optimizer is not optimizer):
             raise ConfigError(f"strategy {self.strategy.name!r} rebuilt the optimizer on its sharded parameters, so "
@@ -164,12 +219,15 @@ class Trainer(abc.ABC):
         self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler  # a factory or an instance
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
-        self.out_dir = Path(self.settings.out_dir)
+        self.out_dir = Path(s.out_dir)
         self.checkpoint_dir = self.out_dir / "checkpoints"
-        self.progress = ProgressLine(enabled=self.settings.progress and run.is_main)
-        self._csv_rows: Optional[list] = None
-        self._stop: Optional[StopSignal] = None
-        self._watchdog: Optional[HangWatchdog] = None
+        self.best_dir = self.checkpoint_dir / "best"
+        self.tracker = BestTracker(s.monitor, s.mode, s.patience, s.min_delta) if s.monitor else None
+        self.progress = ProgressLine(enabled=s.progress and run.is_main, every_s=s.progress_every_s)
+        self.loggers = Loggers([], self.out_dir, enabled=False)
+        self._valid: Any = None
+        self._epochs = s.epochs
+        self._grad_norm: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ your code
     @abc.abstractmethod
@@ -185,253 +243,481 @@ class Trainer(abc.ABC):
         n = batch_length(batch)
         return {"loss": (self.compute_loss(batch).detach() * n, n)}
 
-    def on_epoch_end(self, epoch: int, metrics: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
-        """Called on every rank after each epoch's evaluation, with the global metrics."""
+    # hooks (all optional; called on every rank; see the module docstring for the order)
+    def on_fit_start(self) -> None:  # noqa: B027
+        """Before the first batch (after a resume has restored the state)."""
+
+    def on_epoch_start(self, epoch: int) -> None:  # noqa: B027
+        """``epoch`` counts from 1."""
+
+    def on_train_batch_end(self, step: int, loss: torch.Tensor) -> None:  # noqa: B027
+        """After every batch; ``loss`` is this rank's, a tensor on the device (reading it syncs)."""
+
+    def on_evaluate_start(self) -> None:  # noqa: B027
+        """Before a validation pass (after an epoch, or every ``eval_every_steps``)."""
+
+    def on_validation_end(self, metrics: Mapping[str, float]) -> None:  # noqa: B027
+        """The global validation metrics, the same on every rank."""
+
+    def on_epoch_end(self, epoch: int, metrics: Mapping[str, Any]) -> None:  # noqa: B027
+        """After each epoch's validation, with the epoch's row (the same on every rank)."""
+
+    def on_checkpoint(self, path: Path) -> None:  # noqa: B027
+        """After a checkpoint was written (every rank; it exists when this is called)."""
+
+    def on_fit_end(self) -> None:  # noqa: B027
+        """After the last epoch (not after a preemption or an error)."""
+
+    def rank_state(self) -> Optional[dict]:
+        """This rank's own state to checkpoint (e.g. an LSTM's hidden state over a token stream).
+
+        Saved for every rank, like the RNG states, and given back to the same rank by
+        ``load_rank_state``. Tensors are moved to the CPU. Return None for nothing.
+        """
+        return None
+
+    def load_rank_state(self, state: dict) -> None:  # noqa: B027
+        """Restore what ``rank_state`` returned on this rank. When the world size changed, rank r gets
+        old rank r's state if there was one (a warning says which ranks got none)."""
 
     # ------------------------------------------------------------------ loops
     def fit(self, train: Any, valid: Any = None, epochs: Optional[int] = None) -> list[dict[str, Any]]:
         s = self.settings
-        epochs = s.epochs if epochs is None else epochs
-        train_loader = self._as_loader(train, evaluation=False)
-        valid_loader = self._as_loader(valid, evaluation=True) if valid is not None else None
-        self.run.print("multigpu: " + describe_batch(train_loader.batch_size, self.run.world_size, s.accumulate,
-                                                     len(train_loader.dataset)))
+        self._epochs = epochs = s.epochs if epochs is None else epochs
+        train_loader = self._loader(train, evaluation=False)
+        self._valid = self._loader(valid, evaluation=True) if valid is not None else None
         if s.check_consistency:
             consistency.check_same_on_all_ranks(
-                {"train_samples": len(train_loader.dataset), "batch_size": train_loader.batch_size,
-                 "valid_samples": len(valid_loader.dataset) if valid_loader is not None else None,
-                 "epochs": epochs}, group=self.run.group.control)
+                {"train_samples": _size(train_loader), "batch_size": train_loader.batch_size,
+                 "valid_samples": _size(self._valid) if self._valid is not None else None,
+                 "epochs": epochs}, group=self.run.control_group)
         if s.resume:
-            self.resume()
+            resumed = self.resume()
         elif self.run.latest_checkpoint(self.checkpoint_dir, checksums=False) is not None:
             raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
                               "set resume: true to continue that run, or choose a new out_dir.")
+        else:
+            resumed = False
         train_loader.resume_at(self.state.epoch, self.state.batch_in_epoch)
-        self._stop = StopSignal(self.run.group.control, self.run.group.active).install() if s.preemption else None
-        self._watchdog = (HangWatchdog(s.hang_timeout_s, self.out_dir / "hang", self.run.rank, self.run.world_size).start()
-                          if s.hang_timeout_s else None)
+        self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, report_dir=str(self.out_dir / "hang"),
+                                  preemption=s.preemption, stop_check_every=s.stop_check_every)
+        self.loggers = Loggers(s.loggers, self.out_dir, resume_step=self.state.global_step if resumed else None,
+                               enabled=self.run.is_main)
+        self.loggers.log_hparams(hparams_of(s.plain(), consistency.plain(self.config)))
+        self._report_start(train_loader)
+        clean = False
         try:
-            self._fit_epochs(train_loader, valid_loader, epochs)
+            self.on_fit_start()
+            self._fit_epochs(train_loader, epochs)
+            clean = True
+        except Preempted:
+            clean = True
+            raise
+        except BaseException as exc:  # the other ranks may be anywhere: never wait for them from here on
+            self.run.interrupted(type(exc).__name__)
+            for loader in (train_loader, self._valid):
+                if hasattr(loader, "abandon"):
+                    loader.abandon()
+            raise
         finally:
-            if self._stop is not None:
-                self._stop.uninstall()
-            if self._watchdog is not None:
-                self._watchdog.stop()
-            self._stop = self._watchdog = None
+            self.run.release_guards(clean=clean)
+            self.loggers.close()
+        self.on_fit_end()
+        if s.plot and self.run.is_main:
+            from multigpu.plots import write_curves
+
+            write_curves(self.out_dir, quiet=True)
         return self.history
 
-    def _fit_epochs(self, train_loader: Loader, valid_loader: Optional[Loader], epochs: int) -> None:
+    def _fit_epochs(self, train_loader: Any, epochs: int) -> None:
         s = self.settings
         for epoch in range(self.state.epoch, epochs):
             if self._steps_done():
                 break
+            self.on_epoch_start(epoch + 1)
             started = time.monotonic()
-            train_metrics, samples = self._train_epoch(train_loader, epoch, epochs)
+            try:
+                train_metrics, samples, completed = self._train_epoch(train_loader, epoch, epochs)
+                stopping = False
+            except _StopTraining:
+                train_metrics, samples, completed, stopping = {}, 0, False, True
             elapsed = time.monotonic() - started
-            valid_metrics = self.evaluate(valid_loader) if valid_loader is not None else {}
-            partial = self.state.batch_in_epoch < len(train_loader)  # max_steps stopped it inside the epoch
-            if not partial:
+            if completed:
                 if self.scheduler is not None and s.scheduler_interval == "epoch":
                     self.scheduler.step()
                 self.state = TrainState(epoch + 1, 0, self.state.global_step)
-            done = self.state.batch_in_epoch / len(train_loader) if partial else 1
+            valid_metrics = self._validate() if completed and self._valid is not None else {}
+            length = getattr(train_loader, "length", None)
+            done = 1 if completed else (self.state.batch_in_epoch / length if length else 0)
             row = {"epoch": round(epoch + done, 4), "step": self.state.global_step,
                    **{f"train_{k}": v for k, v in train_metrics.items()},
                    **{f"valid_{k}": v for k, v in valid_metrics.items()},
                    "lr": self.optimizer.param_groups[0]["lr"],
                    "samples_per_s": samples / elapsed if elapsed > 0 else 0.0, "epoch_s": elapsed}
-            self._record(row)
-            self.progress.epoch_done(epoch, epochs, {k: v for k, v in row.items() if k not in ("epoch", "step")})
-            if partial:
-                self.save()  # resumable from here with a larger max_steps
+            if train_metrics or valid_metrics:
+                self._record(row)
+                self.progress.epoch_done(epoch + 1, epochs,
+                                         {k: v for k, v in row.items() if k not in ("epoch", "step")})
+            stopping = stopping or (self.tracker is not None and self.tracker.should_stop)
+            if not completed or stopping:
+                self._save()  # resumable from here (a larger max_steps, or the best checkpoint is kept)
+                if stopping and self.tracker is not None:
+                    self.run.print(f"multigpu: early stop: {s.monitor} did not improve by more than "
+                                       f"{s.min_delta:g} for {s.patience} validation(s); best {self.tracker.best:.6g} "
+                                       f"at step {self.tracker.best_step}")
                 break
-            with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
-                self.on_epoch_end(epoch, row)
+            with self.run.paused_watchdog():
+                self.on_epoch_end(epoch + 1, row)
             if (epoch + 1) % s.checkpoint_every_epochs == 0 or epoch + 1 == epochs:
-                self.save()
+                self._save()
 
-    def _train_epoch(self, loader: Loader, epoch: int, epochs: int) -> tuple[dict[str, float], int]:
+    def _train_epoch(self, loader: Any, epoch: int, epochs: int) -> tuple[dict[str, float], int, bool]:
+        """One epoch (or what is left of it); returns (metrics, samples, completed)."""
         s = self.settings
-        model, optimizer, precision, strategy = self.model, self.optimizer, self.precision, self.strategy
+        model, optimizer, precision, strategy, run = self.model, self.optimizer, self.precision, self.strategy, self.run
         model.train()
-        total = len(loader)  # the whole epoch: a resumed pass skips its first batches only once it starts
+        total = getattr(loader, "length", None)  # the whole epoch; None for a stream
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        batches = 0
-        samples = 0
-        started = time.monotonic()
+        window = torch.zeros((), dtype=torch.float64, device=self.device)  # the loss since the last step row
+        window_batches = batches = samples = 0
+        started = last_log = time.monotonic()
+        log_samples = 0
+        completed = True
         for index, batch in enumerate(loader, start=self.state.batch_in_epoch):
             batch = move_to(batch, self.device)
-            boundary = (index + 1) % s.accumulate == 0 or index + 1 == total
+            boundary = ((index + 1) % s.accumulate == 0 or (total is not None and index + 1 == total)
+                        or (total is None and s.accumulate > 1 and loader.ends_after_current()))
             with (contextlib.nullcontext() if boundary else strategy.no_sync(model)):
                 with precision.autocast():
                     loss = self.compute_loss(batch)
                 strategy.backward(precision.scale(loss / s.accumulate if s.accumulate > 1 else loss))
-            loss_sum += loss.detach()
+            detached = loss.detach()
+            loss_sum += detached
+            window += detached
             batches += 1
-            samples += batch_length(batch)
+            window_batches += 1
+            n = batch_length(batch)
+            samples += n
+            log_samples += n
             if boundary:
                 precision.unscale(optimizer)
                 if s.clip_grad_norm is not None:
-                    strategy.clip_grad_norm(model, s.clip_grad_norm)
+                    self._grad_norm = strategy.clip_grad_norm(model, s.clip_grad_norm)
                 stepped = precision.step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and self.scheduler is not None and s.scheduler_interval == "step":
                     self.scheduler.step()
                 self.state.global_step += 1
             self.state.batch_in_epoch = index + 1
+            run.step_done(self.state.global_step)
+            self.on_train_batch_end(self.state.global_step, detached)
             if self.progress.wants_update():
-                rate = samples * self.run.world_size / max(time.monotonic() - started, 1e-9)
-                self.progress.update(epoch, epochs, index + 1, total, (loss_sum / batches).item(), rate)
-            if self._watchdog is not None:
-                self._watchdog.beat(self.state.global_step)
-            if boundary and s.checkpoint_every_steps and self.state.global_step % s.checkpoint_every_steps == 0:
-                self.save()
-            if boundary and self._stop is not None and self._stop.poll():
+                self._show_progress(epoch, epochs, index + 1, total, loss_sum / batches, samples, batches, started)
+            if not boundary:
+                continue
+            step = self.state.global_step
+            if s.log_every_n_steps and step % s.log_every_n_steps == 0:
+                now = time.monotonic()
+                self._log_step(window / max(window_batches, 1), log_samples, now - last_log, epoch, index + 1, total)
+                window = torch.zeros_like(window)
+                window_batches, log_samples, last_log = 0, 0, now
+            if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
+                self._save()
+            last_of_epoch = total is not None and index + 1 == total  # the epoch's own validation follows
+            if (s.eval_every_steps and step % s.eval_every_steps == 0 and self._valid is not None
+                    and not last_of_epoch):
+                self._validate_inside_epoch(epoch, index + 1, total)
+            if run.should_stop():
                 self._preempt()
-            if boundary and self._steps_done():
+            if self._steps_done():
+                completed = total is not None and index + 1 == total
                 break
-        metrics = MetricSums(self.run.comm_device)
+        metrics = self.run.metric_sums()
         metrics.add("loss", loss_sum, batches)
-        return metrics.compute(), samples * self.run.world_size
+        return metrics.compute(), samples * self.run.dp_size, completed
+
+    def _show_progress(self, epoch: int, epochs: int, done: int, total: Optional[int], mean_loss: torch.Tensor,
+                       samples: int, batches: int, started: float) -> None:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        per_batch = elapsed / max(batches, 1)
+        eta = None
+        if total:
+            eta = ((total - done) + (epochs - epoch - 1) * total) * per_batch
+        if self.settings.max_steps is not None:
+            left = (self.settings.max_steps - self.state.global_step) * self.settings.accumulate * per_batch
+            eta = left if eta is None else min(eta, left)
+        self.progress.update(epoch + 1, epochs, done, total, mean_loss.item(), samples * self.run.dp_size / elapsed, eta)
+
+    def _log_step(self, mean_loss: torch.Tensor, samples: int, elapsed: float, epoch: int, done: int,
+                  total: Optional[int]) -> None:
+        """A step row - rank 0's own loss (reading it is the only sync, on logging steps only)."""
+        if not self.run.is_main:
+            return
+        row: dict[str, Any] = {"epoch": round(epoch + (done / total if total else 0), 4),
+                               "loss": mean_loss.item(), "lr": self.optimizer.param_groups[0]["lr"],
+                               "samples_per_s": samples * self.run.dp_size / elapsed if elapsed > 0 else 0.0}
+        if self._grad_norm is not None:
+            row["grad_norm"] = float(self._grad_norm)
+        if self.device.type == "cuda":
+            row["gpu_mem_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        self.loggers.log_metrics(row, self.state.global_step, kind="step")
 
     def _steps_done(self) -> bool:
         return self.settings.max_steps is not None and self.state.global_step >= self.settings.max_steps
 
     def _preempt(self) -> None:
         """Every rank agreed to stop at this step: checkpoint it, requeue under Slurm on USR1, exit 75."""
-        reason = self._stop.describe()
-        path = self.save()
-        if self.run.is_main and self._stop.received is not None:
-            requeued = requeue_slurm_job(self.run.world.slurm_job_id, self._stop.received)
-            if requeued:
-                self.run.print(f"multigpu: requeued Slurm job {self.run.world.slurm_job_id}")
-        self.run.print(f"multigpu: stopped by {reason} after step {self.state.global_step}; "
-                       f"checkpoint {path} - run the same command again to resume")
-        raise Preempted(f"preempted by {reason}; resume from {path}")
+        path = self._save()
+        self.run.exit_preempted(path, self.state.global_step)
+
+    # ------------------------------------------------------------------ validation, best, early stop
+    def _validate(self) -> dict[str, float]:
+        self.on_evaluate_start()
+        with self.run.paused_watchdog():
+            metrics = self.evaluate(self._valid)
+        self.on_validation_end(metrics)
+        if self.tracker is not None:
+            key = self.settings.monitor
+            value = {**{f"valid_{k}": v for k, v in metrics.items()}, **metrics}
+            if self.tracker.value(value) is None:
+                raise ConfigError(f"monitor {key!r} is not among the validation metrics "
+                                  f"({', '.join(f'valid_{k}' for k in metrics)}).", "set monitor to one of them.")
+            if self.tracker.update(value, self.state.global_step):
+                self._save_best()
+        return metrics
+
+    def _validate_inside_epoch(self, epoch: int, done: int, total: Optional[int]) -> None:
+        metrics = self._validate()
+        row = {"epoch": round(epoch + (done / total if total else 0), 4), "step": self.state.global_step,
+               **{f"valid_{k}": v for k, v in metrics.items()}}
+        self._record(row)
+        self.progress.line(f"step {self.state.global_step}: {format_metrics({k: v for k, v in row.items() if k != 'step'})}")
+        if self.tracker is not None and self.tracker.should_stop:
+            raise _StopTraining()
+        self.model.train()
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> dict[str, float]:
-        """Global metrics over ``data`` (a dataset or an eval loader); exact across any number of ranks.
+        """Global metrics over ``data`` (a dataset, a DataLoader, a stream or an eval loader); exact across
+        any number of ranks.
 
-        Evaluation shards differ in length by up to one batch. Replicated models are evaluated without
-        their DDP wrapper (whose forward may broadcast buffers - a collective the ranks would not all
-        join); sharded ones need every rank's forward, so the ranks with fewer batches repeat one whose
-        results are dropped.
+        Replicated models are evaluated without their DDP wrapper (whose forward may broadcast buffers -
+        a collective the ranks would not all join). Sharded models need every rank's forward, so ranks
+        with fewer batches repeat one whose results are dropped.
         """
-        loader = self._as_loader(data, evaluation=True)
+        loader = self._loader(data, evaluation=True)
         wrapped = self.model
-        sharded_model = self.strategy.sharded
+        sharded_model = self.strategy.sharded or self.run.parallelism.tp > 1
         self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
-        sums = MetricSums(self.run.comm_device)
-        extra = self._missing_batches(len(loader)) if sharded_model else 0
+        sums = self.run.metric_sums()
         try:
+            batches = iter(loader)
+            extra = 0
+            if sharded_model and getattr(loader, "length", None) is not None:
+                extra = self._missing_batches(loader.length)
             last = None
-            for batch in loader:
+            while True:
+                batch = next(batches, None)
+                if sharded_model and getattr(loader, "length", None) is None and not self._any_rank(batch is not None):
+                    break
+                if batch is None:
+                    if not sharded_model or getattr(loader, "length", None) is not None:
+                        break
+                    self._repeat_forward(last)  # a stream ended here first: keep the others' forwards paired
+                    continue
                 last = move_to(batch, self.device)
                 with self.precision.autocast():
                     sums.update(self.evaluate_batch(last))
-                if self._watchdog is not None:
-                    self._watchdog.beat(self.state.global_step)
+                self.run.step_done(self.state.global_step)
             for _ in range(extra):  # keep FSDP's all-gathers paired across ranks; results dropped
-                with self.precision.autocast():
-                    self.evaluate_batch(last)
+                self._repeat_forward(last)
         finally:
             self.model = wrapped
             self.model.train()
         return sums.compute()
 
+    def _repeat_forward(self, last: Any) -> None:
+        if last is None:
+            raise ConfigError("a sharded model needs every rank to evaluate at least one batch.",
+                              "use an evaluation set with at least as many samples as processes.")
+        with self.precision.autocast():
+            self.evaluate_batch(last)
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not self.run.session.active:
+            return flag
+        tensor = torch.tensor([1 if flag else 0])
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.run.control_group)
+        return bool(tensor.item())
+
     def _missing_batches(self, mine: int) -> int:
-        if not self.run.group.active:
+        if not self.run.session.active:
             return 0
         most = torch.tensor([mine])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.run.group.control)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.run.control_group)
         if mine == 0 and most.item() > 0:
             raise ConfigError("a sharded model needs every rank to evaluate at least one batch.",
                               "use an evaluation set with at least as many samples as processes.")
         return int(most.item()) - mine
 
-    def _as_loader(self, data: Any, evaluation: bool) -> Loader:
-        if isinstance(data, Loader):
-            return data
+    def _loader(self, data: Any, evaluation: bool) -> Any:
         s = self.settings
         if evaluation:
-            return self.run.eval_loader(data, s.eval_batch_size or s.batch_size, num_workers=s.num_workers)
+            return self.run.eval_loader(data, s.eval_batch_size or s.batch_size, collate_fn=s.collate_fn,
+                                        num_workers=s.num_workers)
         return self.run.loader(data, s.batch_size, shuffle=s.shuffle, seed=s.seed, drop_last=s.drop_last,
-                               num_workers=s.num_workers, quiet=True)
+                               num_workers=s.num_workers, collate_fn=s.collate_fn, quiet=True)
 
     def _record(self, row: dict[str, Any]) -> None:
         self.history.append(row)
-        if self.run.is_main:
-            path = self.out_dir / "metrics.csv"
-            if self._csv_rows is None:  # first epoch of this process: keep the rows of earlier runs
-                self._csv_rows = [r for r in read_csv(path) if float(r.get("epoch", 0)) < row["epoch"]]
-            self._csv_rows.append(row)
-            write_csv(path, self._csv_rows)
+        self.loggers.log_metrics(row, row["step"], kind="epoch")
+
+    def _report_start(self, loader: Any) -> None:
+        """What runs, on rank 0, before the first step: nobody trains a week with the wrong setup."""
+        if not self.run.is_main:
+            return
+        s, run = self.settings, self.run
+        params = list(self.state_model.parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        shard = f", {local:,} on this rank" if local != total else ""
+        length = getattr(loader, "length", None)
+        per_epoch = f"{-(-length // s.accumulate):,} optimizer steps per epoch" if length else "steps per epoch: " \
+            "unknown (a stream)"
+        run.print(f"multigpu: {run.describe_batch(loader.batch_size, s.accumulate, _size(loader))}")
+        run.print(f"multigpu: {total:,} parameters ({trainable:,} trainable{shard}); strategy {self.strategy.name}, "
+                  f"precision {self.precision.mode}{', compiled' if s.compile else ''}; {per_epoch}; "
+                  f"world {run.world_size} on {run.device.type}")
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything needed to continue exactly: the model and optimizer (as objects: the run saves them
-        in the strategy's format), scheduler, scaler, counters and data layout. Extend it to save more."""
+        in the strategy's format), scheduler, scaler, counters, data layout, settings and the best-metric
+        tracker. Extend it to save more (for state that differs per rank, use ``rank_state``)."""
         return {
-            "model": self.model,
+            "model": self.state_model,
             "optimizer": self.optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.precision.state_dict(),
             "trainer": dataclasses.asdict(self.state),
-            "data": {"batch_size": self.settings.batch_size, "world_size": self.run.world_size,
-                     "seed": self.settings.seed},
+            "data": {"batch_size": self.settings.batch_size, "dp_size": self.run.dp_size,
+                     "world_size": self.run.world_size, "seed": self.settings.seed},
+            "settings": _plain_data(self.settings.plain()),
+            "config": _plain_data(consistency.plain(self.config)),
+            "monitor": self.tracker.state_dict() if self.tracker is not None else None,
         }
 
     def save(self) -> Path:
         """Write a checkpoint of the current state (every rank calls it; returns once it exists)."""
-        state = self.checkpoint_state()
-        state["rng"] = self._gather_rng()  # every rank's generators, held by rank 0
-        meta = {"epoch": self.state.epoch}
-        with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
-            return self.run.save_checkpoint(self.checkpoint_dir, self.state.global_step, state,
-                                            keep_last=self.settings.keep_last, meta=meta)
+        return self._save()
 
-    def _gather_rng(self) -> list[dict]:
-        mine = rng.capture()
-        if not self.run.group.active:
-            return [mine]
-        gathered: list[Any] = [None] * self.run.world_size if self.run.is_main else None
-        dist.gather_object(mine, gathered, dst=0, group=self.run.group.control)
-        return gathered if self.run.is_main else []
+    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None) -> Path:
+        state = self.checkpoint_state()
+        path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, state,
+                                        keep_last=keep_last or self.settings.keep_last,
+                                        meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state())
+        with self.run.paused_watchdog():
+            self.on_checkpoint(path)
+        return path
+
+    def _save_best(self) -> Path:
+        """The best checkpoint so far, in checkpoints/best (its own folder: never pruned with the others)."""
+        path = self._save(self.best_dir, keep_last=1,
+                          meta={"monitor": self.settings.monitor, "value": self.tracker.best})
+        self.progress.line(f"multigpu: new best {self.settings.monitor} {self.tracker.best:.6g} at step "
+                           f"{self.state.global_step}: {path}")
+        return path
 
     def resume(self) -> bool:
-        """Load the newest checkpoint that verifies, if any; corrupt ones are reported and skipped."""
+        """Load the newest checkpoint that verifies, if any; corrupt ones are reported and skipped.
+
+        Settings given now win over the checkpoint's for hyperparameters (learning rate, weight decay,
+        ...); every difference is printed once. A changed model still fails, clearly.
+        """
         info = self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums)
         if info is None:
             return False
-        state = self.run.load_checkpoint(info, self.model, self.optimizer)
+        wanted = [{k: g[k] for k in (*_HYPERPARAMETERS, "initial_lr") if k in g} for g in self.optimizer.param_groups]
+        state = self.run.load_checkpoint(info, self.state_model, self.optimizer)
         self.load_checkpoint_state(state or {})
+        changes = self._apply_current_hyperparameters(wanted) + self._changed_settings(state or {})
         self.run.print(f"multigpu: resumed from {info.path} (epoch {self.state.epoch}, "
                        f"batch {self.state.batch_in_epoch}, step {self.state.global_step})")
+        if changes:
+            self.run.print("multigpu: settings changed since the checkpoint (the ones given now are used): "
+                           + "; ".join(changes))
         return True
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Restore the rest of ``checkpoint_state()`` (the run already restored model and optimizer)."""
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state.get("scaler") or {})
-        self.state = TrainState(**state["trainer"])
-        self._realign_batches(state.get("data", {}))
-        rng_states = state.get("rng") or []
-        if len(rng_states) == self.run.world_size:
-            rng.restore(rng_states[self.run.rank])
-        elif rng_states:
-            warnings.warn(f"multigpu: the checkpoint holds RNG states of {len(rng_states)} rank(s), this run has "
-                          f"{self.run.world_size}; random streams restart from rank 0's.", stacklevel=2)
-            rng.restore(rng_states[0])
+        """Restore the rest of ``checkpoint_state()`` (the run already restored model and optimizer).
+
+        A checkpoint is data from disk: counters of the wrong type or sign, or states that do not fit,
+        are a CheckpointError naming what is wrong, never a traceback or an endless loop.
+        """
+        self.state = _checked_counters(state.get("trainer"))
+        data = state.get("data") or {}
+        if not isinstance(data, Mapping) or not all(isinstance(data.get(k, 1), int) and data.get(k, 1) >= 1
+                                                    for k in ("batch_size", "dp_size", "world_size")):
+            raise CheckpointError("the checkpoint's data layout is malformed.", "it is corrupt; use an earlier one.")
+        try:
+            if self.scheduler is not None and state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            self.precision.load_state_dict(state.get("scaler") or {})
+            if self.tracker is not None and isinstance(state.get("monitor"), Mapping):
+                self.tracker.load_state_dict(state["monitor"])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            raise CheckpointError(f"the checkpoint's scheduler, scaler or monitor state does not fit: "
+                                  f"{' '.join(str(exc).split())[:200]}", "resume with the same settings, or start a "
+                                  "new out_dir.") from None
+        self._realign_batches(data)
+        if state.get("rank_state") is not None:
+            self.load_rank_state(_to_device(state["rank_state"], self.device))
+
+    def _apply_current_hyperparameters(self, wanted: list[dict]) -> list[str]:
+        """The checkpoint restored the optimizer with its old hyperparameters; put back the ones given
+        now. A changed initial learning rate scales the scheduled one (the schedule's position is kept)."""
+        changes = []
+        groups = self.optimizer.param_groups
+        if len(groups) != len(wanted):
+            return [f"optimizer param groups {len(wanted)} -> {len(groups)} (kept the checkpoint's)"]
+        for index, (group, new) in enumerate(zip(groups, wanted)):
+            name = f"optimizer{'' if len(groups) == 1 else f' group {index}'}"
+            for key, value in new.items():
+                if key in ("lr", "initial_lr") or group.get(key) == value:
+                    continue
+                changes.append(f"{name} {key} {group.get(key)!r} -> {value!r}")
+                group[key] = value
+            new_base, old_base = new.get("initial_lr", new.get("lr")), group.get("initial_lr", group.get("lr"))
+            if new_base is None or old_base is None or new_base == old_base:
+                continue
+            changes.append(f"{name} lr {old_base!r} -> {new_base!r}")
+            if "initial_lr" in group and old_base:
+                group["lr"] = group["lr"] * new_base / old_base
+                group["initial_lr"] = new_base
+                if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+                    self.scheduler.base_lrs[index] = new_base
+            else:
+                group["lr"] = new_base
+        return changes
+
+    def _changed_settings(self, state: Mapping[str, Any]) -> list[str]:
+        changes = []
+        for label, old, new in (("trainer", state.get("settings"), _plain_data(self.settings.plain())),
+                                ("config", state.get("config"), _plain_data(consistency.plain(self.config)))):
+            if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+                continue
+            for key, (before, after) in _diff(old, new).items():
+                changes.append(f"{label}.{key} {before!r} -> {after!r}")
+        return changes
 
     def _realign_batches(self, data: Mapping[str, Any]) -> None:
         """Resuming mid-epoch with another world size or batch: continue after the same global sample."""
         if not self.state.batch_in_epoch or not data:
             return
-        old_global = data["batch_size"] * data["world_size"]
-        new_global = self.settings.batch_size * self.run.world_size
+        old_global = data["batch_size"] * data.get("dp_size", data.get("world_size", 1))
+        new_global = self.settings.batch_size * self.run.dp_size
         if old_global == new_global:
             return
         done = self.state.batch_in_epoch * old_global
@@ -441,9 +727,53 @@ class Trainer(abc.ABC):
                           f"{done % new_global} sample(s) of this epoch are seen twice.", stacklevel=2)
 
 
+def _checked_counters(value: Any) -> TrainState:
+    names = [f.name for f in dataclasses.fields(TrainState)]
+    if (not isinstance(value, Mapping) or sorted(value) != sorted(names)
+            or not all(isinstance(value[k], int) and not isinstance(value[k], bool) and 0 <= value[k] < 2**53
+                       for k in names)):
+        raise CheckpointError(f"the checkpoint's trainer counters are malformed: {str(value)[:120]}",
+                              "it is corrupt or not from this Trainer; use an earlier one.")
+    return TrainState(**value)
 
-def _plain(config: Any) -> Any:
-    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+
+def _size(loader: Any) -> Optional[int]:
+    try:
+        return len(loader.dataset)
+    except TypeError:
+        return None
+
+
+def _plain_data(value: Any) -> Any:
+    """Only what ``torch.load(weights_only=True)`` reads back: containers, numbers, text."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_data(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    out = {}
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.update(_diff(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out[f"{prefix}{key}"] = (a, b)
+    return out
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
 
 
 __all__ = ["Trainer", "TrainerSettings", "TrainState", "move_to", "batch_length"]

@@ -10,7 +10,7 @@ further in. Standard library only.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
 from multigpu.errors import MultiGPUError
 
@@ -23,9 +23,17 @@ MAX_SIMULATED_NODES = 64
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-#: Variables that make a process load other code than the one named: not from a runs file.
-CODE_LOADING_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP",
-                    "PYTHONINSPECT", "PYTHONUSERBASE", "PYTHONEXECUTABLE", "BASH_ENV", "ENV", "PATH")
+#: What a runs file may set in a run's environment: the knobs of the libraries a training run uses.
+#: Anything else - PYTHON*, LD_*, PATH, BROWSER, SLURM_*, MASTER_* ... - can make a process run other
+#: code or steer the launcher (PYTHONWARNINGS imports any module; bash evaluates SLURM_JOB_ID in
+#: arithmetic): allowed only when the person starting the queue names it (``--allow-env NAME``).
+ENV_ALLOWED_PREFIXES = ("NCCL_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GLOO_", "CUDA_", "CUBLAS_", "CUDNN_", "NVIDIA_TF32_",
+                        "TORCH_LOGS", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_", "TORCH_SHOW_CPP_STACKTRACES",
+                        "PYTORCH_CUDA_ALLOC_CONF", "HF_", "TOKENIZERS_", "TRANSFORMERS_", "DATASETS_", "WANDB_",
+                        "MLFLOW_", "TF_CPP_", "MIOPEN_")
+ENV_REFUSED_PARTS = ("PLUGIN", "PRELOAD", "LIBRARY", "PATH", "HOOK", "EXEC")
+#: Set by the queue and the launcher for every run: never from a runs file.
+ENV_RESERVED = ("CUDA_VISIBLE_DEVICES",)
 
 
 def count(value: object, what: str, error: type[MultiGPUError] = MultiGPUError, low: int = 1,
@@ -59,22 +67,39 @@ def run_name(name: object, error: type[MultiGPUError] = MultiGPUError, where: st
     return name
 
 
-def env_name(name: object, error: type[MultiGPUError] = MultiGPUError, where: str = "",
-             allow_code_loading: bool = False) -> str:
+def env_name(name: object, error: type[MultiGPUError] = MultiGPUError, where: str = "") -> str:
     if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
         shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
         raise error(f"{where}environment variable name {shown} is not an identifier.",
                     "use letters, digits and _ (not starting with a digit).")
-    if not allow_code_loading and name in CODE_LOADING_ENV:
-        raise error(f"{where}environment variable {name} changes which code a run loads; a runs file may not set it.",
-                    f"set {name} in your own shell before starting the queue if you mean it.")
     return name
+
+
+def env_allowed(name: str, allowed: Sequence[str] = (), error: type[MultiGPUError] = MultiGPUError,
+                where: str = "") -> str:
+    """A runs file's variable: a known library knob, or named by ``--allow-env`` (never a reserved one)."""
+    if name in ENV_RESERVED:
+        raise error(f"{where}environment variable {name} is set by the queue for every run.",
+                    "remove it: the queue chooses each run's GPUs.")
+    if name in allowed:
+        return name
+    if name.startswith(ENV_ALLOWED_PREFIXES) and not any(part in name for part in ENV_REFUSED_PARTS):
+        return name
+    raise error(f"{where}environment variable {name} may change which code a run loads or how it is launched; a "
+                "runs file may not set it on its own.",
+                f"if you trust this runs file, allow it: `multigpu queue ... --allow-env {name}` (or set it in your "
+                "own shell before starting the queue).")
 
 
 def plain_text(value: object, what: str, error: type[MultiGPUError] = MultiGPUError, allow_space: bool = True,
                pattern: Optional[str] = None, example: str = "") -> str:
-    """Text with no control characters (newlines end #SBATCH blocks and shell lines), optionally matched."""
+    """Text with no control characters (newlines end #SBATCH blocks and shell lines), optionally matched;
+    always encodable as UTF-8 (a lone surrogate from a YAML escape cannot be written to a file)."""
     text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{what} {text[:40]!r} is not valid Unicode text.", "remove the \\uD800-style escape.") from None
     if _CONTROL.search(text) or (not allow_space and re.search(r"\s", text)):
         raise error(f"{what} {text[:60]!r} contains {'whitespace or ' if not allow_space else ''}control characters.",
                     f"give a single plain value{f', e.g. {example}' if example else ''}.")

@@ -40,7 +40,8 @@ class World:
     devices_per_process: int = 1
     restart_count: int = 0
     max_restarts: int = 0
-    job_id: str = ""
+    #: The launcher's id for this job: torchrun's rendezvous run id, or the Slurm job id ("" for none).
+    launch_id: str = ""
     #: torchrun's agent already hosts the rendezvous store; workers must join it, not create one.
     agent_store: bool = False
     #: CUDA_VISIBLE_DEVICES as the launcher left it (None: not set, every GPU is visible).
@@ -127,7 +128,7 @@ def read_torchrun(env: Env) -> Optional[World]:
         source="torchrun" if env.get("TORCHELASTIC_RUN_ID") else "env",
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
-        job_id=env.get("TORCHELASTIC_RUN_ID", ""),
+        launch_id=env.get("TORCHELASTIC_RUN_ID", ""),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         **_common(env),
     )
@@ -258,7 +259,7 @@ def read_slurm(env: Env) -> Optional[World]:
         master_port=_int(env, "MASTER_PORT") if port_raw else slurm_port(job_id),
         source="slurm",
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0, hint),
-        job_id=job_id,
+        launch_id=job_id,
         nodes=nodes,
         **_common(env),
     )

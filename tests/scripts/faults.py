@@ -35,6 +35,7 @@ parser.add_argument("--ballast", type=int, default=0)
 parser.add_argument("--hang-timeout", type=float, default=60.0)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--stop-check-every", type=int, default=1)  # these runs are short: agree every step
 args = parser.parse_args()
 
 run = mg.init(seed=0, timeout_s=60)
@@ -83,7 +84,7 @@ model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Dropout(0.3), nn.Linea
 data = Data()
 trainer = FaultTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs, batch_size=8,
                        checkpoint_every_steps=1, keep_last=3, out_dir=str(out), progress=False,
-                       accumulate=args.accumulate,
+                       accumulate=args.accumulate, stop_check_every=args.stop_check_every,
                        hang_timeout_s=args.hang_timeout)
 data.trainer = trainer
 trainer.fit(data)

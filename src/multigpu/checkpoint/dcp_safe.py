@@ -44,10 +44,26 @@ ALLOWED_GLOBALS = frozenset({
 })
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+def _instance_types() -> tuple[type, ...]:
+    """The only objects whose attributes a pickle may set (its BUILD opcode): DCP's metadata records."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return tuple(getattr(metadata, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                      "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                      "StorageMeta")) + (filesystem._StorageInfo,)
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its opcodes can be overridden
+    """Admits only the globals of :data:`ALLOWED_GLOBALS` (and torch dtypes), and lets BUILD set
+    attributes only on DCP's metadata records - otherwise BUILD on an admitted class (``PosixPath``)
+    would rewrite that class for the rest of the process."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, file: Any, source: Path) -> None:
         super().__init__(file)
         self.source = source
+        self.instance_types = _instance_types()
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED_GLOBALS:
@@ -57,6 +73,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{self.source} refers to {module}.{name}, which is not checkpoint metadata: the file "
                               "would run code when loaded, and was refused.",
                               "do not use checkpoints from sources you do not trust; delete this one.")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self.source} uses pickle persistent ids, which DCP metadata never does.",
+                              "do not use checkpoints from sources you do not trust; delete this one.")
+
+    def load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) >= 2 else None
+        if isinstance(target, type) or type(target) not in self.instance_types:
+            raise CheckpointError(f"{self.source} sets attributes of {type(target).__name__ if not isinstance(target, type) else target.__name__}"
+                                  ", which DCP metadata never does: refused.",
+                                  "do not use checkpoints from sources you do not trust; delete this one.")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def read_metadata_file(path: Path) -> Metadata:
@@ -77,6 +107,16 @@ def read_metadata_file(path: Path) -> Metadata:
 def check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> None:
     """Shards named by the metadata are files of the manifest (``files``: name -> size), and no tensor
     claims more bytes than the shards hold (a forged size would allocate without bound)."""
+    try:
+        _check_metadata(metadata, folder, files)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a record of the wrong shape (a field None, a wrong type)
+        raise CheckpointError(f"{folder}/{METADATA} is malformed ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:100]}).", "delete the checkpoint.") from None
+
+
+def _check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> None:
     storage = getattr(metadata, "storage_data", None) or {}
     if not isinstance(storage, dict):
         raise CheckpointError(f"{folder}/{METADATA}: storage_data is not a mapping.", "delete the checkpoint.")
@@ -89,6 +129,10 @@ def check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> N
         if (not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0
                 or offset + length > files[name]):
             raise CheckpointError(f"{folder}/{METADATA}: a shard range lies outside {name}.", "delete the checkpoint.")
+        if getattr(info, "transform_descriptors", None):  # compression: could expand without bound
+            raise CheckpointError(f"{folder}/{METADATA}: shards stored with transforms "
+                                  f"({info.transform_descriptors!r}), which multigpu never writes.",
+                                  "consolidate it with the tool that wrote it, or delete it.")
     shard_bytes = sum(size for name, size in files.items() if name.endswith(".distcp"))
     claimed = 0
     for entry in metadata.state_dict_metadata.values():

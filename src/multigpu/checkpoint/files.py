@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from multigpu.errors import CheckpointError
+from multigpu.fileio import read_regular
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -44,7 +45,7 @@ class CheckpointInfo:
     meta: dict
 
 
-class _HashingWriter:
+class _CrcWriter:
     """A file wrapper that checksums and counts what ``torch.save`` writes, so nothing is read back."""
 
     def __init__(self, handle: Any) -> None:
@@ -157,7 +158,7 @@ def save_state(directory: PathLike, step: int, state: dict, meta: Optional[dict]
 
     def fill(tmp: Path) -> dict[str, tuple[int, str]]:
         with open(tmp / STATE_FILE, "wb") as handle:
-            writer = _HashingWriter(handle)
+            writer = _CrcWriter(handle)
             torch.save(state, writer)
             handle.flush()
         return {STATE_FILE: (writer.size, writer.digest())}
@@ -176,8 +177,7 @@ def read_manifest(path: Path) -> dict:
     """The manifest of checkpoint folder ``path``, its structure checked (a CheckpointError otherwise)."""
     file = Path(path) / MANIFEST
     try:
-        with open(file, "rb") as handle:
-            raw = handle.read(MAX_MANIFEST_BYTES + 1)
+        raw = read_regular(file, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no {MANIFEST}: it was not written completely.",
                               "delete the folder; an earlier checkpoint is used instead.") from None
@@ -222,6 +222,11 @@ def check_manifest(manifest: Any, where: Path) -> None:
 def safe_member_name(name: Any, where: Path) -> str:
     """A file name inside a checkpoint folder: relative, no ``..``, no control characters."""
     pure = PurePosixPath(name) if isinstance(name, str) else None
+    if pure is not None:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            pure = None
     if (pure is None or not name or len(name) > 1024 or pure.is_absolute() or "\\" in name
             or any(part in ("", ".", "..") for part in name.split("/")) or re.search(r"[\x00-\x1f\x7f]", name)):
         raise CheckpointError(f"{where} names the file {str(name)[:80]!r}, which is not inside the checkpoint folder.",
@@ -234,6 +239,8 @@ def verify(path: PathLike, checksums: bool = True) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint folder at {path}.", "`multigpu checkpoint list DIR` shows the checkpoints in DIR.")
+    if path.is_symlink():
+        raise CheckpointError(f"checkpoint {path} is a symbolic link.", "a checkpoint is a folder of its own; copy it.")
     manifest = read_manifest(path)
     for name, expected in manifest["files"].items():
         file = path / name
@@ -262,7 +269,7 @@ def list_checkpoints(directory: PathLike) -> list[CheckpointInfo]:
     found = []
     for entry in root.iterdir():
         match = _NAME.match(entry.name)
-        if match and entry.is_dir():
+        if match and entry.is_dir() and not entry.is_symlink():  # a linked step would be read from elsewhere
             found.append(CheckpointInfo(entry, int(match.group(1)), {}))
     return sorted(found, key=lambda info: info.step, reverse=True)
 

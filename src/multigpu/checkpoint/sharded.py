@@ -117,6 +117,8 @@ def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
     if not isinstance(step, int):
         raise CheckpointError(f"the manifest of {path} has no step number.", "the checkpoint is corrupt.")
     target = Path(out_directory) if out_directory else path.parent / "consolidated"
+    if target.is_symlink():
+        raise CheckpointError(f"{target} is a symbolic link.", "give --out a real folder.")
     source, out = path.resolve(), target.resolve()
     if out == source or source in out.parents:
         raise CheckpointError(f"--out {target} is inside the checkpoint being consolidated.",
@@ -136,7 +138,7 @@ def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
     if not model_state:
         raise CheckpointError(f"{path} holds no model state.", "it was not written by multigpu.")
     extra = load_state(path / EXTRA_FILE)
-    state = {"model": model_state, **{k: v for k, v in extra.items() if k != "rng"}}
+    state = {"model": model_state, **{k: v for k, v in extra.items() if k not in ("rng", "ranks")}}
 
     def fill(tmp: Path) -> dict:
         torch.save(state, tmp / STATE_FILE)

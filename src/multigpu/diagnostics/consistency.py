@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from multigpu.distributed import group_active
 from multigpu.errors import DesyncError
 
 
@@ -41,6 +42,13 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def plain(config: Any) -> Any:
+    """A recipe config as plain data: dataclasses become dicts (anything else is hashed as it is)."""
+    import dataclasses
+
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
+
+
 def environment_fingerprint() -> dict[str, str]:
     from multigpu import __version__
 
@@ -62,7 +70,7 @@ def compare(fingerprints: list[Mapping[str, Any]]) -> list[str]:
 
 def check_same_on_all_ranks(fingerprint: Mapping[str, Any], group: Optional[Any] = None) -> None:
     """All-gather ``fingerprint``; raise :class:`DesyncError` on every rank if any rank differs."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not group_active():
         return
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, dict(fingerprint), group=group)

@@ -22,6 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from multigpu.fileio import atomic_write_text
+
 #: Exit status of a worker stopped by the hang watchdog (the ``timeout`` command's convention).
 EXIT_HANG = 124
 
@@ -69,7 +71,6 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._main = threading.main_thread()
         self._thread: Optional[threading.Thread] = None
-        self.fired = False
 
     def beat(self, step: int = 0) -> None:
         """Record progress (called once per training step; costs two attribute stores)."""
@@ -107,7 +108,6 @@ class HangWatchdog:
         while not self._stop.wait(interval):
             idle = time.monotonic() - self._last
             if idle >= self.timeout_s and not self._paused:
-                self.fired = True
                 self._report(idle)
                 self._exit(EXIT_HANG)
                 return
@@ -118,21 +118,20 @@ class HangWatchdog:
         frame = sys._current_frames().get(self._main.ident)
         summary = where(traceback.extract_stack(frame)) if frame is not None else "main thread gone"
         line = f"rank {self.rank}: no progress for {idle:.0f} s after step {self._step}, {summary}"
-        path = self.folder / f"rank{self.rank}.txt"
-        with open(path, "w") as handle:
+        path = self.folder / f".rank{self.rank}.{os.getpid()}.tmp"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "w") as handle:
             handle.write(line + "\n\n")
             handle.flush()
             faulthandler.dump_traceback(file=handle, all_threads=True)
         os.replace(path, self.folder / f"rank{self.rank}.stack")  # complete: others may read it now
-        (self.folder / f"rank{self.rank}.summary").write_text(line + "\n")
+        atomic_write_text(self.folder / f"rank{self.rank}.summary", line + "\n")
         report = self.folder / "report.txt"
         if self.rank == 0:
             summaries = self._collect()
             text = (f"multigpu: hang detected - no training step finished for {self.timeout_s:g} s.\n"
                     + "\n".join(summaries) + f"\nfull stacks: {self.folder}/rank<N>.stack\n")
-            tmp = report.with_suffix(".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, report)
+            atomic_write_text(report, text)
             sys.stderr.write(text)
         else:
             deadline = time.monotonic() + self.grace_s * 2

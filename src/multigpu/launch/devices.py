@@ -2,7 +2,7 @@
 
 Pure functions over the list of visible GPUs, so every rule (and every error) is unit-tested without a
 GPU. ``--gpus`` indexes the GPUs this shell can see (what ``nvidia-smi`` lists when
-CUDA_VISIBLE_DEVICES is unset), like ASDF's ``gpu_ids`` in the seed documents.
+CUDA_VISIBLE_DEVICES is unset), like ``computing.gpu_ids`` in ASDF's multi-GPU guide.
 """
 
 from __future__ import annotations

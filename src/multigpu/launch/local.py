@@ -9,6 +9,7 @@ worker wrapper that exits cleanly.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -24,6 +25,7 @@ from typing import Any, Optional, Sequence
 from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.launch.devices import DevicePlan
+from multigpu.fileio import as_shown, tail_lines
 from multigpu.launch.ports import require_free_port
 from multigpu.launch.worker import AGENT_PID_VAR, LOG_DIR_VAR, PREFIX_VAR
 from multigpu.world import DEVICES_PER_PROC_VAR
@@ -63,6 +65,8 @@ class LaunchRequest:
     extra_env: dict = field(default_factory=dict)
     #: "[rankN]: " before each stderr line: "always", "never", or "auto" (not on a terminal, else if N > 1).
     tee_prefix: str = "auto"
+    #: ``--debug``: torch's and NCCL's diagnostics on, the flight recorder dumping into the log folder.
+    debug: bool = False
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -86,7 +90,7 @@ def plan_rendezvous(
     rdzv_id: Optional[str] = None,
     timeout_s: int = DEFAULT_RDZV_TIMEOUT_S,
 ) -> Rendezvous:
-    """Static rendezvous for ``--master-addr/--master-port`` (the seeds' recipe), c10d otherwise."""
+    """Static rendezvous for ``--master-addr/--master-port`` (SpeechBrain's multi-GPU guide's recipe), c10d otherwise."""
     min_nodes, max_nodes = parse_nnodes(nnodes)
     for flag, text in (("--master-addr", master_addr), ("--rdzv-id", rdzv_id)):
         if text is not None:
@@ -160,6 +164,26 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
     return env
 
 
+def debug_env(log_dir: str) -> dict[str, str]:
+    """What ``multigpu run --debug`` sets, for the hang or mismatch that needs more than our one line.
+
+    DETAIL makes torch check that every rank calls the same collective with the same shapes (and log
+    each one); NCCL_DEBUG=INFO shows the transport NCCL picked (the usual cause of a slow or stuck
+    multi-node job); the flight recorder keeps the last collectives of each rank and, on a timeout,
+    dumps them to ``<log dir>/nccl_trace_rank_<R>`` for ``torch.distributed.flight_recorder``
+    (``python -m torch.distributed.flight_recorder.fr_trace <log dir>``). Values the user already set win.
+    """
+    wanted = {
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "NCCL_DEBUG": "INFO",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(log_dir) / "nccl_trace_rank_"),
+        "TORCH_SHOW_CPP_STACKTRACES": "1",
+    }
+    return {k: os.environ.get(k, v) for k, v in wanted.items()}
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -174,12 +198,20 @@ def launch(request: LaunchRequest) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if not request.verbose:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures ourselves
-    keep_logs = request.log_dir is not None
-    log_dir = str(prepare_log_dir(request.log_dir)) if keep_logs else tempfile.mkdtemp(prefix="multigpu-logs-")
+    if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    keep_logs = request.log_dir is not None or request.debug
+    log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
+               else tempfile.mkdtemp(prefix="multigpu-logs-"))
     env = worker_env(request)
     env[LOG_DIR_VAR] = log_dir
+    if request.debug:
+        debug = debug_env(log_dir)
+        env.update(debug)
+        print("multigpu: debug: " + " ".join(f"{k}={v}" for k, v in debug.items())
+              + f"; every rank's log is kept in {log_dir}", file=sys.stderr, flush=True)
     if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not sys.stderr.isatty()
                                            and request.devices.nproc * request.rendezvous.max_nodes > 1):
         env[PREFIX_VAR] = "1"
@@ -215,6 +247,8 @@ def launch(request: LaunchRequest) -> int:
         failed = True
         return report_failure(failure.failures, log_dir)
     except SignalException as stopped:
+        for line in recorded_errors(log_dir):  # e.g. a script that caught Ctrl-C and then hit a refused collective
+            print(line, file=sys.stderr, flush=True)
         _say(f"stopped by {signal.Signals(stopped.sigval).name}; every worker was terminated.")
         return 128 + int(stopped.sigval)
     except KeyboardInterrupt:
@@ -280,6 +314,20 @@ def one_line_error(failure: Any) -> str:
     return ""
 
 
+def recorded_errors(log_dir: str) -> list[str]:
+    """The distinct ``multigpu: error:`` lines workers recorded in torch's error files, with their ranks."""
+    lines: dict[str, list[str]] = {}
+    for path in sorted(Path(log_dir).glob("*/attempt_*/*/error.json")):
+        try:
+            message = json.loads(path.read_text()).get("message")
+        except (OSError, ValueError):
+            continue
+        line = (message.get("extraInfo") or {}).get("multigpu_error") if isinstance(message, dict) else None
+        if line:
+            lines.setdefault(line, []).append(path.parent.name)
+    return [f"{line} (local rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})" for line, ranks in lines.items()]
+
+
 def report_failure(failures: dict, log_dir: str) -> int:
     """Print the failure once: a MultiGPUError every failed rank shares as one line ("on all N ranks"),
     otherwise the root-cause rank with the tail of its stderr. Ranks the launcher stopped itself
@@ -290,8 +338,14 @@ def report_failure(failures: dict, log_dir: str) -> int:
     how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
     if lines.get(rank):
         same = [r for r, line in lines.items() if line == lines[rank]]
-        where = f" (on all {len(same)} ranks)" if len(same) == len(own) and len(same) > 1 else (
-            f" (on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, sorted(same)))})" if len(failures) > 1 else "")
+        stopped = len(failures) - len(own)
+        if len(same) == len(failures) and len(same) > 1:
+            where = f" (on all {len(same)} ranks)"
+        elif len(failures) > 1:
+            where = (f" (on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, sorted(same)))}"
+                     + (f"; {stopped} other rank(s) stopped by the launcher" if stopped else "") + ")")
+        else:
+            where = ""
         print(f"{lines[rank]}{where}", file=sys.stderr, flush=True)
         others = len(own) - len(same)
         if others:
@@ -318,18 +372,9 @@ def _stderr_log(log_dir: str, rank: int) -> Optional[Path]:
 
 
 def _tail(path: Path, lines: int) -> list[str]:
-    """The last lines, as a terminal would have shown them: a progress bar's redraws (\r) keep only
-    their last state, ANSI colours are dropped."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - 64 * 1024))
-            text = handle.read().decode(errors="replace")
-    except OSError:
-        return []
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
-    shown = [line.rsplit("\r", 1)[-1] if "\r" in line.rstrip("\r") else line.rstrip("\r") for line in text.split("\n")]
-    return [line for line in shown if line.strip()][-lines:]
+    """The last lines as a terminal would have shown them (see :func:`multigpu.fileio.as_shown`)."""
+    raw, _ = tail_lines(path, lines * 20, 64 * 1024)
+    return [shown for shown in map(as_shown, raw) if shown.strip()][-lines:]
 
 
 def _say(message: str) -> None:

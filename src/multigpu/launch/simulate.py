@@ -44,7 +44,7 @@ def node_commands(nodes: int, run_args: Sequence[str], visible_gpus: int, gpus_f
 
 def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus: Optional[str],
              nproc: Optional[int], gpus_per_proc: int, cpu: bool, max_restarts: int, stop_timeout: int,
-             rdzv_timeout: int, verbose: bool, clashing: dict) -> int:
+             rdzv_timeout: int, verbose: bool, clashing: dict, debug: bool = False) -> int:
     """``multigpu run --simulate-nodes N``: refuse the real multi-node flags, then run N local agents."""
     given = [flag for flag, value in clashing.items() if value]
     if given:
@@ -61,6 +61,7 @@ def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus
             flags += [name, str(value)]
     flags += ["--cpu"] if cpu else []
     flags += ["--verbose"] if verbose else []
+    flags += ["--debug"] if debug else []
     return run_nodes(node_commands(nodes, [*flags, *command], 0 if cpu else len(visible), gpus))
 
 

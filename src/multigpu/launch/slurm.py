@@ -1,6 +1,6 @@
 """``multigpu slurm``: write a readable sbatch script into the run folder, submit it, follow the job.
 
-The script is the seed documents' two-script recipe in one: one task per node, each running
+The script is the sbatch + srun recipe of SpeechBrain's multi-GPU guide in one: one task per node, each running
 ``multigpu run`` with a c10d rendezvous on the first node. The master address comes from the node
 list through ``scontrol show node`` (its NodeAddr, which resolves even where node names do not), the
 port from the job id, and ``--signal=USR1@90`` warns the job 90 s before its time is up, so the
@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from multigpu import validate
 from multigpu.errors import LaunchError
+from multigpu.fileio import atomic_write_text, ensure_real_folder, tail_lines
 from multigpu.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
 SCRIPT_NAME = "job.sbatch"
@@ -101,7 +102,7 @@ def render(job: SlurmJob) -> str:
         raise LaunchError(f"the run folder {str(job.run_dir)[:80]!r} contains whitespace, % or control characters, "
                           "which #SBATCH lines cannot hold.", "choose a --run-dir of plain characters.")
     for name, value in job.env:
-        validate.env_name(name, LaunchError, allow_code_loading=True)
+        validate.env_name(name, LaunchError)
         validate.plain_text(value, f"environment variable {name}", LaunchError)
     for part in (*job.command, str(job.workdir), job.python):
         validate.plain_text(part, "an argument of the job", LaunchError)
@@ -125,6 +126,8 @@ def render(job: SlurmJob) -> str:
         launcher.append("--cpu")
     if o.max_restarts:
         launcher += ["--max-restarts", str(o.max_restarts)]
+    if job.command and job.command[0] != "-m":
+        launcher.append("--")  # the script and its arguments are never read as launcher flags
     # $-variables of the launcher line are ours (double-quoted, expanded by bash); the user's
     # arguments are single-quoted: they arrive exactly as typed and run nothing.
     rendered = " ".join(f'"{part}"' if part.startswith("$") else q(part) for part in launcher)
@@ -133,16 +136,18 @@ def render(job: SlurmJob) -> str:
         "",
         "set -euo pipefail",
         f"cd {q(str(job.workdir))}",
-        *[f"export {name}={q(value)}" for name, value in job.env],
         "",
         "# The first node hosts the rendezvous. Its NodeAddr resolves even where node names do not.",
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'MASTER_ADDR=$(scontrol show node "$first_node" 2>/dev/null | grep -o "NodeAddr=[^ ]*" | cut -d= -f2 || true)',
         'MASTER_ADDR=${MASTER_ADDR:-$first_node}',
-        f"MASTER_PORT=$(( {SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN} ))",
+        f'MASTER_PORT=$(( {SLURM_PORT_BASE} + ${{SLURM_JOB_ID%%[!0-9]*}} % {SLURM_PORT_SPAN} ))',  # digits only
         "export MASTER_ADDR MASTER_PORT",
         'echo "multigpu: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
         'rendezvous $MASTER_ADDR:$MASTER_PORT"',
+        "",
+        *(["# The run's own environment (after the lines above, so nothing of it steers them)."]
+          + [f"export {name}={q(value)}" for name, value in job.env] if job.env else []),
         "",
         "# One task per node; each starts this node's workers. USR1 (time nearly up) reaches every task:",
         "# the workers checkpoint and rank 0 requeues the job, which then resumes from that checkpoint.",
@@ -167,8 +172,9 @@ def render(job: SlurmJob) -> str:
 
 
 def write(job: SlurmJob) -> Path:
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    job.script_path.write_text(render(job))
+    text = render(job)
+    ensure_real_folder(job.run_dir, "run folder")
+    atomic_write_text(job.script_path, text)
     job.script_path.chmod(0o755)
     return job.script_path
 
@@ -255,13 +261,8 @@ def log_tail(job_id: str, lines: int = 50) -> tuple[Path, list[str], int]:
     path = log_path(job_id)
     if not path.is_file():
         raise LaunchError(f"job {job_id} has no log yet at {path}.", "it may still be pending: `multigpu slurm status`.")
-    with open(path, "rb") as handle:
-        handle.seek(0, 2)
-        size = handle.tell()
-        handle.seek(max(0, size - (1 << 20)))
-        text = handle.read().decode(errors="replace")
-    all_lines = text.splitlines()
-    return path, all_lines[-lines:], len(all_lines)
+    tail, total = tail_lines(path, lines)
+    return path, tail, total
 
 
 def cancel(job_id: str) -> None:

@@ -7,7 +7,8 @@ the launcher's stderr is a terminal (so libraries still see a terminal and draw 
 pipe otherwise, and this small process copies the raw bytes on - carriage returns and ANSI colours
 intact, a prefix only if asked for - and appends them to the rank's file. It is a separate process so
 that the last bytes of a worker that crashed or was killed are still copied; it ignores Ctrl-C and
-ends when the last writer closes its end.
+ends when the last writer closes its end, or a second after its worker is gone (a child the script
+started may keep the stream open: it is not waited for).
 
 Standard library only: ``python -m multigpu.launch.tee FD FILE [PREFIX]``.
 """
@@ -15,14 +16,27 @@ Standard library only: ``python -m multigpu.launch.tee FD FILE [PREFIX]``.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
+import time
 
 
-def copy(source: int, sink: int, log_path: str, prefix: bytes = b"") -> None:
+def copy(source: int, sink: int, log_path: str, prefix: bytes = b"", parent: int = 0,
+         drain_s: float = 1.0) -> None:
+    """Copy until the last writer closes. ``parent``: the worker's pid - once it is gone (a child it
+    started may still hold the stream open), copy what arrives for ``drain_s`` more and stop."""
     at_line_start = True
+    deadline = None
     with open(log_path, "ab", buffering=0) as log:
         while True:
+            ready, _, _ = select.select([source], [], [], 0.5)
+            if not ready:
+                if deadline is None and parent and os.getppid() != parent:
+                    deadline = time.monotonic() + drain_s
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                continue
             try:
                 data = os.read(source, 65536)
             except OSError:  # EIO: a pseudo-terminal whose last writer closed
@@ -52,7 +66,7 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, signal.SIG_IGN)  # stop when the worker's end closes, never before it
     source, log_path = int(argv[0]), argv[1]
     prefix = argv[2].encode() if len(argv) > 2 else b""
-    copy(source, sys.stdout.fileno(), log_path, prefix)
+    copy(source, sys.stdout.fileno(), log_path, prefix, parent=os.getppid())
 
 
 if __name__ == "__main__":

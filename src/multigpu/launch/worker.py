@@ -28,6 +28,8 @@ import sys
 import time
 import traceback
 
+from multigpu.launch.process import die_with_parent
+
 #: Set by ``multigpu run``: the launcher's pid, the per-rank log folder, and the rank prefix to add.
 AGENT_PID_VAR = "MULTIGPU_AGENT_PID"
 LOG_DIR_VAR = "MULTIGPU_LOG_DIR"
@@ -43,14 +45,7 @@ def stderr_log_path(log_dir: str, rank: int, attempt: int) -> str:
 def _die_with_launcher() -> None:
     """Ask Linux to SIGKILL this worker when the agent that started it dies."""
     expected = os.environ.get(AGENT_PID_VAR)
-    if not expected or not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+    if not expected or not die_with_parent(signal.SIGKILL):
         return
     if str(os.getppid()) != expected:  # the launcher died before prctl took effect
         os._exit(1)
@@ -211,7 +206,9 @@ def _drain_tee() -> None:
         os.dup2(devnull, 2)
         os.close(devnull)
         _TEE.wait(timeout=2)
-    except (OSError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:  # a child of the script still holds stderr: do not wait for it
+        _TEE.kill()
+    except OSError:
         pass
 
 

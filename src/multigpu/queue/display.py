@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import time
 from typing import Optional
 
@@ -17,13 +18,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from multigpu.queue.scheduler import Queue, RunState, log_tail
+from multigpu.queue.scheduler import Queue, EntryState, log_tail
 
 STYLE = {"queued": "dim", "running": "bold cyan", "done": "green", "skipped": "green", "failed": "bold red",
          "interrupted": "yellow"}
 
 
-def last_metrics(run: RunState) -> dict[str, str]:
+def last_metrics(run: EntryState) -> dict[str, str]:
     """The final metrics of a run: its final.json if the recipe wrote one, else the last metrics.csv row.
 
     These files are written by the recipe (or by whoever wrote the folder): anything unreadable or of
@@ -46,7 +47,7 @@ def last_metrics(run: RunState) -> dict[str, str]:
     return {k: str(v)[:40] for k, v in (last or {}).items() if isinstance(k, str) and v is not None}
 
 
-def headline(run: RunState) -> str:
+def headline(run: EntryState) -> str:
     """One metric for the status table: the run's chosen one, else the first validation metric."""
     values = last_metrics(run)
     if not values:
@@ -63,7 +64,7 @@ def headline(run: RunState) -> str:
     return f"{key} {value}"
 
 
-def _elapsed(run: RunState) -> str:
+def _elapsed(run: EntryState) -> str:
     seconds = run.elapsed
     if seconds is None:
         return ""
@@ -139,12 +140,40 @@ class Display:
                                    f"{escape(str(run.folder / 'log.txt'))}:[/]")
                 for line in log_tail(run.folder):
                     self.console.print(f"    {line}", highlight=False, markup=False)
+        best = best_line(queue)
+        if best:
+            self.console.print(best, highlight=False, markup=False)
         span, work = queue.makespan()
         if span:
             ideal = work / len(queue.slots)
             self.console.print(f"makespan {span:.1f} s for {work:.1f} s of runs on {len(queue.slots)} "
                                f"{'GPU(s)' if queue.on_gpus else 'slot(s)'} (ideal {ideal:.1f} s, "
                                f"{ideal / span:.0%} of it)", highlight=False)
+
+
+def best_line(queue: Queue) -> str:
+    """'best run: NAME (valid_loss 0.31 of 4 runs); curves: multigpu plot OUT' - or '' without metrics.
+
+    The metric is the runs' own ``metric:`` (when they agree), else valid_loss, else the first valid_*
+    column; lower is better for names with loss/error/perplexity in them, higher otherwise."""
+    finals = {run.spec.name: last_metrics(run) for run in queue.runs if run.state == "done"}
+    chosen = {run.spec.metric for run in queue.runs if run.spec.metric}
+    columns = [k for values in finals.values() for k in values]
+    key = (chosen.pop() if len(chosen) == 1 else None) or ("valid_loss" if "valid_loss" in columns else
+                                                           next((k for k in columns if k.startswith("valid_")), None))
+    scored = []
+    for name, values in finals.items():
+        try:
+            scored.append((float(values[key]), name))
+        except (KeyError, TypeError, ValueError):
+            continue
+    scored = [(v, n) for v, n in scored if v == v]  # drop NaN
+    if not key or not scored:
+        return ""
+    lower = any(word in key for word in ("loss", "error", "perplexity", "wer", "cer"))
+    value, name = (min if lower else max)(scored)
+    return (f"best run: {name} ({key} {value:.4g}, {'lowest' if lower else 'highest'} of {len(scored)}); "
+            f"curves of every run: multigpu plot {shlex.quote(str(queue.root))}")
 
 
 def _short(value: str) -> str:

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from multigpu.fileio import ensure_real_folder
+
 
 class RunLock:
     def __init__(self, root: Path, name: str) -> None:
@@ -26,8 +28,8 @@ class RunLock:
         """Take the lock without waiting; False if another process holds it."""
         if self._fd is not None:
             return True
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        ensure_real_folder(self.path.parent, "lock folder")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

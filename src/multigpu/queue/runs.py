@@ -29,7 +29,7 @@ from multigpu.errors import ConfigError
 
 
 @dataclass
-class RunSpec:
+class QueueEntry:
     name: str
     script: Optional[str] = None
     module: Optional[str] = None
@@ -55,6 +55,9 @@ class RunSpec:
                            ("metric", self.metric), *(("args", a) for a in self.args)):
             if text is not None:
                 validate.plain_text(text, f"{where}{what}", ConfigError)
+        if self.script is not None and (not self.script or self.script.startswith("-")):
+            raise ConfigError(f"{where}script {self.script[:60]!r} starts with '-': it would be read as a launcher "
+                              "flag.", "write the path of the script, e.g. ./-odd-name.py.")
         if self.module is not None and not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
             raise ConfigError(f"{where}module {self.module!r} is not a module name.", "write e.g. module: mypkg.train")
         validate.count(self.gpus, f"{where}gpus", ConfigError)
@@ -77,10 +80,10 @@ class RunSpec:
         return out
 
     def command(self, folder: Path, on_gpus: bool, python: str = sys.executable) -> list[str]:
-        target = ["-m", self.module] if self.module else [self.script]
+        target = ["-m", self.module] if self.module else ["--", self.script]  # never read as launcher flags
         cpu = [] if on_gpus else ["--cpu"]
-        return [python, "-m", "multigpu", "run", "--nproc", str(self.processes(on_gpus)), *cpu, *target,
-                *self.recipe_args(folder)]
+        return [python, "-m", "multigpu", "run", "--nproc", str(self.processes(on_gpus)), *cpu,
+                "--log-dir", str(folder / "logs"), *target, *self.recipe_args(folder)]
 
     def resolved(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -98,8 +101,11 @@ def format_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def load_runs(path: str | Path, only: Optional[Sequence[str]] = None) -> list[RunSpec]:
-    """Every run of the file, inheritance resolved, in file order (``only``: just these, in that order)."""
+def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = ()) -> list[QueueEntry]:
+    """Every run of the file, inheritance resolved, in file order (``only``: just these, in that order).
+
+    ``allow_env``: variables the person starting the queue allows beyond the library knobs
+    (:data:`multigpu.validate.ENV_ALLOWED_PREFIXES`)."""
     data, lines = config.load_yaml(path)
     if not data:
         raise ConfigError(f"{path} defines no runs.", "add `name:` entries with script:, args:, overrides:.")
@@ -120,7 +126,10 @@ def load_runs(path: str | Path, only: Optional[Sequence[str]] = None) -> list[Ru
         if "name" in settings:
             raise ConfigError(f"{config.where(str(path), lines, (raw_keys[name], 'name'))}: run {name!r} sets name:, "
                               "which is the run's key.", "remove name: (rename the entry instead).")
-        specs.append(config.from_mapping(RunSpec, {**settings, "name": name}, f"{path} (run {name!r})", run_lines))
+        specs.append(config.from_mapping(QueueEntry, {**settings, "name": name}, f"{path} (run {name!r})", run_lines))
+    for spec in specs:
+        for name in spec.env:
+            validate.env_allowed(name, allow_env, ConfigError, f"run {spec.name!r}: ")
     if only is not None:
         if not only:
             raise ConfigError("--only names no run.", "give comma-separated run names, or leave --only out for every run.")

@@ -9,12 +9,10 @@ SIGTERM - the Trainer checkpoints and stops - and are marked interrupted.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,8 +23,10 @@ import yaml
 
 from multigpu.errors import ConfigError
 from multigpu.launch.local import usable_cores
+from multigpu.launch.process import die_with_parent
+from multigpu.fileio import as_shown, atomic_write_text, ensure_real_folder, open_append, tail_lines
 from multigpu.queue.lock import RunLock
-from multigpu.queue.runs import RunSpec
+from multigpu.queue.runs import QueueEntry
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"
@@ -37,8 +37,8 @@ STOP_GRACE_S = 150.0
 
 
 @dataclass
-class RunState:
-    spec: RunSpec
+class EntryState:
+    spec: QueueEntry
     folder: Path
     state: str = "queued"  # queued, running, done, failed, interrupted, skipped
     slots: list[str] = field(default_factory=list)
@@ -63,9 +63,7 @@ class RunState:
     def save_status(self) -> None:
         status = {"state": self.state, "exit_code": self.exit_code, "started": self.started, "ended": self.ended,
                   "slots": self.slots, "fingerprint": self.spec.fingerprint()}
-        tmp = self.folder / (STATUS_FILE + ".tmp")
-        tmp.write_text(json.dumps(status, indent=1))
-        os.replace(tmp, self.folder / STATUS_FILE)
+        atomic_write_text(self.folder / STATUS_FILE, json.dumps(status, indent=1))
 
 
 
@@ -73,15 +71,11 @@ def _die_with_queue() -> None:
     """In the child before exec: its own session (Ctrl-C reaches only the queue, which stops runs
     gracefully), and SIGTERM - a graceful stop - if the queue itself dies."""
     os.setsid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    die_with_parent(signal.SIGTERM)
 
 
 class Queue:
-    def __init__(self, specs: Sequence[RunSpec], root: Path, slots: Sequence[str], on_gpus: bool,
+    def __init__(self, specs: Sequence[QueueEntry], root: Path, slots: Sequence[str], on_gpus: bool,
                  max_parallel: Optional[int] = None, display: Optional[Callable[["Queue", str], None]] = None,
                  poll_s: float = 0.1) -> None:
         self.root = Path(root)
@@ -90,7 +84,7 @@ class Queue:
         self.max_parallel = max_parallel or len(self.slots)
         self.display = display or (lambda queue, event: None)
         self.poll_s = poll_s
-        self.runs = [RunState(spec, self.root / spec.name) for spec in specs]
+        self.runs = [EntryState(spec, self.root / spec.name) for spec in specs]
         self._stop = threading.Event()
         self._stop_signal: Optional[int] = None
         for run in self.runs:
@@ -102,7 +96,7 @@ class Queue:
                 )
 
     # ------------------------------------------------------------------ main loop
-    def run(self) -> int:
+    def execute(self) -> int:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._skip_finished()
@@ -167,7 +161,16 @@ class Queue:
             self._start(run, free[: run.spec.gpus])
             running += 1
 
-    def _start(self, run: RunState, slots: list[str]) -> None:
+    def _start(self, run: EntryState, slots: list[str]) -> None:
+        try:
+            self._start_process(run, slots)
+        except OSError as exc:  # its folder cannot be used (a symbolic link, no space): this run fails alone
+            run.lock.release()
+            run.state, run.exit_code, run.note = "failed", None, f"cannot start: {exc.strerror or exc}: {exc.filename or ''}"
+            run.started = run.ended = time.time()
+            self.display(self, f"failed {run.spec.name}")
+
+    def _start_process(self, run: EntryState, slots: list[str]) -> None:
         if not run.lock.acquire():
             run.state, run.note = "skipped", f"running in another queue (pid {run.lock.holder()})"
             self.display(self, f"skipped {run.spec.name}")
@@ -180,8 +183,7 @@ class Queue:
             return
         if decision.action == "fresh":
             run.note = move_aside(run.folder)
-        run.folder.mkdir(parents=True, exist_ok=True)
-        (run.folder / CONFIG_FILE).write_text(yaml.safe_dump(run.spec.resolved(), sort_keys=False))
+        write_run_config(run.folder, run.spec)
         env = {**os.environ, **{k: str(v) for k, v in run.spec.env.items()}, "MULTIGPU_RUN_NAME": run.spec.name}
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
         if not self.on_gpus and "OMP_NUM_THREADS" not in os.environ:
@@ -189,7 +191,7 @@ class Queue:
             share = max(1, usable_cores() // len(self.slots)) * len(slots)
             env["OMP_NUM_THREADS"] = str(max(1, share // run.spec.processes(False)))
         command = run.spec.command(run.folder, self.on_gpus)
-        run.log = open(run.folder / LOG_FILE, "a")
+        run.log = open_append(run.folder / LOG_FILE)
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         run.log.flush()
         try:
@@ -213,7 +215,7 @@ class Queue:
                 continue
             self._finish(run, code)
 
-    def _finish(self, run: RunState, code: int, interrupted: bool = False) -> None:
+    def _finish(self, run: EntryState, code: int, interrupted: bool = False) -> None:
         run.exit_code, run.ended = code, time.time()
         run.state = "done" if code == 0 else ("interrupted" if interrupted or code in (75, 143, 130) else "failed")
         if run.log is not None:
@@ -281,6 +283,12 @@ def decide(folder: Path, fingerprint: str, active_job: Optional[Callable[[str], 
     return Decision("resume", f"{status.get('state', 'stopped')} earlier: resuming", status)
 
 
+def write_run_config(folder: Path, spec: QueueEntry) -> None:
+    """The run's folder (never a symbolic link: it would be written through) with its resolved settings."""
+    ensure_real_folder(folder, "run folder")
+    atomic_write_text(folder / CONFIG_FILE, yaml.safe_dump(spec.resolved(), sort_keys=False))
+
+
 def read_status(folder: Path) -> dict:
     try:
         status = json.loads((folder / STATUS_FILE).read_text())
@@ -301,8 +309,5 @@ def move_aside(folder: Path) -> str:
 
 
 def log_tail(folder: Path, lines: int = 15) -> list[str]:
-    try:
-        text = (folder / LOG_FILE).read_text(errors="replace")
-    except OSError:
-        return []
-    return [line for line in text.splitlines() if line.strip()][-lines:]
+    raw, _ = tail_lines(folder / LOG_FILE, lines * 20, 256 * 1024)
+    return [shown for shown in map(as_shown, raw) if shown.strip()][-lines:]

@@ -11,20 +11,18 @@ its end state into ``status.json``, so the next ``queue --slurm`` knows what fin
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-import yaml
-
 from multigpu.launch import slurm
 from multigpu.queue.lock import RunLock
-from multigpu.queue.runs import RunSpec
-from multigpu.queue.scheduler import CONFIG_FILE, STATUS_FILE, decide, move_aside
+from multigpu.queue.runs import QueueEntry
+from multigpu.fileio import atomic_write_text
+from multigpu.queue.scheduler import STATUS_FILE, decide, move_aside, write_run_config
 
 
-def submit_runs(specs: Sequence[RunSpec], out: Path, options: slurm.SlurmOptions, dry_run: bool = False) -> int:
+def submit_runs(specs: Sequence[QueueEntry], out: Path, options: slurm.SlurmOptions, dry_run: bool = False) -> int:
     out = Path(out).resolve()
     options.validate()
     for spec in specs:
@@ -40,15 +38,14 @@ def submit_runs(specs: Sequence[RunSpec], out: Path, options: slurm.SlurmOptions
     return 0
 
 
-def _submit_one(spec: RunSpec, folder: Path, options: slurm.SlurmOptions, dry_run: bool) -> None:
+def _submit_one(spec: QueueEntry, folder: Path, options: slurm.SlurmOptions, dry_run: bool) -> None:
     fingerprint = spec.fingerprint()
     decision = decide(folder, fingerprint, active_job=None if dry_run else slurm.is_active)
     if decision.action == "skip":
         print(f"{spec.name}: skipped - {decision.note}")
         return
     note = move_aside(folder) if decision.action == "fresh" else decision.note
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_FILE).write_text(yaml.safe_dump(spec.resolved(), sort_keys=False))
+    write_run_config(folder, spec)
     gpus = spec.gpus if options.gpus_per_node is None else options.gpus_per_node
     run_options = replace(options, job_name=spec.name, gpus_per_node=gpus,
                           nproc_per_node=options.nproc_per_node or spec.processes(gpus > 0))
@@ -60,7 +57,6 @@ def _submit_one(spec: RunSpec, folder: Path, options: slurm.SlurmOptions, dry_ru
         print(f"{spec.name}: {slurm.write(job)}")
         return
     job_id = slurm.submit(job)
-    tmp = folder / (STATUS_FILE + ".tmp")
-    tmp.write_text(json.dumps({"state": "submitted", "job_id": job_id, "fingerprint": fingerprint}, indent=1))
-    os.replace(tmp, folder / STATUS_FILE)
+    atomic_write_text(folder / STATUS_FILE, json.dumps({"state": "submitted", "job_id": job_id,
+                                                        "fingerprint": fingerprint}, indent=1))
     print(f"{spec.name}: submitted job {job_id} (log {folder / f'slurm-{job_id}.out'})" + (f" - {note}" if note else ""))

@@ -1,79 +1,99 @@
-"""How a model and optimizer are wrapped: single, dp, ddp, fsdp, pipeline, ddp+pipeline.
-``make_strategy`` turns a name from the config into one (the model-parallel ones load only when
-asked for); no strategy imports ``launch``: who starts the processes is not their business.
+"""How a model and optimizer are wrapped: a table of strategies, looked up by name.
+
+Each strategy module exports ``STRATEGIES``: entries with a name, an options dataclass and a
+``build(context, options)`` (:class:`~multigpu.strategies.base.StrategySpec`). This module only knows
+where each name lives (the model-parallel modules load when asked for) and the rules that hold for
+every entry: unknown names and options are errors with the nearest name, and strategies that keep no
+replicas in sync are refused in a multi-process job. No strategy imports ``launch``: who starts the
+processes is not their business. Learned from Lightning Fabric's strategy registry.
+
+``auto`` is a rule, not a strategy: **ddp when the job has several processes, single otherwise.**
+
+To add a strategy: write a module with a class following :class:`Strategy` and a ``STRATEGIES``
+tuple, and add its names to :data:`MODULES` below.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Sequence
+import importlib
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from multigpu.config import check_keys
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import Strategy, clean_state_dict, unwrap_module
+from multigpu.parallel import Parallelism
+from multigpu.strategies.base import BuildContext, Strategy, StrategySpec, clean_state_dict, unwrap_module
 from multigpu.strategies.ddp import DDP, DDPOptions
 from multigpu.strategies.dp import DataParallelStrategy, split_sizes
 from multigpu.strategies.single import SingleDevice
 from multigpu.world import World
 
-NAMES = ("auto", "single", "dp", "ddp", "fsdp", "pipeline", "ddp+pipeline")
+#: Where each strategy is defined (imported on first use).
+MODULES = {
+    "single": "multigpu.strategies.single",
+    "dp": "multigpu.strategies.dp",
+    "ddp": "multigpu.strategies.ddp",
+    "fsdp": "multigpu.strategies.fsdp",
+    "hsdp": "multigpu.strategies.fsdp",
+    "fsdp+tp": "multigpu.strategies.fsdp",
+    "pipeline": "multigpu.strategies.pipeline",
+    "ddp+pipeline": "multigpu.strategies.pipeline",
+}
+NAMES = ("auto", *MODULES)
 
 
-def _options(cls: type, strategy: str, options: dict[str, Any]) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ConfigError(
-            f"strategy {strategy!r} has no option {unknown[0]!r}.",
-            f"its options are: {', '.join(sorted(known)) or 'none'}.",
-        )
-    return cls(**options)
-
-
-def make_strategy(name: str, world: World, devices: Sequence[torch.device], **options: Any) -> Strategy:
-    """The strategy called ``name`` for this process. ``auto``: ddp with several processes, else single."""
+def resolve_name(name: Optional[str], world: World) -> str:
+    """The documented ``auto`` rule, and names in lower case."""
     name = (name or "auto").lower()
     if name == "auto":
-        name = "ddp" if world.is_distributed else "single"
-    device = devices[0]
-    if world.is_distributed and name in ("single", "dp", "pipeline"):
-        instead = {"single": "ddp (or auto)", "dp": "ddp", "pipeline": "ddp+pipeline"}[name]
+        return "ddp" if world.is_distributed else "single"
+    return name
+
+
+def spec(name: str) -> StrategySpec:
+    """The table entry called ``name``."""
+    module = MODULES.get(name)
+    if module is None:
+        from difflib import get_close_matches
+
+        close = get_close_matches(name, NAMES, n=1)
+        raise ConfigError(f"unknown strategy {name!r}.", (f"did you mean {close[0]!r}? " if close else "")
+                          + f"choose one of: {', '.join(NAMES)}.")
+    return next(s for s in importlib.import_module(module).STRATEGIES if s.name == name)
+
+
+def parse_options(entry: StrategySpec, options: dict[str, Any]) -> Any:
+    check_keys(entry.options, options, owner=f"strategy {entry.name!r}", noun="option")
+    return entry.options(**options)
+
+
+def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.device], *,
+                  parallelism: Optional[Parallelism] = None, mesh: Optional[Callable[[], Any]] = None,
+                  **options: Any) -> Strategy:
+    """The strategy called ``name`` for this process (``auto``: ddp with several processes, else single)."""
+    entry = spec(resolve_name(name, world))
+    if world.is_distributed and not entry.in_sync:
         raise ConfigError(
-            f"strategy {name!r} keeps no replicas in sync, but this job has {world.world_size} processes: each "
+            f"strategy {entry.name!r} keeps no replicas in sync, but this job has {world.world_size} processes: each "
             "would train its own model on its own shard.",
-            f"use strategy {instead}, or launch a single process.",
+            f"use strategy {entry.instead}, or launch a single process.",
         )
-    if name == "single":
-        _options(_NoOptions, name, options)
-        return SingleDevice(device)
-    if name == "ddp":
-        if not world.is_distributed:
-            # DDP of one process is single-device training with extra copies; say so instead of failing.
-            _options(DDPOptions, name, options)
-            return SingleDevice(device)
-        return DDP(device, _options(DDPOptions, name, options))
-    if name == "dp":
-        _options(_NoOptions, name, options)
-        ids = [d.index for d in devices if d.type == "cuda"]
-        if len(ids) == 1:
-            ids = list(range(torch.cuda.device_count()))  # a plain process: DataParallel over every GPU
-        return DataParallelStrategy(ids)
-    if name == "fsdp":
-        from multigpu.strategies.fsdp import FSDP, FSDPOptions
-
-        return FSDP(device, _options(FSDPOptions, name, options), distributed=world.is_distributed)
-    if name in ("pipeline", "ddp+pipeline"):
-        from multigpu.strategies.pipeline import Pipeline, PipelineOptions
-
-        return Pipeline(devices, _options(PipelineOptions, name, options), data_parallel=world.is_distributed)
-    raise ConfigError(f"unknown strategy {name!r}.", f"choose one of: {', '.join(NAMES)}.")
+    context = BuildContext(world=world, devices=list(devices),
+                           parallelism=parallelism or Parallelism.plain(world.world_size),
+                           mesh=mesh or _no_mesh)
+    return entry.build(context, parse_options(entry, options))
 
 
-@dataclasses.dataclass(frozen=True)
-class _NoOptions:
-    pass
+def _no_mesh() -> Any:
+    raise ConfigError("this strategy needs a device mesh, which only mg.init()'s Run provides.",
+                      "call run.setup(model, optimizer) instead of building the strategy by hand.")
 
 
-__all__ = ["DDP", "DDPOptions", "DataParallelStrategy", "SingleDevice", "Strategy", "clean_state_dict",
-           "make_strategy", "split_sizes", "unwrap_module", "NAMES"]
+def describe() -> list[tuple[str, str]]:
+    """(name, one line) for every strategy, for ``--help`` texts and docs."""
+    return [(name, spec(name).summary) for name in MODULES]
+
+
+__all__ = ["DDP", "DDPOptions", "DataParallelStrategy", "NAMES", "SingleDevice", "Strategy", "StrategySpec",
+           "clean_state_dict", "make_strategy", "resolve_name", "spec", "split_sizes", "unwrap_module"]

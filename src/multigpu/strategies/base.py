@@ -8,13 +8,52 @@ Sharded strategies need model and optimizer set up together, so ``setup`` takes 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Union, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 from torch import nn
 
+from multigpu.parallel import Parallelism
+from multigpu.world import World
+
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 OptimizerLike = Union[torch.optim.Optimizer, OptimizerFactory, None]
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a strategy may know about the job when it is built: never the launcher, never the environment."""
+
+    world: World
+    devices: Sequence[torch.device]
+    parallelism: Parallelism
+    #: The job's DeviceMesh (dp_replicate, dp_shard, tp), built on first call - a collective, so only
+    #: strategies that need a mesh call it, and every rank builds the same strategy.
+    mesh: Callable[[], Any]
+
+    @property
+    def device(self) -> torch.device:
+        return self.devices[0]
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One entry of the strategy table: a name, its options and how to build it.
+
+    ``in_sync``: the replicas stay equal across processes (False for single/dp/pipeline: refused when
+    the job has several processes). ``sharded``: each rank holds part of the state (checkpoints are
+    DCP shards written by every rank, whatever the world size).
+    """
+
+    name: str
+    options: type
+    build: Callable[[BuildContext, Any], "Strategy"]
+    in_sync: bool = True
+    sharded: bool = False
+    #: What to use instead when the strategy is refused for several processes.
+    instead: str = ""
+    summary: str = ""
+
 
 @runtime_checkable
 class Strategy(Protocol):
@@ -35,6 +74,11 @@ class Strategy(Protocol):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the *whole* model's gradient (across shards/stages), return that norm."""
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """For strategies that take no options."""
 
 
 class PlainGradients:

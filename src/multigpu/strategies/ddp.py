@@ -1,6 +1,6 @@
 """``ddp``: DistributedDataParallel, one replica per process, gradients averaged in buckets.
 
-Batch size is per process (the seed documents' rule): the global batch is batch x processes.
+Batch size is per process (the PyTorch DDP tutorial's rule): the global batch is batch x processes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer
+from multigpu.errors import ConfigError
+from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
+from multigpu.strategies.single import SingleDevice
 
 
 @dataclass(frozen=True)
@@ -47,3 +49,17 @@ class DDP(PlainGradients):
 
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()
+
+
+def _build(context: BuildContext, options: DDPOptions) -> "DDP | SingleDevice":
+    if not context.world.is_distributed:
+        return SingleDevice(context.device)  # DDP of one process is single-device training with extra copies
+    if not context.parallelism.is_plain:
+        raise ConfigError(f"ddp keeps a whole replica on every rank, but the degrees are "
+                          f"{context.parallelism.describe()}.",
+                          "use strategy fsdp+tp for tensor parallelism, hsdp for dp_replicate, or set tp and "
+                          "dp_replicate back to 1.")
+    return DDP(context.device, options)
+
+
+STRATEGIES = (StrategySpec("ddp", DDPOptions, _build, summary="DistributedDataParallel: a replica per process"),)

@@ -1,5 +1,5 @@
-"""``dp``: torch.nn.DataParallel over the GPUs of one process. Deprecated upstream; kept for the seed
-documents' recipes. The batch from the loader is split across the GPUs (``batch / n_gpus`` each), the
+"""``dp``: torch.nn.DataParallel over the GPUs of one process. Deprecated upstream; kept for recipes
+written for it (SpeechBrain's multi-GPU guide still shows it). The batch from the loader is split across the GPUs (``batch / n_gpus`` each), the
 opposite of ddp, where the batch is per process.
 """
 
@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer
+from multigpu.strategies.base import BuildContext, NoOptions, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
 
 DEPRECATION = (
     "multigpu: strategy 'dp' (torch.nn.DataParallel) is deprecated and slower than 'ddp'; "
@@ -51,3 +51,14 @@ class DataParallelStrategy(PlainGradients):
         model = model.to(self.device)
         wrapped = nn.DataParallel(model, device_ids=self.device_ids) if len(self.device_ids) > 1 else model
         return wrapped, build_optimizer(optimizer, model)
+
+
+def _build(context: BuildContext, options: NoOptions) -> DataParallelStrategy:
+    ids = [d.index for d in context.devices if d.type == "cuda"]
+    if len(ids) == 1:
+        ids = list(range(torch.cuda.device_count()))  # a plain process: DataParallel over every GPU
+    return DataParallelStrategy(ids)
+
+
+STRATEGIES = (StrategySpec("dp", NoOptions, _build, in_sync=False, instead="ddp",
+                           summary="torch.nn.DataParallel over the GPUs of one process (deprecated)"),)

@@ -1,5 +1,7 @@
-"""``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer state
-sharded across ranks, gathered block by block for compute.
+"""``fsdp``, ``hsdp`` and ``fsdp+tp``: FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters,
+gradients and optimizer state sharded across ranks, gathered block by block for compute - over one
+mesh dimension (fsdp), over (dp_replicate, dp_shard) as HSDP, or after tensor parallelism over ``tp``
+(2D, see :mod:`multigpu.strategies.tensor_parallel`).
 
 Why FSDP2 and not FSDP1: per-parameter sharding with DTensor, no flat-parameter wrapper, state dicts
 that ``torch.distributed.checkpoint`` reshards to any world size, and the same ``nn.Module`` object
@@ -12,13 +14,20 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer, rebuild_optimizer
+from multigpu.strategies.base import (
+    BuildContext,
+    OptimizerLike,
+    PlainGradients,
+    StrategySpec,
+    build_optimizer,
+    rebuild_optimizer,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -91,17 +100,34 @@ def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
 
 
 class FSDP(PlainGradients):
-    name = "fsdp"
+    """FSDP2 over the data-parallel part of the mesh: ``fsdp`` (one dimension), ``hsdp`` (shards within
+    groups of ``dp_shard`` ranks, replicas across ``dp_replicate`` groups) and ``fsdp+tp`` (tensor
+    parallelism over the ``tp`` dimension first, then FSDP over the data-parallel one: 2D)."""
+
     sharded = True
 
-    def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions(), distributed: bool = True) -> None:
+    def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions(), distributed: bool = True,
+                 mesh: Optional[Callable[[], Any]] = None, tp_plan: Optional[dict] = None, name: str = "fsdp") -> None:
+        self.name = name
         self.device = device
         self.options = options
         #: False in a world of one: nothing to shard over, the model trains plainly - but checkpoints
         #: stay DCP shards, so a run can move between one process and many in both directions.
         self.distributed = distributed
+        #: Gives the job's DeviceMesh (dp_replicate, dp_shard, tp) when the model is set up (building it
+        #: is a collective); None: the default group, one dimension.
+        self._mesh_provider = mesh
+        self.mesh: Any = None
+        self.tp_plan = tp_plan
         self._param_dtype = _dtype(options.param_dtype, "param_dtype")
         self._reduce_dtype = _dtype(options.reduce_dtype, "reduce_dtype")
+
+    def _data_mesh(self) -> Any:
+        if self.mesh is None:
+            return None
+        if self.mesh["dp_replicate"].size() > 1:
+            return self.mesh["dp_replicate", "dp_shard"]  # 2D: FSDP2 shards on the last, replicates on the first
+        return self.mesh["dp_shard"]
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -110,13 +136,23 @@ class FSDP(PlainGradients):
             model = model.to(self.device)
             return model, build_optimizer(optimizer, model)
         names = {id(p): n for n, p in model.named_parameters()}
+        if self._mesh_provider is not None:
+            self.mesh = self._mesh_provider()
         if not self.options.cpu_offload:
             model = model.to(self.device)
+            _same_weights_as_rank0(model)
+        if self.mesh is not None and self.mesh["tp"].size() > 1:
+            from multigpu.strategies.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
         kwargs: dict[str, Any] = {
             "reshard_after_forward": self.options.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype),
             "offload_policy": CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy(),
         }
+        data_mesh = self._data_mesh()
+        if data_mesh is not None:
+            kwargs["mesh"] = data_mesh
         for block in find_blocks(model, self.options.wrap):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
@@ -129,10 +165,52 @@ class FSDP(PlainGradients):
         return _no_gradient_sync(model) if self.distributed else contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # Gradients are DTensor shards: clip_grad_norm_ computes the norm over every shard of every
-        # rank (a reduction inside DTensor), so all ranks clip by the same global norm.
-        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        # Gradients are DTensor shards, possibly on two meshes (tensor-parallel layers on (dp, tp), the
+        # others on dp): the norm is taken per mesh over every shard of every rank, then combined, so
+        # all ranks clip by the same global norm.
+        return clip_grad_norm_across_meshes([p for p in model.parameters() if p.grad is not None], max_norm)
+
+
+def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``clip_grad_norm_`` for parameters that may be DTensors on different meshes (plain clip refuses to
+    stack norms from different meshes). Returns the total norm as a plain tensor."""
+    from collections import defaultdict
+
+    groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
+    for p in parameters:
+        groups[getattr(p.grad, "device_mesh", None)].append(p)
+    norms = []
+    for params in groups.values():
+        norm = nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    for params in groups.values():
+        nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def _same_weights_as_rank0(model: nn.Module) -> None:
+    """Start every rank from rank 0's weights, as DDP does: ``fully_shard`` keeps each rank's own slice of
+    its own copy, so a model built differently on one rank (another seed) would train a mixture."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    tensors = [t.data for t in [*model.parameters(), *model.buffers()] if t.numel()]
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    for tensor in tensors:  # one broadcast per ~64 MB of one dtype, not one per tensor
+        groups = buckets.setdefault((tensor.dtype, tensor.device), [[]])
+        if sum(t.numel() * t.element_size() for t in groups[-1]) > 64 << 20:
+            groups.append([])
+        groups[-1].append(tensor)
+    with torch.no_grad():
+        for groups in buckets.values():
+            for group in groups:
+                flat = _flatten_dense_tensors(group)
+                dist.broadcast(flat, src=0)
+                for tensor, value in zip(group, _unflatten_dense_tensors(flat, group)):
+                    tensor.copy_(value)
 
 
 @contextlib.contextmanager
@@ -143,3 +221,38 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+@dataclass(frozen=True)
+class FSDPTPOptions(FSDPOptions):
+    #: Which Linear layers are split, by glob over module names: {"*.q": "colwise", "*.proj": "rowwise"}.
+    #: Default: the model's own ``tp_plan`` attribute (the convention of Hugging Face transformers).
+    tp_plan: Optional[dict] = None
+
+
+def _build(name: str) -> Any:
+    def build(context: BuildContext, options: FSDPOptions) -> FSDP:
+        par = context.parallelism
+        if name == "hsdp" and par.dp_replicate < 2 and context.world.is_distributed:
+            raise ConfigError(f"hsdp needs dp_replicate of 2 or more; it is {par.dp_replicate}.",
+                              f"set dp_replicate (e.g. the number of nodes, {context.world.num_nodes}): shards within "
+                              "each group, replicas across groups.")
+        if par.tp > 1 and name != "fsdp+tp":
+            raise ConfigError(f"tp={par.tp} needs strategy fsdp+tp (strategy {name} does not split layers).",
+                              "set strategy: fsdp+tp, or tp: 1.")
+        if not context.world.is_distributed:
+            return FSDP(context.device, options, distributed=False, name=name)
+        tp_plan = getattr(options, "tp_plan", None)
+        return FSDP(context.device, options, distributed=True, mesh=context.mesh, tp_plan=tp_plan, name=name)
+
+    return build
+
+
+STRATEGIES = (
+    StrategySpec("fsdp", FSDPOptions, _build("fsdp"), sharded=True,
+                 summary="FSDP2: parameters, gradients and optimizer state sharded over every rank"),
+    StrategySpec("hsdp", FSDPOptions, _build("hsdp"), sharded=True,
+                 summary="FSDP2 sharded within groups of dp_shard ranks, replicated across dp_replicate groups"),
+    StrategySpec("fsdp+tp", FSDPTPOptions, _build("fsdp+tp"), sharded=True,
+                 summary="2D: tensor parallel over tp (within a node), FSDP2 over the data-parallel ranks"),
+)

@@ -1,12 +1,12 @@
 """``pipeline`` and ``ddp+pipeline``: a model split across the devices of one process, micro-batched
 so the devices work at the same time (GPipe's forward schedule), optionally replicated with DDP.
 
-Why in one process: this is the seed documents' model parallelism (the blog post's two-GPU split): the
+Why in one process: this is the model parallelism of the blog post "Use Multiple GPUs" (its two-GPU split): the
 model does not fit on one GPU, so its layers are spread over K GPUs that one process drives. CUDA
 runs asynchronously, so issuing stage s of micro-batch m right after stage s-1 of micro-batch m+1 keeps
 every device busy; autograd runs the backward of each device on its own thread. On the CPU all stages
 sit on the CPU: the same code path, without the overlap. ``ddp+pipeline`` wraps the split model in DDP
-across processes (``multigpu run --gpus-per-proc K``): the seeds' "DDP combined with model parallel".
+across processes (``multigpu run --gpus-per-proc K``): that post's "DDP combined with model parallel".
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer
+from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class PipelineOptions:
     stages: Optional[int] = None
     #: Indexes of the children where a new stage starts, e.g. [4, 8]; default: balanced by parameters.
     split_points: Optional[Sequence[int]] = None
-    #: Micro-batches per batch (1: no overlap, the plain split of the seed documents).
+    #: Micro-batches per batch (1: no overlap, the plain split of that blog post).
     micro_batches: int = 4
     #: Bring the output back to the first device, where the labels are (False: leave it on the last).
     output_to_first_device: bool = True
@@ -141,11 +141,12 @@ def split_model(model: Any, stages: int, split_points: Optional[Sequence[int]] =
 
 
 class Pipeline(PlainGradients):
-    name = "pipeline"
     sharded = False
 
     def __init__(self, devices: Sequence[torch.device], options: PipelineOptions = PipelineOptions(),
                  data_parallel: bool = False) -> None:
+        #: One name per table entry: "ddp+pipeline" replicates the split model across processes.
+        self.name = "ddp+pipeline" if data_parallel else "pipeline"
         gpus = [d for d in devices if d.type == "cuda"]
         stages = options.stages or (len(gpus) if gpus else 2)
         if gpus and stages > len(gpus):
@@ -158,8 +159,6 @@ class Pipeline(PlainGradients):
         self.options = options
         self.stages = stages
         self.data_parallel = data_parallel
-        if data_parallel:
-            self.name = "ddp+pipeline"
 
     @property
     def device(self) -> torch.device:
@@ -186,3 +185,23 @@ class Pipeline(PlainGradients):
     # which is the norm of the whole model.
 
 
+
+
+def _pipeline_only(context: BuildContext, options: PipelineOptions) -> Pipeline:
+    return Pipeline(context.devices, options, data_parallel=False)
+
+
+def _replicated(context: BuildContext, options: PipelineOptions) -> Pipeline:
+    if not context.parallelism.is_plain:
+        raise ConfigError("ddp+pipeline replicates the split model on every process; tp and dp_replicate do not apply.",
+                          "set tp and dp_replicate back to 1.")
+    # One process: nothing to replicate - the pipeline alone.
+    return Pipeline(context.devices, options, data_parallel=context.world.is_distributed)
+
+
+STRATEGIES = (
+    StrategySpec("pipeline", PipelineOptions, _pipeline_only, in_sync=False, instead="ddp+pipeline",
+                 summary="the model's layers split over the GPUs of one process, micro-batched"),
+    StrategySpec("ddp+pipeline", PipelineOptions, _replicated,
+                 summary="pipeline inside each process, DDP across processes (--gpus-per-proc K)"),
+)

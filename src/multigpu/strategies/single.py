@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from multigpu.strategies.base import OptimizerLike, PlainGradients, build_optimizer
+from multigpu.strategies.base import NoOptions, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
 
 
 class SingleDevice(PlainGradients):
@@ -20,3 +20,7 @@ class SingleDevice(PlainGradients):
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         model = model.to(self.device)  # in place: an optimizer built before this still holds the parameters
         return model, build_optimizer(optimizer, model)
+
+
+STRATEGIES = (StrategySpec("single", NoOptions, lambda context, options: SingleDevice(context.device), in_sync=False,
+                           instead="ddp (or auto)", summary="one device, no wrapper"),)

@@ -1,0 +1,67 @@
+"""A hand-written loop (the Fabric/Accelerate style) with the same safety as the Trainer.
+
+    multigpu run --nproc 2 own_loop.py OUT [--sleep S] [--hang-at STEP] [--steps N] [--desync]
+
+Each step: run.step_done(step) (watchdog heartbeat), run.should_stop() (the preemption agreement);
+before training: run.check_consistency(model, config). Checkpoints every step; resumes by itself.
+Writes OUT/final.pt (rank 0) and OUT/stopped-rank<r>.txt with the step each rank stopped at.
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--hang-at", type=int)
+parser.add_argument("--steps", type=int, default=24)
+parser.add_argument("--desync", action="store_true")
+parser.add_argument("--check-every", type=int)
+args, _unknown = parser.parse_known_args()  # a test may append a token to find leftover processes
+out = Path(args.out)
+
+run = mg.init(seed=0, timeout_s=60)
+run.configure_guards(hang_timeout_s=4.0, report_dir=str(out / "hang"), stop_check_every=args.check_every)
+g = torch.Generator().manual_seed(2)
+data = TensorDataset(torch.randn(192, 8, generator=g), torch.randint(0, 4, (192,), generator=g))
+width = 32 if (args.desync and run.rank == 1) else 16
+model = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, 4))
+run.check_consistency(model, config={"lr": 0.05, "steps": args.steps})
+model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+loader = run.loader(data, batch_size=8, quiet=True)
+state = run.load_checkpoint(out / "checkpoints", model, optimizer) or {"step": 0, "epoch": 0}
+step, epoch = state["step"], state["epoch"]
+loader.resume_at(epoch, step % len(loader))
+while step < args.steps:
+    for inputs, labels in loader:
+        if args.hang_at is not None and step == args.hang_at and run.rank == 1:
+            time.sleep(3600)  # a rank stuck (a dead filesystem, a deadlock): the watchdog must report it
+        loss = F.cross_entropy(model(inputs), labels)
+        optimizer.zero_grad()
+        run.backward(loss)
+        optimizer.step()
+        step += 1
+        time.sleep(args.sleep)
+        run.step_done(step)
+        path = None
+        if step % 1 == 0:
+            path = run.save_checkpoint(out / "checkpoints", step, {"model": model, "optimizer": optimizer,
+                                                                    "step": step, "epoch": loader.epoch}, keep_last=3)
+        if run.should_stop():
+            (out / f"stopped-rank{run.rank}.txt").write_text(str(step))
+            run.exit_preempted(path, step)
+        if step >= args.steps:
+            break
+    epoch = loader.epoch
+weights = run.state_dict(model)
+if run.is_main:
+    torch.save(weights, out / "final.pt")
+    print(f"done step {step}", flush=True)

@@ -1,0 +1,96 @@
+"""A tiny GPT trained by the Trainer with any strategy and degrees; saves the full final weights.
+
+    multigpu run --nproc 4 parallel2d.py OUT --strategy fsdp+tp --tp 2 --steps 6 --batch 2
+    multigpu run --nproc 1 parallel2d.py OUT --strategy single --steps 6 --batch 4
+
+The global batch is batch x data-parallel ranks (world / tp): keep it equal across runs to compare.
+--kill-at S   rank 1 SIGKILLs itself while computing step S+1 (first attempt only; use --max-restarts)
+"""
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--strategy", default="auto")
+parser.add_argument("--tp", type=int, default=1)
+parser.add_argument("--dp-replicate", type=int, default=1)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--batch", type=int, required=True)
+parser.add_argument("--kill-at", type=int)
+parser.add_argument("--clip", type=float)
+args = parser.parse_args()
+
+VOCAB, WIDTH, HEADS, T, LAYERS = 32, 16, 4, 8, 2
+run = mg.init(seed=1, timeout_s=60)
+out = Path(args.out)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.q, self.k, self.v = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        head_dim = WIDTH // HEADS
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        heads = q.shape[-1] // head_dim
+        q, k, v = (z.view(b, t, heads, head_dim).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, heads * head_dim))
+        return x + self.mlp(self.ln2(x))
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, WIDTH)
+
+    def forward(self, idx):
+        return self.tokens(idx)
+
+
+def make_model():
+    model = nn.Sequential(Embed(), *(Block() for _ in range(LAYERS)), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB))
+    model.tp_plan = {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.proj": "rowwise",
+                     "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+    return model
+
+
+class LM(mg.Trainer):
+    def compute_loss(self, batch):
+        step = self.state.global_step
+        if (args.kill_at is not None and step == args.kill_at and run.rank == 1 and run.world.restart_count == 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        inputs, targets = batch
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+g = torch.Generator().manual_seed(7)
+data = torch.randint(0, VOCAB, (64, T + 1), generator=g)
+dataset = TensorDataset(data[:, :-1], data[:, 1:])
+trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
+             max_steps=args.steps, strategy=args.strategy, tp=args.tp, dp_replicate=args.dp_replicate,
+             out_dir=str(out), checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
+             clip_grad_norm=args.clip, log_every_n_steps=0, plot=False)
+trainer.fit(dataset)
+weights = run.state_dict(trainer.state_model)
+if run.is_main:
+    torch.save(weights, out / "final.pt")
+    print(f"done strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
+          f"step={trainer.state.global_step}", flush=True)

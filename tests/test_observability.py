@@ -1,0 +1,248 @@
+"""Seeing what training does: loggers read back (CSV, TensorBoard, MLflow, W&B offline), resumed curves
+without duplicates, hooks in order, the best checkpoint and early stopping (2 processes against 1),
+plots, the progress line in a log file, `run --debug` and `env`."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import multigpu as mg
+from conftest import SCRIPTS, multigpu
+from multigpu.loggers import read_csv
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Fit(mg.Trainer):
+    def compute_loss(self, batch):
+        inputs, labels = batch
+        return F.cross_entropy(self.model(inputs), labels)
+
+
+def _data(n: int = 32, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _train(out: Path, epochs: int, **settings) -> Fit:
+    with mg.init(env={}) as run:
+        torch.manual_seed(0)
+        trainer = Fit(run, nn.Linear(4, 3), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=epochs,
+                      out_dir=str(out), progress=False, **settings)
+        trainer.fit(_data(), _data(12, 1))
+        return trainer
+
+
+# ------------------------------------------------------------------ loggers
+
+
+def test_csv_rows_append_and_a_resume_continues_without_duplicates(tmp_path):
+    _train(tmp_path, 2, log_every_n_steps=3)
+    steps = read_csv(tmp_path / "steps.csv")
+    assert [int(r["step"]) for r in steps] == [3, 6, 9, 12, 15]
+    assert {"loss", "lr", "samples_per_s", "epoch"} <= set(steps[0])
+    # rows written after the last checkpoint, then a crash: the resume drops them, the curve continues
+    with open(tmp_path / "steps.csv", "a") as handle:
+        handle.write("18,1.9,9.9,0.1,1\n21,1.8,9.9,0.1,1\n99,torn li")
+    _train(tmp_path, 4, log_every_n_steps=3)
+    steps = [int(r["step"]) for r in read_csv(tmp_path / "steps.csv")]
+    assert steps == sorted(set(steps)) and steps[-1] == 30 and 99 not in steps
+    epochs = read_csv(tmp_path / "metrics.csv")
+    assert [float(r["epoch"]) for r in epochs] == [1.0, 2.0, 3.0, 4.0]
+    assert {"valid_loss", "train_loss"} <= set(epochs[0])
+
+
+def test_tensorboard_events_read_back_and_resumed_steps_are_not_doubled(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _train(tmp_path, 2, log_every_n_steps=2, loggers=["tensorboard"])
+    _train(tmp_path, 3, log_every_n_steps=2, loggers=["tensorboard"])
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = [e.step for e in events.Scalars("step/loss")]
+    assert losses == sorted(set(losses)) and losses[-1] == 24
+    assert [e.step for e in events.Scalars("epoch/valid_loss")] == [8, 16, 24]
+    assert "hparams" in "".join(events.Tags()["tensors"])
+
+
+def test_mlflow_file_store_reads_back(tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    _train(tmp_path, 2, log_every_n_steps=4, loggers=["mlflow"])
+    _train(tmp_path, 3, log_every_n_steps=4, loggers=["mlflow"])  # the same MLflow run continues
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "multigpu"]
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.run_name == tmp_path.name
+    history = client.get_metric_history(found.info.run_id, "step/loss")
+    assert sorted(m.step for m in history) == [4, 8, 12, 16, 20, 24]
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "epoch/valid_loss")] == [8, 16, 24]
+    assert found.data.params["trainer.epochs"] == "2"
+
+
+def _wandb_records(path: Path) -> list[bytes]:
+    """The records of a W&B offline transaction log (``run-*.wandb``), read by hand: wandb >= 0.19 ships
+    no Python reader. The format is LevelDB's log: a 7-byte header (":W&B", magic, version), then
+    32 KiB blocks of records, each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle,
+    4 last); a block's tail shorter than a header is padding."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pending, offset, block = [], b"", 7, 32768
+    while offset + 7 <= len(data):
+        if block - offset % block < 7:
+            offset += block - offset % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
+        if kind == 0 and length == 0:
+            break
+        payload = data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind == 1:
+            records.append(payload)
+        elif kind == 2:
+            pending = payload
+        elif kind == 3:
+            pending += payload
+        elif kind == 4:
+            records.append(pending + payload)
+    return records
+
+
+def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _train(tmp_path, 2, log_every_n_steps=4, loggers=["wandb"])
+    (log,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    logged, config = {}, {}
+    for data in _wandb_records(log):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            logged[int(items["_step"])] = items
+        elif record.WhichOneof("record_type") == "config":
+            config.update({item.key or "/".join(item.nested_key): item.value_json for item in record.config.update})
+    assert {4, 8, 12, 16} <= set(logged) and "step/loss" in logged[4] and "epoch/valid_loss" in logged[16]
+    assert any("epochs" in value for value in config.values()) or any("epochs" in key for key in config)
+
+
+# ------------------------------------------------------------------ hooks, best, early stopping
+
+
+def test_hooks_are_called_in_the_documented_order_with_epochs_from_one(tmp_path):
+    out = tmp_path / "one"
+    multigpu("run", "--nproc", "1", str(SCRIPTS / "observe.py"), str(out), "--batch", "16", "--epochs", "2",
+             "--patience", "50", check=True)
+    calls = json.loads((out / "result.json").read_text())["calls"]
+    assert calls[:2] == ["fit_start", "epoch_start 1"]
+    first_epoch = calls[calls.index("epoch_start 1"):calls.index("epoch_start 2")]
+    assert first_epoch.index("evaluate_start") < first_epoch.index("validation_end") < first_epoch.index("epoch_end 1")
+    assert first_epoch[-1] == "checkpoint checkpoints" and "checkpoint best" in first_epoch
+    assert calls[-1] == "fit_end"
+
+
+def test_best_checkpoint_and_early_stopping_agree_on_two_processes_and_one(tmp_path):
+    results = {}
+    for nproc, batch in ((1, "16"), (2, "8")):
+        out = tmp_path / f"p{nproc}"
+        proc = multigpu("run", "--nproc", str(nproc), str(SCRIPTS / "observe.py"), str(out), "--batch", batch,
+                        timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        assert "early stop: valid_loss did not improve" in proc.stdout
+        results[nproc] = json.loads((out / "result.json").read_text())
+        (best,) = (out / "checkpoints" / "best").glob("step-*")
+        manifest = json.loads((best / "manifest.json").read_text())
+        assert manifest["monitor"] == "valid_loss" and manifest["step"] == results[nproc]["best_step"]
+        listing = multigpu("checkpoint", "verify", str(best), check=True)
+        assert "ok" in listing.stdout
+    one, two = results[1], results[2]
+    assert one["best_step"] == two["best_step"] and one["stopped_at"] == two["stopped_at"] < 80
+    assert abs(one["best"] - two["best"]) < 1e-5
+
+
+def test_a_resumed_run_keeps_the_best_so_far_and_the_patience_count(tmp_path):
+    first = _train(tmp_path, 2, monitor="valid_loss", patience=50)
+    best, step = first.tracker.best, first.tracker.best_step
+    with mg.init(env={}) as run:
+        trainer = Fit(run, nn.Linear(4, 3), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=3,
+                      out_dir=str(tmp_path), progress=False, monitor="valid_loss", patience=50)
+        assert trainer.resume()
+        assert (trainer.tracker.best, trainer.tracker.best_step) == (best, step)
+        assert trainer.tracker.bad_evaluations == first.tracker.bad_evaluations
+
+
+# ------------------------------------------------------------------ plots and progress
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", header[16:24])
+
+
+def test_plot_writes_a_png_for_a_run_and_for_a_queue_folder(tmp_path):
+    pytest.importorskip("matplotlib")
+    for name in ("a", "b"):
+        _train(tmp_path / "queue" / name, 2, log_every_n_steps=2)
+    assert _png_size(tmp_path / "queue" / "a" / "curves.png") == (1100, 400)  # written by fit itself
+    proc = multigpu("plot", str(tmp_path / "queue" / "a"), "--out", str(tmp_path / "one.png"), check=True)
+    assert _png_size(tmp_path / "one.png") == (1100, 400) and "one.png" in proc.stdout
+    proc = multigpu("plot", str(tmp_path / "queue"), "--out", str(tmp_path / "both.png"), check=True)
+    assert _png_size(tmp_path / "both.png") == (1100, 400) and "2 run(s)" in proc.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = multigpu("plot", str(empty))
+    assert refused.returncode == 2 and "holds no metrics.csv" in refused.stderr
+
+
+def test_the_progress_line_prints_in_a_log_file_and_the_start_report(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import time, torch, multigpu as mg\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\n"
+        "class T(mg.Trainer):\n    def compute_loss(self, b):\n        time.sleep(0.05)\n"
+        "        return nn.functional.mse_loss(self.model(b[0]), b[1])\n"
+        f"run = mg.init()\nT(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=2, epochs=2, "
+        f"progress_every_s=0.3, out_dir={str(tmp_path / 'out')!r}, plot=False)"
+        ".fit(TensorDataset(torch.randn(40, 2), torch.randn(40, 1)))\n")
+    proc = multigpu("run", "--nproc", "2", str(script), check=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ") and "ETA" in line]
+    assert len(lines) >= 2, proc.stdout
+    assert "samples/s" in lines[0] and "/10]" not in lines[0]
+    assert "3 parameters (3 trainable); strategy ddp, precision 32; 10 optimizer steps per epoch" in proc.stdout
+
+
+# ------------------------------------------------------------------ run --debug, env
+
+
+def test_run_debug_sets_the_variables_and_says_so(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os, json\nprint(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', "
+                      "'NCCL_DEBUG', 'TORCH_NCCL_TRACE_BUFFER_SIZE', 'TORCH_NCCL_DUMP_ON_TIMEOUT', "
+                      "'TORCH_NCCL_DEBUG_INFO_TEMP_FILE')}))\n")
+    proc = multigpu("run", "--debug", "--log-dir", str(tmp_path / "logs"), str(script), check=True)
+    shown = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert shown["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and shown["NCCL_DEBUG"] == "INFO"
+    assert int(shown["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and shown["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert shown["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path / "logs"))
+    assert "debug: TORCH_DISTRIBUTED_DEBUG=DETAIL" in proc.stderr
+
+
+def test_env_reports_variables_and_the_check_measures_an_all_reduce(tmp_path):
+    proc = multigpu("env", env={"NCCL_SOCKET_IFNAME": "lo", "TORCH_LOGS": "+dynamo"}, check=True)
+    assert "NCCL_SOCKET_IFNAME=lo" in proc.stdout and "TORCH_LOGS=+dynamo" in proc.stdout
+    assert "nccl" in proc.stdout and "collect_env" in proc.stdout
+    check = multigpu("env", "--check", "--nproc", "2", check=True, timeout=120)
+    assert "all-reduce" in check.stdout and "GB/s" in check.stdout and "ok" in check.stdout

@@ -1,0 +1,353 @@
+"""Users' code where it is: their DataLoaders and streams, their own loops with the Trainer's safety,
+their Ctrl-C habits, per-rank state, seeds, changed settings on resume, torch.compile, and launcher
+output that leaves progress bars alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset, WeightedRandomSampler
+
+import multigpu as mg
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_until_gone
+from multigpu.dataloaders import RankShare, StreamLoader, adapt
+from multigpu.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# ------------------------------------------------------------------ DataLoaders (one process)
+
+
+class Items(Dataset):
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return {"x": torch.full((2,), float(i)), "id": i}
+
+
+def _collate(items):
+    return {"x": torch.stack([i["x"] for i in items]), "id": [i["id"] for i in items]}
+
+
+def test_a_dataloader_is_rebuilt_per_rank_with_its_settings():
+    user = DataLoader(Items(), batch_size=3, shuffle=True, collate_fn=_collate, drop_last=True, num_workers=1, timeout=5)
+    mine = adapt(user, dp_rank=1, dp_size=2, batch_size=99, evaluation=False, seed=0)
+    assert mine.batch_size == 3 and mine.loader.collate_fn is _collate and mine.loader.timeout == 5
+    ids = [i for batch in mine for i in batch["id"]]
+    theirs = adapt(user, dp_rank=0, dp_size=2, batch_size=99, evaluation=False, seed=0)
+    other = [i for batch in theirs for i in batch["id"]]
+    assert not set(ids) & set(other) and len(ids) == len(other) == 9  # disjoint halves, drop_last kept
+    evaluation = adapt(user, dp_rank=1, dp_size=2, batch_size=99, evaluation=True)
+    assert [i for b in evaluation for i in b["id"]] == list(range(1, 20, 2))  # every sample once, in order
+
+
+@pytest.mark.parametrize("loader, needle", [
+    (DataLoader(Items(), batch_sampler=[[0, 1], [2, 3]]), "custom batch sampler"),
+    (DataLoader(Items(), batch_size=None), "batch_size=None"),
+    (DataLoader(Items(), batch_size=2, sampler=WeightedRandomSampler([1.0] * 20, 20)), "custom sampler"),
+])
+def test_what_cannot_be_resharded_is_refused_with_a_hint(loader, needle):
+    with pytest.raises(ConfigError, match=needle) as info:
+        adapt(loader, dp_rank=0, dp_size=2, batch_size=2, evaluation=False)
+    assert info.value.hint
+
+
+def test_a_plain_batch_sampler_over_a_sequential_sampler_is_kept():
+    loader = DataLoader(Items(), batch_sampler=BatchSampler(SequentialSampler(Items()), 4, False))
+    mine = adapt(loader, dp_rank=0, dp_size=1, batch_size=1, evaluation=False)
+    assert [len(b["id"]) for b in mine] == [4] * 5
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_is_split_by_rank_and_worker_every_item_once(workers):
+    seen = []
+    for rank in range(2):
+        loader = StreamLoader(Stream(23), 3, rank, 2, evaluation=True, num_workers=workers)
+        seen += [int(i) for batch in loader for i in batch]
+    assert sorted(seen) == list(range(23))
+
+
+def test_a_resumed_stream_skips_what_each_worker_delivered():
+    full = [int(i) for batch in StreamLoader(Stream(40), 2, 0, 1, num_workers=2) for i in batch]
+    resumed = StreamLoader(Stream(40), 2, 0, 1, num_workers=2)
+    resumed.resume_at(0, 5)
+    assert [int(i) for batch in resumed for i in batch] == full[10:]
+    share = RankShare(Stream(10), 1, 2, batch_size=1)
+    assert list(share) == [1, 3, 5, 7, 9]
+
+
+def test_fit_takes_a_dataloader_and_a_stream_in_one_process(tmp_path):
+    class Fit(mg.Trainer):
+        def compute_loss(self, batch):
+            return nn.functional.mse_loss(self.model(batch["x"]), batch["x"][:, :1])
+
+    with mg.init(env={}) as run:
+        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.01), out_dir=str(tmp_path / "a"),
+                      progress=False, plot=False)
+        trainer.fit(DataLoader(Items(), batch_size=5, collate_fn=_collate))
+        assert trainer.state.global_step == 4  # the DataLoader's batch size, not the Trainer's 32
+    with mg.init(env={}) as run:
+        stream = [{"x": torch.ones(2), "id": i} for i in range(7)]
+
+        class Gen(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter(stream)
+
+        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.01), out_dir=str(tmp_path / "b"),
+                      progress=False, batch_size=2, collate_fn=_collate, accumulate=2, plot=False)
+        trainer.fit(Gen(), epochs=2)
+        assert trainer.state.global_step == 4 and trainer.state.epoch == 2  # 4 batches, the last alone steps
+
+
+# ------------------------------------------------------------------ real processes
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_a_users_dataloader_trains_like_the_dataset_and_resumes_bitwise(tmp_path):
+    script = str(SCRIPTS / "loaders.py")
+    multigpu("run", "--nproc", "2", script, str(tmp_path / "ds"), "dataset", check=True)
+    multigpu("run", "--nproc", "2", script, str(tmp_path / "dl"), "dataloader", check=True)
+    proc = multigpu("run", "--nproc", "2", "--max-restarts", "1", script, str(tmp_path / "killed"), "dataloader",
+                    "--kill-at", "7", timeout=180)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stdout + proc.stderr
+    dataset, loader, killed = (torch.load(tmp_path / n / "final.pt", weights_only=True) for n in ("ds", "dl", "killed"))
+    assert all(torch.equal(dataset[k], loader[k]) for k in dataset)  # the same samples in the same order
+    assert all(torch.equal(loader[k], killed[k]) for k in loader)
+
+
+def test_a_stream_on_two_ranks_with_two_workers_stops_together_and_evaluates_every_sample(tmp_path):
+    multigpu("run", "--nproc", "2", str(SCRIPTS / "loaders.py"), str(tmp_path), "stream", check=True, timeout=180)
+    ranks = [_json(tmp_path / f"seen-rank{r}.json") for r in range(2)]
+    trained = ranks[0]["train"] + ranks[1]["train"]
+    assert len(trained) == len(set(trained))  # nothing twice
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 8  # 51 and 50 ids in 8 batches each (2 workers x 4)
+    assert sorted(trained) == list(range(101))
+    evaluated = sorted(ranks[0]["eval"] + ranks[1]["eval"])
+    assert evaluated == list(range(101))  # evaluation: every sample exactly once
+
+
+@pytest.mark.parametrize("mode", ["hf-map", "hf-stream"])
+def test_hugging_face_datasets_map_style_and_streaming(tmp_path, mode):
+    pytest.importorskip("datasets")
+    multigpu("run", "--nproc", "2", str(SCRIPTS / "loaders.py"), str(tmp_path), mode, check=True, timeout=180)
+    ranks = [_json(tmp_path / f"seen-rank{r}.json") for r in range(2)]
+    assert sorted(ranks[0]["eval"] + ranks[1]["eval"]) == list(range(96))
+    trained = ranks[0]["train"] + ranks[1]["train"]
+    assert len(trained) == len(set(trained)) and len(trained) >= 88
+
+
+def test_an_own_loop_gets_preemption_with_a_bitwise_resume(tmp_path, no_leftovers):
+    script = str(SCRIPTS / "own_loop.py")
+    reference = tmp_path / "reference"
+    multigpu("run", "--nproc", "2", script, str(reference), "--steps", "60", check=True)
+    out = tmp_path / "out"
+    # The default agreement (about every 2 s, adapted to the step time): 60 steps of 0.1 s leave room for it.
+    launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", script, str(out), "--sleep", "0.1",
+                                 "--steps", "60", no_leftovers], env=child_env(), cwd=str(REPO),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((out / "checkpoints").glob("step-0000000[4-9]")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert (out / "stopped-rank0.txt").exists(), stdout + stderr
+    stopped = [int((out / f"stopped-rank{r}.txt").read_text()) for r in range(2)]
+    assert stopped[0] == stopped[1] < 60, "every rank stops at the same step"
+    assert "stopped by SIGTERM" in stdout
+    again = multigpu("run", "--nproc", "2", script, str(out), "--steps", "60")
+    assert again.returncode == 0, again.stderr
+    final, expected = (torch.load(p / "final.pt", weights_only=True) for p in (out, reference))
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_an_own_loop_gets_the_hang_report_and_the_desync_guard(tmp_path, no_leftovers):
+    script = str(SCRIPTS / "own_loop.py")
+    started = time.monotonic()
+    hung = multigpu("run", "--nproc", "2", script, str(tmp_path / "hang"), "--hang-at", "3", no_leftovers, timeout=120)
+    assert hung.returncode == 124 and time.monotonic() - started < 60
+    report = (tmp_path / "hang" / "hang" / "report.txt").read_text()
+    assert "rank 1: no progress" in report and "own_loop.py" in report
+    desync = multigpu("run", "--nproc", "2", script, str(tmp_path / "desync"), "--desync", timeout=120)
+    assert desync.returncode != 0 and "ranks disagree before training" in desync.stderr
+    assert "parameter_layout" in desync.stderr and desync.stderr.count("multigpu: error:") == 1
+
+
+def test_ctrl_c_in_a_script_that_catches_it_ends_every_rank_within_seconds(tmp_path, no_leftovers):
+    out = tmp_path / "out"
+    out.mkdir()
+    launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", str(SCRIPTS / "interrupt.py"), str(out),
+                                 no_leftovers], env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "training").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        interrupted = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        stdout, stderr = launcher.communicate(timeout=60)
+        took = time.monotonic() - interrupted
+    finally:
+        launcher.kill()
+    assert took < 15, f"took {took:.0f} s: a rank waited on a collective after the interrupt"
+    assert launcher.returncode != 0
+    assert "exiting from training early" in stdout
+    assert "was interrupted (KeyboardInterrupt" in stderr or "was interrupted (Ctrl-C)" in stderr
+    assert not wait_until_gone(no_leftovers, timeout=10)
+
+
+def test_per_rank_state_survives_sigterm_and_resume_bitwise(tmp_path):
+    script = str(SCRIPTS / "stateful_lm.py")
+    multigpu("run", "--nproc", "2", script, str(tmp_path / "reference"), check=True, timeout=180)
+    out = tmp_path / "out"
+    launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", script, str(out), "--sleep", "0.05"],
+                                env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((out / "checkpoints").glob("step-0000001[0-9]")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM
+    again = multigpu("run", "--nproc", "2", script, str(out), timeout=180)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr
+    for name in ("final.pt", "hidden-rank0.pt", "hidden-rank1.pt"):
+        a, b = (torch.load(p / name, weights_only=True) for p in (out, tmp_path / "reference"))
+        pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+        assert all(torch.equal(x, y) for x, y in pairs), name
+
+
+def test_dropout_differs_per_rank_by_default_and_not_when_asked(tmp_path):
+    for option in ("", "same"):
+        folder = tmp_path / (option or "default")
+        multigpu("run", "--nproc", "2", str(SCRIPTS / "seeds.py"), str(folder), *([option] if option else []),
+                 check=True)
+        ranks = [_json(folder / f"rank{r}.json") for r in range(2)]
+        assert ranks[0]["init"] == ranks[1]["init"]  # the model is built the same everywhere
+        assert (ranks[0]["mask"] == ranks[1]["mask"]) == (option == "same")
+
+
+def test_resume_with_a_new_learning_rate_uses_it_and_says_so(tmp_path):
+    from conftest import REPO as repo
+
+    recipe, hparams = str(repo / "examples/digits/train.py"), str(repo / "examples/digits/hparams.yaml")
+    base = [f"trainer.out_dir={tmp_path / 'out'}", f"data.folder={tmp_path / 'data'}", "optim.schedule=constant"]
+    multigpu("run", "--nproc", "2", recipe, hparams, *base, "trainer.epochs=1", "optim.lr=0.003", check=True)
+    again = multigpu("run", "--nproc", "2", recipe, hparams, *base, "trainer.epochs=2", "optim.lr=0.001", check=True)
+    assert "settings changed since the checkpoint" in again.stdout
+    assert "optimizer lr 0.003 -> 0.001" in again.stdout and "trainer.epochs 1 -> 2" in again.stdout
+    assert again.stdout.count("settings changed") == 1  # printed once, by rank 0
+    rows = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
+    assert rows[-1].split(",")[rows[0].split(",").index("lr")] == "0.001"
+
+
+def test_compile_wraps_the_model_and_checkpoints_keep_plain_names(tmp_path):
+    class Fit(mg.Trainer):
+        def compute_loss(self, batch):
+            return nn.functional.mse_loss(self.model(batch[0]), batch[1])
+
+    data = TensorDataset(torch.randn(16, 3), torch.randn(16, 1))
+    with mg.init(env={}) as run:
+        trainer = Fit(run, nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1), compile={"backend": "eager"},
+                      out_dir=str(tmp_path), progress=False, batch_size=4, plot=False)
+        assert hasattr(trainer.model, "_orig_mod")
+        trainer.fit(data)
+    (step,) = sorted((tmp_path / "checkpoints").glob("step-*"))[-1:]
+    state = torch.load(step / "state.pt", weights_only=True)
+    assert set(state["model"]) == {"weight", "bias"}
+    with mg.init(env={}) as run:
+        again = Fit(run, nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1), compile={"backend": "eager"},
+                    out_dir=str(tmp_path), progress=False, batch_size=4, epochs=2, plot=False)
+        assert again.resume() and again.state.epoch == 1
+
+
+# ------------------------------------------------------------------ the launcher and the user's terminal
+
+BAR = ("import sys, time\nfor i in range(3):\n    sys.stderr.write(f'\\r\\x1b[32mbar {i}\\x1b[0m'); sys.stderr.flush()\n"
+       "sys.stderr.write('\\n')\n")
+
+
+def _under_a_terminal(args: list[str], cwd: Path) -> bytes:
+    """Run a command with a pseudo-terminal as its stdout/stderr, as a user's shell would; return the bytes."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=child_env(),
+                            cwd=str(cwd))
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        output += chunk
+    proc.wait(timeout=60)
+    os.close(leader)
+    return output
+
+
+def test_progress_bars_pass_through_untouched_and_prefixing_is_an_option(tmp_path):
+    script = tmp_path / "bar.py"
+    script.write_text(BAR)
+    raw = _under_a_terminal([PY, "-m", "multigpu", "run", "--nproc", "2", str(script)], tmp_path)
+    assert raw.count(b"\r\x1b[32mbar 2\x1b[0m") == 2 and b"[rank" not in raw  # bytes intact, no prefix
+    prefixed = _under_a_terminal([PY, "-m", "multigpu", "run", "--nproc", "2", "--tee-prefix", "always", str(script)],
+                                 tmp_path)
+    assert b"[rank0]: " in prefixed and b"[rank1]: " in prefixed
+
+
+def test_per_rank_logs_are_removed_on_success_and_kept_and_announced_on_failure(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("print('fine')\n")
+    before = set(Path("/tmp").glob("multigpu-logs-*"))
+    proc = multigpu("run", "--nproc", "2", str(ok), check=True)
+    assert set(Path("/tmp").glob("multigpu-logs-*")) == before and "logs" not in proc.stderr
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    raise ValueError('boom')\ntime.sleep(30)\n")
+    proc = multigpu("run", "--nproc", "2", str(bad))
+    assert proc.returncode == 1 and "logs of every rank are kept in" in proc.stderr
+    assert "other rank(s) failed" not in proc.stderr  # rank 0 was stopped by the launcher, it did not fail
+    assert 'File "' + str(bad) in proc.stderr and "runpy" not in proc.stderr  # our frames dropped
+    kept = Path(proc.stderr.split("logs of every rank are kept in ")[1].split()[0])
+    assert (kept / "rank1.attempt0.stderr").exists()
+    import shutil
+
+    shutil.rmtree(kept)
+
+
+def test_a_config_error_on_every_rank_is_printed_once(tmp_path):
+    recipe = str(REPO / "examples/digits/train.py")
+    proc = multigpu("run", "--nproc", "2", recipe, "trainer.epoch=3")
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, proc.stderr  # not once per rank plus the launcher's tail
+    assert errors[0].startswith("multigpu: error: the command-line override 'trainer.epoch=3': unknown key "
+                                "'trainer.epoch'. HINT: did you mean 'trainer.epochs'? (on ")
