@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def one(job: str, nproc: int, width: int, batch: int, steps: int, epochs: int, f
     """Median seconds between consecutive training forwards of one run of ``job``."""
     out = folder / f"{job}.json"
     out.unlink(missing_ok=True)
+    shutil.rmtree(folder / "trainer-out", ignore_errors=True)  # a fresh run, not a resume of the last one
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                str(WORKER), "--job", job, "--width", str(width), "--batch", str(batch), "--steps", str(steps),
                "--epochs", str(epochs), "--out", str(out)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
 
 import torch
@@ -33,6 +32,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per epoch")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--out-dir", default="trainer-out", help="the Trainer's out_dir (fresh for every run)")
     return parser.parse_args()
 
 
@@ -95,8 +95,7 @@ def job_trainer(args):
 
     run = mg.init()
     model, data, stamps = build(args, run.world_size)
-    with tempfile.TemporaryDirectory() as out:
-        Fit(run, model, sgd, batch_size=args.batch, epochs=args.epochs, out_dir=out).fit(data)
+    Fit(run, model, sgd, batch_size=args.batch, epochs=args.epochs, out_dir=args.out_dir).fit(data)
     return run.rank, stamps
 
 
@@ -147,7 +146,7 @@ def job_accelerate(args):
     """Hugging Face Accelerate's quick tour: Accelerator(), prepare, accelerator.backward."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())  # without cpu=True it runs undistributed on CPU
     model, data, stamps = build(args, accelerator.num_processes)
     optimizer = sgd(model.parameters())
     loader = DataLoader(data, batch_size=args.batch, shuffle=True)
@@ -189,6 +188,10 @@ def job_lightning(args):
 def main() -> None:
     args = parse()
     rank, stamps = globals()[f"job_{args.job}"](args)
+    world = int(os.environ["WORLD_SIZE"])
+    if len(stamps) != args.epochs * args.steps:  # each rank must see 1/world of the data: truly distributed
+        raise SystemExit(f"{args.job}: {len(stamps)} forwards on rank {rank}, expected {args.epochs * args.steps} "
+                         f"(world {world}): the job did not shard the data")
     if rank == 0:
         kept = stamps[args.steps:]  # the first epoch warms up (allocations, buckets, first connections)
         gaps = [b - a for a, b in zip(kept, kept[1:])]

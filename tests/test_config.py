@@ -103,3 +103,20 @@ def test_config_hash_ignores_memory_addresses():
 
     assert config_hash({"fn": lambda: 1, "tags": {"b", "a"}}) == config_hash({"fn": lambda: 2, "tags": {"a", "b"}})
     assert config_hash({"lr": 0.1}) != config_hash({"lr": 0.2})
+
+
+def test_a_config_difference_between_ranks_is_named_down_to_the_setting():
+    import dataclasses
+
+    from multigpu.diagnostics.consistency import compare, config_items
+
+    @dataclasses.dataclass
+    class Model:
+        hidden: int = 64
+
+    rank0 = config_items("trainer_settings", {"out_dir": "/tmp/a", "lr": 0.1, "model": Model(), "fn": lambda: 1})
+    rank1 = config_items("trainer_settings", {"out_dir": "/tmp/b", "lr": 0.1, "model": Model(128), "fn": lambda: 2})
+    assert compare([rank0, rank1]) == ["trainer_settings.model.hidden: rank 0 = 64, rank 1 = 128",
+                                       "trainer_settings.out_dir: rank 0 = '/tmp/a', rank 1 = '/tmp/b'"]
+    huge = config_items("config", {f"k{i}": i for i in range(1000)})
+    assert list(huge) == ["config"]  # too many keys: one hash, the all-gather stays small

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from conftest import PY, SCRIPTS, child_env, multigpu
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu
 
 pytestmark = [pytest.mark.infra, pytest.mark.timeout(300)]
 
@@ -96,3 +98,59 @@ def test_nodes_that_disagree_on_sizes_fail_with_a_clear_error(nodes):
         assert result.returncode != 0
     text = results["a"].stderr + results["b"].stderr
     assert "every node must start the same number of processes" in text
+
+
+# ------------------------------------------------------------------ multigpu doctor on two nodes
+
+
+def _doctor(nodes, per_node: dict, env_b: dict | None = None, timeout: float = 120) -> dict:
+    procs = {}
+    for node in ("a", "b"):
+        env = child_env(env_b if node == "b" else None)
+        procs[node] = nodes.popen(node, [PY, "-m", "multigpu", "doctor", "--sizes", "1,8", *per_node[node]], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for node, proc in procs.items():
+        out, err = proc.communicate(timeout=timeout)
+        results[node] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return results
+
+
+def _doctor_flags(nodes, out_a, out_b=None, port_b: int = 29500) -> dict:
+    common = ["--nnodes", "2", "--master-addr", nodes.addr_a, "--rdzv-timeout", "20"]
+    return {"a": [*common, "--master-port", "29500", "--node-rank", "0", "--out", str(out_a)],
+            "b": [*common, "--master-port", str(port_b), "--node-rank", "1", "--out", str(out_b or out_a)]}
+
+
+def test_doctor_passes_two_healthy_nodes(nodes, tmp_path):
+    results = _doctor(nodes, _doctor_flags(nodes, tmp_path))
+    assert results["a"].returncode == 0 and results["b"].returncode == 0, results["a"].stderr + results["b"].stderr
+    assert "2 rank(s) on 2 node(s)" in results["a"].stdout and "all-reduce 8 MiB   ok" in results["a"].stdout
+
+
+def test_doctor_names_a_node_with_an_older_package(nodes, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(REPO / "src" / "multigpu", old / "multigpu")
+    init = old / "multigpu" / "__init__.py"
+    init.write_text(init.read_text().replace('__version__ = "', '__version__ = "0.0.9-was-'))
+    results = _doctor(nodes, _doctor_flags(nodes, tmp_path), env_b={"PYTHONPATH": f"{old}{os.pathsep}{SCRIPTS}"})
+    assert results["a"].returncode == 1
+    assert "multigpu: error: multigpu versions differ" in results["a"].stderr and "0.0.9-was-" in results["a"].stderr
+    assert "HINT:" in results["a"].stderr
+
+
+def test_doctor_finds_an_output_folder_that_is_not_shared(nodes, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    results = _doctor(nodes, _doctor_flags(nodes, tmp_path / "a", tmp_path / "b"))
+    assert results["a"].returncode == 1
+    assert "is not shared: a file written by rank 0" in results["a"].stderr
+
+
+def test_doctor_with_an_unreachable_port_fails_in_seconds_with_one_line(nodes, tmp_path):
+    started = time.monotonic()
+    results = _doctor(nodes, _doctor_flags(nodes, tmp_path, port_b=29511))
+    assert time.monotonic() - started < 90
+    for node in ("a", "b"):
+        assert results[node].returncode != 0
+        assert "multigpu: error:" in results[node].stderr and "Traceback" not in results[node].stderr

@@ -87,14 +87,8 @@ class Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------------------- run
 
 
-def _add_run_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "run",
-        help="run a training script on every GPU (or N processes) of this machine, or as one node of several",
-        description="Start one process per GPU (or --nproc CPU processes) on PyTorch's elastic agent.",
-        epilog=RUN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> None:
+    """Devices and nodes: the flags `multigpu run` and `multigpu doctor` share."""
     dev = p.add_argument_group("devices and processes")
     dev.add_argument("--gpus", metavar="IDS", help="GPUs to use, e.g. 0,2,3 or 0-3 (default: every visible GPU)")
     dev.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, metavar="N",
@@ -112,10 +106,40 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                        help="port on node 0 (default on one machine: a free port is chosen)")
     nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (elastic --nnodes MIN:MAX)")
     nodes.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node of a c10d rendezvous")
-    nodes.add_argument("--rdzv-timeout", type=int, default=900, metavar="S",
-                       help="seconds to wait for every node to join (default 900)")
+    nodes.add_argument("--rdzv-timeout", type=int, default=rdzv_timeout, metavar="S",
+                       help=f"seconds to wait for every node to join (default {rdzv_timeout})")
     nodes.add_argument("--simulate-nodes", type=int, metavar="N",
                        help="rehearse an N-node job on this machine: N agents on loopback (GPUs split evenly)")
+
+
+#: The flags `multigpu doctor` hands on to `multigpu run` unchanged (dest, flag, takes a value).
+LAUNCH_FLAGS = (("gpus", "--gpus", True), ("nproc", "--nproc", True), ("gpus_per_proc", "--gpus-per-proc", True),
+                ("cpu", "--cpu", False), ("nnodes", "--nnodes", True), ("node_rank", "--node-rank", True),
+                ("master_addr", "--master-addr", True), ("master_port", "--master-port", True),
+                ("rdzv_endpoint", "--rdzv-endpoint", True), ("rdzv_id", "--rdzv-id", True),
+                ("rdzv_timeout", "--rdzv-timeout", True), ("simulate_nodes", "--simulate-nodes", True))
+
+
+def launch_flags_of(args: argparse.Namespace) -> list[str]:
+    flags: list[str] = []
+    for dest, flag, takes_value in LAUNCH_FLAGS:
+        value = getattr(args, dest)
+        if takes_value and value is not None:
+            flags += [flag, str(value)]
+        elif not takes_value and value:
+            flags.append(flag)
+    return flags
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script on every GPU (or N processes) of this machine, or as one node of several",
+        description="Start one process per GPU (or --nproc CPU processes) on PyTorch's elastic agent.",
+        epilog=RUN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_launch_flags(p)
     misc = p.add_argument_group("failures and logs")
     misc.add_argument("--max-restarts", type=int, default=0, metavar="K",
                       help="restart all workers up to K times when one fails (default 0)")
@@ -418,6 +442,111 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------------------------------- check
+
+
+def _add_check_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="prove your script computes on N processes what it computes on one",
+                       description="Run the script for K optimizer steps on N processes and on 1 process with N "
+                       "times the batch, compare every step's loss and the weights, and say why they differ.",
+                       epilog="examples:\n  multigpu check --nproc 2 --steps 5 train.py hparams.yaml\n"
+                       "  multigpu check --nproc 4 -m mypkg.train --lr 3e-4\n\nExit 0: equal within a tolerance "
+                       "scaled to the dtype; 1: different (with the causes found); 2: the script did not run.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes to compare with one (default 2)")
+    p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps in each run (default 5)")
+    p.add_argument("--cpu", action="store_true", help="CPU processes even where GPUs are visible")
+    p.add_argument("--tolerance", type=float, metavar="T", help="relative tolerance (default: from the dtype)")
+    p.add_argument("--keep", action="store_true", help="keep the per-step records")
+    p.add_argument("--timeout", type=int, default=600, metavar="S", help="seconds each run may take (default 600)")
+    p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
+    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(handler=_cmd_check)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from multigpu.diagnostics.check import check
+    from multigpu.launch.local import split_command
+
+    validate.positive_seconds(args.timeout, "--timeout", LaunchError)
+    if args.tolerance is not None and not (0 < args.tolerance < 1e3):
+        raise LaunchError(f"--tolerance {args.tolerance} is not a positive number.", "e.g. --tolerance 1e-4.")
+    command = split_command(None if args.module else args.script, args.script if args.module else None,
+                            args.script_args)
+    return check(list(command), args.nproc, args.steps, cpu=args.cpu, tolerance=args.tolerance, keep=args.keep,
+                 timeout_s=args.timeout, out=lambda line: print(line, flush=True))
+
+
+# --------------------------------------------------------------------------------------- doctor
+
+DOCTOR_EXAMPLES = """\
+examples:
+  multigpu doctor --out /shared/runs/exp1 --checkpoint-gb 200        this machine, every GPU
+  multigpu doctor --nnodes 2 --node-rank 0 --master-addr host1 --master-port 29500 --out /shared/x   (and rank 1 on host2)
+  srun --ntasks-per-node 1 multigpu doctor --nnodes $SLURM_NNODES --rdzv-endpoint $HEAD:29400 --rdzv-id $SLURM_JOB_ID --out /shared/x
+
+Checks, from inside the same launch a job uses: every node joins the rendezvous; the same multigpu,
+torch, CUDA, NCCL and Python everywhere; clocks within --max-clock-skew; --out writable and shared
+(a file rank 0 writes is read by every rank); free disk for --checkpoint-gb; GPUs free; all-reduces
+of 1 and 256 MiB correct, with their bus bandwidth. The first fault is one line with a HINT; exit 1.
+"""
+
+
+def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="pre-flight of the nodes a job will use: versions, clocks, shared folder, "
+                       "disk, GPUs, all-reduce bandwidth", description="Check the machines before a long job.",
+                       epilog=DOCTOR_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_launch_flags(p, rdzv_timeout=60)
+    g = p.add_argument_group("checks")
+    g.add_argument("--out", default=".", metavar="DIR", help="the job's output folder (default: here)")
+    g.add_argument("--checkpoint-gb", type=float, default=0.0, metavar="G", help="free disk the checkpoints need")
+    g.add_argument("--sizes", default="1,256", metavar="MIB,...", help="all-reduce sizes in MiB (default 1,256)")
+    g.add_argument("--max-clock-skew", type=float, default=2.0, metavar="S", help="allowed clock spread (default 2 s)")
+    g.add_argument("--expect-gbps", type=float, default=0.0, metavar="G",
+                   help="fault when the largest all-reduce's bus bandwidth is below this")
+    g.add_argument("--timeout", type=int, default=300, metavar="S", help="give up after this long (default 300 s)")
+    p.set_defaults(handler=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+
+    from multigpu.diagnostics.doctor import MARKER
+
+    validate.positive_seconds(args.timeout, "--timeout", LaunchError)
+    for size in args.sizes.split(","):
+        try:
+            ok = 0 < float(size) <= 65536
+        except ValueError:
+            ok = False
+        if not ok:
+            raise LaunchError(f"--sizes {args.sizes!r}: {size!r} is not a size in MiB.", "e.g. --sizes 1,256.")
+    command = [sys.executable, "-m", "multigpu", "run", *launch_flags_of(args), "--tee-prefix", "never",
+               "-m", "multigpu.diagnostics.doctor", "--out", args.out, "--checkpoint-gb", str(args.checkpoint_gb),
+               "--sizes", args.sizes, "--max-clock-skew", str(args.max_clock_skew),
+               "--expect-gbps", str(args.expect_gbps)]
+    verdict = None
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            for line in proc.stdout:
+                if line.startswith(MARKER):
+                    verdict = json.loads(line[len(MARKER):])
+                else:
+                    print(line, end="", flush=True)
+            status = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise LaunchError(f"doctor did not finish in {args.timeout} s.", "run it with --rdzv-timeout lower, "
+                              "and check that every node was started.") from None
+    if verdict is None:
+        if status == 0:  # another node holds rank 0: the report is printed there
+            print("multigpu doctor: this node's checks ran; the report is printed on the node of rank 0", flush=True)
+        return status  # non-zero: the launch itself failed, and the launcher's own line says why
+    return 1 if verdict["faults"] else 0
+
+
 # ----------------------------------------------------------------------------------------- plot
 
 
@@ -448,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_slurm_parser(sub)
     _add_queue_parser(sub)
     _add_checkpoint_parser(sub)
+    _add_check_parser(sub)
+    _add_doctor_parser(sub)
     env = sub.add_parser("env", help="print what this machine offers (torch, GPUs, NCCL, variables); --check "
                          "runs an all-reduce", description="What a bug report needs about this machine. With "
                          "--check: an all-reduce through `multigpu run` on the chosen devices, checked and timed.")

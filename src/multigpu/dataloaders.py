@@ -106,12 +106,13 @@ def sampler_order(loader: DataLoader) -> tuple[bool, Optional[int]]:
 def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation: bool, shuffle: bool = True,
           seed: int = 0, drop_last: bool = False, pin_memory: bool = False, collate_fn: Optional[Callable] = None,
           num_workers: int = 0, rank_streams: bool = True, agree: Optional[Callable[[], Agreement]] = None,
-          **dataloader_kwargs: Any) -> "Loader | StreamLoader":
+          batch_scale: int = 1, **dataloader_kwargs: Any) -> "Loader | StreamLoader":
     """A loader of this rank's share of ``data`` (a Loader, a DataLoader, an IterableDataset or a Dataset).
 
     ``rank_streams``: workers' random seeds differ between ranks (augmentations are not repeated on
     every rank). ``agree``: makes the per-batch end agreement of training streams (None: no agreement,
-    one process or evaluation).
+    one process or evaluation). ``batch_scale``: multiplies the batch size (``multigpu check``'s
+    one-process run, which must see in one batch what N ranks see together).
     """
     if isinstance(data, (Loader, StreamLoader)):
         return data
@@ -123,7 +124,7 @@ def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation:
     if isinstance(data, DataLoader):
         settings = dataloader_settings(data)
         settings["pin_memory"] = settings.get("pin_memory") or pin_memory
-        batch_size, drop_last = settings.pop("batch_size"), settings.pop("drop_last")
+        batch_size, drop_last = settings.pop("batch_size") * batch_scale, settings.pop("drop_last")
         if isinstance(data.dataset, IterableDataset):
             return StreamLoader(data.dataset, batch_size, dp_rank, dp_size, evaluation=evaluation, drop_last=drop_last,
                                 seed=seed, rank_streams=rank_streams, agree=None if evaluation else agree, **settings)
@@ -131,6 +132,7 @@ def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation:
         return make_loader(data.dataset, batch_size, rank=dp_rank, world_size=dp_size, evaluation=evaluation,
                            shuffle=loader_shuffle, seed=seed if loader_seed is None else loader_seed,
                            drop_last=drop_last, stream=dp_rank if rank_streams else 0, **settings)
+    batch_size *= batch_scale
     if isinstance(data, IterableDataset):
         return StreamLoader(data, batch_size, dp_rank, dp_size, evaluation=evaluation, drop_last=drop_last, seed=seed,
                             rank_streams=rank_streams, agree=None if evaluation else agree, pin_memory=pin_memory,

@@ -38,6 +38,7 @@ from multigpu.checkpoint.rng import seed_everything
 from multigpu.data import describe_batch
 from multigpu.dataloaders import Agreement, adapt
 from multigpu.diagnostics import consistency
+from multigpu.diagnostics import probe as check_probe
 from multigpu.diagnostics.watchdog import HangWatchdog
 from multigpu.distributed import DistSession, GroupSettings, choose_devices
 from multigpu.errors import CheckpointError, ConfigError, MultiGPUError
@@ -88,6 +89,8 @@ class Run:
     _stop: Optional[StopSignal] = field(default=None, repr=False)
     _watchdog: Optional[HangWatchdog] = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
+    #: ``multigpu check``'s recorder (None unless the check started this process).
+    probe: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.parallelism is None:
@@ -189,6 +192,8 @@ class Run:
                                       parallelism=self.parallelism, mesh=lambda: self.mesh, **options)
         wrapped = self.strategy.setup(model, optimizer)
         self._make_dp_groups()
+        if self.probe is not None:
+            self.probe.attach(self, wrapped[0], self.strategy.unwrap(wrapped[0]), wrapped[1])
         if self.seed is not None and not self.same_random_streams:
             seed_everything(rank_seed(self.seed, self.rank))
         return wrapped
@@ -221,8 +226,9 @@ class Run:
         if batch_size is None and not isinstance(data, DataLoader) and not hasattr(data, "batch_size"):
             raise ConfigError("a loader needs batch_size (per data-parallel rank).", "e.g. run.loader(data, 32).")
         self._loaders_dp = self.dp_size
+        scale = self.probe.scale if self.probe is not None and not evaluation else 1
         return adapt(data, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=batch_size or 1,
-                     evaluation=evaluation, pin_memory=self.device.type == "cuda",
+                     evaluation=evaluation, batch_scale=scale, pin_memory=self.device.type == "cuda",
                      rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
 
     def _min_agreement(self) -> Optional[Agreement]:
@@ -242,6 +248,8 @@ class Run:
                 + f" ({self.world_size} processes: {self.parallelism.describe()})")
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.probe is not None:
+            self.probe.record_loss(loss)
         self._need_strategy().backward(loss)
 
     def no_sync(self, model: nn.Module) -> Any:
@@ -296,8 +304,8 @@ class Run:
         self._ensure_usable("comparing ranks")
         consistency.check_same_on_all_ranks({
             **consistency.model_fingerprint(model),
-            "config": consistency.config_hash(consistency.plain(config)),
-            **{key: consistency.config_hash(consistency.plain(v)) for key, v in values.items()},
+            **consistency.config_items("config", config),
+            **{k: v for key, value in values.items() for k, v in consistency.config_items(key, value).items()},
             **consistency.environment_fingerprint(),
         }, group=self.control_group)
 
@@ -587,7 +595,7 @@ def init(
     settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
     session = DistSession(world, devices[0], settings).start()
     run = Run(world=world, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,
-              seed=seed, same_random_streams=same_random_streams)
+              seed=seed, same_random_streams=same_random_streams, probe=check_probe.from_environment(world.rank))
     atexit.register(run.close)
     _install_interrupt_handler(run)
     if seed is not None:

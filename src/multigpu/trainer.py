@@ -194,6 +194,9 @@ class Trainer(abc.ABC):
         """``config``: your recipe's own settings (any dataclass or mapping); ranks must agree on it."""
         base = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} if settings else {}
         self.settings = s = TrainerSettings.from_mapping({**base, **overrides})
+        if run.probe is not None:  # `multigpu check`: a fresh folder of its own, never the user's outputs
+            self.settings = s = dataclasses.replace(s, out_dir=str(run.probe.folder / "trainer_out"), loggers=[],
+                                                    plot=False)
         self.run = run
         self.config = config
         run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate)
@@ -378,7 +381,7 @@ class Trainer(abc.ABC):
         model.train()
         total = getattr(loader, "length", None)  # the whole epoch; None for a stream
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        window = torch.zeros((), dtype=torch.float64, device=self.device)  # the loss since the last step row
+        window_start = loss_sum.clone()  # loss_sum at the last step row: one accumulation per batch, not two
         window_batches = batches = samples = 0
         started = last_log = time.monotonic()
         log_samples = 0
@@ -393,7 +396,8 @@ class Trainer(abc.ABC):
                 strategy.backward(precision.scale(loss / s.accumulate if s.accumulate > 1 else loss))
             detached = loss.detach()
             loss_sum += detached
-            window += detached
+            if run.probe is not None:  # `multigpu check` records each step's loss
+                run.probe.record_loss(detached)
             batches += 1
             window_batches += 1
             n = batch_length(batch)
@@ -418,8 +422,9 @@ class Trainer(abc.ABC):
             step = self.state.global_step
             if s.log_every_n_steps and step % s.log_every_n_steps == 0:
                 now = time.monotonic()
-                self._log_step(window / max(window_batches, 1), log_samples, now - last_log, epoch, index + 1, total)
-                window = torch.zeros_like(window)
+                self._log_step((loss_sum - window_start) / max(window_batches, 1), log_samples, now - last_log, epoch,
+                               index + 1, total)
+                window_start = loss_sum.clone()
                 window_batches, log_samples, last_log = 0, 0, now
             if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
                 self._save()

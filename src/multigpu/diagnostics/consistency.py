@@ -42,6 +42,32 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: Keys of a config compared one by one (beyond it, the whole config is one hash): the all-gather stays small.
+MAX_ITEMS = 256
+
+
+def config_items(name: str, config: Any) -> dict[str, str]:
+    """A config as ``{"name.key.sub": value}``, so a difference is named down to the setting: short
+    scalars are shown as they are (``out_dir: rank 0 = '/tmp/a', rank 1 = '/tmp/b'``), anything else
+    by hash. A config that is not a mapping, or too large, is one entry."""
+    items: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if len(items) > MAX_ITEMS:
+            return
+        value = plain(value)
+        if isinstance(value, Mapping) and value:
+            for key in sorted(value, key=str):
+                walk(f"{prefix}.{key}", value[key])
+        elif isinstance(value, (str, int, float, bool, type(None))) and len(repr(value)) <= 80:
+            items[prefix] = repr(value)
+        else:
+            items[prefix] = config_hash(value)
+
+    walk(name, config)
+    return items if len(items) <= MAX_ITEMS else {name: config_hash(plain(config))}
+
+
 def plain(config: Any) -> Any:
     """A recipe config as plain data: dataclasses become dicts (anything else is hashed as it is)."""
     import dataclasses

@@ -1,0 +1,211 @@
+"""``multigpu doctor``: a pre-flight of the machines a job will run on, in under a minute.
+
+Why: a 3-day job that dies at hour 2 because one node has another torch, a clock an hour off, an
+output folder that is not really shared, a full disk or a GPU another process holds, costs a day of
+queueing and the work in between. Each of these is cheap to see before the job starts, from inside
+the same launch the job will use (the same rendezvous, backend and devices), so a rendezvous that
+cannot form fails here, in seconds, with the launcher's one line.
+
+This module is the worker, run on every rank by ``multigpu doctor`` through ``multigpu run``:
+
+    multigpu run [node flags] -m multigpu.diagnostics.doctor --out DIR [--checkpoint-gb G] [--sizes 1,256]
+
+Every rank gathers its facts, rank 0 compares them, runs the all-reduces and prints a table, the
+first fault as one line with a HINT, and a ``MULTIGPU_DOCTOR {json}`` line the command reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from multigpu.diagnostics.bandwidth import measure
+
+MARKER = "MULTIGPU_DOCTOR "
+
+
+def local_facts(out: Path) -> dict[str, Any]:
+    """What this rank sees: versions, its host, the output folder, its GPU."""
+    import multigpu
+
+    facts: dict[str, Any] = {
+        "host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none", "multigpu": multigpu.__version__, "nccl": "none",
+    }
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        try:
+            version = torch.cuda.nccl.version()
+            facts["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except Exception:  # a CUDA build without a usable libnccl: the all-reduce below will say more
+            facts["nccl"] = "unknown"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".multigpu-doctor-write-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+        facts["writable"] = True
+    except OSError as exc:
+        facts["writable"] = False
+        facts["write_error"] = f"{exc.strerror or exc}"
+    try:
+        facts["free_gb"] = shutil.disk_usage(out).free / 1e9
+    except OSError:
+        facts["free_gb"] = None
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        facts["gpu"] = {"name": torch.cuda.get_device_name(device), "free_gb": free / 1e9, "total_gb": total / 1e9}
+    return facts
+
+
+def _shared_folder(out: Path, run: Any) -> bool:
+    """Rank 0 writes a file with a fresh secret into ``out``; every rank must read that same secret."""
+    secret = secrets.token_hex(8) if run.is_main else ""
+    name = [f".multigpu-doctor-shared-{secret}"]
+    if run.is_main:
+        try:
+            (out / name[0]).write_text(secret)
+        except OSError:
+            pass
+    dist.broadcast_object_list(name, src=0)
+    dist.barrier()
+    try:
+        seen = (out / name[0]).read_text() == name[0].rsplit("-", 1)[1]
+    except OSError:
+        seen = False
+    dist.barrier()
+    if run.is_main:
+        try:
+            (out / name[0]).unlink()
+        except OSError:
+            pass
+    return seen
+
+
+def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> list[tuple[str, str]]:
+    """(problem, hint) in the order a person should fix them."""
+    found: list[tuple[str, str]] = []
+    for key in ("multigpu", "torch", "cuda", "nccl", "python"):
+        values = {}
+        for rank, fact in enumerate(facts):
+            values.setdefault(fact[key], []).append(f"{fact['host']} (rank {rank})")
+        if len(values) > 1:
+            shown = "; ".join(f"{version} on {', '.join(where[:3])}" for version, where in values.items())
+            found.append((f"{key} versions differ: {shown}",
+                          "install the same versions on every node (the same container image or environment)."))
+    stamps = [fact["clock"] for fact in facts]
+    skew = max(stamps) - min(stamps)
+    if skew > args.max_clock_skew:
+        late = facts[stamps.index(max(stamps))]["host"]
+        found.append((f"clocks differ by {skew:.1f} s (ahead: {late}; bound {args.max_clock_skew:g} s)",
+                      "run NTP/chrony on every node: timestamps in logs, checkpoints and Slurm's limits rely on them."))
+    for rank, fact in enumerate(facts):
+        if not fact["writable"]:
+            found.append((f"{args.out} is not writable on {fact['host']} (rank {rank}): {fact.get('write_error')}",
+                          "give --out a folder every node may write (checkpoints go there)."))
+            break
+    for rank, fact in enumerate(facts):
+        if fact["writable"] and not fact["shared"]:
+            found.append((f"{args.out} is not shared: a file written by rank 0 on {facts[0]['host']} is not there "
+                          f"on {fact['host']} (rank {rank})",
+                          "put the output folder on the shared file system (checkpoints are written by rank 0 and "
+                          "read by every rank on resume)."))
+            break
+    if args.checkpoint_gb:
+        for rank, fact in enumerate(facts):
+            if fact.get("free_gb") is not None and fact["free_gb"] < args.checkpoint_gb:
+                found.append((f"{fact['free_gb']:.1f} GB free at {args.out} on {fact['host']}, the checkpoints "
+                              f"need {args.checkpoint_gb:g} GB", "free space, or lower keep_last."))
+                break
+    for rank, fact in enumerate(facts):
+        gpu = fact.get("gpu")
+        if gpu and gpu["free_gb"] < 0.9 * gpu["total_gb"] - 1.0:
+            found.append((f"the GPU of rank {rank} on {fact['host']} has only {gpu['free_gb']:.1f} of "
+                          f"{gpu['total_gb']:.1f} GB free: another process holds it",
+                          "find it with nvidia-smi; a job sharing a GPU runs slowly or out of memory."))
+            break
+    for result in results:
+        if not result["correct"]:
+            found.append((f"an all-reduce of {result['bytes'] / 2**20:.0f} MiB gave a wrong sum",
+                          "check the GPUs and the interconnect (nvidia-smi -q for ECC and XID errors)."))
+            break
+    if args.expect_gbps:
+        slow = [r for r in results if r["bytes"] >= 64 * 2**20 and r["bus_gbps"] < args.expect_gbps]
+        if slow:
+            found.append((f"all-reduce bus bandwidth {slow[0]['bus_gbps']:.2f} GB/s is below the expected "
+                          f"{args.expect_gbps:g} GB/s", "check NCCL_SOCKET_IFNAME / the InfiniBand setup with "
+                          "`multigpu run --debug` (NCCL_DEBUG=INFO shows the transport)."))
+    return found
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import multigpu as mg
+
+    parser = argparse.ArgumentParser(prog="multigpu.diagnostics.doctor")
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--checkpoint-gb", type=float, default=0.0)
+    parser.add_argument("--sizes", default="1,256")
+    parser.add_argument("--max-clock-skew", type=float, default=2.0)
+    parser.add_argument("--expect-gbps", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    run = mg.init(timeout_s=60)
+    started = time.monotonic()
+    fact = local_facts(out)
+    fact["shared"] = _shared_folder(out, run) if fact["writable"] else False
+    dist.barrier()
+    fact["clock"] = time.time()
+    facts: list[dict] = [{} for _ in range(run.world_size)]
+    dist.all_gather_object(facts, fact)
+    device = run.device if run.backend == "nccl" else run.comm_device
+    results = [measure(int(float(size) * 2**20), device, repeats=3) for size in args.sizes.split(",") if size]
+    if not run.is_main:
+        return 0
+    found = faults(facts, args, results)
+    hosts = sorted({f["host"] for f in facts})
+    print(f"multigpu doctor: {run.world_size} rank(s) on {len(hosts)} node(s) ({', '.join(hosts[:4])}"
+          f"{', ...' if len(hosts) > 4 else ''}), backend {run.backend}")
+    first = facts[0]
+    rows = [("rendezvous", "ok", f"{run.world_size} ranks joined"),
+            *[(key, "ok" if len({f[key] for f in facts}) == 1 else "DIFFER", ", ".join(sorted({str(f[key]) for f in facts})))
+              for key in ("multigpu", "torch", "cuda", "nccl", "python")],
+            ("clocks", "ok" if max(f["clock"] for f in facts) - min(f["clock"] for f in facts) <= args.max_clock_skew
+             else "SKEW", f"spread {max(f['clock'] for f in facts) - min(f['clock'] for f in facts):.2f} s"),
+            ("output folder", "ok" if all(f["writable"] for f in facts) else "NOT WRITABLE", str(out)),
+            ("shared", "ok" if all(f["shared"] for f in facts) else "NOT SHARED",
+             "rank 0's file seen by every rank" if all(f["shared"] for f in facts) else
+             f"seen by {sum(f['shared'] for f in facts)} of {len(facts)} ranks"),
+            ("free disk", "ok" if not args.checkpoint_gb or min((f["free_gb"] or 0) for f in facts) >= args.checkpoint_gb
+             else "LOW", f"{min((f['free_gb'] or 0) for f in facts):.1f} GB at least"),
+            ("gpus", "ok" if "gpu" in first or run.backend != "nccl" else "?",
+             first["gpu"]["name"] if "gpu" in first else "none (CPU, gloo)"),
+            ("ecc/xid", "-", "not checked: read nvidia-smi -q (no NVML binding used)")]
+    for result in results:
+        rows.append((f"all-reduce {result['bytes'] / 2**20:.0f} MiB", "ok" if result["correct"] else "WRONG",
+                     f"{result['seconds'] * 1e3:.1f} ms, bus {result['bus_gbps']:.2f} GB/s"))
+    for name, verdict, detail in rows:
+        print(f"  {name:<18} {verdict:<12} {detail}")
+    print(f"  ({time.monotonic() - started:.1f} s)")
+    if found:
+        problem, hint = found[0]
+        print(f"multigpu: error: {problem}. HINT: {hint}", file=sys.stderr, flush=True)
+        for problem, _hint in found[1:]:
+            print(f"  also: {problem}", file=sys.stderr)
+    print(MARKER + json.dumps({"faults": [p for p, _ in found], "world": run.world_size}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
