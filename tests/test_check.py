@@ -11,11 +11,14 @@ pytestmark = pytest.mark.timeout(240)
 TARGET = str(SCRIPTS / "check_target.py")
 
 
-@pytest.mark.parametrize("extra", [[], ["--trainer"]], ids=["own-loop", "trainer"])
+@pytest.mark.parametrize("extra", [[], ["--trainer"], ["--plant", "late_optimizer"], ["--plant", "seq_first"],
+                                   ["--plant", "plain_backward"]],
+                         ids=["own-loop", "trainer", "optimizer-after-setup", "seq-first-input", "loss-backward"])
 def test_a_correct_script_is_equal_on_two_processes_and_one(extra):
     proc = multigpu("check", "--nproc", "2", "--steps", "4", TARGET, *extra, timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: EQUAL" in proc.stdout and "16 / 16" in proc.stdout
+    assert ("(no losses" in proc.stdout) == ("plain_backward" in extra)
 
 
 @pytest.mark.parametrize("plant, steps, expected", [
@@ -64,3 +67,7 @@ def test_doctor_on_one_machine_reports_a_table_and_the_first_fault(tmp_path):
     assert "the checkpoints need 1e+09 GB" in line and "HINT:" in line
     bad = multigpu("doctor", "--sizes", "1,lots")
     assert bad.returncode == 2 and "--sizes" in bad.stderr
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    unwritable = multigpu("doctor", "--nproc", "2", "--out", str(blocked / "sub"), "--sizes", "1", timeout=120)
+    assert unwritable.returncode == 1 and "is not writable on" in unwritable.stderr  # every rank agreed: no hang

@@ -118,5 +118,8 @@ def test_a_config_difference_between_ranks_is_named_down_to_the_setting():
     rank1 = config_items("trainer_settings", {"out_dir": "/tmp/b", "lr": 0.1, "model": Model(128), "fn": lambda: 2})
     assert compare([rank0, rank1]) == ["trainer_settings.model.hidden: rank 0 = 64, rank 1 = 128",
                                        "trainer_settings.out_dir: rank 0 = '/tmp/a', rank 1 = '/tmp/b'"]
+    from pathlib import Path
+
+    assert compare([config_items("c", {"data": Path("/data/v1")}), config_items("c", {"data": Path("/data/v2")})])
     huge = config_items("config", {f"k{i}": i for i in range(1000)})
     assert list(huge) == ["config"]  # too many keys: one hash, the all-gather stays small

@@ -71,7 +71,7 @@ def test_compiled_model_checkpoint_has_plain_names(tmp_path):
     assert mg.World().world_size == 1
 
 
-@pytest.mark.parametrize("precision", ["32", "bf16"])
+@pytest.mark.parametrize("precision", ["32", "bf16", "fp16"])
 def test_training_steps_make_no_host_synchronisation(tmp_path, precision):
     gpus = "0,1" if GPUS >= 2 else "0"
     multigpu("run", "--gpus", gpus, str(SCRIPTS / "no_sync.py"), str(tmp_path), "--precision", precision, check=True)

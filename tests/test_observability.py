@@ -246,3 +246,23 @@ def test_env_reports_variables_and_the_check_measures_an_all_reduce(tmp_path):
     assert "nccl" in proc.stdout and "collect_env" in proc.stdout
     check = multigpu("env", "--check", "--nproc", "2", check=True, timeout=120)
     assert "all-reduce" in check.stdout and "GB/s" in check.stdout and "ok" in check.stdout
+
+
+def test_the_queue_summary_names_the_best_run_by_its_metric(tmp_path):
+    from types import SimpleNamespace
+
+    from multigpu.queue.display import best_line
+
+    def queue(metric: str, values: dict) -> SimpleNamespace:
+        runs = []
+        for name, value in values.items():
+            folder = tmp_path / metric / name
+            folder.mkdir(parents=True)
+            (folder / "metrics.csv").write_text(f"step,epoch,{metric}\n10,1,{value * 2}\n20,2,{value}\n")
+            runs.append(SimpleNamespace(spec=SimpleNamespace(name=name, metric=None), state="done", folder=folder))
+        return SimpleNamespace(runs=runs, root=tmp_path / metric)
+
+    line = best_line(queue("valid_loss", {"a": 0.5, "b": 0.3, "c": 0.9}))
+    assert line.startswith("best run: b (valid_loss 0.3, lowest of 3)") and "multigpu plot" in line
+    assert best_line(queue("valid_answer_f1", {"a": 0.5, "b": 0.7})).startswith("best run: b")  # not "wer"
+    assert best_line(queue("valid_rmse", {"a": 0.5, "b": 0.7})).startswith("best run: a")

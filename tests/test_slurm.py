@@ -151,3 +151,20 @@ def test_cancel(cluster, tmp_path):
     assert _wait(cluster, job_id)["JobState"] == "CANCELLED"
     unknown = _multigpu(cluster, "slurm", "status", "999999")
     assert unknown.returncode == 2 and "knows no job 999999" in unknown.stderr
+
+
+def test_doctor_as_a_two_node_job_reports_and_fails_the_job_on_a_fault(cluster, tmp_path):
+    results = {}
+    for name, extra in (("healthy", []), ("full", ["--checkpoint-gb", "1e9"])):
+        proc = _multigpu(cluster, "slurm", "--nodes", "2", "--gpus-per-node", "0", "--time", "5:00",
+                         "--run-dir", str(tmp_path / name), "-m", "multigpu.diagnostics.doctor",
+                         "--out", str(tmp_path / "out"), "--sizes", "1", *extra)
+        assert proc.returncode == 0, proc.stderr
+        job_id = _job_id(proc.stdout)
+        results[name] = (_wait(cluster, job_id), (tmp_path / name / f"slurm-{job_id}.out").read_text())
+    info, log = results["healthy"]
+    assert info["JobState"] == "COMPLETED", log
+    assert "2 rank(s) on 2 node(s)" in log and "shared             ok" in log
+    info, log = results["full"]
+    assert info["JobState"] == "FAILED", log
+    assert "multigpu: error: " in log and "the checkpoints need 1e+09 GB" in log

@@ -484,7 +484,7 @@ DOCTOR_EXAMPLES = """\
 examples:
   multigpu doctor --out /shared/runs/exp1 --checkpoint-gb 200        this machine, every GPU
   multigpu doctor --nnodes 2 --node-rank 0 --master-addr host1 --master-port 29500 --out /shared/x   (and rank 1 on host2)
-  srun --ntasks-per-node 1 multigpu doctor --nnodes $SLURM_NNODES --rdzv-endpoint $HEAD:29400 --rdzv-id $SLURM_JOB_ID --out /shared/x
+  multigpu slurm --nodes 4 --gpus-per-node 8 --time 5:00 -m multigpu.diagnostics.doctor --out /shared/x   (Slurm: a job)
 
 Checks, from inside the same launch a job uses: every node joins the rendezvous; the same multigpu,
 torch, CUDA, NCCL and Python everywhere; clocks within --max-clock-skew; --out writable and shared
@@ -509,13 +509,34 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_doctor)
 
 
+def _stop_group(proc) -> None:
+    """SIGTERM the launcher's process group (it stops its workers), then SIGKILL after 30 s."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import json
     import subprocess
 
     from multigpu.diagnostics.doctor import MARKER
 
+    import math
+
     validate.positive_seconds(args.timeout, "--timeout", LaunchError)
+    for flag, value in (("--checkpoint-gb", args.checkpoint_gb), ("--max-clock-skew", args.max_clock_skew),
+                        ("--expect-gbps", args.expect_gbps)):
+        if not (math.isfinite(value) and 0 <= value <= 1e9):
+            raise LaunchError(f"{flag} {value} is not a number from 0 to 1e9.", f"e.g. {flag} 2.")
     for size in args.sizes.split(","):
         try:
             ok = 0 < float(size) <= 65536
@@ -526,20 +547,32 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "multigpu", "run", *launch_flags_of(args), "--tee-prefix", "never",
                "-m", "multigpu.diagnostics.doctor", "--out", args.out, "--checkpoint-gb", str(args.checkpoint_gb),
                "--sizes", args.sizes, "--max-clock-skew", str(args.max_clock_skew),
-               "--expect-gbps", str(args.expect_gbps)]
-    verdict = None
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
+               "--expect-gbps", str(args.expect_gbps), "--report-only"]
+    import threading
+
+    verdicts: list[dict] = []
+
+    def pump(stream) -> None:  # a thread: a stuck rank (a dead NFS mount) must not block the timeout
+        for line in stream:
+            if line.startswith(MARKER):
+                verdicts.append(json.loads(line[len(MARKER):]))
+            else:
+                print(line, end="", flush=True)
+
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
+        reader.start()
         try:
-            for line in proc.stdout:
-                if line.startswith(MARKER):
-                    verdict = json.loads(line[len(MARKER):])
-                else:
-                    print(line, end="", flush=True)
             status = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise LaunchError(f"doctor did not finish in {args.timeout} s.", "run it with --rdzv-timeout lower, "
-                              "and check that every node was started.") from None
+        except BaseException as exc:  # the timeout, or Ctrl-C (its own session: the terminal's signal misses it)
+            _stop_group(proc)
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
+            raise LaunchError(f"doctor did not finish in {args.timeout} s (a node that never joined, or a rank stuck "
+                              "on the output folder).", "check that every node was started and that --out is "
+                              "mounted; a lower --rdzv-timeout fails sooner.") from None
+        reader.join(timeout=10)
+    verdict = verdicts[-1] if verdicts else None
     if verdict is None:
         if status == 0:  # another node holds rank 0: the report is printed there
             print("multigpu doctor: this node's checks ran; the report is printed on the node of rank 0", flush=True)

@@ -14,17 +14,17 @@ package is installed; ``wandb`` and ``mlflow`` are extras. None of them is requi
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
 import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from multigpu.errors import ConfigError
-from multigpu.fileio import atomic_write_text, open_append
+from multigpu.fileio import atomic_write_text, open_append, read_regular
 
 KINDS = ("step", "epoch")
 #: metrics.csv holds the epoch rows (one per epoch, and per eval_every_steps validation); steps.csv the step rows.
@@ -198,11 +198,21 @@ class WandbLogger:
             raise ConfigError("loggers: wandb needs the wandb package.",
                               "pip install 'multigpu[wandb]' (or drop wandb from loggers).") from None
         folder = Path(folder).resolve()
-        digest = hashlib.sha1(str(folder).encode()).hexdigest()[:8]  # stable across resumes
-        run_id = re.sub(r"[^A-Za-z0-9_-]", "-", f"{folder.name}-{digest}")[:60]
         (folder / "wandb").mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "multigpu"), name=folder.name, id=run_id,
-                              dir=str(folder), resume="allow", reinit=True)
+        # The id lives in the run folder: a resume continues the same W&B run, while a new folder (or a
+        # deleted and recreated one, or the same path on another machine) starts a new one.
+        marker = folder / ".wandb_run_id"
+        run_id = read_regular(marker, 200).decode(errors="replace").strip() if marker.exists() else ""
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+            run_id = re.sub(r"[^A-Za-z0-9_-]", "-", f"{folder.name[:40]}-{secrets.token_hex(4)}")
+            atomic_write_text(marker, run_id)
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "multigpu"), name=folder.name, id=run_id,
+                                  dir=str(folder), resume="allow", reinit=True)
+        except Exception as exc:  # no API key, no network, a refused project: W&B's own exception types
+            raise ConfigError(f"loggers: wandb could not start: {' '.join(str(exc).split())[:300]}",
+                              "run `wandb login`, or set WANDB_MODE=offline (sync later with `wandb sync`), "
+                              "or drop wandb from loggers.") from None
         self.start = max(resume_step or 0, int(getattr(self.run, "step", 0) or 0))
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
@@ -240,10 +250,15 @@ class MLflowLogger:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "multigpu")
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        try:
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+        except Exception as exc:  # an unreachable server, a refused store: MLflow's own exception types
+            raise ConfigError(f"loggers: mlflow could not reach {uri}: {' '.join(str(exc).split())[:300]}",
+                              "check MLFLOW_TRACKING_URI (unset: a file store in the run folder), or drop mlflow "
+                              "from loggers.") from None
         marker = folder / ".mlflow_run_id"
-        run_id = marker.read_text().strip() if marker.exists() else ""
+        run_id = read_regular(marker, 200).decode(errors="replace").strip() if marker.exists() else ""
         if run_id:
             try:
                 self.client.get_run(run_id)

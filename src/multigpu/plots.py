@@ -56,9 +56,9 @@ def _series(rows: list[dict[str, str]], key: str) -> tuple[list[float], list[flo
 
 
 def _metric_of(rows: list[dict[str, str]], preferred: Optional[str]) -> Optional[str]:
+    if preferred:
+        return preferred if rows and preferred in rows[0] else None
     keys = [k for k in (rows[0] if rows else {}) if k.startswith("valid_") and k != "valid_loss"]
-    if preferred and rows and preferred in rows[0]:
-        return preferred
     return keys[0] if keys else None
 
 
@@ -70,6 +70,11 @@ def plot_runs(runs: Sequence[Path], out: Path, metric: Optional[str] = None) -> 
         from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
+    if metric is not None:
+        columns = {k for folder in runs for row in read_csv(folder / CSV_FILES["epoch"])[:1] for k in row}
+        if metric not in columns:
+            raise ConfigError(f"--metric {metric!r} is not a column of the runs' metrics.csv.",
+                              f"choose from {', '.join(sorted(c for c in columns if c not in ('step', 'epoch')))[:300]}.")
     figure = Figure(figsize=SIZE_IN, dpi=DPI)
     FigureCanvasAgg(figure)
     loss_axes, metric_axes = figure.subplots(1, 2)

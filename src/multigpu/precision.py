@@ -50,14 +50,16 @@ class Precision:
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Optimizer step (skipped by the scaler on inf/nan gradients); True if it was taken."""
+        """Optimizer step (skipped by the fp16 scaler on inf/nan gradients). Returns True: whether the
+        scaler skipped it is only known by reading its scale, a host synchronisation on every step, so
+        the scheduler advances on a skipped step too (as in Lightning) - a handful of steps at the start
+        of an fp16 run."""
         if self.scaler is None:
             optimizer.step()
             return True
-        before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        return self.scaler.get_scale() >= before
+        return True
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler is not None else {}

@@ -227,9 +227,10 @@ class Run:
             raise ConfigError("a loader needs batch_size (per data-parallel rank).", "e.g. run.loader(data, 32).")
         self._loaders_dp = self.dp_size
         scale = self.probe.scale if self.probe is not None and not evaluation else 1
-        return adapt(data, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=batch_size or 1,
-                     evaluation=evaluation, batch_scale=scale, pin_memory=self.device.type == "cuda",
-                     rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
+        loader = adapt(data, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=batch_size or 1,
+                       evaluation=evaluation, batch_scale=scale, pin_memory=self.device.type == "cuda",
+                       rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
+        return self.probe.count(loader) if self.probe is not None and not evaluation else loader
 
     def _min_agreement(self) -> Optional[Agreement]:
         if not self.session.active:

@@ -171,6 +171,8 @@ def move_to(batch: Any, device: torch.device) -> Any:
 
 def batch_length(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor."""
+    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
+        return batch[0].shape[0]  # the common (inputs, labels) batch, without the general walk below
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else []
@@ -295,16 +297,16 @@ class Trainer(abc.ABC):
                  "valid_samples": _size(self._valid) if self._valid is not None else None,
                  "epochs": epochs}, group=self.run.control_group)
         if s.resume:
-            resumed = self.resume()
+            self.resume()
         elif self.run.latest_checkpoint(self.checkpoint_dir, checksums=False) is not None:
             raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
                               "set resume: true to continue that run, or choose a new out_dir.")
-        else:
-            resumed = False
         train_loader.resume_at(self.state.epoch, self.state.batch_in_epoch)
         self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, report_dir=str(self.out_dir / "hang"),
                                   preemption=s.preemption, stop_check_every=s.stop_check_every)
-        self.loggers = Loggers(s.loggers, self.out_dir, resume_step=self.state.global_step if resumed else None,
+        # With resume on, the files continue from this run's step - 0 when no checkpoint was found, so a
+        # restart that crashed before its first checkpoint does not log steps 1..k twice.
+        self.loggers = Loggers(s.loggers, self.out_dir, resume_step=self.state.global_step if s.resume else None,
                                enabled=self.run.is_main)
         self.loggers.log_hparams(hparams_of(s.plain(), consistency.plain(self.config)))
         self._report_start(train_loader)
@@ -380,6 +382,8 @@ class Trainer(abc.ABC):
         model, optimizer, precision, strategy, run = self.model, self.optimizer, self.precision, self.strategy, self.run
         model.train()
         total = getattr(loader, "length", None)  # the whole epoch; None for a stream
+        # Batches need moving unless everything is on the CPU (a CPU run on a GPU machine may still load CUDA tensors).
+        on_accelerator = self.device.type != "cpu" or torch.cuda.is_available()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         window_start = loss_sum.clone()  # loss_sum at the last step row: one accumulation per batch, not two
         window_batches = batches = samples = 0
@@ -387,7 +391,8 @@ class Trainer(abc.ABC):
         log_samples = 0
         completed = True
         for index, batch in enumerate(loader, start=self.state.batch_in_epoch):
-            batch = move_to(batch, self.device)
+            if on_accelerator:
+                batch = move_to(batch, self.device)
             boundary = ((index + 1) % s.accumulate == 0 or (total is not None and index + 1 == total)
                         or (total is None and s.accumulate > 1 and loader.ends_after_current()))
             with (contextlib.nullcontext() if boundary else strategy.no_sync(model)):

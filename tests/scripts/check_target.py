@@ -6,7 +6,9 @@ CAUSE: none, unsharded (a plain DataLoader on every rank), batchnorm, sum_loss (
 grad_sum (an all-reduce SUM of gradients on top of DDP's average), same_seed (noise augmentation
 seeded alike on every rank), unused (a parameter outside the forward), mean_of_means (evaluation
 averaged over the ranks' means on uneven shards), drop_last_padding (a dataset that does not divide
-evenly: the sampler pads). --trainer: the same model through mg.Trainer (plants none/batchnorm).
+evenly: the sampler pads). Correct variants: late_optimizer (built after run.setup), seq_first (the
+model's input is (time, batch, ...)), plain_backward (loss.backward() instead of run.backward).
+--trainer: the same model through mg.Trainer (plants none/batchnorm).
 """
 
 import argparse
@@ -54,7 +56,11 @@ if args.trainer:
         out_dir="unused-by-check").fit(data)
     raise SystemExit(0)
 
-model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.1))
+if plant == "late_optimizer":  # the optimizer built after run.setup, from the wrapped model's parameters
+    model, _ = run.setup(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+else:
+    model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.1))
 if plant == "unsharded":
     loader = DataLoader(data, batch_size=8, shuffle=False)
 else:
@@ -66,9 +72,16 @@ for epoch in range(3):
     for inputs, labels in loader:
         if plant == "same_seed":
             inputs = inputs + 0.1 * torch.randn_like(inputs)
-        loss = F.cross_entropy(model(inputs), labels, reduction="sum" if plant == "sum_loss" else "mean")
+        if plant == "seq_first":  # the model sees (time=1, batch, features): its input's first dimension is not the batch
+            logits = model(inputs.unsqueeze(0)).squeeze(0)
+        else:
+            logits = model(inputs)
+        loss = F.cross_entropy(logits, labels, reduction="sum" if plant == "sum_loss" else "mean")
         optimizer.zero_grad()
-        run.backward(loss)
+        if plant == "plain_backward":
+            loss.backward()  # DDP averages the gradients all the same; only the check cannot see the loss
+        else:
+            run.backward(loss)
         if plant == "grad_sum" and dist.is_initialized():  # (one process: no group, as users guard it)
             for p in model.parameters():
                 dist.all_reduce(p.grad)  # SUM on top of DDP's average: N x the gradient

@@ -101,10 +101,20 @@ def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Pat
     return Outcome.read(folder, done.returncode, done.stdout + done.stderr)
 
 
+#: The default tolerance never exceeds this: a summed loss (1/N), doubled gradients (N x) or BatchNorm
+#: drift must stay visible under bf16/fp16 autocast, whose eps alone would allow several times the value.
+MAX_TOLERANCE = 2e-2
+
+
 def _tolerance(dtype: Optional[str], steps: int, given: Optional[float]) -> float:
     if given is not None:
         return given
-    return 500 * EPS.get(dtype or "float32", EPS["float32"]) * math.sqrt(max(steps, 1))
+    return min(MAX_TOLERANCE, 500 * EPS.get(dtype or "float32", EPS["float32"]) * math.sqrt(max(steps, 1)))
+
+
+def _finite_or_inf(value: float) -> float:
+    """A NaN difference (a run that diverged) must never look small: max() would skip it."""
+    return value if math.isfinite(value) else math.inf
 
 
 def _weight_differences(many: dict, one: dict) -> list[tuple[str, float, float]]:
@@ -114,18 +124,19 @@ def _weight_differences(many: dict, one: dict) -> list[tuple[str, float, float]]
             rows.append((name, math.inf, math.inf))
             continue
         a, b = many[name].double(), one[name].double()
-        diff = (a - b).abs().max().item() if a.numel() else 0.0
+        diff = _finite_or_inf((a - b).abs().max().item()) if a.numel() else 0.0
         scale = b.abs().max().item() if b.numel() else 0.0
-        rows.append((name, diff, diff / scale if scale > 0 else diff))
+        rows.append((name, diff, _finite_or_inf(diff / scale) if scale > 0 else diff))
     return rows
 
 
 def _update_ratio(many: Outcome, one: Outcome) -> Optional[float]:
-    w0, m1, o1 = many.weights("weights0.pt"), many.weights("weights1.pt"), one.weights("weights1.pt")
-    if not (w0 and m1 and o1):
+    m0, m1 = many.weights("weights0.pt"), many.weights("weights1.pt")
+    o0, o1 = one.weights("weights0.pt"), one.weights("weights1.pt")
+    if not (m0 and m1 and o0 and o1):
         return None
-    num = sum(((m1[k].double() - w0[k].double()) ** 2).sum().item() for k in w0 if k in m1 and m1[k].is_floating_point())
-    den = sum(((o1[k].double() - w0[k].double()) ** 2).sum().item() for k in w0 if k in o1 and o1[k].is_floating_point())
+    num = sum(((m1[k].double() - m0[k].double()) ** 2).sum().item() for k in m0 if k in m1 and m1[k].is_floating_point())
+    den = sum(((o1[k].double() - o0[k].double()) ** 2).sum().item() for k in o0 if k in o1 and o1[k].is_floating_point())
     return math.sqrt(num / den) if den > 0 else None
 
 
@@ -140,7 +151,7 @@ def diagnose(many: Outcome, one: Outcome, nproc: int) -> list[str]:
         if same:
             found.append("every rank trained on the same batches at every step: the loader is not sharded. Build it "
                          "with run.loader(dataset or DataLoader) - or give your DataLoader a DistributedSampler.")
-    if steps and one.samples(0) * nproc == many.samples(0):
+    if steps and one.samples(0) and one.samples(0) * nproc == many.samples(0):
         found.append(f"the one-process run saw {one.samples(0)} samples in step 1 where {nproc} processes saw "
                      f"{many.samples(0)}: its loader was not scaled, so it is not built by run.loader (or the "
                      "Trainer). Build loaders with run.loader so the batch size is per process.")
@@ -219,7 +230,7 @@ def _report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Opti
     causes = diagnose(many, one, nproc)
     for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
         if outcome.status != 0 or outcome.steps < steps:
-            if not outcome.ranks:
+            if outcome.steps == 0:
                 out(f"the {label} run recorded no step (exit {outcome.status}): {outcome.error_line()}")
                 out("HINT: the script must build its model with run.setup (or the Trainer) and step an optimizer; "
                     "run it with `multigpu run` first.")
@@ -230,12 +241,20 @@ def _report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Opti
     tol = _tolerance(dtype, steps, tolerance)
     out(f"\n{'step':>4}  {'loss, ' + str(nproc) + ' procs':>15}  {'loss, 1 proc':>15}  {'rel. diff':>9}  samples")
     worst_loss = 0.0
+    no_losses = all(many.loss(i) is None and one.loss(i) is None for i in range(min(many.steps, one.steps)))
     for i in range(min(many.steps, one.steps)):
         a, b = many.loss(i), one.loss(i)
-        rel = abs(a - b) / max(abs(b), 1e-12) if a is not None and b is not None else math.inf
+        if a is None and b is None:
+            rel = 0.0  # neither run reported its loss (see the note below): the weights decide
+        elif a is None or b is None:
+            rel = math.inf
+        else:
+            rel = _finite_or_inf(abs(a - b) / max(abs(b), 1e-12))
         worst_loss = max(worst_loss, rel)
         out(f"{i + 1:>4}  {a if a is not None else float('nan'):>15.8g}  {b if b is not None else float('nan'):>15.8g}  "
             f"{rel:>9.2e}  {many.samples(i)} / {one.samples(i)}")
+    if no_losses:
+        out("(no losses: the script calls loss.backward() itself; call run.backward(loss) to have them compared)")
     weights_many, weights_one = many.weights(), one.weights()
     worst_weight = math.inf
     if weights_many is not None and weights_one is not None:

@@ -30,13 +30,15 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
 
 
 def config_hash(config: Any) -> str:
-    """A hash of plain data. Values JSON cannot hold are hashed by type name (a function's repr carries
-    its memory address, which differs per process) and sets in sorted order."""
+    """A hash of plain data. Values JSON cannot hold are hashed by their repr (a Path, an Enum, a numpy
+    scalar, a dtype differ by value), sets in sorted order, and by type name only where the repr carries
+    a memory address (a function, an object without a repr), which differs per process."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, (set, frozenset)):
             return sorted(repr(v) for v in value)
-        return f"<{type(value).__qualname__}>"
+        text = repr(value)
+        return f"<{type(value).__qualname__}>" if " at 0x" in text else f"<{type(value).__qualname__} {text[:500]}>"
 
     text = json.dumps(config, sort_keys=True, default=plain)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

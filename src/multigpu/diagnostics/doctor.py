@@ -9,9 +9,11 @@ cannot form fails here, in seconds, with the launcher's one line.
 This module is the worker, run on every rank by ``multigpu doctor`` through ``multigpu run``:
 
     multigpu run [node flags] -m multigpu.diagnostics.doctor --out DIR [--checkpoint-gb G] [--sizes 1,256]
+    multigpu slurm --nodes 2 --gpus-per-node 4 --time 5:00 -m multigpu.diagnostics.doctor --out /shared/x
 
 Every rank gathers its facts, rank 0 compares them, runs the all-reduces and prints a table, the
 first fault as one line with a HINT, and a ``MULTIGPU_DOCTOR {json}`` line the command reads.
+Every rank exits 1 when there is a fault (so a Slurm job of it ends FAILED), unless ``--report-only``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def local_facts(out: Path) -> dict[str, Any]:
     import multigpu
 
     facts: dict[str, Any] = {
-        "host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda or "none", "multigpu": multigpu.__version__, "nccl": "none",
     }
     if torch.cuda.is_available() and dist.is_nccl_available():
@@ -63,6 +65,8 @@ def local_facts(out: Path) -> dict[str, Any]:
         facts["free_gb"] = shutil.disk_usage(out).free / 1e9
     except OSError:
         facts["free_gb"] = None
+    if torch.cuda.is_available() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        facts["ecc"] = ecc_errors()  # once per node
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         free, total = torch.cuda.mem_get_info(device)
@@ -70,11 +74,33 @@ def local_facts(out: Path) -> dict[str, Any]:
     return facts
 
 
-def _shared_folder(out: Path, run: Any) -> bool:
-    """Rank 0 writes a file with a fresh secret into ``out``; every rank must read that same secret."""
+def ecc_errors() -> Optional[dict[str, str]]:
+    """Uncorrected ECC errors per visible GPU since the driver loaded, from ``nvidia-smi`` (None: no
+    nvidia-smi here). A GPU with uncorrected errors computes wrong numbers or dies mid-job."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    import subprocess
+
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = {}
+    for line in done.stdout.splitlines():
+        index, _, count = line.partition(",")
+        if index.strip():
+            found[index.strip()] = count.strip()
+    return found
+
+
+def _shared_folder(out: Path, run: Any, writable: bool) -> bool:
+    """Rank 0 writes a file with a fresh secret into ``out``; every rank must read that same secret.
+    Every rank takes part in the same collectives, writable or not (else the ranks would disagree on
+    which collective comes next and hang - on exactly the node this should report)."""
     secret = secrets.token_hex(8) if run.is_main else ""
     name = [f".multigpu-doctor-shared-{secret}"]
-    if run.is_main:
+    if run.is_main and writable:
         try:
             (out / name[0]).write_text(secret)
         except OSError:
@@ -82,11 +108,11 @@ def _shared_folder(out: Path, run: Any) -> bool:
     dist.broadcast_object_list(name, src=0)
     dist.barrier()
     try:
-        seen = (out / name[0]).read_text() == name[0].rsplit("-", 1)[1]
+        seen = writable and (out / name[0]).read_text() == name[0].rsplit("-", 1)[1]
     except OSError:
         seen = False
     dist.barrier()
-    if run.is_main:
+    if run.is_main and writable:
         try:
             (out / name[0]).unlink()
         except OSError:
@@ -136,6 +162,12 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
                           f"{gpu['total_gb']:.1f} GB free: another process holds it",
                           "find it with nvidia-smi; a job sharing a GPU runs slowly or out of memory."))
             break
+    for fact in facts:
+        bad = {gpu: count for gpu, count in (fact.get("ecc") or {}).items() if count.isdigit() and int(count) > 0}
+        if bad:
+            found.append((f"uncorrected ECC errors on {fact['host']}: " + ", ".join(f"GPU {g}: {c}" for g, c in bad.items()),
+                          "drain the node (or leave those GPUs out with --gpus) and tell its administrators."))
+            break
     for result in results:
         if not result["correct"]:
             found.append((f"an all-reduce of {result['bytes'] / 2**20:.0f} MiB gave a wrong sum",
@@ -150,6 +182,15 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
     return found
 
 
+def _ecc_row(facts: list[dict]) -> tuple[str, str, str]:
+    seen = [fact["ecc"] for fact in facts if fact.get("ecc") is not None]
+    if not seen:
+        return ("ecc", "-", "not checked: no nvidia-smi on the nodes (XID errors: the kernel log, dmesg)")
+    bad = sum(1 for ecc in seen for count in ecc.values() if count.isdigit() and int(count) > 0)
+    return ("ecc", "ok" if not bad else "ERRORS", f"uncorrected errors on {bad} GPU(s) of {sum(map(len, seen))}; "
+            "XID errors are not read (kernel log, dmesg)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import multigpu as mg
 
@@ -159,21 +200,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sizes", default="1,256")
     parser.add_argument("--max-clock-skew", type=float, default=2.0)
     parser.add_argument("--expect-gbps", type=float, default=0.0)
+    parser.add_argument("--report-only", action="store_true",
+                        help="exit 0 even with faults (`multigpu doctor` reads the verdict line instead)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     run = mg.init(timeout_s=60)
     started = time.monotonic()
     fact = local_facts(out)
-    fact["shared"] = _shared_folder(out, run) if fact["writable"] else False
+    fact["shared"] = _shared_folder(out, run, fact["writable"])
     dist.barrier()
     fact["clock"] = time.time()
     facts: list[dict] = [{} for _ in range(run.world_size)]
     dist.all_gather_object(facts, fact)
     device = run.device if run.backend == "nccl" else run.comm_device
     results = [measure(int(float(size) * 2**20), device, repeats=3) for size in args.sizes.split(",") if size]
+    found = faults(facts, args, results)  # every rank has the same facts: every rank reaches the same verdict
+    status = 0 if args.report_only or not found else 1
     if not run.is_main:
-        return 0
-    found = faults(facts, args, results)
+        return status
     hosts = sorted({f["host"] for f in facts})
     print(f"multigpu doctor: {run.world_size} rank(s) on {len(hosts)} node(s) ({', '.join(hosts[:4])}"
           f"{', ...' if len(hosts) > 4 else ''}), backend {run.backend}")
@@ -191,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              else "LOW", f"{min((f['free_gb'] or 0) for f in facts):.1f} GB at least"),
             ("gpus", "ok" if "gpu" in first or run.backend != "nccl" else "?",
              first["gpu"]["name"] if "gpu" in first else "none (CPU, gloo)"),
-            ("ecc/xid", "-", "not checked: read nvidia-smi -q (no NVML binding used)")]
+            _ecc_row(facts)]
     for result in results:
         rows.append((f"all-reduce {result['bytes'] / 2**20:.0f} MiB", "ok" if result["correct"] else "WRONG",
                      f"{result['seconds'] * 1e3:.1f} ms, bus {result['bus_gbps']:.2f} GB/s"))
@@ -204,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for problem, _hint in found[1:]:
             print(f"  also: {problem}", file=sys.stderr)
     print(MARKER + json.dumps({"faults": [p for p, _ in found], "world": run.world_size}), flush=True)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

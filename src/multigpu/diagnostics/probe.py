@@ -80,10 +80,15 @@ class Probe:
         self._compute_dtype: Optional[str] = None
         self._eval_samples = 0
         self._averaged_scalars = 0
+        self._loader_samples = False  # True once a run.loader loader counts the samples
 
     # ------------------------------------------------------------------ attach
     def attach(self, run: Any, wrapped: nn.Module, inner: nn.Module, optimizer: Any) -> None:
-        """Called by ``run.setup``: hooks on the model and the optimizer, dropout off, the layers noted."""
+        """Called by ``run.setup``: hooks on the model and on every optimizer's step, dropout off, the
+        layers noted. Only the first model set up is compared (a second one - a teacher, a GAN's other
+        half - still trains, and every ``optimizer.step()`` of any optimizer counts as a step)."""
+        if self._model is not None:
+            return
         self._run, self._model = run, wrapped
         dropouts = 0
         for module in inner.modules():
@@ -97,8 +102,10 @@ class Probe:
                 self._names[id(param)] = name
                 param.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
         wrapped.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
-            optimizer.register_step_post_hook(lambda opt, args, kwargs: self._on_step())
+        # Global: also an optimizer built after run.setup (`model, _ = run.setup(model)`; opt = SGD(...)).
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(lambda opt, args, kwargs: self._on_step())
         self._watch_averages()
         self._save_weights("weights0.pt")  # a collective for sharded models: every rank is in setup
         if self.rank == 0:
@@ -114,18 +121,27 @@ class Probe:
         import torch.distributed as dist
 
         original = dist.all_reduce
+        if getattr(original, "_multigpu_probe", False):
+            return
 
         def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
             if op == dist.ReduceOp.AVG and isinstance(tensor, torch.Tensor) and tensor.numel() <= 16:
                 self._averaged_scalars += 1
             return original(tensor, op, *args, **kwargs)
 
+        all_reduce._multigpu_probe = True  # type: ignore[attr-defined]
         dist.all_reduce = all_reduce
 
     def _save_weights(self, name: str) -> None:
         weights = self._run.state_dict(self._model)
         if self.rank == 0:
             torch.save(weights, self.folder / name)
+
+    def count(self, loader: Any) -> "CountingLoader":
+        """Wrap a training loader built by ``run.loader``: samples are counted as it yields batches
+        (the collated batch's first dimension), not from the model's input, which may be (time, batch)."""
+        self._loader_samples = True
+        return CountingLoader(loader, self)
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         first = _first_tensor(args) if args else _first_tensor(kwargs)
@@ -138,7 +154,8 @@ class Probe:
             self._compute_dtype = str(torch.get_autocast_dtype(device) if enabled else
                                       next((p.dtype for p in module.parameters()), torch.float32)).replace("torch.", "")
         if first is not None:
-            self._samples += int(first.shape[0]) if first.dim() else 1
+            if not self._loader_samples:
+                self._samples += int(first.shape[0]) if first.dim() else 1
             self._inputs.append(_digest(first))
         self._rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
 
@@ -162,3 +179,24 @@ class Probe:
             self._save_weights("weights.pt")
             self._log.close()
             raise CheckDone()
+
+
+class CountingLoader:
+    """A training loader that tells the probe how many samples each batch holds; everything else is
+    the wrapped loader's (attributes, ``len``, resuming)."""
+
+    def __init__(self, loader: Any, probe: Probe) -> None:
+        self._loader, self._probe = loader, probe
+
+    def __iter__(self):
+        for batch in self._loader:
+            first = _first_tensor(batch)
+            if first is not None:
+                self._probe._samples += int(first.shape[0]) if first.dim() else 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shlex
 import time
 from typing import Optional
@@ -151,11 +152,16 @@ class Display:
                                f"{ideal / span:.0%} of it)", highlight=False)
 
 
+#: Words of a metric name that mean lower is better (compared as whole words: "wer" is not "answer").
+LOWER_IS_BETTER = {"loss", "error", "err", "perplexity", "ppl", "wer", "cer", "mae", "mse", "rmse", "nll", "bpc",
+                   "bpb", "eer", "fid", "distance", "time"}
+
+
 def best_line(queue: Queue) -> str:
     """'best run: NAME (valid_loss 0.31 of 4 runs); curves: multigpu plot OUT' - or '' without metrics.
 
     The metric is the runs' own ``metric:`` (when they agree), else valid_loss, else the first valid_*
-    column; lower is better for names with loss/error/perplexity in them, higher otherwise."""
+    column; lower is better when a word of its name is in :data:`LOWER_IS_BETTER`, higher otherwise."""
     finals = {run.spec.name: last_metrics(run) for run in queue.runs if run.state == "done"}
     chosen = {run.spec.metric for run in queue.runs if run.spec.metric}
     columns = [k for values in finals.values() for k in values]
@@ -170,7 +176,7 @@ def best_line(queue: Queue) -> str:
     scored = [(v, n) for v, n in scored if v == v]  # drop NaN
     if not key or not scored:
         return ""
-    lower = any(word in key for word in ("loss", "error", "perplexity", "wer", "cer"))
+    lower = bool(LOWER_IS_BETTER & set(re.split(r"[^a-z0-9]+", key.lower())))
     value, name = (min if lower else max)(scored)
     return (f"best run: {name} ({key} {value:.4g}, {'lowest' if lower else 'highest'} of {len(scored)}); "
             f"curves of every run: multigpu plot {shlex.quote(str(queue.root))}")
