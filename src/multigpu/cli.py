@@ -150,7 +150,7 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     misc.add_argument("--tee-prefix", choices=("auto", "always", "never"), default="auto",
                       help="put [rankN] before each line of the workers' stderr: auto (not on a terminal, where "
                       "progress bars redraw in place; yes in log files with several ranks), always or never")
-    misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines")
+    misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines (and the launcher's C++ logs)")
     misc.add_argument("--debug", action="store_true",
                       help="TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO and the NCCL flight recorder (dumped "
                       "into the log folder on a timeout); keeps every rank's log")
@@ -174,7 +174,27 @@ def _check_run_flags(args: argparse.Namespace) -> None:
         prepare_log_dir(args.log_dir)
 
 
+def _quiet_agent_logs() -> None:
+    """The launcher's own process (not the workers) loads torch with its C++ log level at FATAL.
+
+    Why: when a node cannot reach the rendezvous, c10d's TCPStore client logs every retry with a C++
+    stack trace (dozens of lines) before the launcher prints its one line with a HINT. The level is read
+    once, when torch loads, so it is set just for that import and removed again: the workers inherit
+    the user's environment unchanged. ``--verbose`` or a TORCH_CPP_LOG_LEVEL of your own keeps them."""
+    import os
+
+    if "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    if not args.verbose:
+        _quiet_agent_logs()
     from multigpu.launch.devices import plan_devices, visible_gpus
     from multigpu.launch.local import LaunchRequest, launch, plan_rendezvous, split_command
 
