@@ -104,3 +104,21 @@ def test_dataparallel_split_rule_matches_torch_chunk(batch, n):
     expected = [len(c) for c in torch.arange(batch).chunk(n)] if batch else []
     assert split_sizes(batch, n) == expected
     assert sum(split_sizes(batch, n)) == batch
+
+
+def test_position_after_an_epochs_last_batch_is_the_next_epoch():
+    from multigpu.data import make_loader
+
+    loader = make_loader(list(range(12)), 4, rank=0, world_size=1, shuffle=True, seed=0)
+    seen = []
+    for _ in loader:
+        seen.append(loader.position())
+    assert seen == [(0, 1), (0, 2), (1, 0)]  # at the last batch, loader.epoch is still 0
+    resumed = make_loader(list(range(12)), 4, rank=0, world_size=1, shuffle=True, seed=0)
+    resumed.resume_at(0, 2)
+    batches = list(resumed)
+    assert len(batches) == 1 and resumed.position() == (1, 0)
+    resumed.resume_at(*seen[0])
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in list(make_loader(list(range(12)), 4, rank=0,
+                                                                                  world_size=1, shuffle=True,
+                                                                                  seed=0))][1:]

@@ -351,3 +351,14 @@ def test_a_config_error_on_every_rank_is_printed_once(tmp_path):
     assert len(errors) == 1, proc.stderr  # not once per rank plus the launcher's tail
     assert errors[0].startswith("multigpu: error: the command-line override 'trainer.epoch=3': unknown key "
                                 "'trainer.epoch'. HINT: did you mean 'trainer.epochs'? (on ")
+
+
+def test_an_own_loop_resumed_at_an_epochs_last_batch_continues_with_the_next_epoch(tmp_path):
+    # own_loop.py: 192 samples, batch 8, 2 ranks -> 12 steps per epoch. Stopping at step 12 leaves a
+    # checkpoint taken inside the loop over epoch 0's last batch: the resume must start epoch 1.
+    script = str(SCRIPTS / "own_loop.py")
+    multigpu("run", "--nproc", "2", script, str(tmp_path / "reference"), "--steps", "24", check=True)
+    multigpu("run", "--nproc", "2", script, str(tmp_path / "out"), "--steps", "12", check=True)
+    multigpu("run", "--nproc", "2", script, str(tmp_path / "out"), "--steps", "24", check=True)
+    final, expected = (torch.load(tmp_path / p / "final.pt", weights_only=True) for p in ("out", "reference"))
+    assert all(torch.equal(final[k], expected[k]) for k in expected)

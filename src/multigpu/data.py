@@ -118,6 +118,7 @@ class Loader:
         self.world_size = world_size
         self.epoch = 0
         self._resume_batches = 0
+        self._done = 0  # batches of the current pass yielded so far (counting the skipped ones)
 
     @property
     def dataset(self) -> Any:
@@ -131,6 +132,16 @@ class Loader:
         self.epoch = epoch
         self._resume_batches = batches_done
 
+    def position(self) -> tuple[int, int]:
+        """Where to resume after the batch just trained on, as ``resume_at(*position)`` takes it.
+
+        Save this in a checkpoint rather than ``loader.epoch``: inside the loop over an epoch's last
+        batch, ``epoch`` still names that epoch (it advances when the loop asks for the next batch), and
+        resuming there would train the whole epoch again."""
+        if self._done >= len(self.loader):
+            return self.epoch + 1, 0
+        return self.epoch, self._done
+
     def __iter__(self) -> Iterator[Any]:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
@@ -140,9 +151,13 @@ class Loader:
             self.loader.generator.manual_seed(epoch_generator_seed(self.seed, self.epoch, self.stream))
         if self._resume_batches and isinstance(self.sampler, ShardedSampler):
             self.sampler.skip(self._resume_batches * self.batch_size)
+        self._done = self._resume_batches if isinstance(self.sampler, ShardedSampler) else 0
         self._resume_batches = 0
-        yield from self.loader
+        for batch in self.loader:
+            self._done += 1
+            yield batch
         self.epoch += 1
+        self._done = 0
 
     def __len__(self) -> int:
         return len(self.loader)

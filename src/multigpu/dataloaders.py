@@ -198,6 +198,7 @@ class StreamLoader:
         self.epoch = 0
         self.length: Optional[int] = None
         self._resume_batches = 0
+        self._done = 0  # batches of the current pass yielded so far (counting the skipped ones)
         self._pending: Any = _END
         self._agreement: Optional[Agreement] = None
         if _is_hf_stream(dataset):
@@ -216,6 +217,13 @@ class StreamLoader:
     def resume_at(self, epoch: int, batches_done: int) -> None:
         self.epoch, self._resume_batches = epoch, batches_done
 
+    def position(self) -> tuple[int, int]:
+        """Where to resume after the batch just trained on (see ``Loader.position``); at a stream's last
+        batch of an epoch this waits for the end-of-stream agreement, like ``ends_after_current``."""
+        if self._done and self.ends_after_current():
+            return self.epoch + 1, 0
+        return self.epoch, self._done
+
     def __len__(self) -> int:
         raise TypeError("a stream has no length: its epoch ends when the shortest rank's share ends")
 
@@ -233,6 +241,7 @@ class StreamLoader:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
         source = RankShare(self.dataset, self.rank, self.size, self.batch_size, self._resume_batches, self._split_workers)
+        self._done = self._resume_batches
         self._resume_batches = 0
         generator = torch.Generator()
         generator.manual_seed(epoch_generator_seed(self.seed, self.epoch, self.stream))
@@ -253,8 +262,10 @@ class StreamLoader:
                 self._pending = next(batches, _END)
                 if self._agreement is not None:
                     self._agreement.start(self._pending is not _END)  # finishes while the step runs
+                self._done += 1
                 yield current
         finally:
             if self._agreement is not None:
                 self._agreement.result()  # stopped early on every rank (max_steps): complete the last one
         self.epoch += 1
+        self._done = 0

@@ -37,9 +37,9 @@ model = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear
 run.check_consistency(model, config={"lr": 0.05, "steps": args.steps})
 model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
 loader = run.loader(data, batch_size=8, quiet=True)
-state = run.load_checkpoint(out / "checkpoints", model, optimizer) or {"step": 0, "epoch": 0}
-step, epoch = state["step"], state["epoch"]
-loader.resume_at(epoch, step % len(loader))
+state = run.load_checkpoint(out / "checkpoints", model, optimizer) or {"step": 0, "position": [0, 0]}
+step = state["step"]
+loader.resume_at(*state["position"])
 while step < args.steps:
     for inputs, labels in loader:
         if args.hang_at is not None and step == args.hang_at and run.rank == 1:
@@ -53,14 +53,15 @@ while step < args.steps:
         run.step_done(step)
         path = None
         if step % 1 == 0:
+            # loader.position(), not loader.epoch: at an epoch's last batch the next pass is the next epoch
             path = run.save_checkpoint(out / "checkpoints", step, {"model": model, "optimizer": optimizer,
-                                                                    "step": step, "epoch": loader.epoch}, keep_last=3)
+                                                                    "step": step, "position": list(loader.position())},
+                                       keep_last=3)
         if run.should_stop():
             (out / f"stopped-rank{run.rank}.txt").write_text(str(step))
             run.exit_preempted(path, step)
         if step >= args.steps:
             break
-    epoch = loader.epoch
 weights = run.state_dict(model)
 if run.is_main:
     torch.save(weights, out / "final.pt")
