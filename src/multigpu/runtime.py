@@ -360,6 +360,14 @@ class Run:
         with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
             yield
 
+    def settle(self) -> None:
+        """Wait for the outstanding stop agreement (started at the last check point by every rank, so it
+        completes at once). Called before a loader starts its worker processes: forking while gloo's
+        thread is inside an all-reduce copies that thread's locks into the workers, a known way for a
+        DataLoader worker to hang."""
+        if self._stop is not None and not self._interrupted:
+            self._stop.finish()
+
     def release_guards(self, clean: bool = True) -> None:
         """Stop the watchdog and restore the signal handlers. ``clean=False`` (leaving by an exception)
         abandons the outstanding stop agreement instead of waiting for ranks that may not come."""

@@ -390,6 +390,9 @@ class Trainer(abc.ABC):
         started = last_log = time.monotonic()
         log_samples = 0
         completed = True
+        if s.num_workers or getattr(loader, "kwargs", {}).get("num_workers") or getattr(
+                getattr(loader, "loader", None), "num_workers", 0):
+            run.settle()  # no all-reduce in flight while the workers are forked
         for index, batch in enumerate(loader, start=self.state.batch_in_epoch):
             if on_accelerator:
                 batch = move_to(batch, self.device)
@@ -482,6 +485,7 @@ class Trainer(abc.ABC):
 
     # ------------------------------------------------------------------ validation, best, early stop
     def _validate(self) -> dict[str, float]:
+        self.run.settle()  # the evaluation loader may fork workers: no all-reduce in flight meanwhile
         self.on_evaluate_start()
         with self.run.paused_watchdog():
             metrics = self.evaluate(self._valid)
