@@ -65,16 +65,17 @@ def _metric_of(rows: list[dict[str, str]], preferred: Optional[str]) -> Optional
 def plot_runs(runs: Sequence[Path], out: Path, metric: Optional[str] = None) -> Path:
     """Left: training loss (steps, thin) and validation loss (epochs, marked) against step. Right: the
     monitored metric (``metric``, else the first valid_* column that is not the loss). One colour per run."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
     if metric is not None:
         columns = {k for folder in runs for row in read_csv(folder / CSV_FILES["epoch"])[:1] for k in row}
         if metric not in columns:
             raise ConfigError(f"--metric {metric!r} is not a column of the runs' metrics.csv.",
                               f"choose from {', '.join(sorted(c for c in columns if c not in ('step', 'epoch')))[:300]}.")
+    # (checked before importing matplotlib, which writes its font cache on first import)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
     figure = Figure(figsize=SIZE_IN, dpi=DPI)
     FigureCanvasAgg(figure)
     loss_axes, metric_axes = figure.subplots(1, 2)
