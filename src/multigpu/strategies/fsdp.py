@@ -156,6 +156,7 @@ class FSDP(PlainGradients):
         for block in find_blocks(model, self.options.wrap):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        _sum_reductions_over_gloo(model)
         if isinstance(optimizer, torch.optim.Optimizer):
             # The optimizer holds the old (unsharded) parameters: rebuild it on the sharded ones.
             return model, rebuild_optimizer(optimizer, names, model)
@@ -169,6 +170,19 @@ class FSDP(PlainGradients):
         # others on dp): the norm is taken per mesh over every shard of every rank, then combined, so
         # all ranks clip by the same global norm.
         return clip_grad_norm_across_meshes([p for p in model.parameters() if p.grad is not None], max_norm)
+
+
+def _sum_reductions_over_gloo(model: nn.Module) -> None:
+    """Over gloo (CPU processes, or processes sharing a GPU), FSDP2's gradient reduce-scatter uses SUM and
+    divides itself: gloo's reduce-scatter ignored ReduceOp.AVG and summed in torch releases before the fix
+    of pytorch/pytorch#162338, which would double gradients silently. Same result where AVG works."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    for module in model.modules():
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
