@@ -43,6 +43,35 @@ def test_gpus_per_proc_groups_devices():
     assert (plan.nproc, plan.visible, plan.gpus_per_proc) == (2, "0,1,2,3", 2)
 
 
+def test_procs_per_gpu_shares_each_gpu():
+    plan = plan_devices(FOUR, gpus="1", procs_per_gpu=2)
+    assert (plan.nproc, plan.visible, plan.procs_per_gpu) == (2, "1", 2)
+    assert (plan_devices(FOUR, procs_per_gpu=2).nproc, plan_devices(FOUR, procs_per_gpu=2).visible) == (8, "0,1,2,3")
+    plan = plan_devices(FOUR, nproc=4, procs_per_gpu=2)
+    assert (plan.nproc, plan.visible) == (4, "0,1")
+    env = worker_env(LaunchRequest(("t.py",), plan, plan_rendezvous()))
+    assert env["MULTIGPU_PROCS_PER_DEVICE"] == "2" and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+@pytest.mark.parametrize(
+    "visible, kwargs, needle",
+    [
+        (FOUR, dict(nproc=3, procs_per_gpu=2), "--nproc 3 is not a multiple of --procs-per-gpu 2"),
+        (FOUR, dict(nproc=10, procs_per_gpu=2), "needs 5 GPUs but 4 are visible"),
+        (FOUR, dict(gpus="0", nproc=4, procs_per_gpu=2), "--nproc 4 contradicts --gpus 0 at --procs-per-gpu 2"),
+        (FOUR, dict(gpus_per_proc=2, procs_per_gpu=2), "--procs-per-gpu 2 and --gpus-per-proc contradict"),
+        (FOUR, dict(cpu=True, procs_per_gpu=2), "--procs-per-gpu 2 and --cpu contradict"),
+        (FOUR, dict(procs_per_gpu=0), "--procs-per-gpu 0 must be at least 1"),
+        ([], dict(procs_per_gpu=2), "--procs-per-gpu 2 needs a GPU but none is visible"),
+        (FOUR, dict(gpus="0,9", procs_per_gpu=2), "GPU 9 does not exist"),
+    ],
+)
+def test_impossible_sharing_requests_fail_with_a_hint(visible, kwargs, needle):
+    with pytest.raises(LaunchError) as info:
+        plan_devices(visible, **kwargs)
+    assert needle in str(info.value) and "HINT:" in str(info.value)
+
+
 def test_cpu_flag_hides_gpus():
     plan = plan_devices(FOUR, cpu=True, nproc=2)
     assert (plan.nproc, plan.visible) == (2, "")
@@ -164,6 +193,20 @@ def test_device_choice_follows_local_rank_and_devices_per_process():
     assert choose_devices(world, cuda_count=2, accelerator="cpu") == [torch.device("cpu")]
     paired = World(rank=1, local_rank=1, world_size=2, local_world_size=2, devices_per_process=2)
     assert choose_devices(paired, cuda_count=4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    shared = [World(rank=r, local_rank=r, world_size=4, local_world_size=4, processes_per_device=2) for r in range(4)]
+    assert [choose_devices(w, cuda_count=2)[0].index for w in shared] == [0, 0, 1, 1]
+    with pytest.raises(WorldError, match=r"local rank 3 needs GPU 1 but only 1 GPU\(s\) are visible; 4 process\(es\) "
+                       r"per node at 2 per GPU = 2"):
+        choose_devices(shared[3], cuda_count=1)
+
+
+def test_processes_sharing_a_device_are_read_from_the_launcher():
+    from multigpu.world import detect_world
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1234", "MULTIGPU_PROCS_PER_DEVICE": "2"}
+    assert detect_world(env).processes_per_device == 2
+    with pytest.raises(WorldError, match="share a device or own several, not both"):
+        detect_world({**env, "MULTIGPU_DEVICES_PER_PROC": "2"})
 
 
 def test_more_tasks_per_node_than_gpus_is_a_hint_error():
@@ -179,6 +222,9 @@ def test_backend_choice():
     assert choose_backend(torch.device("cpu")) == "gloo"
     assert choose_backend(torch.device("cuda", 0)) == "nccl"
     assert choose_backend(torch.device("cuda", 0), "gloo") == "gloo"
+    assert choose_backend(torch.device("cuda", 0), shared=True) == "gloo"  # NCCL: "Duplicate GPU detected"
+    with pytest.raises(LaunchError, match="cannot run several processes on one GPU"):
+        choose_backend(torch.device("cuda", 0), "nccl", shared=True)
     with pytest.raises(LaunchError, match="nccl"):
         choose_backend(torch.device("cpu"), "nccl")
     with pytest.raises(LaunchError, match="unknown backend"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from fractions import Fraction
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +16,8 @@ import yaml
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu
 from multigpu.config import resolve_inheritance
 from multigpu.errors import ConfigError
-from multigpu.queue.runs import load_runs
+from multigpu.queue.runs import QueueEntry, load_runs
+from multigpu.queue.scheduler import Queue
 from multigpu.stages import Stages
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,7 +87,98 @@ def test_stages_select_a_range_by_name_or_number():
         Stages(["prepare", "train"], end=5)
 
 
+@pytest.mark.parametrize("value, expected", [(0.5, 0.5), (1.0, 1), (2, 2), (0.25, 0.25), (0.0625, 0.0625)])
+def test_a_run_takes_whole_gpus_or_a_share_of_one(value, expected):
+    spec = QueueEntry("a", script="t.py", gpus=value)
+    assert spec.gpus == expected and type(spec.gpus) is type(expected)
+    assert spec.processes(True) == max(1, int(expected))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("gpus: 1.5", "gpus 1.5 is neither a whole number nor a share of one GPU"),
+    ("gpus: 0.01", "gpus 0.01 is neither"),
+    ("gpus: .nan", "gpus nan is neither"),
+    ("gpus: -0.5", "gpus -0.5 is neither"),
+    ("gpus: 0", "gpus 0 must be at least 1"),
+    ("gpus: half", "gpus must be int"),
+    ("gpus: 0.5\n  nproc: 2", "a run on a share of a GPU runs one process"),
+])
+def test_bad_shares_are_refused_with_a_hint(tmp_path, text, needle):
+    with pytest.raises(ConfigError) as info:
+        load_runs(_runs_file(tmp_path, f"a:\n  script: x.py\n  {text}\n"))
+    assert needle in str(info.value) and "HINT" in str(info.value)
+
+
+def test_packing_does_not_change_what_a_run_computes():
+    whole, half = QueueEntry("a", script="t.py"), QueueEntry("a", script="t.py", gpus=0.5)
+    assert whole.fingerprint() == half.fingerprint()  # rerunning with --runs-per-gpu skips finished runs
+    assert whole.fingerprint() != QueueEntry("a", script="t.py", gpus=2).fingerprint()
+    assert (whole.share(4), half.share(4), QueueEntry("b", script="t.py", gpus=2).share(4)) == (0.25, 0.5, 2)
+    assert QueueEntry("c", script="t.py", gpus=0.333).share() * 3 <= 1  # thirds fit on one GPU
+    assert QueueEntry("d", script="t.py", gpus=0.97).share() == Fraction(97, 100)  # kept as written, not rounded
+
+
+def _placed(tmp_path, runs, slots=("0", "1"), finish=()) -> dict:
+    """Where the queue starts each run (no processes): {name: slots} after one pass, after ``finish``."""
+    queue = Queue([QueueEntry(n, script="t.py", gpus=g) for n, g in runs], tmp_path, list(slots), on_gpus=True)
+    queue._start = lambda run, where: setattr(run, "slots", where) or setattr(run, "state", "running")
+    queue._launch_ready()
+    for run in queue.runs:
+        if run.spec.name in finish:
+            run.state = "done"
+    queue._launch_ready()
+    return {r.spec.name: r.slots for r in queue.runs if r.state == "running"}
+
+
+def test_shares_spread_over_the_gpus_when_nothing_else_waits(tmp_path):
+    assert _placed(tmp_path, [("a", 0.5), ("b", 0.5), ("c", 0.25), ("d", 0.5), ("e", 0.5)]) == {
+        "a": ["0"], "b": ["1"], "c": ["0"], "d": ["1"]}  # e: 0 holds 3/4, 1 holds 1
+
+
+def test_shares_pack_tightly_and_wait_behind_a_run_of_whole_gpus(tmp_path):
+    # A whole-GPU run is queued: shares fill the fullest GPU they fit on, so a GPU stays free for it.
+    assert _placed(tmp_path, [("a", 0.5), ("big", 1), ("b", 0.5), ("c", 0.5)]) == {"a": ["0"], "big": ["1"], "b": ["0"]}
+    # It cannot start yet: later shares wait behind it (never starved); when `a` ends, it gets both GPUs.
+    assert _placed(tmp_path, [("a", 0.5), ("big", 2), ("b", 0.25)]) == {"a": ["0"]}
+    assert _placed(tmp_path, [("a", 0.5), ("big", 2), ("b", 0.25)], finish=("a",)) == {"big": ["0", "1"]}
+
+
+def test_runs_per_gpu_is_capped(tmp_path):
+    with pytest.raises(ConfigError, match="--runs-per-gpu 17 is more than 16"):
+        Queue([QueueEntry("a", script="t.py")], tmp_path, ["0"], on_gpus=True, runs_per_gpu=17)
+
+
 # ------------------------------------------------------------------ real queues
+
+def test_runs_packed_on_one_gpu_share_it_with_a_memory_share_each(tmp_path):
+    """On this CPU machine the GPU is a name (CUDA_VISIBLE_DEVICES=3 hides nothing: there is no GPU):
+    what is checked is the placement, the overlap and the memory share each run is handed (mg.init
+    applies it on a real GPU; tests/test_gpu.py checks that)."""
+    runs = _runs_file(tmp_path, "\n".join(
+        [f"p{i}:\n  script: {SLEEP}\n  args: ['2']\n  out_dir_key: out_dir\n  gpus: 0.5\n" for i in range(2)]
+        + [f"whole:\n  script: {SLEEP}\n  args: ['0.2']\n  out_dir_key: out_dir\n"]))
+    queue = Queue(load_runs(runs), tmp_path / "q", ["3"], on_gpus=True, poll_s=0.05)
+    assert queue.execute() == 0
+    status = {name: _status(tmp_path / "q" / name) for name in ("p0", "p1", "whole")}
+    envs = {name: json.loads((tmp_path / "q" / name / "env.json").read_text()) for name in status}
+    assert status["p0"]["slots"] == status["p1"]["slots"] == status["whole"]["slots"] == ["3"]
+    assert (status["p0"]["share"], status["whole"]["share"]) == ("1/2", "1")
+    assert _max_overlap([(status[n]["started"], status[n]["ended"]) for n in ("p0", "p1")]) == 2
+    assert _max_overlap([(status[n]["started"], status[n]["ended"]) for n in status]) == 2  # whole ran alone
+    assert envs["p0"]["MULTIGPU_GPU_MEMORY_FRACTION"] == envs["p1"]["MULTIGPU_GPU_MEMORY_FRACTION"] == "0.5"
+    assert envs["whole"]["MULTIGPU_GPU_MEMORY_FRACTION"] is None and envs["whole"]["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_runs_per_gpu_packs_cpu_slots_too(tmp_path):
+    runs = _runs_file(tmp_path, "\n".join(
+        f"r{i}:\n  script: {SLEEP}\n  args: ['2']\n  out_dir_key: out_dir\n" for i in range(2)))
+    out = tmp_path / "q"
+    proc = multigpu("queue", str(runs), "--slots", "1", "--runs-per-gpu", "2", "--out", str(out), "--no-live")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    status = [_status(out / f"r{i}") for i in range(2)]
+    assert _max_overlap([(s["started"], s["ended"]) for s in status]) == 2
+    assert "on slot 0 (1/2)" in proc.stdout
+    assert json.loads((out / "r0" / "env.json").read_text())["MULTIGPU_GPU_MEMORY_FRACTION"] is None  # CPU: no GPU
 
 def test_five_runs_with_inheritance_on_two_slots(tmp_path):
     runs = _runs_file(tmp_path, f"""

@@ -58,6 +58,7 @@ examples:
   multigpu queue runs.yaml --gpus 0,1,2,3       on these GPUs only
   multigpu queue runs.yaml --only net,larger_net --max-parallel 2
   multigpu queue runs.yaml --gpus-per-run 2     every run gets 2 GPUs (DDP inside the run)
+  multigpu queue runs.yaml --runs-per-gpu 4     4 small runs share each GPU (or gpus: 0.25 per run)
   multigpu queue runs.yaml --slurm --partition gpu --time 4:00:00   one Slurm job per run
 
 runs.yaml: keys are run names; `larger_net < net` inherits every setting of net and overrides some.
@@ -95,6 +96,9 @@ def _add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> No
                      help="processes on this machine (default: one per GPU, or 1 on a CPU machine)")
     dev.add_argument("--gpus-per-proc", type=int, default=1, metavar="K",
                      help="GPUs owned by each process, for model-parallel strategies (default 1)")
+    dev.add_argument("--procs-per-gpu", type=int, default=1, metavar="K",
+                     help="processes sharing each GPU, talking over gloo (NCCL refuses two ranks on one GPU); "
+                     "for small models and for testing the multi-process path on one GPU (default 1)")
     dev.add_argument("--cpu", action="store_true", help="use CPU processes even where GPUs are visible")
     nodes = p.add_argument_group("several machines")
     nodes.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (default 1)")
@@ -114,6 +118,7 @@ def _add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> No
 
 #: The flags `multigpu doctor` hands on to `multigpu run` unchanged (dest, flag, takes a value).
 LAUNCH_FLAGS = (("gpus", "--gpus", True), ("nproc", "--nproc", True), ("gpus_per_proc", "--gpus-per-proc", True),
+                ("procs_per_gpu", "--procs-per-gpu", True),
                 ("cpu", "--cpu", False), ("nnodes", "--nnodes", True), ("node_rank", "--node-rank", True),
                 ("master_addr", "--master-addr", True), ("master_port", "--master-port", True),
                 ("rdzv_endpoint", "--rdzv-endpoint", True), ("rdzv_id", "--rdzv-id", True),
@@ -206,13 +211,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         return simulate(args.simulate_nodes, command, visible=[] if args.cpu else visible_gpus(), gpus=args.gpus,
                         nproc=args.nproc, gpus_per_proc=args.gpus_per_proc, cpu=args.cpu,
+                        procs_per_gpu=args.procs_per_gpu,
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
                         rdzv_timeout=args.rdzv_timeout, verbose=args.verbose, debug=args.debug,
                         clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
                                   "--master-addr": args.master_addr, "--master-port": args.master_port,
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
     devices = plan_devices([] if args.cpu else visible_gpus(), gpus=args.gpus, nproc=args.nproc,
-                           gpus_per_proc=args.gpus_per_proc, cpu=args.cpu)
+                           gpus_per_proc=args.gpus_per_proc, cpu=args.cpu, procs_per_gpu=args.procs_per_gpu)
     rendezvous = plan_rendezvous(
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
@@ -342,6 +348,9 @@ def _add_queue_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slots", type=int, metavar="N", help="N CPU process slots instead of GPUs (default on a "
                    "machine without GPUs: one per core)")
     p.add_argument("--gpus-per-run", type=int, metavar="K", help="override every run's gpus: setting")
+    p.add_argument("--runs-per-gpu", type=int, default=1, metavar="K",
+                   help="pack K one-GPU runs onto each GPU (CPU: each slot), each held to 1/K of the GPU's "
+                   "memory so a run that does not fit fails alone (default 1)")
     p.add_argument("--only", metavar="NAMES", help="comma-separated run names to run (in that order)")
     p.add_argument("--max-parallel", type=int, metavar="M", help="at most M runs at once")
     p.add_argument("--out", metavar="DIR", help="where run folders go (default: outputs/<runs file name>)")
@@ -370,9 +379,16 @@ def _cmd_queue(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("outputs") / Path(args.runs_file).stem)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder.", "give a folder for the run folders.")
+    validate.count(args.runs_per_gpu, "--runs-per-gpu", ConfigError, high=validate.MAX_SHARERS_PER_GPU)
     if args.slurm:
         from multigpu.queue.slurm_jobs import submit_runs
 
+        packed = next((spec.name for spec in specs if spec.gpus < 1), None)
+        if args.runs_per_gpu != 1 or packed:
+            what = f"--runs-per-gpu {args.runs_per_gpu}" if args.runs_per_gpu != 1 else f"run {packed!r}'s gpus: below 1"
+            raise ConfigError(f"{what} packs runs onto shared GPUs, which Slurm jobs do not do (each gets whole GPUs).",
+                              "give the runs whole GPUs with --slurm, or pack them inside one job: "
+                              "`multigpu queue runs.yaml --runs-per-gpu K` in an sbatch script.")
         options = slurm_options_from_args(args)
         return submit_runs(specs, out, options, dry_run=args.dry_run)
     from rich.console import Console
@@ -384,7 +400,7 @@ def _cmd_queue(args: argparse.Namespace) -> int:
 
     pool = plan_pool(visible_gpus(), gpus=args.gpus, slots=args.slots)
     display = Display(Console(), live=False if args.no_live else None)
-    queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display)
+    queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display, runs_per_gpu=args.runs_per_gpu)
     code = queue.execute()
     display.summary(queue)
     return code

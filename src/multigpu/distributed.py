@@ -24,7 +24,8 @@ BACKENDS = ("nccl", "gloo", "mpi", "xccl")
 
 
 def choose_devices(world: World, cuda_count: int, accelerator: str = "auto") -> list[torch.device]:
-    """The devices this process owns: ``devices_per_process`` GPUs starting at ``local_rank * K``.
+    """The devices this process owns: ``devices_per_process`` GPUs starting at ``local_rank * K``, or,
+    with ``processes_per_device`` P > 1, the one GPU ``local_rank // P`` that P processes share.
 
     ``cuda_count`` is what this process can see (after the launcher set CUDA_VISIBLE_DEVICES).
     """
@@ -34,31 +35,38 @@ def choose_devices(world: World, cuda_count: int, accelerator: str = "auto") -> 
         return [torch.device("cpu")]
     if cuda_count == 0:
         raise LaunchError("accelerator='cuda' was asked for but no GPU is visible.", "use accelerator='auto' or 'cpu'.")
-    per_proc = world.devices_per_process
-    first = world.local_rank * per_proc
+    per_proc, sharing = world.devices_per_process, world.processes_per_device
+    first = world.local_rank // sharing if sharing > 1 else world.local_rank * per_proc
     last = first + per_proc - 1
     if last >= cuda_count:
         visible = f" (CUDA_VISIBLE_DEVICES={world.visible_devices})" if world.visible_devices is not None else ""
-        needed = world.local_world_size * per_proc
+        if sharing > 1:
+            needed = f"{world.local_world_size} process(es) per node at {sharing} per GPU = {-(-world.local_world_size // sharing)}"
+        else:
+            needed = f"{world.local_world_size} process(es) per node x {per_proc} GPU(s) each = {world.local_world_size * per_proc}"
         raise WorldError(
             f"local rank {world.local_rank} needs GPU {first}"
             + (f"-{last}" if per_proc > 1 else "")
-            + f" but only {cuda_count} GPU(s) are visible{visible}; "
-            f"{world.local_world_size} process(es) per node x {per_proc} GPU(s) each = {needed}.",
+            + f" but only {cuda_count} GPU(s) are visible{visible}; {needed}.",
             "start one process per GPU on each node: --ntasks-per-node (Slurm) or --nproc equal to the "
-            "GPUs per node, divided by --gpus-per-proc.",
+            "GPUs per node, divided by --gpus-per-proc (or times --procs-per-gpu).",
         )
     return [torch.device("cuda", first + i) for i in range(per_proc)]
 
 
-def choose_backend(device: torch.device, requested: Optional[str] = None) -> str:
+def choose_backend(device: torch.device, requested: Optional[str] = None, shared: bool = False) -> str:
+    """nccl for GPUs, gloo for CPUs - and gloo for GPUs that several processes share (``shared``):
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), gloo moves CUDA tensors through the host."""
     if requested is not None:
         if requested not in BACKENDS:
             raise LaunchError(f"unknown backend {requested!r}.", f"use one of {', '.join(BACKENDS)}.")
         if requested == "nccl" and device.type != "cuda":
             raise LaunchError("backend 'nccl' needs GPUs but this process runs on the CPU.", "use backend='gloo'.")
+        if requested == "nccl" and shared:
+            raise LaunchError("backend 'nccl' cannot run several processes on one GPU (--procs-per-gpu).",
+                              "leave backend unset (gloo is chosen) or give each process its own GPU.")
         return requested
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == "cuda" and not shared else "gloo"
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,7 @@ class DistSession:
         self.world = world
         self.device = device
         self.settings = settings
-        self.backend = choose_backend(device, settings.backend)
+        self.backend = choose_backend(device, settings.backend, shared=world.processes_per_device > 1)
         self._started = False
         self._control: Any = None
 

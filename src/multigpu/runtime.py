@@ -574,6 +574,19 @@ def _restore_interrupt_handler(run: Run) -> None:
         signal.signal(signal.SIGINT, _PREVIOUS_HANDLER.pop())
 
 
+#: What each process on a GPU holds outside PyTorch's allocator (its CUDA context, cuBLAS workspaces):
+#: kept out of a packed run's allocator cap, so K runs at 1/K each never overfill the GPU together.
+CONTEXT_RESERVE_BYTES = 1 << 30
+
+
+def allocator_fraction(share: float, device: torch.device) -> float:
+    """The cap for PyTorch's allocator that keeps a process within ``share`` of the GPU: the share less
+    the memory its CUDA context takes outside the allocator (1 GiB, at most a quarter of the share)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    mine = share * total
+    return (mine - min(CONTEXT_RESERVE_BYTES, mine / 4)) / total
+
+
 def init(
     *,
     backend: Optional[str] = None,
@@ -600,6 +613,9 @@ def init(
     world = detect_world(env)
     cuda_count = torch.cuda.device_count() if accelerator != "cpu" else 0
     devices = choose_devices(world, cuda_count, accelerator)
+    if world.memory_fraction is not None and devices[0].type == "cuda":
+        for device in devices:  # a packed queue run: an allocation beyond its share fails here, not in a neighbour
+            torch.cuda.set_per_process_memory_fraction(allocator_fraction(world.memory_fraction, device), device)
     parallelism = Parallelism.from_degrees(world.world_size, world.local_world_size, dp_replicate=dp_replicate, tp=tp)
     settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
     session = DistSession(world, devices[0], settings).start()

@@ -16,6 +16,9 @@ from multigpu.errors import MultiGPUError
 
 #: No machine has more cores or GPUs than this per node; a larger count is a typo (``--nproc 100000``).
 MAX_PROCS_PER_NODE = 4096
+#: Processes sharing one GPU (``--procs-per-gpu``) or runs packed onto one (``--runs-per-gpu``): each
+#: holds a CUDA context, so more than this only fills the GPU with contexts.
+MAX_SHARERS_PER_GPU = 16
 #: Slurm's own limits are far below this; it only catches typos before a script is written.
 MAX_NODES = 65536
 MAX_SIMULATED_NODES = 64

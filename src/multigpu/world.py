@@ -18,6 +18,10 @@ from multigpu.errors import WorldError
 
 #: Set by ``multigpu run --gpus-per-proc K``: how many devices each process owns.
 DEVICES_PER_PROC_VAR = "MULTIGPU_DEVICES_PER_PROC"
+#: Set by ``multigpu run --procs-per-gpu K``: how many processes share each device.
+PROCS_PER_DEVICE_VAR = "MULTIGPU_PROCS_PER_DEVICE"
+#: Set by ``multigpu queue`` for a run on a share of a GPU: the most of its memory the run may take.
+MEMORY_FRACTION_VAR = "MULTIGPU_GPU_MEMORY_FRACTION"
 
 #: Slurm jobs without an explicit MASTER_PORT get one derived from the job id, in this range.
 SLURM_PORT_BASE = 15000
@@ -38,6 +42,10 @@ class World:
     master_port: Optional[int] = None
     source: str = "single"  # "torchrun", "env", "slurm" or "single"
     devices_per_process: int = 1
+    #: Processes sharing one device (``--procs-per-gpu``); they talk over gloo, not NCCL.
+    processes_per_device: int = 1
+    #: The share of its GPU's memory this process may take (a packed queue run), None: all of it.
+    memory_fraction: Optional[float] = None
     restart_count: int = 0
     max_restarts: int = 0
     #: The launcher's id for this job: torchrun's rendezvous run id, or the Slurm job id ("" for none).
@@ -97,7 +105,26 @@ def _common(env: Env) -> dict:
         raise WorldError(
             f"{DEVICES_PER_PROC_VAR}={per_proc} must be at least 1.", "use `multigpu run --gpus-per-proc K` with K >= 1."
         )
-    return {"devices_per_process": per_proc, "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+    sharing = _int(env, PROCS_PER_DEVICE_VAR, 1)
+    if sharing < 1:
+        raise WorldError(f"{PROCS_PER_DEVICE_VAR}={sharing} must be at least 1.",
+                         "use `multigpu run --procs-per-gpu K` with K >= 1.")
+    if sharing > 1 and per_proc > 1:
+        raise WorldError(
+            f"{PROCS_PER_DEVICE_VAR}={sharing} with {DEVICES_PER_PROC_VAR}={per_proc}: processes share a device or "
+            "own several, not both.", "use `multigpu run --procs-per-gpu K` or `--gpus-per-proc K`, not both.")
+    fraction: Optional[float] = None
+    raw = env.get(MEMORY_FRACTION_VAR)
+    if raw:
+        try:
+            fraction = float(raw)
+        except ValueError:
+            fraction = -1.0
+        if not 0 < fraction <= 1:  # NaN fails too
+            raise WorldError(f"{MEMORY_FRACTION_VAR}={raw[:40]!r} is not a share between 0 and 1.",
+                             "it is set by `multigpu queue --runs-per-gpu`; unset it when running by hand.")
+    return {"devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
+            "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
             "slurm_job_id": env.get("SLURM_JOB_ID", "")}
 
 

@@ -1,8 +1,11 @@
 """A run of fixed length for the queue tests: sleeps, writes metrics.csv into its out dir.
 
     sleep_run.py SECONDS out_dir=DIR [fail=1]
+
+Writes env.json (CUDA_VISIBLE_DEVICES, MULTIGPU_GPU_MEMORY_FRACTION, OMP_NUM_THREADS as it saw them) too.
 """
 
+import json
 import os
 import sys
 import time
@@ -10,6 +13,9 @@ import time
 args = dict(a.split("=", 1) for a in sys.argv[2:])
 out = args["out_dir"]
 os.makedirs(out, exist_ok=True)
+names = ("CUDA_VISIBLE_DEVICES", "MULTIGPU_GPU_MEMORY_FRACTION", "OMP_NUM_THREADS")
+with open(os.path.join(out, "env.json"), "w") as handle:
+    json.dump({name: os.environ.get(name) for name in names}, handle)
 time.sleep(float(sys.argv[1]))
 if args.get("fail") == "1":
     print("this run fails on purpose", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Which devices each launched process gets: ``--gpus``, ``--nproc``, ``--gpus-per-proc``, ``--cpu``.
+"""Which devices each launched process gets: ``--gpus``, ``--nproc``, ``--gpus-per-proc``,
+``--procs-per-gpu``, ``--cpu``.
 
 Pure functions over the list of visible GPUs, so every rule (and every error) is unit-tested without a
 GPU. ``--gpus`` indexes the GPUs this shell can see (what ``nvidia-smi`` lists when
@@ -21,11 +22,15 @@ class DevicePlan:
     #: CUDA_VISIBLE_DEVICES for the children; "" hides every GPU; None leaves the variable alone.
     visible: Optional[str]
     gpus_per_proc: int = 1
+    #: Processes sharing each GPU (``--procs-per-gpu``): they talk over gloo, since NCCL refuses two
+    #: ranks on one GPU. For tests of the multi-process CUDA path on a one-GPU machine, and small models.
+    procs_per_gpu: int = 1
 
     def describe(self) -> str:
         if not self.visible:
             return f"{self.nproc} CPU process(es)"
         per = f", {self.gpus_per_proc} GPUs each" if self.gpus_per_proc > 1 else ""
+        per += f", {self.procs_per_gpu} processes per GPU" if self.procs_per_gpu > 1 else ""
         return f"{self.nproc} process(es) on GPU(s) {self.visible}{per}"
 
 
@@ -72,11 +77,16 @@ def plan_devices(
     nproc: Optional[int] = None,
     gpus_per_proc: int = 1,
     cpu: bool = False,
+    procs_per_gpu: int = 1,
 ) -> DevicePlan:
     """Decide processes and CUDA_VISIBLE_DEVICES. ``visible_gpus`` are the ids this shell can see."""
     validate.count(gpus_per_proc, "--gpus-per-proc", LaunchError)
+    validate.count(procs_per_gpu, "--procs-per-gpu", LaunchError, high=validate.MAX_SHARERS_PER_GPU,
+                   hint=f"use 1 to {validate.MAX_SHARERS_PER_GPU}: each process holds a CUDA context on the GPU.")
     if nproc is not None:
         validate.count(nproc, "--nproc", LaunchError)
+    if procs_per_gpu > 1:
+        return _shared_gpus(visible_gpus, gpus, nproc, gpus_per_proc, cpu, procs_per_gpu)
     if cpu:
         if gpus is not None:
             raise LaunchError("--cpu and --gpus contradict each other.", "drop one of them.")
@@ -122,3 +132,32 @@ def plan_devices(
             "give only --gpus; the number of processes follows from it.",
         )
     return DevicePlan(nproc=count, visible=",".join(chosen), gpus_per_proc=gpus_per_proc)
+
+
+def _shared_gpus(visible_gpus: Sequence[str], gpus: Optional[str], nproc: Optional[int], gpus_per_proc: int,
+                 cpu: bool, procs_per_gpu: int) -> DevicePlan:
+    """``--procs-per-gpu K``: K processes on each chosen GPU (every visible one unless --gpus or --nproc)."""
+    k = procs_per_gpu
+    if cpu or gpus_per_proc > 1:
+        other = "--cpu" if cpu else "--gpus-per-proc"
+        raise LaunchError(f"--procs-per-gpu {k} and {other} contradict each other.",
+                          "--procs-per-gpu puts several processes on one GPU; drop one of the two flags.")
+    if not visible_gpus:
+        raise LaunchError(f"--procs-per-gpu {k} needs a GPU but none is visible.",
+                          "on a CPU machine use --nproc N alone (each CPU process uses the CPU).")
+    if nproc is not None and nproc % k:
+        raise LaunchError(f"--nproc {nproc} is not a multiple of --procs-per-gpu {k}.",
+                          f"give --nproc {k * max(1, nproc // k)}, or only --gpus (processes = GPUs x {k}).")
+    if gpus is not None:
+        base = plan_devices(visible_gpus, gpus=gpus)
+    else:
+        count = nproc // k if nproc is not None else len(visible_gpus)
+        if count > len(visible_gpus):
+            raise LaunchError(f"--nproc {nproc} at {k} per GPU needs {count} GPUs but {len(visible_gpus)} are visible.",
+                              "lower --nproc, or raise --procs-per-gpu.")
+        base = DevicePlan(nproc=count, visible=",".join(visible_gpus[:count]))
+    if nproc is not None and nproc != base.nproc * k:
+        raise LaunchError(f"--nproc {nproc} contradicts --gpus {gpus} at --procs-per-gpu {k} ({base.nproc * k} processes).",
+                          "give only --gpus; the number of processes follows from it.")
+    validate.count(base.nproc * k, "--procs-per-gpu x GPUs", LaunchError, high=validate.MAX_PROCS_PER_NODE)
+    return DevicePlan(nproc=base.nproc * k, visible=base.visible, procs_per_gpu=k)

@@ -28,7 +28,7 @@ from multigpu.launch.devices import DevicePlan
 from multigpu.fileio import as_shown, tail_lines
 from multigpu.launch.ports import require_free_port
 from multigpu.launch.worker import AGENT_PID_VAR, LOG_DIR_VAR, PREFIX_VAR
-from multigpu.world import DEVICES_PER_PROC_VAR
+from multigpu.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
 STDERR_TAIL_LINES = 20
@@ -148,7 +148,8 @@ def prepare_log_dir(path: str) -> Path:
 
 def worker_env(request: LaunchRequest) -> dict[str, str]:
     """What the children inherit beyond torch's own RANK/WORLD_SIZE/MASTER_* variables."""
-    env = {AGENT_PID_VAR: str(os.getpid()), DEVICES_PER_PROC_VAR: str(request.devices.gpus_per_proc)}
+    env = {AGENT_PID_VAR: str(os.getpid()), DEVICES_PER_PROC_VAR: str(request.devices.gpus_per_proc),
+           PROCS_PER_DEVICE_VAR: str(request.devices.procs_per_gpu)}
     if request.rendezvous.backend == "c10d":
         # torch 2.13's c10d rendezvous otherwise shares one TCPStore across restarts, un-prefixed: a
         # restarted worker can read the previous attempt's gloo addresses and fail to connect (seen

@@ -44,7 +44,7 @@ def node_commands(nodes: int, run_args: Sequence[str], visible_gpus: int, gpus_f
 
 def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus: Optional[str],
              nproc: Optional[int], gpus_per_proc: int, cpu: bool, max_restarts: int, stop_timeout: int,
-             rdzv_timeout: int, verbose: bool, clashing: dict, debug: bool = False) -> int:
+             rdzv_timeout: int, verbose: bool, clashing: dict, debug: bool = False, procs_per_gpu: int = 1) -> int:
     """``multigpu run --simulate-nodes N``: refuse the real multi-node flags, then run N local agents."""
     given = [flag for flag, value in clashing.items() if value]
     if given:
@@ -55,7 +55,8 @@ def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus
         validate.count(nproc * nodes, f"--simulate-nodes {nodes} x --nproc", LaunchError,
                        hint=f"all simulated nodes run on this machine: keep the total at most {validate.MAX_PROCS_PER_NODE}.")
     flags: list[str] = []
-    for name, value in (("--nproc", nproc), ("--gpus-per-proc", gpus_per_proc), ("--max-restarts", max_restarts),
+    for name, value in (("--nproc", nproc), ("--gpus-per-proc", gpus_per_proc), ("--procs-per-gpu", procs_per_gpu),
+                        ("--max-restarts", max_restarts),
                         ("--stop-timeout", stop_timeout), ("--rdzv-timeout", rdzv_timeout)):
         if value is not None:
             flags += [name, str(value)]

@@ -156,9 +156,36 @@ def run_user_code(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:
-        _record_error(exc)
+        line = out_of_memory_line(exc)
+        _record_error(exc, line)
         print_user_traceback(exc)
+        if line and os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            _append_to_rank_log(line)  # the launcher prints it, once for all ranks
+        elif line:
+            print(line, file=sys.stderr)
         return 1
+
+
+def out_of_memory_line(exc: BaseException) -> str:
+    """For CUDA's out-of-memory error (also when another exception wraps it, as torch.compile's do), the
+    line that says what to change - and, in a packed queue run, the share it runs in; '' for anything else."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen and type(exc).__name__ != "OutOfMemoryError":
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    if exc is None or type(exc).__name__ != "OutOfMemoryError":
+        return ""
+    from multigpu.errors import MultiGPUError
+    from multigpu.world import MEMORY_FRACTION_VAR
+
+    share = os.environ.get(MEMORY_FRACTION_VAR)
+    if share:  # the same words on every rank: the launcher prints them once
+        return MultiGPUError(
+            f"out of GPU memory in a packed queue run, which may use {share[:12]} of the GPU.",
+            "give this run more of the GPU (gpus: 1, or a lower --runs-per-gpu), or lower its batch size.").one_line()
+    return MultiGPUError("out of GPU memory.",
+                         "lower the per-process batch size (raise accumulate to keep the global batch), use "
+                         "precision=bf16, or shard the model (strategy fsdp).").one_line()
 
 
 def _append_to_rank_log(line: str) -> None:

@@ -72,13 +72,18 @@ def _elapsed(run: EntryState) -> str:
     return f"{int(seconds // 60)}:{seconds % 60:04.1f}" if seconds >= 60 else f"{seconds:.1f} s"
 
 
+def where(run: EntryState) -> str:
+    """'0,1', or '0 (1/4)' for a run on a share of GPU 0."""
+    return ",".join(run.slots) + (f" ({run.share})" if run.share < 1 and run.slots else "")
+
+
 def status_table(queue: Queue) -> Table:
     unit = "GPUs" if queue.on_gpus else "slots"
     table = Table(title=Text(f"multigpu queue: {queue.root}"), title_justify="left")
     for column in ("run", "state", unit, "elapsed", "last metric", "note"):
         table.add_column(column)
     for run in queue.runs:  # user strings as Text: never read as rich markup
-        table.add_row(Text(run.spec.name), Text(run.state, style=STYLE[run.state]), Text(",".join(run.slots)),
+        table.add_row(Text(run.spec.name), Text(run.state, style=STYLE[run.state]), Text(where(run)),
                       _elapsed(run), Text(headline(run)), Text(run.note))
     return table
 
@@ -112,14 +117,14 @@ class Display:
             return
         state, name = event.split(" ", 1)
         run = next(r for r in queue.runs if r.spec.name == name)
-        where = f" on {'GPU' if queue.on_gpus else 'slot'} {','.join(run.slots)}" if state == "start" else ""
+        place = f" on {'GPU' if queue.on_gpus else 'slot'} {where(run)}" if state == "start" else ""
         if state == "skipped":
             extra = f" - {run.note}" if run.note else ""
         elif state != "start":
             extra = f" after {_elapsed(run)} (exit {run.exit_code}) {headline(run)}"
         else:
             extra = f" ({run.note})" if run.note else ""
-        self.console.print(f"[queue] {state} {name}{where}{extra}".rstrip(), highlight=False, markup=False)
+        self.console.print(f"[queue] {state} {name}{place}{extra}".rstrip(), highlight=False, markup=False)
 
     def summary(self, queue: Queue) -> None:
         table = Table(title="summary", title_justify="left")

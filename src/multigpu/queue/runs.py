@@ -1,7 +1,8 @@
 """The runs file: keys are run names, ``larger_net < net`` inherits every setting of ``net``.
 
 Each run names its recipe (a script or module, its arguments, ``key=value`` overrides) and how many
-GPUs - or, on a CPU machine, process slots - it needs::
+GPUs - or, on a CPU machine, process slots - it needs; a share below 1 (``gpus: 0.5``) packs small runs
+onto one GPU, each held to its share of the GPU's memory::
 
     net:
       script: examples/digits/train.py
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import yaml
 
@@ -36,8 +39,8 @@ class QueueEntry:
     args: list[str] = field(default_factory=list)
     #: ``key=value`` settings handed to the recipe after its arguments (dotted keys for nested ones).
     overrides: dict[str, Any] = field(default_factory=dict)
-    #: GPUs the run needs (on a CPU machine: process slots).
-    gpus: int = 1
+    #: GPUs the run needs (on a CPU machine: process slots); below 1, its share of one (0.5: two runs per GPU).
+    gpus: Union[int, float] = 1
     #: Processes inside the run (DDP within a run); default: one per GPU, or one per slot on a CPU.
     nproc: Optional[int] = None
     env: dict[str, str] = field(default_factory=dict)
@@ -60,9 +63,12 @@ class QueueEntry:
                               "flag.", "write the path of the script, e.g. ./-odd-name.py.")
         if self.module is not None and not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
             raise ConfigError(f"{where}module {self.module!r} is not a module name.", "write e.g. module: mypkg.train")
-        validate.count(self.gpus, f"{where}gpus", ConfigError)
+        self.gpus = whole_or_share(self.gpus, f"{where}gpus")
         if self.nproc is not None:
             validate.count(self.nproc, f"{where}nproc", ConfigError)
+            if self.gpus < 1 and self.nproc > 1:
+                raise ConfigError(f"{where}gpus: {self.gpus} (a share of one GPU) with nproc: {self.nproc}.",
+                                  "a run on a share of a GPU runs one process: drop nproc:, or give it gpus: 1 or more.")
         for name, value in self.env.items():
             validate.env_name(name, ConfigError, where)
             validate.plain_text(value, f"{where}env {name}", ConfigError)
@@ -70,7 +76,14 @@ class QueueEntry:
             validate.plain_text(key, f"{where}override key", ConfigError, allow_space=False)
 
     def processes(self, on_gpus: bool) -> int:
-        return self.nproc or (self.gpus if on_gpus else 1)
+        return self.nproc or (max(1, int(self.gpus)) if on_gpus else 1)
+
+    def share(self, runs_per_gpu: int = 1) -> Fraction:
+        """How much of the pool it takes: its whole GPUs, or its share of one (``gpus: 1`` counts as
+        ``1/runs_per_gpu`` under ``multigpu queue --runs-per-gpu``)."""
+        if self.gpus < 1:
+            return Fraction(str(self.gpus))  # as written: 0.333 three times fits on one GPU, 0.97 stays 0.97
+        return Fraction(1, runs_per_gpu) if self.gpus == 1 else Fraction(int(self.gpus))
 
     def recipe_args(self, folder: Path) -> list[str]:
         out = [str(a) for a in self.args]
@@ -91,7 +104,24 @@ class QueueEntry:
     def fingerprint(self) -> str:
         """Changes when anything that affects the run's result changes (not its name)."""
         data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric")}
+        data["gpus"] = math.ceil(self.gpus)  # a share of a GPU computes what a whole one does
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+#: The finest share of one GPU a run may take (``gpus: 0.0625``, ``--runs-per-gpu 16``).
+MAX_RUNS_PER_GPU = validate.MAX_SHARERS_PER_GPU
+
+
+def whole_or_share(value: Any, what: str) -> Union[int, float]:
+    """A whole number of GPUs (1, 2, ...) or a share of one GPU above 1/16 (0.5, 0.25)."""
+    hint = "give a whole number of GPUs (1, 2, ...) or a share of one GPU (0.5, 0.25, down to 0.0625)."
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, float):
+        if not Fraction(1, MAX_RUNS_PER_GPU) <= value < 1:  # NaN fails too
+            raise ConfigError(f"{what} {value!r} is neither a whole number nor a share of one GPU.", hint)
+        return value
+    return validate.count(value, what, ConfigError, hint=None if isinstance(value, int) else hint)
 
 
 def format_value(value: Any) -> str:

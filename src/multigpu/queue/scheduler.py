@@ -1,6 +1,10 @@
 """Place runs on a pool of GPUs (or CPU slots): each run gets its own devices, its own rendezvous port
 (every ``multigpu run`` picks a free one), its own folder with its resolved config, log and status.
 
+``--runs-per-gpu K`` (or ``gpus: 0.5`` in the runs file) packs small runs onto one GPU: each is held
+to its share of the GPU's memory (``MULTIGPU_GPU_MEMORY_FRACTION``, applied by ``mg.init``), so a run
+that does not fit fails alone, with a message that names its share, instead of starving its neighbours.
+
 A failing run frees its devices and the others go on; the queue reports it at the end with the tail
 of its log. Running the queue again skips finished runs (same config) and restarts interrupted or
 failed ones, which resume from their own checkpoints. On Ctrl-C or SIGTERM the running runs get
@@ -16,17 +20,20 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import IO, Any, Callable, Optional, Sequence
 
 import yaml
 
+from multigpu import validate
 from multigpu.errors import ConfigError
 from multigpu.launch.local import usable_cores
 from multigpu.launch.process import die_with_parent
 from multigpu.fileio import as_shown, atomic_write_text, ensure_real_folder, open_append, tail_lines
 from multigpu.queue.lock import RunLock
-from multigpu.queue.runs import QueueEntry
+from multigpu.queue.runs import MAX_RUNS_PER_GPU, QueueEntry
+from multigpu.world import MEMORY_FRACTION_VAR
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"
@@ -49,6 +56,8 @@ class EntryState:
     log: Optional[IO[str]] = None
     note: str = ""
     lock: Optional[RunLock] = None
+    #: Its whole GPUs/slots, or its share of one (below 1).
+    share: Fraction = Fraction(1)
 
     def __post_init__(self) -> None:
         if self.lock is None:
@@ -62,7 +71,7 @@ class EntryState:
 
     def save_status(self) -> None:
         status = {"state": self.state, "exit_code": self.exit_code, "started": self.started, "ended": self.ended,
-                  "slots": self.slots, "fingerprint": self.spec.fingerprint()}
+                  "slots": self.slots, "share": str(self.share), "fingerprint": self.spec.fingerprint()}
         atomic_write_text(self.folder / STATUS_FILE, json.dumps(status, indent=1))
 
 
@@ -77,14 +86,16 @@ def _die_with_queue() -> None:
 class Queue:
     def __init__(self, specs: Sequence[QueueEntry], root: Path, slots: Sequence[str], on_gpus: bool,
                  max_parallel: Optional[int] = None, display: Optional[Callable[["Queue", str], None]] = None,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, runs_per_gpu: int = 1) -> None:
         self.root = Path(root)
         self.slots = list(slots)
         self.on_gpus = on_gpus
-        self.max_parallel = max_parallel or len(self.slots)
+        #: None: as many as fit (each slot holds one whole run, or shares adding up to one).
+        self.max_parallel = max_parallel
+        validate.count(runs_per_gpu, "--runs-per-gpu", ConfigError, high=MAX_RUNS_PER_GPU)
         self.display = display or (lambda queue, event: None)
         self.poll_s = poll_s
-        self.runs = [EntryState(spec, self.root / spec.name) for spec in specs]
+        self.runs = [EntryState(spec, self.root / spec.name, share=spec.share(runs_per_gpu)) for spec in specs]
         self._stop = threading.Event()
         self._stop_signal: Optional[int] = None
         for run in self.runs:
@@ -146,19 +157,44 @@ class Queue:
                 run.started, run.ended = status.get("started"), status.get("ended")
             run.note = decision.note
 
-    def _free_slots(self) -> list[str]:
-        taken = {s for r in self.runs if r.state == "running" for s in r.slots}
-        return [s for s in self.slots if s not in taken]
+    def _load(self) -> dict[str, Fraction]:
+        """How much of each slot the running runs take (1: full)."""
+        load = {slot: Fraction(0) for slot in self.slots}
+        for run in self.runs:
+            if run.state == "running":
+                for slot in run.slots:
+                    load[slot] += min(run.share, Fraction(1))
+        return load
+
+    def place(self, run: EntryState, whole_waiting: bool = False) -> Optional[list[str]]:
+        """The slots for ``run`` now, or None. Whole runs take empty slots in pool order. A share goes to
+        the least-loaded slot it fits on (spread: packed runs slow each other down) - unless a run of
+        whole GPUs is queued, then to the fullest it fits on (best fit), keeping GPUs free for it."""
+        load = self._load()
+        if run.share >= 1:
+            free = [slot for slot in self.slots if load[slot] == 0]
+            return free[: int(run.share)] if len(free) >= run.share else None
+        fits = [slot for slot in self.slots if load[slot] + run.share <= 1]
+        if not fits:
+            return None
+        if whole_waiting:
+            return [max(fits, key=lambda slot: load[slot])]
+        return [min(fits, key=lambda slot: load[slot])]
 
     def _launch_ready(self) -> None:
         running = sum(1 for r in self.runs if r.state == "running")
+        whole_queued = any(r.state == "queued" and r.share >= 1 for r in self.runs)
+        blocked = False  # a run of whole GPUs is waiting: later shares do not start (it would starve)
         for run in self.runs:
-            if run.state != "queued" or running >= self.max_parallel:
+            if run.state != "queued" or (self.max_parallel is not None and running >= self.max_parallel):
                 continue
-            free = self._free_slots()
-            if len(free) < run.spec.gpus:
+            if blocked and run.share < 1:
+                continue
+            slots = self.place(run, whole_waiting=whole_queued)
+            if slots is None:
+                blocked = blocked or run.share >= 1
                 continue  # a later, smaller run may still fit
-            self._start(run, free[: run.spec.gpus])
+            self._start(run, slots)
             running += 1
 
     def _start(self, run: EntryState, slots: list[str]) -> None:
@@ -186,10 +222,14 @@ class Queue:
         write_run_config(run.folder, run.spec)
         env = {**os.environ, **{k: str(v) for k, v in run.spec.env.items()}, "MULTIGPU_RUN_NAME": run.spec.name}
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
-        if not self.on_gpus and "OMP_NUM_THREADS" not in os.environ:
-            # CPU slots share the cores: each run gets its share, or the runs thrash each other.
-            share = max(1, usable_cores() // len(self.slots)) * len(slots)
-            env["OMP_NUM_THREADS"] = str(max(1, share // run.spec.processes(False)))
+        env.pop(MEMORY_FRACTION_VAR, None)  # never inherited: only a packed run gets a memory share
+        if self.on_gpus and run.share < 1:
+            env[MEMORY_FRACTION_VAR] = f"{float(run.share):.6g}"
+        if (not self.on_gpus or run.share < 1) and "OMP_NUM_THREADS" not in os.environ:
+            # Runs sharing cores (CPU slots, or several runs on one GPU) each get their share of them,
+            # or they thrash each other.
+            cores = int(max(1, usable_cores() // len(self.slots)) * min(run.share, Fraction(1)) * len(slots))
+            env["OMP_NUM_THREADS"] = str(max(1, cores // run.spec.processes(self.on_gpus)))
         command = run.spec.command(run.folder, self.on_gpus)
         run.log = open_append(run.folder / LOG_FILE)
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
@@ -253,7 +293,7 @@ class Queue:
         ran = [r for r in self.runs if r.state not in ("skipped", "queued") and r.started and r.ended]
         if not ran:
             return 0.0, 0.0
-        work = sum((r.ended - r.started) * r.spec.gpus for r in ran)
+        work = sum((r.ended - r.started) * float(r.share) for r in ran)
         return max(r.ended for r in ran) - min(r.started for r in ran), work
 
 
