@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast venv clean gpu-check gpu-bench
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,14 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not infra" $(PYTEST_ARGS)
+
+# On a machine with an NVIDIA GPU and a CUDA build of torch (no virtual environment, no network needed):
+# every GPU test, and the speed and packing figures. See .ci/gpu-check.
+gpu-check:
+	bash .ci/gpu-check tests
+
+gpu-bench:
+	bash .ci/gpu-check bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -17,6 +17,14 @@ SCRIPTS = REPO / "tests" / "scripts"
 PY = sys.executable
 
 
+@pytest.fixture(autouse=True)
+def _cpu_tier_sees_no_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests not marked ``gpu`` test CPU behaviour on every machine: on a GPU machine the processes they
+    launch would otherwise pick the GPUs (``--nproc 2`` on a one-GPU machine is an error there)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 def child_env(extra: Optional[dict] = None) -> dict:
     """A clean environment for launched processes: no stray launcher variables from the outer shell."""
     env = {k: v for k, v in os.environ.items()

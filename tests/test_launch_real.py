@@ -95,6 +95,18 @@ def test_python_exception_in_a_worker(tmp_path, no_leftovers):
     assert "ValueError: bad value in rank zero" in proc.stderr.split("error: rank 0", 1)[1]
 
 
+@pytest.mark.parametrize("share, needle", [
+    ("", "multigpu: error: out of GPU memory. HINT: lower the per-process batch size"),
+    ("0.25", "multigpu: error: out of GPU memory in a packed queue run, which may use 0.25 of the GPU. HINT: give "
+             "this run more of the GPU"),
+])
+def test_out_of_memory_names_what_to_change(share, needle, no_leftovers):
+    proc = multigpu("run", str(SCRIPTS / "oom.py"), env={"MULTIGPU_GPU_MEMORY_FRACTION": share})
+    assert proc.returncode == 1
+    assert "OutOfMemoryError: CUDA out of memory" in proc.stderr  # the traceback still says where
+    assert needle in proc.stderr and proc.stderr.count(needle) == 1
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_worker_and_leaves_no_orphan(tmp_path, no_leftovers, sig):
     launcher = subprocess.Popen(
@@ -199,3 +211,18 @@ def test_help_documents_every_option():
     for flag in ("--gpus", "--nproc", "--gpus-per-proc", "--cpu", "--nnodes", "--node-rank", "--master-addr",
                  "--master-port", "--rdzv-endpoint", "--max-restarts", "--log-dir", "-m", "examples:"):
         assert flag in proc.stdout
+
+
+@pytest.mark.parametrize("check", ["init", "fsdp_dcp"])
+def test_the_gpu_path_checks_hold_on_cpu_processes_too(tmp_path, check, no_leftovers):
+    """tests/scripts/gpu_paths.py is what the GPU tier runs on a GPU; here its code path runs on two CPU
+    processes, so a mistake in the script (not a CUDA difference) shows up on every machine."""
+    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "gpu_paths.py"), check, str(tmp_path), no_leftovers,
+                    timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = sorted(_records(proc.stdout), key=lambda r: r["rank"])
+    assert [(r["device"], r["world_size"]) for r in records] == [("cpu", 2), ("cpu", 2)]
+    if check == "init":
+        assert [(r["backend"], r["sum"]) for r in records] == [("gloo", 3.0), ("gloo", 3.0)]
+    else:
+        assert all(r["resumed"] and r["sharded"] for r in records) and records[0]["equal"] is True
