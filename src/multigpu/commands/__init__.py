@@ -1,0 +1,1 @@
+"""One module per group of ``multigpu`` commands: each adds its parsers and runs its command."""

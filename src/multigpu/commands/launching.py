@@ -1,0 +1,298 @@
+"""``multigpu run`` and ``multigpu slurm``: their flags, checked, handed to the launchers.
+
+Why together: both start processes from the same device and node flags (``doctor`` hands the same ones
+to ``run``), and Slurm's options are shared with ``queue --slurm``. Nothing heavy is imported until a
+command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from multigpu import validate
+from multigpu.errors import LaunchError
+
+RUN_EXAMPLES = """\
+examples:
+  multigpu run train.py hparams.yaml            every visible GPU, one process each (no GPU: 1 CPU process)
+  multigpu run --gpus 0,2,3 train.py            the GPUs you name (indexes as nvidia-smi lists them)
+  multigpu run --nproc 4 train.py               4 processes (CPU: gloo; GPU: the first 4 GPUs)
+  multigpu run --gpus-per-proc 2 train.py       each process owns 2 GPUs (pipeline / ddp+pipeline)
+  multigpu run -m mypkg.train --lr 3e-4         run a module, like python -m
+  multigpu run --max-restarts 3 train.py        restart every worker (resuming) when one fails
+
+  two machines, 2 GPUs each (run one line on each machine):
+  multigpu run --nnodes 2 --node-rank 0 --master-addr host1 --master-port 29500 train.py
+  multigpu run --nnodes 2 --node-rank 1 --master-addr host1 --master-port 29500 train.py
+
+  elastic, 1 to 4 machines joining at host1:29400 (the same line on every machine):
+  multigpu run --nnodes 1:4 --rdzv-endpoint host1:29400 train.py
+
+  rehearse a 2-node job (2 processes each) on this machine before using the cluster:
+  multigpu run --simulate-nodes 2 --nproc 2 train.py
+
+Inside the script, `run = mg.init()` finds all of this; the same script also runs under torchrun
+and srun unchanged. Batch sizes are per process: the global batch is batch x processes.
+"""
+
+SLURM_EXAMPLES = """\
+examples:
+  multigpu slurm --nodes 2 --gpus-per-node 4 --time 20:00:00 train.py hparams.yaml
+  multigpu slurm --nodes 1 --gpus-per-node 8 --partition gpu --account proj train.py
+  multigpu slurm --dry-run --nodes 2 --gpus-per-node 4 train.py     write and show the script only
+  multigpu slurm status 12345          state, exit code, restarts, log path
+  multigpu slurm logs 12345            the end of the job's log
+  multigpu slurm cancel 12345
+
+The script lands in the run folder (--run-dir) with the job's log; it runs one `multigpu run` per node
+with a c10d rendezvous on the first node. --signal=USR1@90 and --requeue let the Trainer checkpoint
+before the time limit and continue in the requeued job.
+"""
+
+SLURM_ACTIONS = ("submit", "status", "logs", "cancel")
+
+
+def add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> None:
+    """Devices and nodes: the flags `multigpu run` and `multigpu doctor` share."""
+    dev = p.add_argument_group("devices and processes")
+    dev.add_argument("--gpus", metavar="IDS", help="GPUs to use, e.g. 0,2,3 or 0-3 (default: every visible GPU)")
+    dev.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, metavar="N",
+                     help="processes on this machine (default: one per GPU, or 1 on a CPU machine)")
+    dev.add_argument("--gpus-per-proc", type=int, default=1, metavar="K",
+                     help="GPUs owned by each process, for model-parallel strategies (default 1)")
+    dev.add_argument("--procs-per-gpu", type=int, default=1, metavar="K",
+                     help="processes sharing each GPU, talking over gloo (NCCL refuses two ranks on one GPU); "
+                     "for small models and for testing the multi-process path on one GPU (default 1)")
+    dev.add_argument("--cpu", action="store_true", help="use CPU processes even where GPUs are visible")
+    nodes = p.add_argument_group("several machines")
+    nodes.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (default 1)")
+    nodes.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="R",
+                       help="this machine's index, 0..nnodes-1 (static rendezvous)")
+    nodes.add_argument("--master-addr", "--master_addr", dest="master_addr", metavar="HOST",
+                       help="address of node 0, reachable from every node")
+    nodes.add_argument("--master-port", "--master_port", dest="master_port", type=int, metavar="PORT",
+                       help="port on node 0 (default on one machine: a free port is chosen)")
+    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (elastic --nnodes MIN:MAX)")
+    nodes.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node of a c10d rendezvous")
+    nodes.add_argument("--rdzv-timeout", type=int, default=rdzv_timeout, metavar="S",
+                       help=f"seconds to wait for every node to join (default {rdzv_timeout})")
+    nodes.add_argument("--simulate-nodes", type=int, metavar="N",
+                       help="rehearse an N-node job on this machine: N agents on loopback (GPUs split evenly)")
+
+
+#: The flags `multigpu doctor` hands on to `multigpu run` unchanged (dest, flag, takes a value).
+LAUNCH_FLAGS = (("gpus", "--gpus", True), ("nproc", "--nproc", True), ("gpus_per_proc", "--gpus-per-proc", True),
+                ("procs_per_gpu", "--procs-per-gpu", True),
+                ("cpu", "--cpu", False), ("nnodes", "--nnodes", True), ("node_rank", "--node-rank", True),
+                ("master_addr", "--master-addr", True), ("master_port", "--master-port", True),
+                ("rdzv_endpoint", "--rdzv-endpoint", True), ("rdzv_id", "--rdzv-id", True),
+                ("rdzv_timeout", "--rdzv-timeout", True), ("simulate_nodes", "--simulate-nodes", True))
+
+
+def launch_flags_of(args: argparse.Namespace) -> list[str]:
+    flags: list[str] = []
+    for dest, flag, takes_value in LAUNCH_FLAGS:
+        value = getattr(args, dest)
+        if takes_value and value is not None:
+            flags += [flag, str(value)]
+        elif not takes_value and value:
+            flags.append(flag)
+    return flags
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script on every GPU (or N processes) of this machine, or as one node of several",
+        description="Start one process per GPU (or --nproc CPU processes) on PyTorch's elastic agent.",
+        epilog=RUN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_launch_flags(p)
+    misc = p.add_argument_group("failures and logs")
+    misc.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                      help="restart all workers up to K times when one fails (default 0)")
+    misc.add_argument("--stop-timeout", type=int, default=120, metavar="S",
+                      help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL (default 120)")
+    misc.add_argument("--log-dir", metavar="DIR", help="keep each rank's stdout/stderr here (default: a temporary "
+                      "folder, removed after a successful run)")
+    misc.add_argument("--tee-prefix", choices=("auto", "always", "never"), default="auto",
+                      help="put [rankN] before each line of the workers' stderr: auto (not on a terminal, where "
+                      "progress bars redraw in place; yes in log files with several ranks), always or never")
+    misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines (and the launcher's C++ logs)")
+    misc.add_argument("--debug", action="store_true",
+                      help="TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO and the NCCL flight recorder (dumped "
+                      "into the log folder on a timeout); keeps every rank's log")
+    p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
+    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(handler=_cmd_run)
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+    validate.count(args.max_restarts, "--max-restarts", LaunchError, low=0, high=1000)
+    validate.positive_seconds(args.stop_timeout, "--stop-timeout", LaunchError)
+    validate.positive_seconds(args.rdzv_timeout, "--rdzv-timeout", LaunchError)
+    validate.count(args.node_rank, "--node-rank", LaunchError, low=0, high=validate.MAX_NODES)
+    if args.master_port is not None:
+        validate.count(args.master_port, "--master-port", LaunchError, low=1, high=65535,
+                       hint="use a port from 1024 to 65535.")
+    if args.log_dir is not None:
+        from multigpu.launch.local import prepare_log_dir
+
+        prepare_log_dir(args.log_dir)
+
+
+def _quiet_agent_logs() -> None:
+    """The launcher's own process (not the workers) loads torch with its C++ log level at FATAL.
+
+    Why: when a node cannot reach the rendezvous, c10d's TCPStore client logs every retry with a C++
+    stack trace (dozens of lines) before the launcher prints its one line with a HINT. The level is read
+    once, when torch loads, so it is set just for that import and removed again: the workers inherit
+    the user's environment unchanged. ``--verbose`` or a TORCH_CPP_LOG_LEVEL of your own keeps them."""
+    import os
+
+    if "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if not args.verbose:
+        _quiet_agent_logs()
+    from multigpu.launch.devices import plan_devices, visible_gpus
+    from multigpu.launch.local import LaunchRequest, launch, plan_rendezvous, split_command
+
+    _check_run_flags(args)
+    command = split_command(None if args.module else args.script, args.script if args.module else None,
+                            args.script_args)
+    if args.simulate_nodes is not None:
+        from multigpu.launch.simulate import simulate
+
+        return simulate(args.simulate_nodes, command, visible=[] if args.cpu else visible_gpus(), gpus=args.gpus,
+                        nproc=args.nproc, gpus_per_proc=args.gpus_per_proc, cpu=args.cpu,
+                        procs_per_gpu=args.procs_per_gpu,
+                        max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
+                        rdzv_timeout=args.rdzv_timeout, verbose=args.verbose, debug=args.debug,
+                        clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
+                                  "--master-addr": args.master_addr, "--master-port": args.master_port,
+                                  "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
+    devices = plan_devices([] if args.cpu else visible_gpus(), gpus=args.gpus, nproc=args.nproc,
+                           gpus_per_proc=args.gpus_per_proc, cpu=args.cpu, procs_per_gpu=args.procs_per_gpu)
+    rendezvous = plan_rendezvous(
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        timeout_s=args.rdzv_timeout,
+    )
+    request = LaunchRequest(
+        command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
+        log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout, tee_prefix=args.tee_prefix,
+        debug=args.debug,
+    )
+    return launch(request)
+
+
+def add_slurm_job_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Slurm job")
+    g.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    g.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs per node (0: CPU nodes)")
+    g.add_argument("--nproc-per-node", type=int, metavar="P", help="processes per node (default: one per GPU)")
+    g.add_argument("--time", metavar="T", help="time limit, e.g. 20:00:00")
+    g.add_argument("--partition", metavar="P")
+    g.add_argument("--account", metavar="A")
+    g.add_argument("--cpus-per-task", type=int, metavar="C", help="CPU cores for each node's task")
+    g.add_argument("--mem", metavar="M", help="memory per node, e.g. 64G")
+    g.add_argument("--job-name", metavar="NAME")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="another #SBATCH option, e.g. --sbatch-arg=--qos=high (repeatable)")
+    g.add_argument("--dry-run", action="store_true", help="write the script(s), print, do not submit")
+
+
+def slurm_options_from_args(args: argparse.Namespace):
+    from multigpu.launch.slurm import SlurmOptions
+
+    return SlurmOptions(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, account=args.account,
+        cpus_per_task=args.cpus_per_task, mem=args.mem, job_name=args.job_name,
+        max_restarts=getattr(args, "max_restarts", 0) or 0, extra=tuple(args.sbatch_arg),
+    )
+
+
+def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("slurm", help="submit a training script as a Slurm job; status|logs|cancel JOBID",
+                       description="Write a readable sbatch script into the run folder and submit it. "
+                       "`multigpu slurm train.py ...` is short for `multigpu slurm submit train.py ...`.",
+                       epilog=SLURM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    submit = actions.add_parser("submit", help="write the sbatch script and submit it (the default action)",
+                                epilog=SLURM_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_slurm_job_options(submit)
+    submit.add_argument("--run-dir", metavar="DIR",
+                        help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
+    submit.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restarts of the workers inside the job")
+    submit.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
+    submit.add_argument("script", help="training script (or module with -m)")
+    submit.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    submit.set_defaults(handler=_cmd_slurm_submit)
+    for name, text in (("status", "state, exit code, restarts, nodes and log path of a job"),
+                       ("logs", "the end of a job's log"), ("cancel", "cancel a job")):
+        action = actions.add_parser(name, help=text, description=text)
+        action.add_argument("job_id", help="the Slurm job id")
+        if name == "logs":
+            action.add_argument("--lines", type=int, default=50, metavar="N", help="how many lines (default 50)")
+        action.set_defaults(handler=_cmd_slurm_job)
+
+
+def _cmd_slurm_submit(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+    from pathlib import Path
+
+    from multigpu.launch import slurm
+    from multigpu.launch.local import split_command
+
+    command = split_command(None if args.module else args.script, args.script if args.module else None,
+                            args.script_args)
+    options = slurm_options_from_args(args)
+    if options.gpus_per_node is None:
+        options = dataclasses.replace(options, gpus_per_node=0)
+    options.validate()
+    name = options.job_name or Path(args.script).stem
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".-") or "job"
+    run_dir = Path(args.run_dir or Path("outputs") / "slurm" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    job = slurm.SlurmJob(command=command, run_dir=run_dir, options=options)
+    if args.dry_run:
+        path = slurm.write(job)
+        print(path.read_text())
+        print(f"# written to {path}; submit with: sbatch {path}")
+        return 0
+    job_id = slurm.submit(job)
+    print(f"submitted job {job_id}")
+    print(f"  script: {job.script_path}")
+    print(f"  log:    {str(job.log_pattern).replace('%j', job_id)}")
+    print(f"  follow: multigpu slurm status {job_id} | multigpu slurm logs {job_id}")
+    return 0
+
+
+def _cmd_slurm_job(args: argparse.Namespace) -> int:
+    from multigpu.launch import slurm
+
+    job_id = slurm.check_job_id(args.job_id)
+    if args.action == "status":
+        print(slurm.status(job_id))
+    elif args.action == "cancel":
+        slurm.cancel(job_id)
+        print(f"cancelled job {job_id}")
+    else:
+        lines = validate.count(args.lines, "--lines", LaunchError, high=100_000)
+        path, tail, total = slurm.log_tail(job_id, lines)
+        print(f"==> {path} (last {len(tail)} of {total} lines)")
+        print("\n".join(tail))
+    return 0

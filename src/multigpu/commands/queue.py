@@ -1,0 +1,96 @@
+"""``multigpu queue``: a runs file onto a pool of GPUs (or CPU slots), or as Slurm jobs."""
+
+from __future__ import annotations
+
+import argparse
+
+from multigpu import validate
+from multigpu.commands.launching import add_slurm_job_options, slurm_options_from_args
+from multigpu.errors import ConfigError
+
+QUEUE_EXAMPLES = """\
+examples:
+  multigpu queue runs.yaml                      every run, one per free GPU (CPU: one per core)
+  multigpu queue runs.yaml --gpus 0,1,2,3       on these GPUs only
+  multigpu queue runs.yaml --only net,larger_net --max-parallel 2
+  multigpu queue runs.yaml --gpus-per-run 2     every run gets 2 GPUs (DDP inside the run)
+  multigpu queue runs.yaml --runs-per-gpu 4     4 small runs share each GPU (or gpus: 0.25 per run)
+  multigpu queue runs.yaml --slurm --partition gpu --time 4:00:00   one Slurm job per run
+
+runs.yaml: keys are run names; `larger_net < net` inherits every setting of net and overrides some.
+  net:
+    script: examples/digits/train.py
+    args: [examples/digits/hparams.yaml]
+    gpus: 1
+    overrides: {model.hidden: 128}
+  larger_net < net:
+    overrides: {model.hidden: 512}
+Each run writes into OUT/<run name>/ (run.yaml, log.txt, status.json and the recipe's outputs).
+Running the queue again skips finished runs and resumes interrupted ones.
+"""
+
+def add_queue_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("queue", help="train many runs at once on a pool of GPUs (or as Slurm jobs)",
+                       description="Place each run of a runs file on free GPUs (CPU: process slots).",
+                       epilog=QUEUE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs_file")
+    p.add_argument("--gpus", metavar="IDS", help="the GPU pool, e.g. 0,1,2,3 (default: every visible GPU)")
+    p.add_argument("--slots", type=int, metavar="N", help="N CPU process slots instead of GPUs (default on a "
+                   "machine without GPUs: one per core)")
+    p.add_argument("--gpus-per-run", type=int, metavar="K", help="override every run's gpus: setting")
+    p.add_argument("--runs-per-gpu", type=int, default=1, metavar="K",
+                   help="pack K one-GPU runs onto each GPU (CPU: each slot), each held to 1/K of the GPU's "
+                   "memory so a run that does not fit fails alone (default 1)")
+    p.add_argument("--only", metavar="NAMES", help="comma-separated run names to run (in that order)")
+    p.add_argument("--max-parallel", type=int, metavar="M", help="at most M runs at once")
+    p.add_argument("--out", metavar="DIR", help="where run folders go (default: outputs/<runs file name>)")
+    p.add_argument("--no-live", action="store_true", help="print one line per event instead of a live table")
+    p.add_argument("--allow-env", action="append", default=[], metavar="NAME",
+                   help="let the runs file set this environment variable (beyond NCCL_*, OMP_*, HF_*, ...; repeatable)")
+    p.add_argument("--slurm", action="store_true", help="submit each run as its own Slurm job instead")
+    add_slurm_job_options(p)
+    p.set_defaults(handler=_cmd_queue)
+
+
+def _cmd_queue(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multigpu.queue.runs import load_runs
+
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
+    allowed = [validate.env_name(n, ConfigError, "--allow-env: ") for a in args.allow_env for n in a.split(",") if n]
+    specs = load_runs(args.runs_file, only, allow_env=allowed)
+    if args.gpus_per_run is not None:
+        validate.count(args.gpus_per_run, "--gpus-per-run", ConfigError)
+        for spec in specs:
+            spec.gpus = args.gpus_per_run
+    if args.max_parallel is not None:
+        validate.count(args.max_parallel, "--max-parallel", ConfigError)
+    out = Path(args.out or Path("outputs") / Path(args.runs_file).stem)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder.", "give a folder for the run folders.")
+    validate.count(args.runs_per_gpu, "--runs-per-gpu", ConfigError, high=validate.MAX_SHARERS_PER_GPU)
+    if args.slurm:
+        from multigpu.queue.slurm_jobs import submit_runs
+
+        packed = next((spec.name for spec in specs if spec.gpus < 1), None)
+        if args.runs_per_gpu != 1 or packed:
+            what = f"--runs-per-gpu {args.runs_per_gpu}" if args.runs_per_gpu != 1 else f"run {packed!r}'s gpus: below 1"
+            raise ConfigError(f"{what} packs runs onto shared GPUs, which Slurm jobs do not do (each gets whole GPUs).",
+                              "give the runs whole GPUs with --slurm, or pack them inside one job: "
+                              "`multigpu queue runs.yaml --runs-per-gpu K` in an sbatch script.")
+        options = slurm_options_from_args(args)
+        return submit_runs(specs, out, options, dry_run=args.dry_run)
+    from rich.console import Console
+
+    from multigpu.launch.devices import visible_gpus
+    from multigpu.queue.display import Display
+    from multigpu.queue.pool import plan_pool
+    from multigpu.queue.scheduler import Queue
+
+    pool = plan_pool(visible_gpus(), gpus=args.gpus, slots=args.slots)
+    display = Display(Console(), live=False if args.no_live else None)
+    queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display, runs_per_gpu=args.runs_per_gpu)
+    code = queue.execute()
+    display.summary(queue)
+    return code
