@@ -31,7 +31,7 @@ _EXPORTS = {
     "init": "multigpu.runtime",
     "Stages": "multigpu.stages",
     "Trainer": "multigpu.trainer",
-    "TrainerSettings": "multigpu.trainer",
+    "TrainerSettings": "multigpu.settings",
     "World": "multigpu.world",
     "detect_world": "multigpu.world",
     "get_logger": "multigpu.helpers",
@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first
     from multigpu.metrics import MetricSums
     from multigpu.runtime import Run, init
     from multigpu.stages import Stages
-    from multigpu.trainer import Trainer, TrainerSettings
+    from multigpu.settings import TrainerSettings
+    from multigpu.trainer import Trainer
     from multigpu.world import World, detect_world
 
 
