@@ -171,6 +171,12 @@ def test_two_processes_on_one_gpu_equal_one_process(tmp_path, strategy):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+def test_check_on_one_gpu_with_two_processes_sharing_it():
+    proc = multigpu("check", "--nproc", "2", "--procs-per-gpu", "2", "--steps", "4", str(SCRIPTS / "check_target.py"),
+                    timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 # ------------------------------------------------------------------- runs packed on one GPU
 
 def test_packed_runs_share_the_gpu_and_one_that_does_not_fit_fails_alone(tmp_path):

@@ -408,6 +408,8 @@ CASES = [
          runs(f"a:\n{RUN_OK}  env: {{SLURM_JOB_ID: 'x[$(touch {PWNED})]'}}\n")),
     Case("runs-env-visible-devices", ["queue", "runs.yaml", "--slots", "1"], "is set by the queue",
          runs(f"a:\n{RUN_OK}  env: {{CUDA_VISIBLE_DEVICES: '0'}}\n")),
+    Case("check-procs-per-gpu-without-gpu", ["check", "--procs-per-gpu", "2", "s.py"], "needs a GPU but none is visible",
+         write("s.py", "")),
     Case("runs-share-too-fine", ["queue", "runs.yaml", "--slots", "1"], "neither a whole number nor a share",
          runs(f"a:\n{RUN_OK}  gpus: 1.0e-300\n")),
     Case("runs-share-with-processes", ["queue", "runs.yaml", "--slots", "1"], "runs one process",

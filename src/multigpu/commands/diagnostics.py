@@ -40,12 +40,15 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
                        description="Run the script for K optimizer steps on N processes and on 1 process with N "
                        "times the batch, compare every step's loss and the weights, and say why they differ.",
                        epilog="examples:\n  multigpu check --nproc 2 --steps 5 train.py hparams.yaml\n"
-                       "  multigpu check --nproc 4 -m mypkg.train --lr 3e-4\n\nExit 0: equal within a tolerance "
+                       "  multigpu check --nproc 4 -m mypkg.train --lr 3e-4\n"
+                       "  multigpu check --nproc 2 --procs-per-gpu 2 train.py   (one GPU: two processes share it)\n\nExit 0: equal within a tolerance "
                        "scaled to the dtype; 1: different (with the causes found); 2: the script did not run.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes to compare with one (default 2)")
     p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps in each run (default 5)")
     p.add_argument("--cpu", action="store_true", help="CPU processes even where GPUs are visible")
+    p.add_argument("--procs-per-gpu", type=int, default=1, metavar="K",
+                   help="the N processes share the GPUs, K to a GPU (one GPU: --nproc 2 --procs-per-gpu 2)")
     p.add_argument("--tolerance", type=float, metavar="T", help="relative tolerance (default: from the dtype)")
     p.add_argument("--keep", action="store_true", help="keep the per-step records")
     p.add_argument("--timeout", type=int, default=600, metavar="S", help="seconds each run may take (default 600)")
@@ -65,7 +68,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     command = split_command(None if args.module else args.script, args.script if args.module else None,
                             args.script_args)
     return check(list(command), args.nproc, args.steps, cpu=args.cpu, tolerance=args.tolerance, keep=args.keep,
-                 timeout_s=args.timeout, out=lambda line: print(line, flush=True))
+                 timeout_s=args.timeout, out=lambda line: print(line, flush=True), procs_per_gpu=args.procs_per_gpu)
 
 
 DOCTOR_EXAMPLES = """\

@@ -88,9 +88,10 @@ class Outcome:
 
 
 def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool,
-         timeout_s: float) -> Outcome:
+         timeout_s: float, procs_per_gpu: int = 1) -> Outcome:
     folder.mkdir(parents=True)
-    argv = [sys.executable, "-m", "multigpu", "run", "--nproc", str(nproc), "--tee-prefix", "never",
+    sharing = ["--procs-per-gpu", str(procs_per_gpu)] if procs_per_gpu > 1 else []
+    argv = [sys.executable, "-m", "multigpu", "run", "--nproc", str(nproc), *sharing, "--tee-prefix", "never",
             *(["--cpu"] if cpu else []), *command]
     env = {**os.environ, DIR_VAR: str(folder), STEPS_VAR: str(steps), SCALE_VAR: str(scale)}
     try:
@@ -207,16 +208,23 @@ def diagnose(many: Outcome, one: Outcome, nproc: int) -> list[str]:
 
 
 def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tolerance: Optional[float] = None,
-          keep: bool = False, timeout_s: float = 600.0, out=print) -> int:
-    """Run, compare, print the verdict; 0 when equal within the tolerance."""
+          keep: bool = False, timeout_s: float = 600.0, out=print, procs_per_gpu: int = 1) -> int:
+    """Run, compare, print the verdict; 0 when equal within the tolerance.
+
+    ``procs_per_gpu``: the N processes share the GPUs K to a GPU (a one-GPU machine checks 2 processes
+    with ``nproc=2, procs_per_gpu=2``); the one-process run has a GPU to itself."""
     validate.count(nproc, "--nproc", LaunchError, low=2, high=validate.MAX_PROCS_PER_NODE,
                    hint="compare 2 or more processes against one.")
     validate.count(steps, "--steps", LaunchError, low=1, high=10_000)
+    if procs_per_gpu != 1:  # refuse an impossible device plan now, not as a failed run
+        from multigpu.launch.devices import plan_devices, visible_gpus
+
+        plan_devices(visible_gpus(), nproc=nproc, procs_per_gpu=procs_per_gpu, cpu=cpu)
     root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
     try:
         out(f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
             f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
-        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s)
+        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, procs_per_gpu)
         one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s)
         return _report(many, one, nproc, steps, tolerance, out)
     finally:
