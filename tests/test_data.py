@@ -122,3 +122,17 @@ def test_position_after_an_epochs_last_batch_is_the_next_epoch():
     assert [b.tolist() for b in resumed] == [b.tolist() for b in list(make_loader(list(range(12)), 4, rank=0,
                                                                                   world_size=1, shuffle=True,
                                                                                   seed=0))][1:]
+
+
+def test_move_to_keeps_the_batch_structure_and_accepts_any_mapping():
+    from collections import OrderedDict, defaultdict, namedtuple
+
+    from multigpu.batches import batch_length, move_to
+
+    pair = namedtuple("pair", "x y")
+    batch = {"a": (torch.ones(3, 2), [torch.zeros(3)]), "b": pair(torch.ones(3), 7), "c": OrderedDict(d=torch.ones(3))}
+    moved = move_to(batch, torch.device("cpu"), non_blocking=False)
+    assert type(moved["b"]) is pair and moved["b"].y == 7 and type(moved["c"]) is OrderedDict
+    assert torch.equal(moved["a"][0], batch["a"][0]) and batch_length(moved) == 3
+    counts = defaultdict(list, x=torch.ones(2))  # its constructor takes a factory: a plain dict comes back
+    assert torch.equal(move_to(counts, torch.device("cpu"))["x"], torch.ones(2))

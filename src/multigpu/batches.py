@@ -17,7 +17,11 @@ def move_to(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
-        return type(batch)({k: move_to(v, device, non_blocking) for k, v in batch.items()})
+        moved = {k: move_to(v, device, non_blocking) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)
+        except TypeError:  # a defaultdict (its first argument is a factory) or another unusual mapping
+            return moved
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
         return type(batch)(move_to(v, device, non_blocking) for v in batch)
     if hasattr(batch, "_fields"):  # namedtuple

@@ -48,7 +48,7 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps in each run (default 5)")
     p.add_argument("--cpu", action="store_true", help="CPU processes even where GPUs are visible")
     p.add_argument("--procs-per-gpu", type=int, default=1, metavar="K",
-                   help="the N processes share the GPUs, K to a GPU (one GPU: --nproc 2 --procs-per-gpu 2)")
+                   help="the N processes share the GPUs, K to a GPU (one GPU: --nproc 2 --procs-per-gpu 2; default 1)")
     p.add_argument("--tolerance", type=float, metavar="T", help="relative tolerance (default: from the dtype)")
     p.add_argument("--keep", action="store_true", help="keep the per-step records")
     p.add_argument("--timeout", type=int, default=600, metavar="S", help="seconds each run may take (default 600)")
