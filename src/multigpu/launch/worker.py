@@ -148,10 +148,7 @@ def run_user_code(argv: list[str]) -> int:
         return _exit_code(exc.code)
     except MultiGPUError as exc:
         _record_error(exc, exc.one_line())
-        if os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            _append_to_rank_log(exc.one_line())  # the launcher prints it, once for all ranks
-        else:
-            print(exc.one_line(), file=sys.stderr)
+        _show_line(exc.one_line())
         return 1
     except KeyboardInterrupt:
         return 130
@@ -159,11 +156,18 @@ def run_user_code(argv: list[str]) -> int:
         line = out_of_memory_line(exc)
         _record_error(exc, line)
         print_user_traceback(exc)
-        if line and os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            _append_to_rank_log(line)  # the launcher prints it, once for all ranks
-        elif line:
-            print(line, file=sys.stderr)
+        if line:
+            _show_line(line)
         return 1
+
+
+def _show_line(line: str) -> None:
+    """Our one error line: under the launcher into the rank's log (the launcher prints it once for all
+    ranks), else on stderr."""
+    if os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        _append_to_rank_log(line)
+    else:
+        print(line, file=sys.stderr)
 
 
 def out_of_memory_line(exc: BaseException) -> str:
