@@ -220,6 +220,8 @@ CASES = [
          write("s.py", "")),
     Case("run-procs-per-gpu-huge", ["run", "--procs-per-gpu", "99999", "s.py"], "--procs-per-gpu 99999 is more than",
          write("s.py", "")),
+    Case("env-procs-per-device-zero", ["s.py"], "MULTIGPU_PROCS_PER_DEVICE=0 must be at least 1",
+         write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_PROCS_PER_DEVICE": "0"}, python=True),
     Case("run-memory-share-garbage", ["run", "s.py"], "is not a share between 0 and 1",
          write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_GPU_MEMORY_FRACTION": "nan"}),
     Case("run-gpus-garbage", ["run", "--gpus", "0,x", "s.py"], "is not a GPU index", write("s.py", "")),
