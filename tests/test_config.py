@@ -99,7 +99,7 @@ def test_sequence_and_optional_sequence_fields():
 
 
 def test_config_hash_ignores_memory_addresses():
-    from multigpu.diagnostics.consistency import config_hash
+    from multigpu.guards.consistency import config_hash
 
     assert config_hash({"fn": lambda: 1, "tags": {"b", "a"}}) == config_hash({"fn": lambda: 2, "tags": {"a", "b"}})
     assert config_hash({"lr": 0.1}) != config_hash({"lr": 0.2})
@@ -108,7 +108,7 @@ def test_config_hash_ignores_memory_addresses():
 def test_a_config_difference_between_ranks_is_named_down_to_the_setting():
     import dataclasses
 
-    from multigpu.diagnostics.consistency import compare, config_items
+    from multigpu.guards.consistency import compare, config_items
 
     @dataclasses.dataclass
     class Model:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from multigpu.data import EvalSampler, ShardedSampler, describe_batch, make_loader
+from multigpu.data.samplers import EvalSampler, ShardedSampler, describe_batch, make_loader
 from multigpu.errors import ConfigError
 from multigpu.strategies import split_sizes
 
@@ -107,7 +107,7 @@ def test_dataparallel_split_rule_matches_torch_chunk(batch, n):
 
 
 def test_position_after_an_epochs_last_batch_is_the_next_epoch():
-    from multigpu.data import make_loader
+    from multigpu.data.samplers import make_loader
 
     loader = make_loader(list(range(12)), 4, rank=0, world_size=1, shuffle=True, seed=0)
     seen = []
@@ -127,7 +127,7 @@ def test_position_after_an_epochs_last_batch_is_the_next_epoch():
 def test_move_to_keeps_the_batch_structure_and_accepts_any_mapping():
     from collections import OrderedDict, defaultdict, namedtuple
 
-    from multigpu.batches import batch_length, move_to
+    from multigpu.trainer.batches import batch_length, move_to
 
     pair = namedtuple("pair", "x y")
     batch = {"a": (torch.ones(3, 2), [torch.zeros(3)]), "b": pair(torch.ones(3), 7), "c": OrderedDict(d=torch.ones(3))}

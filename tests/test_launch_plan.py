@@ -5,12 +5,12 @@ import socket
 import pytest
 import torch
 
-from multigpu.distributed import choose_backend, choose_devices
+from multigpu.distributed.session import choose_backend, choose_devices
 from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
 from multigpu.launch.local import LaunchRequest, parse_nnodes, plan_rendezvous, worker_env
 from multigpu.launch.ports import free_port, port_is_free, require_free_port
-from multigpu.world import World
+from multigpu.distributed.world import World
 
 FOUR = ["0", "1", "2", "3"]
 
@@ -201,7 +201,7 @@ def test_device_choice_follows_local_rank_and_devices_per_process():
 
 
 def test_processes_sharing_a_device_are_read_from_the_launcher():
-    from multigpu.world import detect_world
+    from multigpu.distributed.world import detect_world
 
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1234", "MULTIGPU_PROCS_PER_DEVICE": "2"}
     assert detect_world(env).processes_per_device == 2
@@ -250,14 +250,38 @@ def test_root_cause_prefers_the_rank_that_started_it():
 
 
 def test_simulated_nodes_split_the_gpus():
+    from multigpu.launch.flags import RunFlags
     from multigpu.launch.simulate import node_commands
 
-    commands = node_commands(2, ["t.py"], visible_gpus=4, gpus_flag=None)
+    plain, cpu = RunFlags(), RunFlags(cpu=True)
+    commands = node_commands(2, plain, ["t.py"], visible_gpus=4, gpus_flag=None)
     assert [c[c.index("--gpus") + 1] for c in commands] == ["0,1", "2,3"]
-    commands = node_commands(2, ["t.py"], visible_gpus=8, gpus_flag="4-7")
+    assert [c[c.index("--node-rank") + 1] if "--node-rank" in c else "0" for c in commands] == ["0", "1"]
+    assert all(c[-2:] == ["--", "t.py"] for c in commands)  # a script is never read as a launcher flag
+    commands = node_commands(2, plain, ["t.py"], visible_gpus=8, gpus_flag="4-7")
     assert [c[c.index("--gpus") + 1] for c in commands] == ["4,5", "6,7"]
-    assert all("--gpus" not in c for c in node_commands(2, ["--cpu", "t.py"], visible_gpus=0, gpus_flag=None))
+    assert all("--gpus" not in c and "--cpu" in c
+               for c in node_commands(2, cpu, ["t.py"], visible_gpus=0, gpus_flag=None))
     with pytest.raises(LaunchError, match="cannot be split evenly"):
-        node_commands(2, ["t.py"], visible_gpus=3, gpus_flag=None)
+        node_commands(2, plain, ["t.py"], visible_gpus=3, gpus_flag=None)
     with pytest.raises(LaunchError, match="at least 2"):
-        node_commands(1, ["t.py"], visible_gpus=0, gpus_flag=None)
+        node_commands(1, plain, ["t.py"], visible_gpus=0, gpus_flag=None)
+
+
+def test_run_flags_write_each_flag_once_and_the_target_last():
+    from multigpu.launch.flags import RunFlags
+
+    argv = RunFlags(nproc=2, cpu=True, log_dir="out/logs", max_restarts=0, nnodes="1").to_argv(["-m", "pkg.train", "--lr", "1"],
+                                                                                                 python="py")
+    assert argv == ["py", "-m", "multigpu", "run", "--nproc", "2", "--log-dir", "out/logs", "--cpu",
+                    "-m", "pkg.train", "--lr", "1"]
+    assert RunFlags(nnodes="$SLURM_JOB_NUM_NODES").to_argv(["--help"], python="py")[-2:] == ["--", "--help"]
+
+
+def test_a_master_address_nobody_can_resolve_fails_in_seconds_not_after_the_rendezvous_timeout():
+    from multigpu.launch.local import require_resolvable
+
+    with pytest.raises(LaunchError, match="nothing.invalid is not a host this machine can resolve"):
+        require_resolvable("nothing.invalid", "--master-addr")  # RFC 6761: .invalid never resolves
+    require_resolvable("127.0.0.1", "--master-addr")
+    require_resolvable("[::1]", "--rdzv-endpoint")

@@ -12,7 +12,7 @@ from multigpu.errors import ConfigError
 from multigpu.strategies import make_strategy
 from multigpu.strategies.fsdp import find_blocks
 from multigpu.strategies.pipeline import Pipeline, PipelineModule, PipelineOptions, balanced_split_points, split_model
-from multigpu.world import World
+from multigpu.distributed.world import World
 
 CPU = torch.device("cpu")
 
@@ -142,13 +142,13 @@ def test_sharded_checkpoint_reshards_2_to_1_and_3_and_consolidates(tmp_path, no_
                         "--weights", str(tmp_path / f"final{nproc}.pt"), check=True)
         assert "resumed from" in proc.stdout and "step 8)" in proc.stdout
         finals[nproc] = torch.load(tmp_path / f"final{nproc}.pt", weights_only=True)
-    for nproc in (1, 3):
-        assert max((finals[nproc][k] - finals[2][k]).abs().max().item() for k in finals[2]) < 1e-6
+    for nproc in (1, 3):  # float64: only the order of float sums differs (the bound: tests/scripts/reshard.py)
+        assert max((finals[nproc][k] - finals[2][k]).abs().max().item() for k in finals[2]) < 1e-7
 
     consolidated = multigpu("checkpoint", "consolidate", str(ckpt), "--out", str(tmp_path / "plain"), check=True)
     assert "consolidated" in consolidated.stdout
     state = torch.load(tmp_path / "plain" / ckpt.name / "state.pt", weights_only=True)
-    plain = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    plain = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     plain.load_state_dict(state["model"])  # strict
     after1 = torch.load(tmp_path / "after1.pt", weights_only=True)
     assert all(torch.equal(plain.state_dict()[k], after1[k]) for k in after1)

@@ -18,7 +18,7 @@ from multigpu.config import resolve_inheritance
 from multigpu.errors import ConfigError
 from multigpu.queue.runs import QueueEntry, load_runs
 from multigpu.queue.scheduler import Queue
-from multigpu.stages import Stages
+from multigpu.strategies.stages import Stages
 
 pytestmark = pytest.mark.timeout(300)
 SLEEP = str(SCRIPTS / "sleep_run.py")

@@ -9,9 +9,9 @@ from torch import nn
 
 import multigpu as mg
 from multigpu.errors import ConfigError
-from multigpu.precision import Precision
+from multigpu.trainer.precision import Precision
 from multigpu.strategies import DataParallelStrategy, SingleDevice, make_strategy
-from multigpu.world import World
+from multigpu.distributed.world import World
 
 CPU = [torch.device("cpu")]
 

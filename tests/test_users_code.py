@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSample
 
 import multigpu as mg
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_until_gone
-from multigpu.dataloaders import RankShare, StreamLoader, adapt
+from multigpu.data.adapt import RankShare, StreamLoader, adapt
 from multigpu.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)

@@ -3,7 +3,7 @@
 import pytest
 
 from multigpu.errors import WorldError
-from multigpu.world import (
+from multigpu.distributed.world import (
     World,
     detect_world,
     expand_nodelist,

@@ -25,34 +25,34 @@ from multigpu.errors import MultiGPUError
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Loader": "multigpu.data",
+    "Loader": "multigpu.data.samplers",
     "MetricSums": "multigpu.metrics",
     "Run": "multigpu.runtime",
     "init": "multigpu.runtime",
-    "Stages": "multigpu.stages",
+    "Stages": "multigpu.strategies.stages",
     "Trainer": "multigpu.trainer",
-    "TrainerSettings": "multigpu.settings",
-    "World": "multigpu.world",
-    "detect_world": "multigpu.world",
-    "get_logger": "multigpu.helpers",
-    "is_main": "multigpu.helpers",
-    "rank_zero_only": "multigpu.helpers",
-    "rank_zero_print": "multigpu.helpers",
-    "run_on_main": "multigpu.helpers",
+    "TrainerSettings": "multigpu.trainer.settings",
+    "World": "multigpu.distributed.world",
+    "detect_world": "multigpu.distributed.world",
+    "get_logger": "multigpu.distributed.rank_zero",
+    "is_main": "multigpu.distributed.rank_zero",
+    "rank_zero_only": "multigpu.distributed.rank_zero",
+    "rank_zero_print": "multigpu.distributed.rank_zero",
+    "run_on_main": "multigpu.distributed.rank_zero",
 }
 
 __all__ = ["Loader", "MetricSums", "MultiGPUError", "Run", "Stages", "Trainer", "TrainerSettings", "World",
            "detect_world", "get_logger", "init", "is_main", "rank_zero_only", "rank_zero_print", "run_on_main"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first use
-    from multigpu.data import Loader
-    from multigpu.helpers import get_logger, is_main, rank_zero_only, rank_zero_print, run_on_main
+    from multigpu.data.samplers import Loader
+    from multigpu.distributed.rank_zero import get_logger, is_main, rank_zero_only, rank_zero_print, run_on_main
     from multigpu.metrics import MetricSums
     from multigpu.runtime import Run, init
-    from multigpu.stages import Stages
-    from multigpu.settings import TrainerSettings
+    from multigpu.strategies.stages import Stages
+    from multigpu.trainer.settings import TrainerSettings
     from multigpu.trainer import Trainer
-    from multigpu.world import World, detect_world
+    from multigpu.distributed.world import World, detect_world
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
+from typing_extensions import override
 
 from multigpu.commands.checkpoint import add_checkpoint_parser
 from multigpu.commands.diagnostics import add_check_parser, add_doctor_parser, add_env_parser, add_plot_parser
@@ -20,8 +21,14 @@ from multigpu.errors import MultiGPUError
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a refused flag is our one line with a HINT (argparse prints usage and a second line)."""
+    """argparse, but a refused flag is our one line with a HINT (argparse prints usage and a second line),
+    and no abbreviations: ``--tee 3`` must not be read as ``--tee-prefix 3``, nor a typo as another flag."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    @override
     def error(self, message: str) -> NoReturn:
         print(f"multigpu: error: {self.prog}: {' '.join(message.split())}. HINT: see `{self.prog} --help`.",
               file=sys.stderr)

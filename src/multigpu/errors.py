@@ -6,6 +6,8 @@ and the worker wrapper print them as one line instead of a traceback. Standard l
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 
 class MultiGPUError(Exception):
     """A problem with the user's input or environment, with the fix in ``hint``."""
@@ -15,6 +17,7 @@ class MultiGPUError(Exception):
         self.hint = hint.strip()
         super().__init__(str(self))
 
+    @override
     def __str__(self) -> str:
         return f"{self.message} HINT: {self.hint}" if self.hint else self.message
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from multigpu.distributed import group_active
+from multigpu.distributed.session import group_active
 
 Number = Union[int, float, torch.Tensor]
 
@@ -65,7 +65,7 @@ def reduce_sums(values: Mapping[str, tuple[Number, Number]], device: Union[str, 
 def gather_in_order(local: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Per-sample results of an evaluation loader, reassembled in dataset order on every rank.
 
-    Rank r of W evaluated samples r, r+W, r+2W, ... (:class:`multigpu.data.EvalSampler`), so the
+    Rank r of W evaluated samples r, r+W, r+2W, ... (:class:`multigpu.data.samplers.EvalSampler`), so the
     full result interleaves the shards. Shards may differ in length by one.
     """
     if not group_active():

@@ -8,45 +8,43 @@ safety a Trainer has (hang watchdog, preemption agreement, consistency check) fo
 loop - and holds no global state, so two runs in one process (sequentially, or in tests) do not
 interfere.
 
-Leaving by an interrupt: once this rank has seen Ctrl-C (or left ``fit`` by an exception), the other
-ranks may be anywhere, so every collective of the Run refuses at once with a one-line error instead
-of waiting for partners that are not coming: every rank is out within seconds.
+The Run is a facade: what it does is in the rooms it delegates to, one line per method - the
+strategy (``strategies``), data (``data``), the checkpoint choreography (``checkpoint.manager``), the
+loop's safety (``guards``: watchdog, preemption, interrupts) and metrics. Leaving by an interrupt: once
+this rank has seen Ctrl-C (or left ``fit`` by an exception), every collective of the Run refuses at once
+with a one-line error instead of waiting for partners that are not coming.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import signal
 import sys
-import threading
-import warnings
-import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, TypeVar
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu import checkpoint, helpers, metrics
+from multigpu import metrics
+from multigpu.checkpoint import files as checkpoint_files
 from multigpu.checkpoint.io import CheckpointIO, choose_io
-from multigpu.checkpoint import rng
+from multigpu.checkpoint.manager import CheckpointManager
 from multigpu.checkpoint.rng import seed_everything
-from multigpu.data import describe_batch
-from multigpu.dataloaders import Agreement, adapt
-from multigpu.diagnostics import consistency
-from multigpu.diagnostics import probe as check_probe
-from multigpu.diagnostics.watchdog import HangWatchdog
-from multigpu.distributed import DistSession, GroupSettings, choose_devices
-from multigpu.errors import CheckpointError, ConfigError, MultiGPUError
-from multigpu.parallel import Parallelism
-from multigpu.preemption import Preempted, StopSignal, requeue_slurm_job
+from multigpu.data.adapt import adapt
+from multigpu.data.samplers import describe_batch
+from multigpu.distributed import rank_zero
+from multigpu.distributed.agreement import Pending
+from multigpu.distributed.parallel import Parallelism
+from multigpu.distributed.session import DistSession, GroupSettings, choose_devices
+from multigpu.distributed.world import World, detect_world
+from multigpu.errors import ConfigError
+from multigpu.guards import GuardSettings, Guards, consistency, interrupt
+from multigpu.guards import probe as check_probe
 from multigpu.strategies import Strategy, make_strategy
 from multigpu.strategies.base import OptimizerLike
-from multigpu.world import World, detect_world
 
 T = TypeVar("T")
 
@@ -54,17 +52,6 @@ T = TypeVar("T")
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of rank ``rank``'s random streams after setup: different per rank, reproducible."""
     return (seed * 1_000_003 + 7919 * (rank + 1)) % (2**63)
-
-
-@dataclass
-class Guards:
-    """The safety of the training loop, for the Trainer and for hand-written loops alike."""
-
-    hang_timeout_s: Optional[float] = 900.0
-    report_dir: str = "outputs/hang"
-    preemption: bool = True
-    #: Agree on stopping every K optimizer steps (None: about every 2 s, adapted to the step time).
-    stop_check_every: Optional[int] = None
 
 
 @dataclass(eq=False)  # compared and hashed by identity: it is a live object, not a value
@@ -81,20 +68,22 @@ class Run:
     #: The seed given to init (None: not seeded); ``same_random_streams``: keep every rank's streams equal.
     seed: Optional[int] = None
     same_random_streams: bool = False
-    guards: Guards = field(default_factory=Guards)
+    #: ``multigpu check``'s recorder (None unless the check started this process).
+    probe: Any = field(default=None, repr=False)
+    #: The loop's safety: watchdog, preemption agreement, interrupts (built from the session).
+    guards: Guards = field(init=False, repr=False)
+    _checkpoints: CheckpointManager = field(init=False, repr=False)
     _mesh: Any = field(default=None, repr=False)
     _dp_group: Any = field(default=None, repr=False)
     _loaders_dp: Optional[int] = field(default=None, repr=False)
-    _interrupted: Optional[str] = field(default=None, repr=False)
-    _stop: Optional[StopSignal] = field(default=None, repr=False)
-    _watchdog: Optional[HangWatchdog] = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
-    #: ``multigpu check``'s recorder (None unless the check started this process).
-    probe: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.parallelism is None:
             self.parallelism = Parallelism.plain(self.world.world_size)
+        self.guards = Guards(self.session)
+        self._checkpoints = CheckpointManager(self.session, lambda: self.checkpoint_io, self.guards.paused,
+                                              self.print)
 
     # ------------------------------------------------------------------ where am I
     @property
@@ -232,15 +221,11 @@ class Run:
                        rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
         return self.probe.count(loader) if self.probe is not None and not evaluation else loader
 
-    def _min_agreement(self) -> Optional[Agreement]:
+    def _min_agreement(self) -> Optional[Pending]:
+        """A stream's end, agreed asynchronously: it ends on every rank where the shortest share ends."""
         if not self.session.active:
             return None
-
-        def reduce(tensor: torch.Tensor) -> Any:
-            self._ensure_usable("agreeing on the end of a stream")
-            return dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control_group, async_op=True)
-
-        return Agreement(reduce)
+        return Pending("min", self.control_group, before=lambda: self._ensure_usable("agreeing on the end of a stream"))
 
     def describe_batch(self, batch_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:
         if self.parallelism.is_plain:
@@ -310,83 +295,44 @@ class Run:
             **consistency.environment_fingerprint(),
         }, group=self.control_group)
 
-    def configure_guards(self, **settings: Any) -> Guards:
+    def configure_guards(self, **settings: Any) -> GuardSettings:
         """Change the watchdog and preemption settings (before the first ``step_done``/``should_stop``)."""
-        for key in settings:
-            if not hasattr(self.guards, key):
-                raise ConfigError(f"unknown guard setting {key!r}.", f"known: {', '.join(vars(Guards()))}.")
-        self.guards = Guards(**{**vars(self.guards), **settings})
-        return self.guards
+        return self.guards.configure(**settings)
 
     def step_done(self, step: int) -> None:
         """Call once per optimizer step: the hang watchdog's heartbeat (two attribute stores). The first
         call starts the watchdog: when no step finishes for ``hang_timeout_s`` it writes where every rank
         is stuck into ``report_dir`` and ends the job instead of hanging."""
-        watchdog = self._watchdog
-        if watchdog is None:
-            if not self.guards.hang_timeout_s:
-                return
-            watchdog = self._watchdog = HangWatchdog(self.guards.hang_timeout_s, Path(self.guards.report_dir),
-                                                     self.rank, self.world_size).start()
-        watchdog.beat(step)
+        self.guards.step_done(step)
 
     def should_stop(self) -> bool:
         """Call once per optimizer step on every rank: True on every rank at the same step once any rank
         got SIGTERM/SIGUSR1 (a preemption). Then save a checkpoint and call ``run.exit_preempted(path)``.
         The first call installs the signal handlers (before it, SIGTERM ends the process as usual)."""
-        if self._stop is None:
-            if not self.guards.preemption:
-                return False
-            self._stop = StopSignal(self.control_group, self.session.active,
-                                    every=self.guards.stop_check_every).install()
-        if self._interrupted:
-            return False
-        return self._stop.poll()
+        return self.guards.should_stop()
 
     def exit_preempted(self, checkpoint_path: Any = None, step: Optional[int] = None) -> None:
         """After a stop agreed by ``should_stop`` and a checkpoint: requeue the Slurm job on SIGUSR1, exit 75."""
-        reason = self._stop.describe() if self._stop is not None else "a stop request"
-        if self.is_main and self._stop is not None and self._stop.received is not None:
-            if requeue_slurm_job(self.world.slurm_job_id, self._stop.received):
-                self.print(f"multigpu: requeued Slurm job {self.world.slurm_job_id}")
-        where = f"; checkpoint {checkpoint_path} - run the same command again to resume" if checkpoint_path else ""
-        after = f" after step {step}" if step is not None else ""
-        self.print(f"multigpu: stopped by {reason}{after}{where}")
-        raise Preempted(f"preempted by {reason}" + (f"; resume from {checkpoint_path}" if checkpoint_path else ""))
+        self.guards.exit_preempted(self.print, checkpoint_path, step)
 
-    @contextlib.contextmanager
-    def paused_watchdog(self) -> Iterator[None]:
+    def paused_watchdog(self) -> Any:
         """No hang report while inside (a long checkpoint write, an evaluation hook)."""
-        with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
-            yield
+        return self.guards.paused()
 
     def settle(self) -> None:
-        """Wait for the outstanding stop agreement (started at the last check point by every rank, so it
-        completes at once). Called before a loader starts its worker processes: forking while gloo's
-        thread is inside an all-reduce copies that thread's locks into the workers, a known way for a
-        DataLoader worker to hang."""
-        if self._stop is not None and not self._interrupted:
-            self._stop.finish()
+        """Wait for the outstanding stop agreement before a loader forks its worker processes."""
+        self.guards.settle()
 
     def release_guards(self, clean: bool = True) -> None:
-        """Stop the watchdog and restore the signal handlers. ``clean=False`` (leaving by an exception)
-        abandons the outstanding stop agreement instead of waiting for ranks that may not come."""
-        if self._stop is not None:
-            self._stop.uninstall(wait=clean and not self._interrupted)
-        if self._watchdog is not None:
-            self._watchdog.stop()
-        self._stop = self._watchdog = None
+        """Stop the watchdog and restore the signal handlers (``clean=False``: leaving by an exception)."""
+        self.guards.release(clean)
 
     def interrupted(self, reason: str) -> None:
         """Mark this rank as having left the lockstep (Ctrl-C, an exception out of ``fit``)."""
-        self._interrupted = self._interrupted or reason
+        self.guards.interrupt(reason)
 
     def _ensure_usable(self, doing: str = "a collective") -> None:
-        if self._interrupted and self.session.active:
-            raise MultiGPUError(f"{doing} needs every rank, but this rank was interrupted ({self._interrupted}) "
-                                "and the others may be anywhere.",
-                                "let the script end after an interrupt; run it again to resume from the last "
-                                "checkpoint.")
+        self.guards.ensure_usable(doing)
 
     # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
     def save_checkpoint(self, directory: str | Path, step: int, state: dict, keep_last: Optional[int] = None,
@@ -404,69 +350,19 @@ class Run:
         given back to the same rank by ``load_checkpoint`` as ``state["rank_state"]``.
         """
         self._ensure_usable("saving a checkpoint")
-        io = self.checkpoint_io
-        state = {**state, "ranks": self._gather_rank_states(rank_state)}
-        model, optimizer = state.get("model"), state.get("optimizer")
-        rest = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, nn.Module) else v)
-                for k, v in state.items() if k not in ("model", "optimizer")}
         meta = {"world_size": self.world_size, "strategy": self._need_strategy().name, **(meta or {})}
-        with self.paused_watchdog():
-            path = io.save(Path(directory), step, model if isinstance(model, nn.Module) else None, optimizer, rest,
-                           meta)
-            if self.is_main:
-                for moved in checkpoint.prune(directory, keep_last, newest=step):
-                    if moved.name.startswith("abandoned-"):
-                        self.print(f"multigpu: moved {moved.name[len('abandoned-'):]} aside to {moved} "
-                                   f"(a later step than the one just saved: left by an abandoned run)")
-            self.barrier()
-        return path
+        return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state)
 
-    def _gather_rank_states(self, rank_state: Optional[dict]) -> list[dict]:
-        mine = {"rng": rng.capture(), "own": _to_cpu(rank_state) if rank_state is not None else None}
-        if not self.session.active:
-            return [mine]
-        gathered: list[Any] = [None] * self.world_size if self.is_main else None
-        dist.gather_object(mine, gathered, dst=0, group=self.control_group)
-        return gathered if self.is_main else []
-
-    def _restore_rank_states(self, state: dict) -> dict:
-        """This rank's random streams from the checkpoint; its own state as ``state["rank_state"]``.
-        When the world size changed, rank r takes old rank r's (ranks beyond take rank 0's streams)."""
-        ranks = state.pop("ranks", None) or [{"rng": r} for r in state.pop("rng", None) or []]  # older: "rng"
-        if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
-            raise CheckpointError("the checkpoint's per-rank states are malformed.", "it is corrupt; use an earlier one.")
-        if ranks and len(ranks) != self.world_size:
-            warnings.warn(f"multigpu: the checkpoint holds the state of {len(ranks)} rank(s), this run has "
-                          f"{self.world_size}; rank r takes old rank r's random streams and rank_state "
-                          f"(ranks {len(ranks)} and up take rank 0's streams and no rank_state).", stacklevel=3)
-        mine = ranks[self.rank] if self.rank < len(ranks) else (ranks[0] if ranks else None)
-        if mine is not None and mine.get("rng") is not None:
-            try:
-                rng.restore(mine["rng"])
-            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
-                raise CheckpointError(f"the checkpoint's random-generator states are malformed ({type(exc).__name__}).",
-                                      "it is corrupt; use an earlier one.") from None
-        state["rank_state"] = ranks[self.rank].get("own") if self.rank < len(ranks) else None
-        return state
-
-    def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint.CheckpointInfo]:
+    def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint_files.CheckpointInfo]:
         """The newest checkpoint that verifies, chosen by rank 0 and the same on every rank.
 
         Rank 0 alone reads and checks the files (each skipped one is reported); the others take its
         choice, so ranks never pick different steps from a lagging shared-filesystem listing.
         """
         self._ensure_usable("choosing a checkpoint")
-        info = checkpoint.latest(directory, checksums=checksums, report=self.print) if self.is_main else None
-        if not self.session.active:
-            return info
-        box = [None if info is None else (str(info.path), info.step, info.meta)]
-        dist.broadcast_object_list(box, src=0, group=self.control_group)
-        if box[0] is None:
-            return None
-        path, step, manifest = box[0]
-        return checkpoint.CheckpointInfo(Path(path), step, manifest)
+        return self._checkpoints.latest(Path(directory), checksums)
 
-    def load_checkpoint(self, where: "str | Path | checkpoint.CheckpointInfo", model: Optional[nn.Module] = None,
+    def load_checkpoint(self, where: "str | Path | checkpoint_files.CheckpointInfo", model: Optional[nn.Module] = None,
                         optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[dict]:
         """Load a checkpoint: ``where`` is a ``step-N`` folder, a folder of them (the newest good one), or
         what ``latest_checkpoint`` returned (already verified).
@@ -476,28 +372,16 @@ class Run:
         verified against its manifest first, and read the way this run's strategy reads checkpoints.
         """
         self._ensure_usable("loading a checkpoint")
-        if isinstance(where, checkpoint.CheckpointInfo):
-            path, manifest = where.path, where.meta
-        else:
-            path = Path(where)
-            if not (path / checkpoint.files.MANIFEST).exists():
-                info = self.latest_checkpoint(path)
-                if info is None:
-                    return None
-                path, manifest = info.path, info.meta
-            else:
-                manifest = checkpoint.verify(path)
-        state = self.checkpoint_io.load(path, manifest, model, optimizer, self.device)
-        return self._restore_rank_states(state)
+        return self._checkpoints.load(where, model, optimizer, self.device)
 
     # ------------------------------------------------------------------ helpers
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print on global rank 0 only."""
-        helpers.print_on_main(self.world.is_main, *args, **kwargs)
+        rank_zero.print_on_main(self.world.is_main, *args, **kwargs)
 
     def run_on_main(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         self._ensure_usable(f"run_on_main({getattr(fn, '__name__', fn)})")
-        return helpers.run_on_main(fn, *args, **kwargs)
+        return rank_zero.run_on_main(fn, *args, **kwargs)
 
     def barrier(self) -> None:
         self._ensure_usable("a barrier")
@@ -515,9 +399,9 @@ class Run:
             return
         self._closed = True
         atexit.unregister(self.close)
-        self.release_guards(clean=False)
-        _restore_interrupt_handler(self)
-        self.session.close(goodbye=getattr(sys, "last_value", None) is None and not self._interrupted)
+        self.guards.release(clean=False)
+        interrupt.remove(self.guards)
+        self.session.close(goodbye=getattr(sys, "last_value", None) is None and not self.guards.interrupted_by)
 
     def __enter__(self) -> "Run":
         return self
@@ -526,52 +410,12 @@ class Run:
         self.close()
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, Mapping):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
 def _length(loader: Any) -> Optional[int]:
     dataset = getattr(loader, "dataset", None)
     try:
         return len(dataset)
     except TypeError:
         return None
-
-
-# ---------------------------------------------------------------- Ctrl-C marks the run interrupted
-
-_RUNS_TO_MARK: "weakref.WeakSet[Run]" = weakref.WeakSet()
-_PREVIOUS_HANDLER: list = []
-
-
-def _on_interrupt(signum: int, frame: Any) -> None:
-    for run in list(_RUNS_TO_MARK):
-        run.interrupted("Ctrl-C")
-    raise KeyboardInterrupt
-
-
-def _install_interrupt_handler(run: Run) -> None:
-    """Mark runs interrupted on SIGINT, then raise KeyboardInterrupt as Python would. Only replaces
-    Python's own default handler, only on the main thread, only for multi-process jobs."""
-    if not run.world.is_distributed or threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        _PREVIOUS_HANDLER.append(signal.signal(signal.SIGINT, _on_interrupt))
-    if signal.getsignal(signal.SIGINT) is _on_interrupt:
-        _RUNS_TO_MARK.add(run)
-
-
-def _restore_interrupt_handler(run: Run) -> None:
-    _RUNS_TO_MARK.discard(run)
-    if (not _RUNS_TO_MARK and _PREVIOUS_HANDLER and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is _on_interrupt):
-        signal.signal(signal.SIGINT, _PREVIOUS_HANDLER.pop())
 
 
 #: What each process on a GPU holds outside PyTorch's allocator (its CUDA context, cuBLAS workspaces):
@@ -622,7 +466,7 @@ def init(
     run = Run(world=world, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,
               seed=seed, same_random_streams=same_random_streams, probe=check_probe.from_environment(world.rank))
     atexit.register(run.close)
-    _install_interrupt_handler(run)
+    interrupt.install(run.guards, world.is_distributed)
     if seed is not None:
         seed_everything(seed)
     return run

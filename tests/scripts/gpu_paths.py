@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 
 import multigpu as mg
 from multigpu.checkpoint import files
-from multigpu.precision import Precision
+from multigpu.trainer.precision import Precision
 from multigpu.trainer import move_to
 
 check, out = sys.argv[1], Path(sys.argv[2])

@@ -16,6 +16,7 @@ import math
 import pickle
 from pathlib import Path
 from typing import Any, Optional
+from typing_extensions import override
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -65,6 +66,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
         self.source = source
         self.instance_types = _instance_types()
 
+    @override
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
@@ -74,10 +76,12 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
                               "would run code when loaded, and was refused.",
                               "do not use checkpoints from sources you do not trust; delete this one.")
 
+    @override
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(f"{self.source} uses pickle persistent ids, which DCP metadata never does.",
                               "do not use checkpoints from sources you do not trust; delete this one.")
 
+    @override
     def load_build(self) -> None:
         target = self.stack[-2] if len(self.stack) >= 2 else None
         if isinstance(target, type) or type(target) not in self.instance_types:
@@ -154,6 +158,7 @@ class SafeReader(FileSystemReader):
         super().__init__(str(path))
         self._metadata = metadata
 
+    @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Protocol
 from torch import nn
 
 from multigpu.checkpoint import files, sharded
+from multigpu.checkpoint.names import clean_state_dict
 from multigpu.errors import CheckpointError
 
 Unwrap = Callable[[nn.Module], nn.Module]
@@ -53,8 +54,6 @@ class ReplicatedIO:
         self.unwrap = unwrap
 
     def model_state(self, model: nn.Module) -> dict:
-        from multigpu.strategies.base import clean_state_dict
-
         return clean_state_dict(self.unwrap(model).state_dict())
 
     def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
@@ -98,8 +97,6 @@ class ShardedIO:
 
     def model_state(self, model: nn.Module) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from multigpu.strategies.base import clean_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return clean_state_dict(get_model_state_dict(model, options=options))

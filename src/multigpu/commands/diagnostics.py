@@ -4,10 +4,9 @@ computes on N processes what it does on one, a pre-flight of a job, and loss cur
 from __future__ import annotations
 
 import argparse
-import sys
 
 from multigpu import validate
-from multigpu.commands.launching import add_launch_flags, launch_flags_of
+from multigpu.commands.launching import add_launch_flags
 from multigpu.errors import ConfigError, LaunchError
 
 
@@ -135,10 +134,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             ok = False
         if not ok:
             raise LaunchError(f"--sizes {args.sizes!r}: {size!r} is not a size in MiB.", "e.g. --sizes 1,256.")
-    command = [sys.executable, "-m", "multigpu", "run", *launch_flags_of(args), "--tee-prefix", "never",
+    from dataclasses import replace
+
+    from multigpu.launch.flags import RunFlags
+
+    flags = replace(RunFlags.from_launch_args(args), tee_prefix="never")
+    command = flags.to_argv([
                "-m", "multigpu.diagnostics.doctor", "--out", args.out, "--checkpoint-gb", str(args.checkpoint_gb),
                "--sizes", args.sizes, "--max-clock-skew", str(args.max_clock_skew),
-               "--expect-gbps", str(args.expect_gbps), "--report-only"]
+               "--expect-gbps", str(args.expect_gbps), "--report-only"])
     import threading
 
     verdicts: list[dict] = []

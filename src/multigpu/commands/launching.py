@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from multigpu import validate
 from multigpu.errors import LaunchError
+
+if TYPE_CHECKING:
+    from multigpu.launch.local import LaunchRequest
 
 RUN_EXAMPLES = """\
 examples:
@@ -53,52 +57,114 @@ before the time limit and continue in the requeued job.
 SLURM_ACTIONS = ("submit", "status", "logs", "cancel")
 
 
+def spellings(*names: str) -> list[str]:
+    """A flag in our spelling and in torchrun's: ``--nproc-per-node`` and ``--nproc_per_node``."""
+    out: list[str] = []
+    for name in names:
+        out.append(name)
+        if name.startswith("--") and "-" in name[2:]:
+            out.append("--" + name[2:].replace("-", "_"))
+    return out
+
+
+def nproc_value(text: str) -> "int | str":
+    """``--nproc``: a number, or torchrun's ``auto``/``gpu``/``cpu`` (resolved when devices are planned)."""
+    if text in ("auto", "gpu", "cpu"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of processes, auto, gpu or cpu") from None
+
+
 def add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> None:
-    """Devices and nodes: the flags `multigpu run` and `multigpu doctor` share."""
+    """Devices and nodes: the flags `multigpu run` and `multigpu doctor` share (both spellings torchrun
+    accepts, ``--nproc-per-node`` and ``--nproc_per_node``)."""
     dev = p.add_argument_group("devices and processes")
     dev.add_argument("--gpus", metavar="IDS", help="GPUs to use, e.g. 0,2,3 or 0-3 (default: every visible GPU)")
-    dev.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, metavar="N",
-                     help="processes on this machine (default: one per GPU, or 1 on a CPU machine)")
-    dev.add_argument("--gpus-per-proc", type=int, default=1, metavar="K",
+    dev.add_argument(*spellings("--nproc", "--nproc-per-node"), dest="nproc", type=nproc_value, metavar="N",
+                     help="processes on this machine (default: one per GPU, or 1 on a CPU machine); torchrun's "
+                     "auto, gpu and cpu work too")
+    dev.add_argument(*spellings("--gpus-per-proc"), type=int, default=1, metavar="K",
                      help="GPUs owned by each process, for model-parallel strategies (default 1)")
-    dev.add_argument("--procs-per-gpu", type=int, default=1, metavar="K",
+    dev.add_argument(*spellings("--procs-per-gpu"), type=int, default=1, metavar="K",
                      help="processes sharing each GPU, talking over gloo (NCCL refuses two ranks on one GPU); "
                      "for small models and for testing the multi-process path on one GPU (default 1)")
     dev.add_argument("--cpu", action="store_true", help="use CPU processes even where GPUs are visible")
     nodes = p.add_argument_group("several machines")
     nodes.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (default 1)")
-    nodes.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="R",
+    nodes.add_argument(*spellings("--node-rank"), dest="node_rank", type=int, default=0, metavar="R",
                        help="this machine's index, 0..nnodes-1 (static rendezvous)")
-    nodes.add_argument("--master-addr", "--master_addr", dest="master_addr", metavar="HOST",
+    nodes.add_argument(*spellings("--master-addr"), dest="master_addr", metavar="HOST",
                        help="address of node 0, reachable from every node")
-    nodes.add_argument("--master-port", "--master_port", dest="master_port", type=int, metavar="PORT",
+    nodes.add_argument(*spellings("--master-port"), dest="master_port", type=int, metavar="PORT",
                        help="port on node 0 (default on one machine: a free port is chosen)")
-    nodes.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (elastic --nnodes MIN:MAX)")
-    nodes.add_argument("--rdzv-id", metavar="ID", help="job id shared by every node of a c10d rendezvous")
-    nodes.add_argument("--rdzv-timeout", type=int, default=rdzv_timeout, metavar="S",
+    nodes.add_argument(*spellings("--rdzv-endpoint"), dest="rdzv_endpoint", metavar="HOST:PORT",
+                       help="c10d rendezvous (elastic --nnodes MIN:MAX)")
+    nodes.add_argument(*spellings("--rdzv-id"), dest="rdzv_id", metavar="ID",
+                       help="job id shared by every node of a c10d rendezvous")
+    nodes.add_argument(*spellings("--rdzv-timeout"), dest="rdzv_timeout", type=int, default=rdzv_timeout, metavar="S",
                        help=f"seconds to wait for every node to join (default {rdzv_timeout})")
-    nodes.add_argument("--simulate-nodes", type=int, metavar="N",
+    nodes.add_argument(*spellings("--simulate-nodes"), dest="simulate_nodes", type=int, metavar="N",
                        help="rehearse an N-node job on this machine: N agents on loopback (GPUs split evenly)")
 
 
-#: The flags `multigpu doctor` hands on to `multigpu run` unchanged (dest, flag, takes a value).
-LAUNCH_FLAGS = (("gpus", "--gpus", True), ("nproc", "--nproc", True), ("gpus_per_proc", "--gpus-per-proc", True),
-                ("procs_per_gpu", "--procs-per-gpu", True),
-                ("cpu", "--cpu", False), ("nnodes", "--nnodes", True), ("node_rank", "--node-rank", True),
-                ("master_addr", "--master-addr", True), ("master_port", "--master-port", True),
-                ("rdzv_endpoint", "--rdzv-endpoint", True), ("rdzv_id", "--rdzv-id", True),
-                ("rdzv_timeout", "--rdzv-timeout", True), ("simulate_nodes", "--simulate-nodes", True))
+#: torchrun flags that `multigpu run` refuses, with why and what to use instead (flag -> (takes a value, hint)).
+REFUSED_TORCHRUN_FLAGS = {
+    "--no-python": (False, "multigpu run starts Python scripts and modules (its worker wrapper is Python); run "
+                           "another executable under torchrun --no-python"),
+    "--redirects": (True, "every rank's output reaches this terminal and its stderr is kept per rank in --log-dir; "
+                          "use --log-dir DIR"),
+    "--tee": (True, "every rank's stderr is already copied to --log-dir while it reaches the terminal; use --log-dir "
+                    "DIR (and --tee-prefix always for [rankN] prefixes)"),
+    "--local-ranks-filter": (True, "every rank's output reaches the terminal, prefixed [rankN] in logs; use "
+                                   "--tee-prefix always and grep, or --log-dir"),
+    "--duplicate-stdout-filters": (True, "use --log-dir DIR: each rank's stderr is kept there"),
+    "--duplicate-stderr-filters": (True, "use --log-dir DIR: each rank's stderr is kept there"),
+    "--logs-specs": (True, "a logs-specs plugin is code loaded by name; use --log-dir DIR"),
+    "--event-log-handler": (True, "event handlers are plugins loaded by name; multigpu prints its own one-line events"),
+    "--numa-binding": (True, "bind with numactl or Slurm's --cpu-bind; multigpu sets OMP_NUM_THREADS per process"),
+    "--signals-to-handle": (True, "multigpu forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 (preemption) itself"),
+    "--virtual-local-rank": (False, "each process sees its own GPU as cuda:0 only through CUDA_VISIBLE_DEVICES; use "
+                                    "--gpus-per-proc or run.device"),
+}
+_REFUSED_SHORT = {"-r": "--redirects", "-t": "--tee"}
 
 
-def launch_flags_of(args: argparse.Namespace) -> list[str]:
-    flags: list[str] = []
-    for dest, flag, takes_value in LAUNCH_FLAGS:
-        value = getattr(args, dest)
-        if takes_value and value is not None:
-            flags += [flag, str(value)]
-        elif not takes_value and value:
-            flags.append(flag)
-    return flags
+class _Refused(argparse.Action):
+    """A torchrun flag multigpu does not take: one line saying why and what to use (exit 2)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: "str | None" = None) -> None:
+        name = _REFUSED_SHORT.get(option_string or "", option_string or "")
+        canonical = "--" + name[2:].replace("_", "-")
+        raise LaunchError(f"torchrun's {option_string} is not a multigpu run flag.",
+                          REFUSED_TORCHRUN_FLAGS[canonical][1] + ".")
+
+
+def add_torchrun_flags(p: argparse.ArgumentParser) -> None:
+    """The rest of torchrun's flags: taken with torchrun's meaning, or refused with a reason."""
+    g = p.add_argument_group("torchrun's flags (accepted in both spellings, so torchrun lines work unchanged)")
+    g.add_argument("--standalone", action="store_true",
+                   help="one machine, a free rendezvous port: what multigpu run does on one machine anyway")
+    g.add_argument(*spellings("--rdzv-backend"), dest="rdzv_backend", metavar="c10d|static",
+                   help="c10d (with --rdzv-endpoint) or static (with --master-addr/--master-port); chosen from "
+                   "the other flags when not given")
+    g.add_argument(*spellings("--rdzv-conf"), dest="rdzv_conf", metavar="KEY=VALUE,...",
+                   help="join_timeout=S (the same as --rdzv-timeout S)")
+    g.add_argument(*spellings("--monitor-interval"), dest="monitor_interval", type=float, default=None, metavar="S",
+                   help="how often the agent polls the workers, in seconds (default 0.1)")
+    g.add_argument(*spellings("--start-method"), dest="start_method", metavar="spawn",
+                   help="only spawn: each worker starts a fresh interpreter")
+    g.add_argument("--role", metavar="NAME", help="the worker group's name in torch elastic's logs (default: default)")
+    g.add_argument(*spellings("--run-path"), dest="run_path", action="store_true",
+                   help="run the script as a file: what multigpu run does anyway")
+    g.add_argument(*spellings("--local-addr"), dest="local_addr", metavar="HOST",
+                   help="this node's address as the other nodes reach it (c10d rendezvous)")
+    for flag, (takes_value, _hint) in REFUSED_TORCHRUN_FLAGS.items():
+        short = [k for k, v in _REFUSED_SHORT.items() if v == flag]
+        g.add_argument(*short, *spellings(flag), action=_Refused, nargs=None if takes_value else 0,
+                       help=argparse.SUPPRESS)
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -111,19 +177,21 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_launch_flags(p)
     misc = p.add_argument_group("failures and logs")
-    misc.add_argument("--max-restarts", type=int, default=0, metavar="K",
+    misc.add_argument(*spellings("--max-restarts"), dest="max_restarts", type=int, default=0, metavar="K",
                       help="restart all workers up to K times when one fails (default 0)")
-    misc.add_argument("--stop-timeout", type=int, default=120, metavar="S",
-                      help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL (default 120)")
-    misc.add_argument("--log-dir", metavar="DIR", help="keep each rank's stdout/stderr here (default: a temporary "
-                      "folder, removed after a successful run)")
-    misc.add_argument("--tee-prefix", choices=("auto", "always", "never"), default="auto",
+    misc.add_argument(*spellings("--stop-timeout", "--shutdown-timeout"), dest="stop_timeout", type=int, default=120,
+                      metavar="S", help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL "
+                      "(default 120; torchrun calls it --shutdown-timeout)")
+    misc.add_argument(*spellings("--log-dir"), dest="log_dir", metavar="DIR",
+                      help="keep each rank's stderr here (default: a temporary folder, removed after a successful run)")
+    misc.add_argument(*spellings("--tee-prefix"), dest="tee_prefix", choices=("auto", "always", "never"), default="auto",
                       help="put [rankN] before each line of the workers' stderr: auto (not on a terminal, where "
                       "progress bars redraw in place; yes in log files with several ranks), always or never")
     misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines (and the launcher's C++ logs)")
     misc.add_argument("--debug", action="store_true",
                       help="TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO and the NCCL flight recorder (dumped "
                       "into the log folder on a timeout); keeps every rank's log")
+    add_torchrun_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -138,10 +206,88 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     if args.master_port is not None:
         validate.count(args.master_port, "--master-port", LaunchError, low=1, high=65535,
                        hint="use a port from 1024 to 65535.")
+    if args.monitor_interval is not None:
+        validate.positive_seconds(args.monitor_interval, "--monitor-interval", LaunchError)
+    for flag, text in (("--role", args.role), ("--local-addr", args.local_addr)):
+        if text is not None:
+            validate.plain_text(text, flag, LaunchError, allow_space=False, pattern=r"[\w.:\[\]%-]{1,255}",
+                                example="trainer" if flag == "--role" else "10.0.0.2")
     if args.log_dir is not None:
         from multigpu.launch.local import prepare_log_dir
 
         prepare_log_dir(args.log_dir)
+
+
+def fold_torchrun_flags(args: argparse.Namespace) -> None:
+    """torchrun's ways of saying what our own flags say, folded into them (each error names the flag)."""
+    if args.start_method not in (None, "spawn"):
+        raise LaunchError(f"--start-method {args.start_method[:20]!r}: multigpu run starts workers with spawn only.",
+                          "drop --start-method: each worker needs a fresh interpreter (a forked one inherits the "
+                          "launcher's threads and CUDA state).")
+    if args.standalone and (args.nnodes not in ("1", "1:1") or args.rdzv_endpoint or args.master_addr):
+        raise LaunchError("--standalone is one machine; it contradicts --nnodes/--rdzv-endpoint/--master-addr.",
+                          "drop --standalone for a job of several machines.")
+    if args.rdzv_conf:
+        for item in args.rdzv_conf.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() not in ("join_timeout", "timeout") or not value.strip().isdigit():
+                raise LaunchError(f"--rdzv-conf {item[:60]!r}: multigpu run takes join_timeout=SECONDS only.",
+                                  "write --rdzv-conf join_timeout=900 (or --rdzv-timeout 900).")
+            args.rdzv_timeout = int(value.strip()[:9])
+    backend = args.rdzv_backend
+    if backend in ("etcd", "etcd-v2"):
+        raise LaunchError(f"--rdzv-backend {backend}: the etcd rendezvous needs an etcd server of its own.",
+                          "use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (the first node hosts it: nothing to run).")
+    if backend not in (None, "c10d", "static"):
+        raise LaunchError(f"--rdzv-backend {backend[:40]!r} is not c10d or static.",
+                          "use c10d with --rdzv-endpoint HOST:PORT, or static with --master-addr/--master-port.")
+    if backend == "static" and args.rdzv_endpoint:  # torchrun's static rendezvous reads HOST:PORT from the endpoint
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        args.master_addr, args.master_port, args.rdzv_endpoint = host or None, int(port) if port.isdigit() else None, None
+    if backend == "c10d" and not args.rdzv_endpoint and args.master_addr and args.master_port:
+        args.rdzv_endpoint, args.master_addr, args.master_port = f"{args.master_addr}:{args.master_port}", None, None
+
+
+def resolve_nproc(nproc: "int | str | None", visible: list[str], cpu: bool) -> tuple["int | None", bool]:
+    """torchrun's ``--nproc-per-node auto|gpu|cpu`` as a number of processes (and whether they are CPU ones)."""
+    import os
+
+    if nproc == "gpu":
+        if not visible or cpu:
+            raise LaunchError("--nproc-per-node gpu: no GPU is visible here.", "give a number of CPU processes, "
+                              "e.g. --nproc 2, or run on a GPU machine.")
+        return None, cpu
+    if nproc == "auto":
+        return (None, cpu) if visible and not cpu else (min(os.cpu_count() or 1, validate.MAX_PROCS_PER_NODE), True)
+    if nproc == "cpu":
+        return min(os.cpu_count() or 1, validate.MAX_PROCS_PER_NODE), True
+    return nproc, cpu
+
+
+def plan_run(args: argparse.Namespace) -> "LaunchRequest":
+    """The launch a parsed ``multigpu run`` (or torchrun) command line asks for, checked; nothing started."""
+    from multigpu.launch.devices import plan_devices, visible_gpus
+    from multigpu.launch.local import LaunchRequest, plan_rendezvous, split_command
+
+    fold_torchrun_flags(args)
+    _check_run_flags(args)
+    command = split_command(None if args.module else args.script, args.script if args.module else None,
+                            args.script_args)
+    visible = [] if args.cpu else visible_gpus()
+    nproc, cpu = resolve_nproc(args.nproc, visible, args.cpu)
+    devices = plan_devices([] if cpu else visible, gpus=args.gpus, nproc=nproc, gpus_per_proc=args.gpus_per_proc,
+                           cpu=cpu, procs_per_gpu=args.procs_per_gpu)
+    rendezvous = plan_rendezvous(
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        timeout_s=args.rdzv_timeout,
+    )
+    return LaunchRequest(
+        command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
+        log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout, tee_prefix=args.tee_prefix,
+        debug=args.debug, monitor_interval=args.monitor_interval or 0.1, role=args.role or "default",
+        local_addr=args.local_addr,
+    )
 
 
 def _quiet_agent_logs() -> None:
@@ -165,36 +311,27 @@ def _quiet_agent_logs() -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     if not args.verbose:
         _quiet_agent_logs()
-    from multigpu.launch.devices import plan_devices, visible_gpus
-    from multigpu.launch.local import LaunchRequest, launch, plan_rendezvous, split_command
-
-    _check_run_flags(args)
-    command = split_command(None if args.module else args.script, args.script if args.module else None,
-                            args.script_args)
     if args.simulate_nodes is not None:
+        from multigpu.launch.devices import visible_gpus
+        from multigpu.launch.local import split_command
         from multigpu.launch.simulate import simulate
 
-        return simulate(args.simulate_nodes, command, visible=[] if args.cpu else visible_gpus(), gpus=args.gpus,
-                        nproc=args.nproc, gpus_per_proc=args.gpus_per_proc, cpu=args.cpu,
+        fold_torchrun_flags(args)
+        _check_run_flags(args)
+        command = split_command(None if args.module else args.script, args.script if args.module else None,
+                                args.script_args)
+        nproc, cpu = resolve_nproc(args.nproc, [] if args.cpu else visible_gpus(), args.cpu)
+        return simulate(args.simulate_nodes, command, visible=[] if cpu else visible_gpus(), gpus=args.gpus,
+                        nproc=nproc, gpus_per_proc=args.gpus_per_proc, cpu=cpu,
                         procs_per_gpu=args.procs_per_gpu,
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
                         rdzv_timeout=args.rdzv_timeout, verbose=args.verbose, debug=args.debug,
                         clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
                                   "--master-addr": args.master_addr, "--master-port": args.master_port,
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
-    devices = plan_devices([] if args.cpu else visible_gpus(), gpus=args.gpus, nproc=args.nproc,
-                           gpus_per_proc=args.gpus_per_proc, cpu=args.cpu, procs_per_gpu=args.procs_per_gpu)
-    rendezvous = plan_rendezvous(
-        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-        master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-        timeout_s=args.rdzv_timeout,
-    )
-    request = LaunchRequest(
-        command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
-        log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout, tee_prefix=args.tee_prefix,
-        debug=args.debug,
-    )
-    return launch(request)
+    from multigpu.launch.local import launch
+
+    return launch(plan_run(args))
 
 
 def add_slurm_job_options(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 It runs the script twice through ``multigpu run``, unchanged: on N processes with its own batch size
 b per process, and on one process whose loaders (``run.loader``, the Trainer's) give N x b samples per
-step. Both runs stop after K optimizer steps (see :mod:`multigpu.diagnostics.probe`, which records
+step. Both runs stop after K optimizer steps (see :mod:`multigpu.guards.probe`, which records
 them). Then it compares the loss of every step and every weight, prints a table, and when they
 differ says why - from what it measured, not from guesses:
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from multigpu import validate
-from multigpu.diagnostics.probe import DIR_VAR, SCALE_VAR, STEPS_VAR
+from multigpu.guards.probe import DIR_VAR, SCALE_VAR, STEPS_VAR
 from multigpu.errors import LaunchError
 
 METRIC_CAUSE = "a metric is averaged"

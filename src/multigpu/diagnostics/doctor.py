@@ -38,8 +38,15 @@ from multigpu.diagnostics.bandwidth import measure
 MARKER = "MULTIGPU_DOCTOR "
 
 
+def existing(out: Path) -> Path:
+    """``out``, or its nearest existing parent: where a run would create it. Doctor creates nothing."""
+    while not out.exists() and out.parent != out:
+        out = out.parent
+    return out
+
+
 def local_facts(out: Path) -> dict[str, Any]:
-    """What this rank sees: versions, its host, the output folder, its GPU."""
+    """What this rank sees: versions, its host, the output folder (or where it would be created), its GPU."""
     import multigpu
 
     facts: dict[str, Any] = {
@@ -53,8 +60,7 @@ def local_facts(out: Path) -> dict[str, Any]:
         except Exception:  # a CUDA build without a usable libnccl: the all-reduce below will say more
             facts["nccl"] = "unknown"
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".multigpu-doctor-write-{socket.gethostname()}-{os.getpid()}"
+        probe = existing(out) / f".multigpu-doctor-write-{socket.gethostname()}-{os.getpid()}"
         probe.write_bytes(b"x")
         probe.unlink()
         facts["writable"] = True
@@ -62,7 +68,7 @@ def local_facts(out: Path) -> dict[str, Any]:
         facts["writable"] = False
         facts["write_error"] = f"{exc.strerror or exc}"
     try:
-        facts["free_gb"] = shutil.disk_usage(out).free / 1e9
+        facts["free_gb"] = shutil.disk_usage(existing(out)).free / 1e9
     except OSError:
         facts["free_gb"] = None
     if torch.cuda.is_available() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -94,10 +100,14 @@ def ecc_errors() -> Optional[dict[str, str]]:
     return found
 
 
-def _shared_folder(out: Path, run: Any, writable: bool) -> bool:
+def _shared_folder(out: Path, run: Any, writable: bool) -> Optional[bool]:
     """Rank 0 writes a file with a fresh secret into ``out``; every rank must read that same secret.
     Every rank takes part in the same collectives, writable or not (else the ranks would disagree on
-    which collective comes next and hang - on exactly the node this should report)."""
+    which collective comes next and hang - on exactly the node this should report). None with one
+    process: there is nobody to share with."""
+    if run.world_size == 1:
+        return None
+    out = existing(out)
     secret = secrets.token_hex(8) if run.is_main else ""
     name = [f".multigpu-doctor-shared-{secret}"]
     if run.is_main and writable:
@@ -143,7 +153,7 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
                           "give --out a folder every node may write (checkpoints go there)."))
             break
     for rank, fact in enumerate(facts):
-        if fact["writable"] and not fact["shared"]:
+        if fact["writable"] and fact["shared"] is False:
             found.append((f"{args.out} is not shared: a file written by rank 0 on {facts[0]['host']} is not there "
                           f"on {fact['host']} (rank {rank})",
                           "put the output folder on the shared file system (checkpoints are written by rank 0 and "
@@ -182,6 +192,15 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
     return found
 
 
+def _shared_row(facts: list[dict]) -> tuple[str, str, str]:
+    if len(facts) == 1:
+        return ("shared", "-", "skipped: one process has nobody to share the folder with")
+    seen = sum(bool(f["shared"]) for f in facts)
+    if seen == len(facts):
+        return ("shared", "ok", "rank 0's file seen by every rank")
+    return ("shared", "NOT SHARED", f"seen by {seen} of {len(facts)} ranks")
+
+
 def _ecc_row(facts: list[dict]) -> tuple[str, str, str]:
     seen = [fact["ecc"] for fact in facts if fact.get("ecc") is not None]
     if not seen:
@@ -208,12 +227,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.monotonic()
     fact = local_facts(out)
     fact["shared"] = _shared_folder(out, run, fact["writable"])
-    dist.barrier()
+    run.barrier()
     fact["clock"] = time.time()
-    facts: list[dict] = [{} for _ in range(run.world_size)]
-    dist.all_gather_object(facts, fact)
+    facts: list[dict] = [fact]
+    if run.world_size > 1:
+        facts = [{} for _ in range(run.world_size)]
+        dist.all_gather_object(facts, fact)
     device = run.device if run.backend == "nccl" else run.comm_device
-    results = [measure(int(float(size) * 2**20), device, repeats=3) for size in args.sizes.split(",") if size]
+    # One process has nobody to exchange with: its "all-reduce" would time a memory copy.
+    results = [measure(int(float(size) * 2**20), device, repeats=3) for size in args.sizes.split(",") if size
+               ] if run.world_size > 1 else []
     found = faults(facts, args, results)  # every rank has the same facts: every rank reaches the same verdict
     status = 0 if args.report_only or not found else 1
     if not run.is_main:
@@ -227,15 +250,17 @@ def main(argv: Optional[list[str]] = None) -> int:
               for key in ("multigpu", "torch", "cuda", "nccl", "python")],
             ("clocks", "ok" if max(f["clock"] for f in facts) - min(f["clock"] for f in facts) <= args.max_clock_skew
              else "SKEW", f"spread {max(f['clock'] for f in facts) - min(f['clock'] for f in facts):.2f} s"),
-            ("output folder", "ok" if all(f["writable"] for f in facts) else "NOT WRITABLE", str(out)),
-            ("shared", "ok" if all(f["shared"] for f in facts) else "NOT SHARED",
-             "rank 0's file seen by every rank" if all(f["shared"] for f in facts) else
-             f"seen by {sum(f['shared'] for f in facts)} of {len(facts)} ranks"),
+            ("output folder", "ok" if all(f["writable"] for f in facts) else "NOT WRITABLE",
+             str(out) if out.exists() else f"{out} (does not exist yet: checked {existing(out)}, where it would be "
+             "created)"),
+            _shared_row(facts),
             ("free disk", "ok" if not args.checkpoint_gb or min((f["free_gb"] or 0) for f in facts) >= args.checkpoint_gb
              else "LOW", f"{min((f['free_gb'] or 0) for f in facts):.1f} GB at least"),
             ("gpus", "ok" if "gpu" in first or run.backend != "nccl" else "?",
              first["gpu"]["name"] if "gpu" in first else "none (CPU, gloo)"),
             _ecc_row(facts)]
+    if not results:
+        rows.append(("all-reduce", "-", "skipped: one process has nobody to exchange with"))
     for result in results:
         rows.append((f"all-reduce {result['bytes'] / 2**20:.0f} MiB", "ok" if result["correct"] else "WRONG",
                      f"{result['seconds'] * 1e3:.1f} ms, bus {result['bus_gbps']:.2f} GB/s"))

@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from multigpu.errors import MultiGPUError
-from multigpu.world import detect_world
+from multigpu.distributed.world import detect_world
 
 
 def report() -> str:
@@ -113,11 +113,10 @@ def check(nproc: Optional[int], gpus: Optional[str], cpu: bool, sizes_mib: tuple
     """
     from multigpu.errors import LaunchError
 
-    command = [sys.executable, "-m", "multigpu", "run", "--tee-prefix", "never"]
-    command += ["--nproc", str(nproc)] if nproc is not None else []
-    command += ["--gpus", gpus] if gpus is not None else []
-    command += ["--cpu"] if cpu else []
-    command += ["-m", "multigpu.diagnostics.bandwidth", *(str(s) for s in sizes_mib)]
+    from multigpu.launch.flags import RunFlags
+
+    command = RunFlags(nproc=nproc, gpus=gpus, cpu=cpu, tee_prefix="never").to_argv(
+        ["-m", "multigpu.diagnostics.bandwidth", *(str(s) for s in sizes_mib)])
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -128,6 +127,9 @@ def check(nproc: Optional[int], gpus: Optional[str], cpu: bool, sizes_mib: tuple
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
         return False, ["all-reduce check FAILED (status {}):".format(proc.returncode), *(f"  {t}" for t in tail)]
     result = json.loads(found[-1].split(" ", 1)[1])
+    if not result["results"]:
+        return proc.returncode == 0, [f"all-reduce: one process on {result['device']}: nothing to measure (an "
+                                      "all-reduce needs two ranks; use --nproc 2, or --gpus with two GPUs)"]
     lines = []
     for item in result["results"]:
         verdict = "ok" if item["correct"] else "WRONG SUM"

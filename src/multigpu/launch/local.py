@@ -9,6 +9,7 @@ worker wrapper that exits cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,15 +21,18 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
+
+from typing_extensions import override
 
 from multigpu import validate
 from multigpu.errors import LaunchError
+from multigpu.launch.attempts import lost_a_peer
 from multigpu.launch.devices import DevicePlan
 from multigpu.fileio import as_shown, tail_lines
 from multigpu.launch.ports import require_free_port
-from multigpu.launch.worker import AGENT_PID_VAR, LOG_DIR_VAR, PREFIX_VAR
-from multigpu.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR
+from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
+from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
 STDERR_TAIL_LINES = 20
@@ -67,6 +71,9 @@ class LaunchRequest:
     tee_prefix: str = "auto"
     #: ``--debug``: torch's and NCCL's diagnostics on, the flight recorder dumping into the log folder.
     debug: bool = False
+    #: torchrun's ``--role`` (the worker group's name in torch elastic's logs) and ``--local-addr``.
+    role: str = "default"
+    local_addr: Optional[str] = None
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -79,6 +86,28 @@ def parse_nnodes(text: str) -> tuple[int, int]:
         raise LaunchError(f"--nnodes {text!r}: need 0 < MIN <= MAX.", "write --nnodes 2 or --nnodes 1:4.")
     validate.count(max_nodes, "--nnodes", LaunchError, high=validate.MAX_NODES)
     return min_nodes, max_nodes
+
+
+def require_resolvable(host: str, flag: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds, not after the rendezvous timeout, when ``host`` is not a name this machine knows.
+
+    The lookup runs in a thread with a deadline: a resolver that hangs (an unreachable DNS server) is
+    reported too instead of blocking the launch."""
+    import concurrent.futures
+    import socket
+
+    name = host.strip("[]")
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        pool.submit(socket.getaddrinfo, name, None).result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise LaunchError(f"{flag} {host}: looking the name up took more than {timeout_s:.0f} s.",
+                          "check the machine's DNS, or give the first node's IP address.") from None
+    except (OSError, UnicodeError) as exc:
+        raise LaunchError(f"{flag} {host} is not a host this machine can resolve ({exc.__class__.__name__}).",
+                          "give the first node's IP address or a name in /etc/hosts (the same on every node).") from None
+    finally:
+        pool.shutdown(wait=False)
 
 
 def plan_rendezvous(
@@ -102,6 +131,9 @@ def plan_rendezvous(
                 "--rdzv-endpoint and --master-addr/--master-port both name the rendezvous.", "give only one of them."
             )
         host, _, port = rdzv_endpoint.rpartition(":")
+        if port == "0" and max_nodes == 1 and host in ("localhost", "127.0.0.1"):
+            # torchrun's single-machine spelling (--rdzv-endpoint=localhost:0): a free port, as we do anyway.
+            return Rendezvous("c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s)
         if not host or not port.isdigit() or not 0 < int(port[:6]) < 65536 or re.search(r"[\s\x00-\x1f]", host):
             raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT.", "write --rdzv-endpoint node1:29400.")
         return Rendezvous("c10d", rdzv_endpoint, rdzv_id or "multigpu", min_nodes, max_nodes, 0, timeout_s)
@@ -150,6 +182,8 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
     """What the children inherit beyond torch's own RANK/WORLD_SIZE/MASTER_* variables."""
     env = {AGENT_PID_VAR: str(os.getpid()), DEVICES_PER_PROC_VAR: str(request.devices.gpus_per_proc),
            PROCS_PER_DEVICE_VAR: str(request.devices.procs_per_gpu)}
+    if request.rendezvous.backend == "c10d" and request.rendezvous.max_nodes > 1:
+        env[ANNOUNCE_NODE_VAR] = "1"
     if request.rendezvous.backend == "c10d":
         # torch 2.13's c10d rendezvous otherwise shares one TCPStore across restarts, un-prefixed: a
         # restarted worker can read the previous attempt's gloo addresses and fail to connect (seen
@@ -165,24 +199,70 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
     return env
 
 
-def debug_env(log_dir: str) -> dict[str, str]:
+def debug_env(log_dir: str, nccl: bool, torch_version: str) -> dict[str, str]:
     """What ``multigpu run --debug`` sets, for the hang or mismatch that needs more than our one line.
 
-    DETAIL makes torch check that every rank calls the same collective with the same shapes (and log
-    each one); NCCL_DEBUG=INFO shows the transport NCCL picked (the usual cause of a slow or stuck
-    multi-node job); the flight recorder keeps the last collectives of each rank and, on a timeout,
-    dumps them to ``<log dir>/nccl_trace_rank_<R>`` for ``torch.distributed.flight_recorder``
-    (``python -m torch.distributed.flight_recorder.fr_trace <log dir>``). Values the user already set win.
+    On GPUs (NCCL): TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch check that every rank calls the same
+    collective with the same shapes (and log each one); NCCL_DEBUG=INFO shows the transport NCCL picked
+    (the usual cause of a slow or stuck multi-node job); the flight recorder keeps the last collectives
+    of each rank and, on a timeout, dumps them to ``<log dir>/nccl_trace_rank_<R>`` for
+    ``python -m torch.distributed.flight_recorder.fr_trace <log dir>`` (its buffer variable is
+    ``TORCH_FR_BUFFER_SIZE`` from torch 2.7; the older name is deprecated there).
+
+    On CPU processes (gloo): INFO, not DETAIL - DETAIL with DDP over gloo ends in SIGSEGV (measured with
+    torch 2.13 and a plain torchrun script: 4 times in 4), and NCCL's variables do nothing there.
+    Values the user already set win.
     """
-    wanted = {
-        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
-        "NCCL_DEBUG": "INFO",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(log_dir) / "nccl_trace_rank_"),
-        "TORCH_SHOW_CPP_STACKTRACES": "1",
-    }
+    wanted = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL" if nccl else "INFO", "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    if nccl:
+        major, minor = (int(part) for part in re.findall(r"\d+", torch_version)[:2])
+        buffer = "TORCH_FR_BUFFER_SIZE" if (major, minor) >= (2, 7) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+        wanted.update({"NCCL_DEBUG": "INFO", buffer: "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(log_dir) / "nccl_trace_rank_")})
     return {k: os.environ.get(k, v) for k, v in wanted.items()}
+
+
+class RestartReporter(logging.Handler):
+    """One line when torch's agent restarts the workers: which rank ended the attempt, why, and which
+    restart of how many this is (torch logs it at INFO, which we keep quiet, with no rank in it)."""
+
+    MESSAGE = "will restart worker group"
+
+    def __init__(self, log_dir: str, first_rank: int) -> None:
+        super().__init__(logging.INFO)
+        self.log_dir, self.first_rank, self.restarts = log_dir, first_rank, 0
+
+    @override
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.MESSAGE not in str(record.msg) or "attempts left" not in str(record.msg):
+            return  # a membership change (a node joined) is not a failure
+        from multigpu.launch.attempts import culprits, outcomes
+
+        left, most = (record.args[2], record.args[3]) if isinstance(record.args, tuple) and len(record.args) >= 4 \
+            else (None, None)
+        found = culprits(outcomes(self.log_dir, self.restarts, self.first_rank))
+        why = "; ".join(w.describe() for w in found[:3]) or "a worker failed on another node"
+        counted = f"restart {most - left + 1} of {most}" if isinstance(left, int) and isinstance(most, int) else "a restart"
+        self.restarts += 1
+        _say(f"{why}. Restarting every worker ({counted}): they resume from the last checkpoint.")
+
+
+@contextlib.contextmanager
+def reporting_restarts(log_dir: str, first_rank: int, verbose: bool) -> Iterator[None]:
+    """Attach a :class:`RestartReporter` to torch's agent logger for the launch (quiet otherwise)."""
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    saved = (agent_log.level, agent_log.propagate)
+    reporter = RestartReporter(log_dir, first_rank)
+    if not verbose:  # only our line: torch's own INFO records stay quiet
+        agent_log.propagate = False
+    agent_log.setLevel(logging.INFO)
+    agent_log.addHandler(reporter)
+    try:
+        yield
+    finally:
+        agent_log.removeHandler(reporter)
+        agent_log.setLevel(saved[0])
+        agent_log.propagate = saved[1]
 
 
 def usable_cores() -> int:
@@ -203,13 +283,19 @@ def launch(request: LaunchRequest) -> int:
         for name in list(logging.root.manager.loggerDict):
             if name.startswith("torch.distributed.elastic"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
+    if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
+        require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
+                           "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
     keep_logs = request.log_dir is not None or request.debug
     log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
                else tempfile.mkdtemp(prefix="multigpu-logs-"))
     env = worker_env(request)
     env[LOG_DIR_VAR] = log_dir
     if request.debug:
-        debug = debug_env(log_dir)
+        import torch
+
+        nccl = bool(request.devices.visible) and request.devices.procs_per_gpu == 1
+        debug = debug_env(log_dir, nccl, torch.__version__)
         env.update(debug)
         print("multigpu: debug: " + " ".join(f"{k}={v}" for k, v in debug.items())
               + f"; every rank's log is kept in {log_dir}", file=sys.stderr, flush=True)
@@ -224,6 +310,8 @@ def launch(request: LaunchRequest) -> int:
         max_nodes=rdzv.max_nodes,
         nproc_per_node=request.devices.nproc,
         run_id=rdzv.run_id,
+        role=request.role,
+        local_addr=request.local_addr,
         rdzv_endpoint=rdzv.endpoint,
         rdzv_backend=rdzv.backend,
         rdzv_configs=rdzv.configs(),
@@ -237,20 +325,37 @@ def launch(request: LaunchRequest) -> int:
         # (worker.py + tee.py), so progress bars keep redrawing in place. torch keeps its error files here.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.NONE),
     )
-    where = f"node {rdzv.node_rank} of {rdzv.max_nodes}, " if rdzv.max_nodes > 1 else ""
+    if rdzv.backend == "static" and rdzv.max_nodes > 1:
+        where = f"node {rdzv.node_rank} of {rdzv.max_nodes}, "
+    elif rdzv.max_nodes > 1:  # c10d numbers the nodes when they have joined: each worker's node says it then
+        where = f"one of {rdzv.min_nodes}-{rdzv.max_nodes} nodes, " if rdzv.min_nodes != rdzv.max_nodes else \
+            f"one of {rdzv.max_nodes} nodes, "
+    else:
+        where = ""
     threads = f", {env['OMP_NUM_THREADS']} CPU thread(s) each" if "OMP_NUM_THREADS" in env else ""
     _say(f"{request.devices.describe()}{threads} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
+    if rdzv.max_nodes > 1:
+        last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
+        _say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
+             "start the same command on the other nodes")
     command = ("-u", "-m", WORKER_MODULE, *request.command)
     failed = False
+    first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
     try:
-        elastic_launch(config, sys.executable)(*command)
+        with reporting_restarts(log_dir, first_rank, request.verbose):
+            elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as failure:
         failed = True
         return report_failure(failure.failures, log_dir)
     except SignalException as stopped:
         for line in recorded_errors(log_dir):  # e.g. a script that caught Ctrl-C and then hit a refused collective
             print(line, file=sys.stderr, flush=True)
-        _say(f"stopped by {signal.Signals(stopped.sigval).name}; every worker was terminated.")
+        name = signal.Signals(stopped.sigval).name
+        if preempted_cleanly(log_dir):
+            _say(f"stopped by {name}: every worker wrote its checkpoint and left with status {EXIT_PREEMPTED} "
+                 "(run the same command again to resume).")
+            return EXIT_PREEMPTED
+        _say(f"stopped by {name}; every worker was terminated.")
         return 128 + int(stopped.sigval)
     except KeyboardInterrupt:
         _say("interrupted; every worker was terminated.")
@@ -273,6 +378,19 @@ def launch(request: LaunchRequest) -> int:
     return 0
 
 
+#: A worker that stopped on SIGTERM/SIGUSR1 after its checkpoint leaves with this status (sysexits'
+#: EX_TEMPFAIL, "try again later"); so does the launcher when every worker did (guards.preemption).
+EXIT_PREEMPTED = 75
+
+
+def preempted_cleanly(log_dir: str) -> bool:
+    """Every worker of the newest attempt left with EXIT_PREEMPTED (its checkpoint written)."""
+    from multigpu.launch.attempts import all_preempted, outcomes
+
+    attempts = [int(p.name.rsplit("attempt", 1)[1].split(".")[0]) for p in Path(log_dir).glob("rank*.attempt*.pid")]
+    return bool(attempts) and all_preempted(outcomes(log_dir, max(attempts)))
+
+
 def _has_logs(log_dir: str) -> bool:
     return any(Path(log_dir).glob("rank*.stderr"))
 
@@ -281,10 +399,6 @@ def _exit_status(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else (exitcode or 1)
 
 
-#: Messages of ranks that failed only because a peer went away first.
-_PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "dist backend error",
-              "distbackenderror", "nccl communicator was aborted", "socket timeout", "connection refused",
-              "ranks disagree before training")
 _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP), int(signal.SIGUSR1)}
 
 
@@ -301,7 +415,7 @@ def root_cause(failures: dict) -> tuple[int, Any]:
         if failure.exitcode < 0:
             priority = 2 if -failure.exitcode in _STOP_SIGNALS else 0
         else:
-            priority = 3 if any(p in message for p in _PEER_GONE) else 1
+            priority = 3 if lost_a_peer(message) else 1
         return (priority, failure.timestamp, rank)
 
     return min(failures.items(), key=key)

@@ -12,18 +12,20 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.launch.devices import parse_gpu_ids
+from multigpu.launch.flags import RunFlags
 from multigpu.launch.ports import free_port
 
 
-def node_commands(nodes: int, run_args: Sequence[str], visible_gpus: int, gpus_flag: Optional[str],
+def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gpus: int, gpus_flag: Optional[str],
                   python: str = sys.executable) -> list[list[str]]:
-    """One ``multigpu run`` command line per simulated node (``run_args``: the flags and the target,
-    without --gpus). The GPUs - the ones named by ``gpus_flag``, else every visible one - are split
+    """One ``multigpu run`` command line per simulated node (``flags``: the launcher's flags without
+    nodes and GPUs). The GPUs - the ones named by ``gpus_flag``, else every visible one - are split
     evenly between the nodes."""
     validate.count(nodes, "--simulate-nodes", LaunchError, low=2, high=validate.MAX_SIMULATED_NODES,
                    hint=f"use 2 to {validate.MAX_SIMULATED_NODES} simulated nodes.")
@@ -36,9 +38,9 @@ def node_commands(nodes: int, run_args: Sequence[str], visible_gpus: int, gpus_f
     commands = []
     for rank in range(nodes):
         mine = ids[rank * per_node : (rank + 1) * per_node]
-        gpus = ["--gpus", ",".join(str(i) for i in mine)] if mine else []
-        commands.append([python, "-m", "multigpu", "run", "--nnodes", str(nodes), "--node-rank", str(rank),
-                         "--master-addr", "127.0.0.1", "--master-port", str(port), *gpus, *run_args])
+        node = replace(flags, nnodes=nodes, node_rank=rank, master_addr="127.0.0.1", master_port=port,
+                       gpus=",".join(str(i) for i in mine) if mine else None)
+        commands.append(node.to_argv(target, python))
     return commands
 
 
@@ -54,16 +56,9 @@ def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus
     if nproc is not None:
         validate.count(nproc * nodes, f"--simulate-nodes {nodes} x --nproc", LaunchError,
                        hint=f"all simulated nodes run on this machine: keep the total at most {validate.MAX_PROCS_PER_NODE}.")
-    flags: list[str] = []
-    for name, value in (("--nproc", nproc), ("--gpus-per-proc", gpus_per_proc), ("--procs-per-gpu", procs_per_gpu),
-                        ("--max-restarts", max_restarts),
-                        ("--stop-timeout", stop_timeout), ("--rdzv-timeout", rdzv_timeout)):
-        if value is not None:
-            flags += [name, str(value)]
-    flags += ["--cpu"] if cpu else []
-    flags += ["--verbose"] if verbose else []
-    flags += ["--debug"] if debug else []
-    return run_nodes(node_commands(nodes, [*flags, *command], 0 if cpu else len(visible), gpus))
+    flags = RunFlags(nproc=nproc, gpus_per_proc=gpus_per_proc, procs_per_gpu=procs_per_gpu, max_restarts=max_restarts,
+                     stop_timeout=stop_timeout, rdzv_timeout=rdzv_timeout, cpu=cpu, verbose=verbose, debug=debug)
+    return run_nodes(node_commands(nodes, flags, command, 0 if cpu else len(visible), gpus))
 
 
 def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:

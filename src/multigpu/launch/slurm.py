@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.fileio import atomic_write_text, ensure_real_folder, tail_lines
-from multigpu.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from multigpu.distributed.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
 SCRIPT_NAME = "job.sbatch"
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")

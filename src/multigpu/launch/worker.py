@@ -28,12 +28,17 @@ import sys
 import time
 import traceback
 
+from typing import Optional
+
+from multigpu.launch.attempts import lost_a_peer, write_record
 from multigpu.launch.process import die_with_parent
 
 #: Set by ``multigpu run``: the launcher's pid, the per-rank log folder, and the rank prefix to add.
 AGENT_PID_VAR = "MULTIGPU_AGENT_PID"
 LOG_DIR_VAR = "MULTIGPU_LOG_DIR"
 PREFIX_VAR = "MULTIGPU_TEE_PREFIX"
+#: Set under a c10d rendezvous of several nodes: the first worker of each node says its node number.
+ANNOUNCE_NODE_VAR = "MULTIGPU_ANNOUNCE_NODE"
 _TEE: "subprocess.Popen | None" = None
 
 
@@ -155,16 +160,27 @@ def run_user_code(argv: list[str]) -> int:
     except BaseException as exc:
         line = out_of_memory_line(exc)
         _record_error(exc, line)
+        if not line and _under_launcher() and lost_a_peer(f"{type(exc).__name__}: {exc}"):
+            # Not the cause: another rank went away. The traceback goes to this rank's log only; the
+            # launcher names the rank that failed first.
+            _append_to_rank_log("".join(traceback.format_exception(exc)))
+            print(f"multigpu: rank {os.environ.get('RANK', '0')} lost contact with another rank "
+                  f"({type(exc).__name__}); the launcher names the rank that failed first", file=sys.stderr)
+            return 1
         print_user_traceback(exc)
         if line:
             _show_line(line)
         return 1
 
 
+def _under_launcher() -> bool:
+    return bool(os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"))
+
+
 def _show_line(line: str) -> None:
     """Our one error line: under the launcher into the rank's log (the launcher prints it once for all
     ranks), else on stderr."""
-    if os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if _under_launcher():
         _append_to_rank_log(line)
     else:
         print(line, file=sys.stderr)
@@ -180,7 +196,7 @@ def out_of_memory_line(exc: BaseException) -> str:
     if exc is None or type(exc).__name__ != "OutOfMemoryError":
         return ""
     from multigpu.errors import MultiGPUError
-    from multigpu.world import MEMORY_FRACTION_VAR
+    from multigpu.distributed.world import MEMORY_FRACTION_VAR
 
     share = os.environ.get(MEMORY_FRACTION_VAR)
     if share:  # the same words on every rank: the launcher prints them once
@@ -243,10 +259,30 @@ def _drain_tee() -> None:
         pass
 
 
+def _where() -> tuple[Optional[str], int, int]:
+    """(log folder, rank, attempt) of this worker."""
+    return (os.environ.get(LOG_DIR_VAR), int(os.environ.get("RANK", "0")),
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def _announce_node() -> None:
+    """Under a c10d rendezvous the node numbers are handed out when every node has joined: the first
+    worker of each node says which one it got (the launcher could not know it in advance)."""
+    if os.environ.get(ANNOUNCE_NODE_VAR) != "1" or os.environ.get("LOCAL_RANK") != "0":
+        return
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    print(f"multigpu: this machine is node {os.environ.get('GROUP_RANK', '?')} of "
+          f"{os.environ.get('GROUP_WORLD_SIZE', '?')} (ranks {rank}-{rank + local - 1})", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     _die_with_launcher()
     _tee_stderr()
+    log_dir, rank, attempt = _where()
+    write_record(log_dir, rank, attempt, "pid", os.getpid())
+    _announce_node()
     code = run_user_code(sys.argv[1:])
+    write_record(log_dir, rank, attempt, "exit", code)
     finish(code)
 
 

@@ -93,10 +93,11 @@ class QueueEntry:
         return out
 
     def command(self, folder: Path, on_gpus: bool, python: str = sys.executable) -> list[str]:
+        from multigpu.launch.flags import RunFlags
+
         target = ["-m", self.module] if self.module else ["--", self.script]  # never read as launcher flags
-        cpu = [] if on_gpus else ["--cpu"]
-        return [python, "-m", "multigpu", "run", "--nproc", str(self.processes(on_gpus)), *cpu,
-                "--log-dir", str(folder / "logs"), *target, *self.recipe_args(folder)]
+        flags = RunFlags(nproc=self.processes(on_gpus), cpu=not on_gpus, log_dir=str(folder / "logs"))
+        return flags.to_argv([*target, *self.recipe_args(folder)], python)
 
     def resolved(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}

@@ -33,7 +33,7 @@ from multigpu.launch.process import die_with_parent
 from multigpu.fileio import as_shown, atomic_write_text, ensure_real_folder, open_append, tail_lines
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import MAX_RUNS_PER_GPU, QueueEntry
-from multigpu.world import MEMORY_FRACTION_VAR
+from multigpu.distributed.world import MEMORY_FRACTION_VAR
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"

@@ -22,12 +22,13 @@ import torch
 
 from multigpu.config import check_keys
 from multigpu.errors import ConfigError
-from multigpu.parallel import Parallelism
-from multigpu.strategies.base import BuildContext, Strategy, StrategySpec, clean_state_dict, unwrap_module
+from multigpu.distributed.parallel import Parallelism
+from multigpu.checkpoint.names import clean_state_dict
+from multigpu.strategies.base import BuildContext, Strategy, StrategySpec, unwrap_module
 from multigpu.strategies.ddp import DDP, DDPOptions
 from multigpu.strategies.dp import DataParallelStrategy, split_sizes
 from multigpu.strategies.single import SingleDevice
-from multigpu.world import World
+from multigpu.distributed.world import World
 
 #: Where each strategy is defined (imported on first use).
 MODULES = {

@@ -14,8 +14,9 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, 
 import torch
 from torch import nn
 
-from multigpu.parallel import Parallelism
-from multigpu.world import World
+from multigpu.checkpoint.names import strip_name
+from multigpu.distributed.parallel import Parallelism
+from multigpu.distributed.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 OptimizerLike = Union[torch.optim.Optimizer, OptimizerFactory, None]
@@ -99,19 +100,6 @@ class PlainGradients:
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def clean_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """Keys as a plain model names them, so checkpoints load into an unwrapped model on any device.
-
-    Call it on the state of the *unwrapped* module: what is left to remove is ``_orig_mod`` from
-    submodules compiled with torch.compile. A state saved by other tools with every key under
-    ``module.`` (a DDP/DP wrapper) loses that prefix too.
-    """
-    clean = {strip_name(key): value for key, value in state.items()}
-    if clean and all(key.startswith("module.") for key in clean):
-        clean = {key[len("module."):]: value for key, value in clean.items()}
-    return clean
-
-
 def unwrap_module(model: nn.Module) -> nn.Module:
     """Peel DDP/DP (``.module``) and torch.compile (``._orig_mod``) wrappers, in any order."""
     while True:
@@ -151,9 +139,3 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str
         params = [new_params[strip_name(old_names[id(p)])] for p in group["params"]]
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     return type(optimizer)(groups, **optimizer.defaults)
-
-
-def strip_name(name: str) -> str:
-    """Drop the ``_orig_mod`` components torch.compile adds (a name no user module uses)."""
-    return ".".join(p for p in name.split(".") if p != "_orig_mod")
-

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import ContextManager, Optional
+from typing_extensions import override
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ class DDP(PlainGradients):
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **kwargs)  # broadcasts rank 0's weights
         return wrapped, build_optimizer(optimizer, model)
 
+    @override
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync()
 

@@ -15,6 +15,7 @@ import contextlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing_extensions import override
 
 import torch
 from torch import nn
@@ -162,9 +163,11 @@ class FSDP(PlainGradients):
             return model, rebuild_optimizer(optimizer, names, model)
         return model, build_optimizer(optimizer, model)
 
+    @override
     def no_sync(self, model: nn.Module) -> ContextManager:
         return _no_gradient_sync(model) if self.distributed else contextlib.nullcontext()
 
+    @override
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         # Gradients are DTensor shards, possibly on two meshes (tensor-parallel layers on (dp, tp), the
         # others on dp): the norm is taken per mesh over every shard of every rank, then combined, so

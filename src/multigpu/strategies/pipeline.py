@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ContextManager, Optional, Sequence
+from typing_extensions import override
 
 import torch
 from torch import nn
@@ -91,6 +92,7 @@ class PipelineModule(nn.Sequential):
             x = self[index](x)
         return x
 
+    @override
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         chunks = list(inputs.to(self.devices[0]).chunk(min(self.micro_batches, max(inputs.shape[0], 1))))
         n_stages = len(self.bounds)
@@ -178,6 +180,7 @@ class Pipeline(PlainGradients):
         # A module spanning several devices: DDP takes no device_ids and reduces on each device.
         return DistributedDataParallel(piped, device_ids=None), built
 
+    @override
     def no_sync(self, model: nn.Module) -> ContextManager:
         return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
 

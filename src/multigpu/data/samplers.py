@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from typing import Any, Iterator, Optional, Sized
+from typing_extensions import override
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -67,6 +68,7 @@ class ShardedSampler(Sampler[int]):
             indices += (indices * math.ceil(padding / max(len(indices), 1)))[:padding]
         return indices[self.rank : self.total_size : self.num_replicas]
 
+    @override
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0
         return iter(self.epoch_indices()[skip:])
@@ -81,6 +83,7 @@ class EvalSampler(Sampler[int]):
     def __init__(self, length: int, num_replicas: int = 1, rank: int = 0) -> None:
         self.length, self.num_replicas, self.rank = length, num_replicas, rank
 
+    @override
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, self.length, self.num_replicas))
 
@@ -166,6 +169,17 @@ class Loader:
     def length(self) -> Optional[int]:
         """Batches per epoch on this rank (a stream's loader has None)."""
         return len(self.loader)
+
+    @property
+    def num_workers(self) -> int:
+        return self.loader.num_workers
+
+    def ends_after_current(self) -> bool:
+        """True after the epoch's last batch (every rank has the same number of batches)."""
+        return self._done >= len(self.loader)
+
+    def abandon(self) -> None:
+        """Nothing to abandon: a dataset's epoch needs no agreement between ranks."""
 
 
 def _length(dataset: Any) -> int:

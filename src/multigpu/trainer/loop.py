@@ -29,29 +29,28 @@ import abc
 import contextlib
 import dataclasses
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from multigpu.diagnostics import consistency
+from multigpu.data import LoaderLike
 from multigpu.errors import CheckpointError, ConfigError
+from multigpu.guards import consistency
 from multigpu.loggers import Loggers, hparams_of
-from multigpu.monitor import BestTracker
-from multigpu.precision import Precision
-from multigpu.preemption import Preempted
-from multigpu.progress import ProgressLine, format_metrics
-from multigpu.batches import batch_length, move_to
+from multigpu.trainer.monitor import BestTracker
+from multigpu.trainer.precision import Precision
+from multigpu.guards.preemption import Preempted
+from multigpu.trainer.evaluation import evaluate_shard
+from multigpu.trainer.progress import ProgressLine, format_metrics, start_report
+from multigpu.trainer.batches import batch_length, move_to
 from multigpu.runtime import Run
-from multigpu.settings import TrainerSettings, TrainState
+from multigpu.trainer import resume
+from multigpu.trainer.settings import TrainerSettings, TrainState
 from multigpu.strategies.base import OptimizerLike
 
 SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
-#: Optimizer settings that a resumed run takes from the code, not from the checkpoint.
-_HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "betas", "eps", "dampening", "nesterov", "alpha", "lr_decay")
 
 
 class _StopTraining(Exception):
@@ -192,7 +191,7 @@ class Trainer(abc.ABC):
         except BaseException as exc:  # the other ranks may be anywhere: never wait for them from here on
             self.run.interrupted(type(exc).__name__)
             for loader in (train_loader, self._valid):
-                if hasattr(loader, "abandon"):
+                if loader is not None:
                     loader.abandon()
             raise
         finally:
@@ -223,7 +222,7 @@ class Trainer(abc.ABC):
                     self.scheduler.step()
                 self.state = TrainState(epoch + 1, 0, self.state.global_step)
             valid_metrics = self._validate() if completed and self._valid is not None else {}
-            length = getattr(train_loader, "length", None)
+            length = train_loader.length
             done = 1 if completed else (self.state.batch_in_epoch / length if length else 0)
             row = {"epoch": round(epoch + done, 4), "step": self.state.global_step,
                    **{f"train_{k}": v for k, v in train_metrics.items()},
@@ -247,12 +246,12 @@ class Trainer(abc.ABC):
             if (epoch + 1) % s.checkpoint_every_epochs == 0 or epoch + 1 == epochs:
                 self._save()
 
-    def _train_epoch(self, loader: Any, epoch: int, epochs: int) -> tuple[dict[str, float], int, bool]:
+    def _train_epoch(self, loader: LoaderLike, epoch: int, epochs: int) -> tuple[dict[str, float], int, bool]:
         """One epoch (or what is left of it); returns (metrics, samples, completed)."""
         s = self.settings
         model, optimizer, precision, strategy, run = self.model, self.optimizer, self.precision, self.strategy, self.run
         model.train()
-        total = getattr(loader, "length", None)  # the whole epoch; None for a stream
+        total = loader.length  # the whole epoch; None for a stream
         # Batches need moving unless everything is on the CPU (a CPU run on a GPU machine may still load CUDA tensors).
         on_accelerator = self.device.type != "cpu" or torch.cuda.is_available()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -261,8 +260,7 @@ class Trainer(abc.ABC):
         started = last_log = time.monotonic()
         log_samples = 0
         completed = True
-        if s.num_workers or getattr(loader, "kwargs", {}).get("num_workers") or getattr(
-                getattr(loader, "loader", None), "num_workers", 0):
+        if loader.num_workers:
             run.settle()  # no all-reduce in flight while the workers are forked
         for index, batch in enumerate(loader, start=self.state.batch_in_epoch):
             if on_accelerator:
@@ -395,58 +393,15 @@ class Trainer(abc.ABC):
         sharded_model = self.strategy.sharded or self.run.parallelism.tp > 1
         self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
-        sums = self.run.metric_sums()
         try:
-            batches = iter(loader)
-            extra = 0
-            if sharded_model and getattr(loader, "length", None) is not None:
-                extra = self._missing_batches(loader.length)
-            last = None
-            while True:
-                batch = next(batches, None)
-                if sharded_model and getattr(loader, "length", None) is None and not self._any_rank(batch is not None):
-                    break
-                if batch is None:
-                    if not sharded_model or getattr(loader, "length", None) is not None:
-                        break
-                    self._repeat_forward(last)  # a stream ended here first: keep the others' forwards paired
-                    continue
-                last = move_to(batch, self.device)
-                with self.precision.autocast():
-                    sums.update(self.evaluate_batch(last))
-                self.run.step_done(self.state.global_step)
-            for _ in range(extra):  # keep FSDP's all-gathers paired across ranks; results dropped
-                self._repeat_forward(last)
+            return evaluate_shard(loader, self.evaluate_batch, run=self.run, device=self.device,
+                                  autocast=self.precision.autocast, sharded_model=sharded_model,
+                                  heartbeat=lambda: self.run.step_done(self.state.global_step))
         finally:
             self.model = wrapped
             self.model.train()
-        return sums.compute()
 
-    def _repeat_forward(self, last: Any) -> None:
-        if last is None:
-            raise ConfigError("a sharded model needs every rank to evaluate at least one batch.",
-                              "use an evaluation set with at least as many samples as processes.")
-        with self.precision.autocast():
-            self.evaluate_batch(last)
-
-    def _any_rank(self, flag: bool) -> bool:
-        if not self.run.session.active:
-            return flag
-        tensor = torch.tensor([1 if flag else 0])
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.run.control_group)
-        return bool(tensor.item())
-
-    def _missing_batches(self, mine: int) -> int:
-        if not self.run.session.active:
-            return 0
-        most = torch.tensor([mine])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.run.control_group)
-        if mine == 0 and most.item() > 0:
-            raise ConfigError("a sharded model needs every rank to evaluate at least one batch.",
-                              "use an evaluation set with at least as many samples as processes.")
-        return int(most.item()) - mine
-
-    def _loader(self, data: Any, evaluation: bool) -> Any:
+    def _loader(self, data: Any, evaluation: bool) -> LoaderLike:
         s = self.settings
         if evaluation:
             return self.run.eval_loader(data, s.eval_batch_size or s.batch_size, collate_fn=s.collate_fn,
@@ -458,23 +413,12 @@ class Trainer(abc.ABC):
         self.history.append(row)
         self.loggers.log_metrics(row, row["step"], kind="epoch")
 
-    def _report_start(self, loader: Any) -> None:
+    def _report_start(self, loader: LoaderLike) -> None:
         """What runs, on rank 0, before the first step: nobody trains a week with the wrong setup."""
-        if not self.run.is_main:
-            return
-        s, run = self.settings, self.run
-        params = list(self.state_model.parameters())
-        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
-        total = sum(p.numel() for p in params)
-        trainable = sum(p.numel() for p in params if p.requires_grad)
-        shard = f", {local:,} on this rank" if local != total else ""
-        length = getattr(loader, "length", None)
-        per_epoch = f"{-(-length // s.accumulate):,} optimizer steps per epoch" if length else "steps per epoch: " \
-            "unknown (a stream)"
-        run.print(f"multigpu: {run.describe_batch(loader.batch_size, s.accumulate, _size(loader))}")
-        run.print(f"multigpu: {total:,} parameters ({trainable:,} trainable{shard}); strategy {self.strategy.name}, "
-                  f"precision {self.precision.mode}{', compiled' if s.compile else ''}; {per_epoch}; "
-                  f"world {run.world_size} on {run.device.type}")
+        if self.run.is_main:
+            for line in start_report(self.run, self.settings, self.state_model, loader, self.strategy.name,
+                                     self.precision.mode):
+                self.run.print(line)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
@@ -489,8 +433,8 @@ class Trainer(abc.ABC):
             "trainer": dataclasses.asdict(self.state),
             "data": {"batch_size": self.settings.batch_size, "dp_size": self.run.dp_size,
                      "world_size": self.run.world_size, "seed": self.settings.seed},
-            "settings": _plain_data(self.settings.plain()),
-            "config": _plain_data(consistency.plain(self.config)),
+            "settings": resume.plain_data(self.settings.plain()),
+            "config": resume.plain_data(consistency.plain(self.config)),
             "monitor": self.tracker.state_dict() if self.tracker is not None else None,
         }
 
@@ -524,10 +468,13 @@ class Trainer(abc.ABC):
         info = self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums)
         if info is None:
             return False
-        wanted = [{k: g[k] for k in (*_HYPERPARAMETERS, "initial_lr") if k in g} for g in self.optimizer.param_groups]
-        state = self.run.load_checkpoint(info, self.state_model, self.optimizer)
-        self.load_checkpoint_state(state or {})
-        changes = self._apply_current_hyperparameters(wanted) + self._changed_settings(state or {})
+        wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)
+        state = self.run.load_checkpoint(info, self.state_model, self.optimizer) or {}
+        self.load_checkpoint_state(state)
+        changes = resume.apply_hyperparameters(self.optimizer.param_groups, wanted,
+                                               getattr(self.scheduler, "base_lrs", None))
+        changes += resume.changed_settings({"trainer": state.get("settings"), "config": state.get("config")},
+                                           {"trainer": self.settings.plain(), "config": consistency.plain(self.config)})
         self.run.print(f"multigpu: resumed from {info.path} (epoch {self.state.epoch}, "
                        f"batch {self.state.batch_in_epoch}, step {self.state.global_step})")
         if changes:
@@ -541,11 +488,8 @@ class Trainer(abc.ABC):
         A checkpoint is data from disk: counters of the wrong type or sign, or states that do not fit,
         are a CheckpointError naming what is wrong, never a traceback or an endless loop.
         """
-        self.state = _checked_counters(state.get("trainer"))
-        data = state.get("data") or {}
-        if not isinstance(data, Mapping) or not all(isinstance(data.get(k, 1), int) and data.get(k, 1) >= 1
-                                                    for k in ("batch_size", "dp_size", "world_size")):
-            raise CheckpointError("the checkpoint's data layout is malformed.", "it is corrupt; use an earlier one.")
+        self.state = resume.checked_counters(state.get("trainer"))
+        data = resume.checked_data_layout(state.get("data"))
         try:
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
@@ -556,71 +500,10 @@ class Trainer(abc.ABC):
             raise CheckpointError(f"the checkpoint's scheduler, scaler or monitor state does not fit: "
                                   f"{' '.join(str(exc).split())[:200]}", "resume with the same settings, or start a "
                                   "new out_dir.") from None
-        self._realign_batches(data)
+        self.state.batch_in_epoch = resume.realigned_batches(self.state.batch_in_epoch, data,
+                                                             self.settings.batch_size * self.run.dp_size)
         if state.get("rank_state") is not None:
             self.load_rank_state(move_to(state["rank_state"], self.device, non_blocking=False))
-
-    def _apply_current_hyperparameters(self, wanted: list[dict]) -> list[str]:
-        """The checkpoint restored the optimizer with its old hyperparameters; put back the ones given
-        now. A changed initial learning rate scales the scheduled one (the schedule's position is kept)."""
-        changes = []
-        groups = self.optimizer.param_groups
-        if len(groups) != len(wanted):
-            return [f"optimizer param groups {len(wanted)} -> {len(groups)} (kept the checkpoint's)"]
-        for index, (group, new) in enumerate(zip(groups, wanted)):
-            name = f"optimizer{'' if len(groups) == 1 else f' group {index}'}"
-            for key, value in new.items():
-                if key in ("lr", "initial_lr") or group.get(key) == value:
-                    continue
-                changes.append(f"{name} {key} {group.get(key)!r} -> {value!r}")
-                group[key] = value
-            new_base, old_base = new.get("initial_lr", new.get("lr")), group.get("initial_lr", group.get("lr"))
-            if new_base is None or old_base is None or new_base == old_base:
-                continue
-            changes.append(f"{name} lr {old_base!r} -> {new_base!r}")
-            if "initial_lr" in group and old_base:
-                group["lr"] = group["lr"] * new_base / old_base
-                group["initial_lr"] = new_base
-                if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-                    self.scheduler.base_lrs[index] = new_base
-            else:
-                group["lr"] = new_base
-        return changes
-
-    def _changed_settings(self, state: Mapping[str, Any]) -> list[str]:
-        changes = []
-        for label, old, new in (("trainer", state.get("settings"), _plain_data(self.settings.plain())),
-                                ("config", state.get("config"), _plain_data(consistency.plain(self.config)))):
-            if not isinstance(old, Mapping) or not isinstance(new, Mapping):
-                continue
-            for key, (before, after) in _diff(old, new).items():
-                changes.append(f"{label}.{key} {before!r} -> {after!r}")
-        return changes
-
-    def _realign_batches(self, data: Mapping[str, Any]) -> None:
-        """Resuming mid-epoch with another world size or batch: continue after the same global sample."""
-        if not self.state.batch_in_epoch or not data:
-            return
-        old_global = data["batch_size"] * data.get("dp_size", data.get("world_size", 1))
-        new_global = self.settings.batch_size * self.run.dp_size
-        if old_global == new_global:
-            return
-        done = self.state.batch_in_epoch * old_global
-        self.state.batch_in_epoch = done // new_global
-        if done % new_global:
-            warnings.warn(f"multigpu: resuming mid-epoch with global batch {new_global} (was {old_global}); "
-                          f"{done % new_global} sample(s) of this epoch are seen twice.", stacklevel=2)
-
-
-def _checked_counters(value: Any) -> TrainState:
-    names = [f.name for f in dataclasses.fields(TrainState)]
-    if (not isinstance(value, Mapping) or sorted(value) != sorted(names)
-            or not all(isinstance(value[k], int) and not isinstance(value[k], bool) and 0 <= value[k] < 2**53
-                       for k in names)):
-        raise CheckpointError(f"the checkpoint's trainer counters are malformed: {str(value)[:120]}",
-                              "it is corrupt or not from this Trainer; use an earlier one.")
-    return TrainState(**value)
-
 
 def _size(loader: Any) -> Optional[int]:
     try:
@@ -629,26 +512,4 @@ def _size(loader: Any) -> Optional[int]:
         return None
 
 
-def _plain_data(value: Any) -> Any:
-    """Only what ``torch.load(weights_only=True)`` reads back: containers, numbers, text."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain_data(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain_data(v) for v in value]
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return str(value)
-
-
-def _diff(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
-    out = {}
-    for key in sorted(set(old) | set(new), key=str):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out.update(_diff(a, b, f"{prefix}{key}."))
-        elif a != b:
-            out[f"{prefix}{key}"] = (a, b)
-    return out
-
-
-__all__ = ["Trainer", "TrainerSettings", "TrainState", "move_to", "batch_length"]
+__all__ = ["Trainer"]

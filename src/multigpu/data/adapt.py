@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from typing import Any, Callable, Iterator, Optional
+from typing_extensions import override
 
 import torch
 from torch.utils.data import (
@@ -35,36 +36,14 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from multigpu.data import Loader, epoch_generator_seed, make_loader
+from multigpu.data.samplers import Loader, epoch_generator_seed, make_loader
+from multigpu.distributed.agreement import Pending
 from multigpu.errors import ConfigError
 
 #: DataLoader settings carried over to the rebuilt loader (each is an attribute of the same name).
 KEPT = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
         "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
 _WORKER_ONLY = ("prefetch_factor", "persistent_workers", "multiprocessing_context")
-
-
-class Agreement:
-    """One asynchronous all-reduce of a flag: ``start(flag)``, later ``result()`` - the same on every rank."""
-
-    def __init__(self, reduce: Callable[[torch.Tensor], Any]) -> None:
-        self._reduce = reduce
-        self._tensor: Optional[torch.Tensor] = None
-        self._work: Any = None
-
-    def start(self, flag: bool) -> None:
-        self._tensor = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._work = self._reduce(self._tensor)
-
-    def result(self) -> bool:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return bool(self._tensor is not None and self._tensor.item())
-
-    def abandon(self) -> None:
-        """Leaving by an exception: never wait on a collective the others may not join."""
-        self._work = None
 
 
 def dataloader_settings(loader: DataLoader) -> dict[str, Any]:
@@ -105,7 +84,7 @@ def sampler_order(loader: DataLoader) -> tuple[bool, Optional[int]]:
 
 def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation: bool, shuffle: bool = True,
           seed: int = 0, drop_last: bool = False, pin_memory: bool = False, collate_fn: Optional[Callable] = None,
-          num_workers: int = 0, rank_streams: bool = True, agree: Optional[Callable[[], Agreement]] = None,
+          num_workers: int = 0, rank_streams: bool = True, agree: Optional[Callable[[], Pending]] = None,
           batch_scale: int = 1, **dataloader_kwargs: Any) -> "Loader | StreamLoader":
     """A loader of this rank's share of ``data`` (a Loader, a DataLoader, an IterableDataset or a Dataset).
 
@@ -157,6 +136,7 @@ class RankShare(IterableDataset):
         self.dataset, self.rank, self.size, self.batch_size = dataset, rank, size, batch_size
         self.skip_batches, self.split_workers = skip_batches, split_workers
 
+    @override
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         workers, loader_worker = (info.num_workers, info.id) if info is not None else (1, 0)
@@ -183,7 +163,7 @@ class StreamLoader:
 
     def __init__(self, dataset: Any, batch_size: int, rank: int, size: int, *, evaluation: bool = False,
                  drop_last: bool = False, seed: int = 0, rank_streams: bool = True,
-                 agree: Optional[Callable[[], Agreement]] = None, **dataloader_kwargs: Any) -> None:
+                 agree: Optional[Callable[[], Pending]] = None, **dataloader_kwargs: Any) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size {batch_size!r} must be a positive integer.", "it is per process: e.g. 32.")
         for reserved in ("sampler", "batch_sampler", "shuffle"):
@@ -200,7 +180,7 @@ class StreamLoader:
         self._resume_batches = 0
         self._done = 0  # batches of the current pass yielded so far (counting the skipped ones)
         self._pending: Any = _END
-        self._agreement: Optional[Agreement] = None
+        self._agreement: Optional[Pending] = None
         if _is_hf_stream(dataset):
             from datasets.distributed import split_dataset_by_node
 
@@ -224,6 +204,10 @@ class StreamLoader:
             return self.epoch + 1, 0
         return self.epoch, self._done
 
+    @property
+    def num_workers(self) -> int:
+        return int(self.kwargs.get("num_workers") or 0)
+
     def __len__(self) -> int:
         raise TypeError("a stream has no length: its epoch ends when the shortest rank's share ends")
 
@@ -235,7 +219,7 @@ class StreamLoader:
         """True if the batch just yielded is the last of this epoch on every rank (waits for the agreement)."""
         if self._agreement is None:
             return self._pending is _END
-        return not self._agreement.result()
+        return not self._agreement.result()[0]
 
     def __iter__(self) -> Iterator[Any]:
         if hasattr(self.dataset, "set_epoch"):
@@ -251,21 +235,21 @@ class StreamLoader:
         self._pending = next(batches, _END)
         self._agreement = self.agree() if self.agree is not None else None
         if self._agreement is not None:
-            self._agreement.start(self._pending is not _END)
+            self._agreement.start([int(self._pending is not _END)])
         try:
             while True:
-                if self._agreement is not None and not self._agreement.result():
+                if self._agreement is not None and not self._agreement.result()[0]:
                     break
                 if self._pending is _END:
                     break
                 current = self._pending
                 self._pending = next(batches, _END)
                 if self._agreement is not None:
-                    self._agreement.start(self._pending is not _END)  # finishes while the step runs
+                    self._agreement.start([int(self._pending is not _END)])  # finishes while the step runs
                 self._done += 1
                 yield current
         finally:
             if self._agreement is not None:
-                self._agreement.result()  # stopped early on every rank (max_steps): complete the last one
+                self._agreement.finish()  # stopped early on every rank (max_steps): complete the last one
         self.epoch += 1
         self._done = 0

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multigpu.distributed import group_active
+from multigpu.distributed.session import group_active
 from multigpu.errors import DesyncError
 
 

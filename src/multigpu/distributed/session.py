@@ -1,4 +1,4 @@
-"""Start and stop ``torch.distributed`` for a :class:`~multigpu.world.World`: device, backend, timeouts.
+"""Start and stop ``torch.distributed`` for a :class:`~multigpu.distributed.world.World`: device, backend, timeouts.
 
 Why a module of its own: the device a process owns, the backend that fits it and a clean exit are the
 same for every strategy and every launcher. Getting them wrong produces the classic failures: two
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu.errors import LaunchError, WorldError
-from multigpu.world import World
+from multigpu.distributed.world import World
 
 BACKENDS = ("nccl", "gloo", "mpi", "xccl")
 

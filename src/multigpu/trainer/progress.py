@@ -76,3 +76,23 @@ class ProgressLine:
 
     def epoch_done(self, epoch: int, epochs: int, values: Mapping[str, Any]) -> None:
         self.line(f"epoch {epoch}/{epochs}: {format_metrics(values)}")
+
+
+def start_report(run: Any, settings: Any, model: Any, loader: Any, strategy: str, precision: str) -> list[str]:
+    """The two lines rank 0 prints before the first step: the global batch, and what trains on what."""
+    params = list(model.parameters())
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    shard = f", {local:,} on this rank" if local != total else ""
+    length = loader.length
+    per_epoch = (f"{-(-length // settings.accumulate):,} optimizer steps per epoch" if length
+                 else "steps per epoch: unknown (a stream)")
+    try:
+        samples: Optional[int] = len(loader.dataset)
+    except TypeError:
+        samples = None
+    return [f"multigpu: {run.describe_batch(loader.batch_size, settings.accumulate, samples)}",
+            f"multigpu: {total:,} parameters ({trainable:,} trainable{shard}); strategy {strategy}, "
+            f"precision {precision}{', compiled' if settings.compile else ''}; {per_epoch}; "
+            f"world {run.world_size} on {run.device.type}"]

@@ -27,9 +27,9 @@ import threading
 import time
 import warnings
 from typing import Any, Optional, Sequence
+from typing_extensions import override
 
-import torch
-import torch.distributed as dist
+from multigpu.distributed.agreement import Pending
 
 #: Exit status of a run that stopped cleanly on a preemption signal after writing its checkpoint.
 EXIT_PREEMPTED = 75
@@ -43,6 +43,7 @@ class Preempted(SystemExit):
         super().__init__(EXIT_PREEMPTED)
         self.message = message
 
+    @override
     def __str__(self) -> str:
         return self.message
 
@@ -59,11 +60,9 @@ class StopSignal:
         self.every = every
         self.target_s = target_s
         self.max_every = max_every
-        #: Collectives this agreement has started (the overhead test counts them).
-        self.collectives = 0
         self._previous: dict[int, Any] = {}
-        self._buffer = torch.zeros(2, dtype=torch.int64)
-        self._work: Any = None
+        #: [any rank asked to stop, -(the smallest interval proposed)]: a MAX agreement of both.
+        self._agreement = Pending("max", group, active)
         self._calls = 0
         self._next_check = 1
         self._last_check: Optional[tuple[int, float]] = None
@@ -86,7 +85,7 @@ class StopSignal:
         agreement instead of waiting for it: the other ranks may never join it."""
         if wait:
             self.finish()
-        self._work = None
+        self._agreement.abandon()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -100,18 +99,19 @@ class StopSignal:
         if self._calls < self._next_check:
             return False
         stop, interval = False, self.every or 1
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            stop = bool(self._buffer[0])
-            interval = self.every or int(-self._buffer[1])
+        if self._agreement.in_flight:
+            flag, negative_interval = self._agreement.result()
+            stop, interval = bool(flag), self.every or -negative_interval
         if stop:
             return True
-        self._buffer = torch.tensor([1 if self.received is not None else 0, -self._propose()], dtype=torch.int64)
-        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self.collectives += 1
+        self._agreement.start([int(self.received is not None), -self._propose()])
         self._next_check = self._calls + max(1, interval)
         return False
+
+    @property
+    def collectives(self) -> int:
+        """Collectives this agreement has started (the overhead test counts them)."""
+        return self._agreement.started
 
     def _propose(self) -> int:
         """This rank's wish for the interval after the next one: ``target_s`` worth of its own steps."""
@@ -126,9 +126,7 @@ class StopSignal:
 
     def finish(self) -> None:
         """Complete the outstanding all-reduce (every rank calls this at the same point)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        self._agreement.finish()
 
     def describe(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a stop request from another rank"

@@ -13,11 +13,12 @@ import sys
 import time
 import weakref
 from typing import Any, Callable, Optional, TypeVar
+from typing_extensions import override
 
 import torch.distributed as dist
 
 from multigpu.errors import MultiGPUError
-from multigpu.world import detect_world
+from multigpu.distributed.world import detect_world
 
 T = TypeVar("T")
 
@@ -65,6 +66,7 @@ def print_on_main(main: bool, *args: Any, **kwargs: Any) -> None:
 class RankZeroFilter(logging.Filter):
     """Lets everything through on rank 0; on other ranks only warnings and errors, tagged with the rank."""
 
+    @override
     def filter(self, record: logging.LogRecord) -> bool:
         r = rank()
         if r == 0:

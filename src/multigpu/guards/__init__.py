@@ -1,0 +1,125 @@
+"""The training loop's safety as one object: hang watchdog, preemption agreement, interrupt handling.
+
+Why one object: a Trainer and a hand-written loop need the same four things - a heartbeat per step
+(:mod:`~multigpu.guards.watchdog`), a stop every rank agrees on (:mod:`~multigpu.guards.preemption`),
+knowing that this rank left the lockstep (Ctrl-C or an exception, :mod:`~multigpu.guards.interrupt`)
+so no collective waits for partners that are not coming, and the desync guard before training
+(:mod:`~multigpu.guards.consistency`). The :class:`~multigpu.runtime.Run` owns one ``Guards`` and
+delegates to it in one line per method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from multigpu.distributed.session import DistSession
+from multigpu.errors import ConfigError, MultiGPUError
+from multigpu.guards.preemption import Preempted, StopSignal, requeue_slurm_job
+from multigpu.guards.watchdog import HangWatchdog
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """How the guards behave; ``run.configure_guards(**settings)`` changes them before the first step."""
+
+    hang_timeout_s: Optional[float] = 900.0
+    report_dir: str = "outputs/hang"
+    preemption: bool = True
+    #: Agree on stopping every K optimizer steps (None: about every 2 s, adapted to the step time).
+    stop_check_every: Optional[int] = None
+
+
+class Guards:
+    """One Run's safety, over the Run's process group (``session``)."""
+
+    def __init__(self, session: DistSession) -> None:
+        self.session = session
+        self.settings = GuardSettings()
+        #: Why this rank left the lockstep (None: it has not).
+        self.interrupted_by: Optional[str] = None
+        self._stop: Optional[StopSignal] = None
+        self._watchdog: Optional[HangWatchdog] = None
+
+    def configure(self, **settings: Any) -> GuardSettings:
+        known = [f.name for f in fields(GuardSettings)]
+        for key in settings:
+            if key not in known:
+                raise ConfigError(f"unknown guard setting {key!r}.", f"known: {', '.join(known)}.")
+        self.settings = replace(self.settings, **settings)
+        return self.settings
+
+    # ------------------------------------------------------------------ per step
+    def step_done(self, step: int) -> None:
+        """The watchdog's heartbeat; the first call starts the watchdog."""
+        watchdog = self._watchdog
+        if watchdog is None:
+            if not self.settings.hang_timeout_s:
+                return
+            watchdog = self._watchdog = HangWatchdog(self.settings.hang_timeout_s, Path(self.settings.report_dir),
+                                                     self.session.world.rank, self.session.world.world_size).start()
+        watchdog.beat(step)
+
+    def should_stop(self) -> bool:
+        """True on every rank at the same step once any rank got SIGTERM/SIGUSR1; the first call installs
+        the signal handlers."""
+        if self._stop is None:
+            if not self.settings.preemption:
+                return False
+            self._stop = StopSignal(self.session.control, self.session.active, every=self.settings.stop_check_every).install()
+        if self.interrupted_by:
+            return False
+        return self._stop.poll()
+
+    def exit_preempted(self, say: Callable[[str], None], checkpoint_path: Any = None,
+                       step: Optional[int] = None) -> None:
+        """After the agreed stop and its checkpoint: requeue the Slurm job on SIGUSR1, raise Preempted (75)."""
+        stop = self._stop
+        reason = stop.describe() if stop is not None else "a stop request"
+        job = self.session.world.slurm_job_id
+        if self.session.world.is_main and stop is not None and stop.received is not None:
+            if requeue_slurm_job(job, stop.received):
+                say(f"multigpu: requeued Slurm job {job}")
+        where = f"; checkpoint {checkpoint_path} - run the same command again to resume" if checkpoint_path else ""
+        after = f" after step {step}" if step is not None else ""
+        say(f"multigpu: stopped by {reason}{after}{where}")
+        raise Preempted(f"preempted by {reason}" + (f"; resume from {checkpoint_path}" if checkpoint_path else ""))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No hang report while inside (a long checkpoint write, an evaluation hook)."""
+        with self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext():
+            yield
+
+    def settle(self) -> None:
+        """Wait for the outstanding stop agreement (every rank started it, so it completes at once): a
+        DataLoader worker forked while gloo's thread is inside an all-reduce can inherit its locks and hang."""
+        if self._stop is not None and not self.interrupted_by:
+            self._stop.finish()
+
+    def release(self, clean: bool = True) -> None:
+        """Stop the watchdog and restore the signal handlers; ``clean=False`` (leaving by an exception)
+        abandons the outstanding agreement instead of waiting for ranks that may not come."""
+        if self._stop is not None:
+            self._stop.uninstall(wait=clean and not self.interrupted_by)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._stop = self._watchdog = None
+
+    # ------------------------------------------------------------------ leaving the lockstep
+    def interrupt(self, reason: str) -> None:
+        """Mark this rank as having left the lockstep (Ctrl-C, an exception out of ``fit``)."""
+        self.interrupted_by = self.interrupted_by or reason
+
+    def ensure_usable(self, doing: str = "a collective") -> None:
+        """Refuse a collective at once after an interrupt: the other ranks may be anywhere."""
+        if self.interrupted_by and self.session.active:
+            raise MultiGPUError(f"{doing} needs every rank, but this rank was interrupted ({self.interrupted_by}) "
+                                "and the others may be anywhere.",
+                                "let the script end after an interrupt; run it again to resume from the last "
+                                "checkpoint.")
+
+
+__all__ = ["GuardSettings", "Guards", "Preempted"]

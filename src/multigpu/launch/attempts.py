@@ -1,0 +1,120 @@
+"""What each worker of an attempt did, as the launcher reads it back: its pid, its exit status, its error.
+
+Why files: torch's elastic agent decides to restart (or to stop) inside its own loop and tells nobody
+which rank failed or why until the very end. Each worker therefore leaves two small files in the log
+folder - ``rankR.attemptK.pid`` when it starts and ``rankR.attemptK.exit`` when it leaves - and torch's
+error file when a Python exception ended it. From them the launcher can say, at the moment of a
+restart, "rank 1 was killed by a signal" rather than nothing, and at a preemption whether every
+worker stopped cleanly with its checkpoint (status 75) so the launcher reports 75 too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+def record_path(log_dir: str, rank: int, attempt: int, kind: str) -> Path:
+    """``kind``: "pid" or "exit"."""
+    return Path(log_dir) / f"rank{rank}.attempt{attempt}.{kind}"
+
+
+def write_record(log_dir: Optional[str], rank: int, attempt: int, kind: str, value: int) -> None:
+    if not log_dir:
+        return
+    try:
+        record_path(log_dir, rank, attempt, kind).write_text(str(value))
+    except OSError:
+        pass  # a record is for the report; the run goes on without it
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    rank: int
+    #: The status the worker left with (None: no exit record - killed by a signal, or still running).
+    status: Optional[int]
+    alive: bool
+    #: The first line of the error it recorded ('' if none).
+    error: str
+
+    def describe(self) -> str:
+        if self.error:
+            return f"rank {self.rank} failed: {self.error}"
+        if self.status is not None:
+            return f"rank {self.rank} exited with status {self.status}"
+        return (f"rank {self.rank} ended without a word (killed by a signal: SIGKILL, a crash, or the "
+                "out-of-memory killer)")
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        text = path.read_text()[:20].strip()
+    except OSError:
+        return None
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def _alive(pid: Optional[int]) -> bool:
+    if pid is None:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _errors(log_dir: str, attempt: int) -> dict[int, str]:
+    """local rank -> the first line of the error torch's error file holds for ``attempt``."""
+    found: dict[int, str] = {}
+    for path in Path(log_dir).glob(f"*/attempt_{attempt}/*/error.json"):
+        try:
+            message = json.loads(path.read_text()[:1_000_000]).get("message")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(message, dict):
+            line = (message.get("extraInfo") or {}).get("multigpu_error") or message.get("message") or ""
+        else:
+            line = str(message or "")
+        if path.parent.name.isdigit() and line:
+            found[int(path.parent.name)] = " ".join(str(line).split())[:300]
+    return found
+
+
+def outcomes(log_dir: str, attempt: int, first_rank: int = 0) -> list[WorkerOutcome]:
+    """Every worker of this node in ``attempt`` (ranks from ``first_rank``), in rank order."""
+    ranks = sorted(int(p.name[4:].split(".")[0]) for p in Path(log_dir).glob(f"rank*.attempt{attempt}.pid")
+                   if p.name[4:].split(".")[0].isdigit())
+    errors = _errors(log_dir, attempt)
+    return [WorkerOutcome(rank, _read_int(record_path(log_dir, rank, attempt, "exit")),
+                          _alive(_read_int(record_path(log_dir, rank, attempt, "pid"))),
+                          errors.get(rank - first_rank, "")) for rank in ranks]
+
+
+#: Messages of ranks that failed only because a peer went away first.
+PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "dist backend error",
+             "distbackenderror", "nccl communicator was aborted", "socket timeout", "connection refused",
+             "ranks disagree before training")
+
+
+def lost_a_peer(message: str) -> bool:
+    """True for the error of a rank that failed only because another one went away."""
+    lowered = message.lower()
+    return any(p in lowered for p in PEER_GONE)
+
+
+def culprits(found: list[WorkerOutcome]) -> list[WorkerOutcome]:
+    """The workers that ended the attempt, most telling first: gone without a record (a signal), then
+    with their own error or status. Ranks that only lost a peer are left out when another rank is to
+    blame; ranks still running are the innocent ones the agent is about to stop."""
+    gone = [w for w in found if not w.alive and (w.error or w.status is None or w.status != 0)]
+    own = [w for w in gone if not lost_a_peer(w.error)]
+    return sorted(own or gone, key=lambda w: (w.status is not None, w.rank))
+
+
+def all_preempted(found: list[WorkerOutcome], status: int = 75) -> bool:
+    """Every worker left with the preemption status after its checkpoint."""
+    return bool(found) and all(w.status == status for w in found)
+

@@ -1,0 +1,126 @@
+"""torchrun's command lines, with ``torchrun`` replaced by ``multigpu run``: taken with torchrun's meaning
+or refused with one line that says why and what to use. The lines are copied from PyTorch's torchrun
+documentation, the PyTorch DDP tutorial series and SpeechBrain's multi-GPU guide (placeholders such as
+$NUM_TRAINERS filled in, host names replaced by loopback addresses). Planned, not launched: the
+launch itself is tested in test_launch_real.py.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from multigpu.cli import build_parser
+from multigpu.commands.launching import plan_run
+from multigpu.errors import MultiGPUError
+
+FILL = {"$NUM_TRAINERS": "2", "$NUM_NODES": "2", "$JOB_ID": "job7", "$HOST_NODE_ADDR": "127.0.0.1:29400"}
+
+#: (where the line comes from, the line, what the plan must be: nproc, cpu, rendezvous backend,
+#: endpoint, min nodes, max nodes, node rank, max restarts)
+ACCEPTED = [
+    ("torchrun docs, single node", "torchrun --standalone --nnodes=1 --nproc-per-node=$NUM_TRAINERS YOUR_TRAINING_SCRIPT.py",
+     (2, "c10d", "localhost:0", 1, 1, 0, 0)),
+    ("torchrun docs, single node with a c10d endpoint",
+     "torchrun --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --nnodes=1 --nproc-per-node=$NUM_TRAINERS YOUR_TRAINING_SCRIPT.py",
+     (2, "c10d", "localhost:0", 1, 1, 0, 0)),
+    ("torchrun docs, fault tolerant",
+     "torchrun --nnodes=$NUM_NODES --nproc-per-node=$NUM_TRAINERS --max-restarts=3 --rdzv-id=$JOB_ID "
+     "--rdzv-backend=c10d --rdzv-endpoint=$HOST_NODE_ADDR YOUR_TRAINING_SCRIPT.py",
+     (2, "c10d", "127.0.0.1:29400", 2, 2, 0, 3)),
+    ("torchrun docs, elastic",
+     "torchrun --nnodes=1:4 --nproc-per-node=$NUM_TRAINERS --max-restarts=3 --rdzv-id=$JOB_ID --rdzv-backend=c10d "
+     "--rdzv-endpoint=$HOST_NODE_ADDR YOUR_TRAINING_SCRIPT.py",
+     (2, "c10d", "127.0.0.1:29400", 1, 4, 0, 3)),
+    ("PyTorch DDP tutorial series, multinode",
+     "torchrun --nproc_per_node=4 --nnodes=2 --node_rank=0 --rdzv_id=456 --rdzv_backend=c10d "
+     "--rdzv_endpoint=172.31.43.139:29603 multinode.py 50 10",
+     (4, "c10d", "172.31.43.139:29603", 2, 2, 0, 0)),
+    ("PyTorch DDP tutorial, one machine", "torchrun --nproc_per_node=2 multigpu_torchrun.py 50 10",
+     (2, "c10d", "localhost:0", 1, 1, 0, 0)),
+    ("SpeechBrain's multi-GPU guide, one machine", "torchrun --nproc_per_node=4 experiment.py hyperparams.yaml",
+     (4, "c10d", "localhost:0", 1, 1, 0, 0)),
+    ("SpeechBrain's multi-GPU guide, two machines (second node)",
+     "torchrun --nproc_per_node=2 --nnodes=2 --node_rank=1 --master_addr 127.0.0.1 --master_port 5555 train.py "
+     "hparams/myrecipe.yaml",
+     (2, "static", "127.0.0.1:5555", 2, 2, 1, 0)),
+    ("torchrun's own spellings of the rest",
+     "torchrun --standalone --nproc_per_node=2 --monitor_interval=1 --role trainer --start_method spawn --run_path "
+     "--log_dir LOGS --max_restarts 1 --rdzv_conf join_timeout=600 train.py",
+     (2, "c10d", "localhost:0", 1, 1, 0, 1)),
+    ("a static rendezvous named by its endpoint",
+     "torchrun --nnodes 2 --node-rank 1 --rdzv-backend static --rdzv-endpoint 127.0.0.1:5556 --nproc-per-node 2 train.py",
+     (2, "static", "127.0.0.1:5556", 2, 2, 1, 0)),
+]
+
+REFUSED = [
+    ("torchrun --redirects 3 --log-dir LOGS train.py", "--redirects is not a multigpu run flag", "--log-dir"),
+    ("torchrun -r 3 train.py", "-r is not a multigpu run flag", "--log-dir"),
+    ("torchrun --tee 3 train.py", "--tee is not a multigpu run flag", "--log-dir"),
+    ("torchrun -t 3 train.py", "-t is not a multigpu run flag", "--log-dir"),
+    ("torchrun --no-python train.py", "--no-python is not a multigpu run flag", "Python scripts"),
+    ("torchrun --no_python train.py", "--no_python is not a multigpu run flag", "Python scripts"),
+    ("torchrun --local-ranks-filter 0 train.py", "--local-ranks-filter is not", "grep"),
+    ("torchrun --logs-specs mine train.py", "--logs-specs is not", "plugin"),
+    ("torchrun --numa-binding node train.py", "--numa-binding is not", "numactl"),
+    ("torchrun --signals-to-handle SIGTERM train.py", "--signals-to-handle is not", "SIGUSR1"),
+    ("torchrun --virtual-local-rank train.py", "--virtual-local-rank is not", "CUDA_VISIBLE_DEVICES"),
+    ("torchrun --rdzv-backend=etcd --rdzv-endpoint=127.0.0.1:2379 train.py", "etcd rendezvous needs an etcd server", "c10d"),
+    ("torchrun --start-method fork train.py", "spawn only", "fresh interpreter"),
+    ("torchrun --standalone --nnodes 2 train.py", "--standalone is one machine", "drop --standalone"),
+    ("torchrun --rdzv-conf read_timeout=60 train.py", "join_timeout=SECONDS only", "--rdzv-timeout"),
+    ("torchrun --nproc-per-node=xpu train.py", "is not a number of processes", "--help"),
+]
+
+
+def _parse(line: str, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hparams").mkdir(exist_ok=True)
+    for script in ("YOUR_TRAINING_SCRIPT.py", "multinode.py", "multigpu_torchrun.py", "experiment.py", "train.py"):
+        (tmp_path / script).write_text("")
+    for placeholder, value in FILL.items():
+        line = line.replace(placeholder, value)
+    argv = shlex.split(line)
+    assert argv[0] == "torchrun"
+    return build_parser().parse_args(["run", *argv[1:]])
+
+
+@pytest.mark.parametrize("source, line, expected", ACCEPTED, ids=[a[0] for a in ACCEPTED])
+def test_torchrun_lines_are_taken_with_torchruns_meaning(source, line, expected, tmp_path, monkeypatch):
+    nproc, backend, endpoint, min_nodes, max_nodes, node_rank, restarts = expected
+    request = plan_run(_parse(line, tmp_path, monkeypatch))
+    rdzv = request.rendezvous
+    assert (request.devices.nproc, rdzv.backend, rdzv.min_nodes, rdzv.max_nodes, rdzv.node_rank,
+            request.max_restarts) == (nproc, backend, min_nodes, max_nodes, node_rank, restarts)
+    assert rdzv.endpoint == endpoint
+    assert request.command[0].endswith(".py")
+
+
+def test_torchruns_extra_flags_keep_their_meaning(tmp_path, monkeypatch):
+    line = ACCEPTED[8][1]
+    request = plan_run(_parse(line, tmp_path, monkeypatch))
+    assert (request.monitor_interval, request.role, request.rendezvous.timeout_s) == (1.0, "trainer", 600)
+    assert request.log_dir == "LOGS"
+
+
+@pytest.mark.parametrize("line, message, hint", REFUSED)
+def test_torchrun_flags_multigpu_does_not_take_are_one_line_with_a_reason(line, message, hint, tmp_path, monkeypatch,
+                                                                          capsys):
+    try:
+        plan_run(_parse(line, tmp_path, monkeypatch))
+    except MultiGPUError as exc:
+        text = exc.one_line()
+    except SystemExit as exc:  # argparse's refusal of a value: our Parser prints the one line and exits 2
+        assert exc.code == 2
+        text = capsys.readouterr().err.strip()
+    else:
+        pytest.fail(f"{line!r} was accepted")
+    assert text.startswith("multigpu: error:") and message in text and "HINT:" in text and hint in text
+    assert "\n" not in text
+
+
+def test_abbreviations_are_never_read_as_another_flag(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _parse("torchrun --tee-pre always train.py", tmp_path, monkeypatch)
+    assert "unrecognized arguments: --tee-pre" in capsys.readouterr().err
