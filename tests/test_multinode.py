@@ -73,7 +73,9 @@ def test_two_nodes_train_like_one_node(nodes, tmp_path, kind):
     multigpu("run", "--nproc", "1", str(SCRIPTS / "equivalence.py"), str(single), "--batch", "8", "--global-batch", "8",
              check=True)
     a, b = torch.load(out, weights_only=True), torch.load(single, weights_only=True)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    # float64: only the order of float sums differs (the bound: tests/scripts/equivalence.py)
+    assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < 1e-7
+    assert (a["losses"] - b["losses"]).abs().max().item() < 1e-7
     assert "node 0 of 2, world size 4" in results["a"].stderr or "node 0 of 2" in results["a"].stderr
 
 

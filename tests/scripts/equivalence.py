@@ -5,6 +5,13 @@
 Options: --batch B (per process) --steps S (optimizer steps per epoch) --epochs E --accumulate A
 --clip C --mode trainer|loop --strategy NAME --precision P --optimizer sgd|adamw
 The dataset holds exactly S x A x global-batch samples, so both runs see the same global batches.
+
+Everything is float64, so the bound of a comparison follows from the arithmetic rather than from luck:
+two runs differ only in the order of float sums (relative error ~1e-15 of a gradient), and AdamW
+amplifies a gradient's error by at most lr / eps = 1e6 per step (an element whose gradient is ~0 turns
+its noise into an update of that size) - at most ~1e-9 per step, ~1e-8 over the 12 steps. In float32
+the same amplification turns ~1e-7 noise into updates of ~lr: no bound holds. OUT holds the weights
+and the global mean loss of every micro-batch (every rank's loss averaged: equal batches on each rank).
 """
 
 import argparse
@@ -31,7 +38,9 @@ parser.add_argument("--optimizer", default="adamw")
 parser.add_argument("--tokens", default="")
 args = parser.parse_args()
 
+torch.set_default_dtype(torch.float64)
 run = mg.init(seed=1234, timeout_s=60)
+losses: list[float] = []
 size = args.steps * args.accumulate * args.global_batch
 generator = torch.Generator().manual_seed(7)
 x = torch.randn(size, 12, generator=generator)
@@ -54,6 +63,9 @@ class Equivalence(mg.Trainer):
         inputs, labels = batch
         return F.cross_entropy(self.model(inputs), labels)
 
+    def on_train_batch_end(self, step, loss):
+        losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])
+
 
 if args.mode == "trainer":
     trainer = Equivalence(run, make_model(), make_optimizer, batch_size=args.batch, epochs=args.epochs,
@@ -69,8 +81,9 @@ else:  # the PyTorch-tutorial loop, with the same helpers
             inputs, labels = inputs.to(run.device), labels.to(run.device)
             boundary = (index + 1) % args.accumulate == 0
             with (run.no_sync(model) if not boundary else torch.enable_grad()):
-                loss = F.cross_entropy(model(inputs), labels) / args.accumulate
-                run.backward(loss)
+                loss = F.cross_entropy(model(inputs), labels)
+                run.backward(loss / args.accumulate)
+            losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])
             if boundary:
                 if args.clip:
                     run.clip_grad_norm(model, args.clip)
@@ -79,4 +92,4 @@ else:  # the PyTorch-tutorial loop, with the same helpers
 
 state = run.state_dict(model)  # full weights, plain names (gathered from shards under fsdp)
 if run.is_main:
-    torch.save(state, args.out)
+    torch.save({"weights": state, "losses": torch.tensor(losses)}, args.out)
