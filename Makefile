@@ -1,6 +1,8 @@
 # Set-up and entry points. Every target creates the virtual environment on first use.
 # torch is pinned to 2.13.0: on this platform that installs a local CPU wheel in ~20 s, while an
 # unpinned install would pull a multi-GB CUDA build. The package itself only requires torch>=2.6.
+# `make demo` installs only what the demo needs (torch, numpy, the package, scikit-learn for its data);
+# `make test` adds the test tools and the optional loggers the tests read back.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,21 +11,27 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-fast venv clean gpu-check gpu-bench
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.demo-installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0 numpy
+	$(PY) -m pip install -q -e ".[examples]"
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.demo-installed pyproject.toml
 	$(PY) -m pip install -q -e ".[test,examples]"
 	touch $@
 
-demo: venv
+demo: $(VENV)/.demo-installed
 	$(VENV)/bin/multigpu run --nproc 2 examples/digits/train.py examples/digits/hparams.yaml
+	@echo
+	@echo "multigpu is installed in $(VENV). To use the command: source $(VENV)/bin/activate  (or call $(VENV)/bin/multigpu)"
 
-test: venv
+test: $(VENV)/.test-installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: venv
+test-fast: $(VENV)/.test-installed
 	$(PY) -m pytest -m "not slow and not infra" $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (no virtual environment, no network needed):

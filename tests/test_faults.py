@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PY, SCRIPTS, child_env, multigpu, wait_until_gone
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_until_gone
 from multigpu import checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,7 +123,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, reference, no
         out, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM
+    assert launcher.returncode == 75  # every worker checkpointed: EXIT_PREEMPTED, "run again to resume"
     assert "stopped by SIGTERM after step" in out
     stopped_at = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
     assert checkpoint.latest(tmp_path / "checkpoints").step == stopped_at < 18
@@ -173,3 +173,20 @@ def test_ranks_with_different_models_fail_within_seconds_with_a_diff(tmp_path, n
     assert "ranks disagree before training" in proc.stderr
     assert "parameter_elements: rank 0 = 339, rank 1 = 451" in proc.stderr
     assert "HINT:" in proc.stderr
+
+
+def test_the_exit_status_table_is_what_the_code_uses():
+    """docs/fault-tolerance.md's table and multigpu.errors' constants say the same thing."""
+    import re
+
+    from multigpu import errors
+
+    page = (REPO / "docs" / "fault-tolerance.md").read_text()
+    table = page.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
+    named = {m.group(2): int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| `(EXIT_[A-Z]+)` \|", table, re.M)}
+    constants = {name: getattr(errors, name) for name in dir(errors) if name.startswith("EXIT_")}
+    assert named == constants
+    from multigpu.guards.preemption import Preempted
+    from multigpu.guards.watchdog import EXIT_HANG
+
+    assert Preempted("x").code == errors.EXIT_PREEMPTED and EXIT_HANG == 124

@@ -235,7 +235,7 @@ def test_per_rank_state_survives_sigterm_and_resume_bitwise(tmp_path):
         launcher.communicate(timeout=60)
     finally:
         launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM
+    assert launcher.returncode == 75  # every worker checkpointed: EXIT_PREEMPTED, "run again to resume"
     again = multigpu("run", "--nproc", "2", script, str(out), timeout=180)
     assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr
     for name in ("final.pt", "hidden-rank0.pt", "hidden-rank1.pt"):

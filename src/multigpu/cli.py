@@ -17,7 +17,7 @@ from multigpu.commands.checkpoint import add_checkpoint_parser
 from multigpu.commands.diagnostics import add_check_parser, add_doctor_parser, add_env_parser, add_plot_parser
 from multigpu.commands.launching import SLURM_ACTIONS, add_run_parser, add_slurm_parser
 from multigpu.commands.queue import add_queue_parser
-from multigpu.errors import MultiGPUError
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_REFUSED, MultiGPUError
 
 
 class Parser(argparse.ArgumentParser):
@@ -81,17 +81,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.handler(args)
     except MultiGPUError as exc:
         print(exc.one_line(), file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except OSError as exc:  # a file or folder the system refused: the user's to fix, not a bug of ours
         print(_os_error_line(exc), file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except UnicodeError as exc:  # text that cannot be written (a lone surrogate from a YAML escape)
         print(f"multigpu: error: {' '.join(str(exc).split())[:200]}. HINT: use plain UTF-8 text in names, paths "
               "and values.", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     except KeyboardInterrupt:
         print("multigpu: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -8,6 +8,22 @@ from __future__ import annotations
 
 from typing_extensions import override
 
+# Exit statuses: the one table (docs/fault-tolerance.md, "Exit statuses") that the launcher, the
+# workers, the queue and Slurm requeue follow; tests/test_faults.py checks the page against these.
+#: Done.
+EXIT_OK = 0
+#: An error in the script, or a launcher that could not start the job (one line says which).
+EXIT_FAILED = 1
+#: ``multigpu`` refused its input: one line with a HINT; nothing was started.
+EXIT_REFUSED = 2
+#: Stopped on SIGTERM/SIGUSR1 after writing a checkpoint (sysexits' EX_TEMPFAIL, "try again later"):
+#: run the same command again to resume; the queue and Slurm requeue read it that way.
+EXIT_PREEMPTED = 75
+#: The hang watchdog stopped the job (GNU timeout's status); the report names where each rank was.
+EXIT_HANG = 124
+#: Ctrl-C: every worker stopped at once, without a checkpoint.
+EXIT_INTERRUPTED = 130
+
 
 class MultiGPUError(Exception):
     """A problem with the user's input or environment, with the fix in ``hint``."""

@@ -30,9 +30,8 @@ from typing import Any, Optional, Sequence
 from typing_extensions import override
 
 from multigpu.distributed.agreement import Pending
+from multigpu.errors import EXIT_PREEMPTED
 
-#: Exit status of a run that stopped cleanly on a preemption signal after writing its checkpoint.
-EXIT_PREEMPTED = 75
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

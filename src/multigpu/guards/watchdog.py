@@ -22,10 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from multigpu.errors import EXIT_HANG
 from multigpu.fileio import atomic_write_text
-
-#: Exit status of a worker stopped by the hang watchdog (the ``timeout`` command's convention).
-EXIT_HANG = 124
 
 _KINDS = (
     ("torch/utils/data", "in the data loader"),

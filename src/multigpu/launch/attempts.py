@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from multigpu.errors import EXIT_PREEMPTED
+
 
 def record_path(log_dir: str, rank: int, attempt: int, kind: str) -> Path:
     """``kind``: "pid" or "exit"."""
@@ -114,7 +116,7 @@ def culprits(found: list[WorkerOutcome]) -> list[WorkerOutcome]:
     return sorted(own or gone, key=lambda w: (w.status is not None, w.rank))
 
 
-def all_preempted(found: list[WorkerOutcome], status: int = 75) -> bool:
+def all_preempted(found: list[WorkerOutcome], status: int = EXIT_PREEMPTED) -> bool:
     """Every worker left with the preemption status after its checkpoint."""
     return bool(found) and all(w.status == status for w in found)
 

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional, Sequence
 from typing_extensions import override
 
 from multigpu import validate
-from multigpu.errors import LaunchError
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError
 from multigpu.launch.attempts import lost_a_peer
 from multigpu.launch.devices import DevicePlan
 from multigpu.fileio import as_shown, tail_lines
@@ -359,7 +359,7 @@ def launch(request: LaunchRequest) -> int:
         return 128 + int(stopped.sigval)
     except KeyboardInterrupt:
         _say("interrupted; every worker was terminated.")
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:  # rendezvous or agent failures: one line, no traceback; status 1, not 2
         failed = True
         text = " ".join(str(exc).split()) or type(exc).__name__
@@ -376,11 +376,6 @@ def launch(request: LaunchRequest) -> int:
         if not keep_logs and not failed:
             shutil.rmtree(log_dir, ignore_errors=True)
     return 0
-
-
-#: A worker that stopped on SIGTERM/SIGUSR1 after its checkpoint leaves with this status (sysexits'
-#: EX_TEMPFAIL, "try again later"); so does the launcher when every worker did (guards.preemption).
-EXIT_PREEMPTED = 75
 
 
 def preempted_cleanly(log_dir: str) -> bool:

@@ -27,7 +27,7 @@ from typing import IO, Any, Callable, Optional, Sequence
 import yaml
 
 from multigpu import validate
-from multigpu.errors import ConfigError
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
 from multigpu.launch.local import usable_cores
 from multigpu.launch.process import die_with_parent
 from multigpu.fileio import as_shown, atomic_write_text, ensure_real_folder, open_append, tail_lines
@@ -257,7 +257,8 @@ class Queue:
 
     def _finish(self, run: EntryState, code: int, interrupted: bool = False) -> None:
         run.exit_code, run.ended = code, time.time()
-        run.state = "done" if code == 0 else ("interrupted" if interrupted or code in (75, 143, 130) else "failed")
+        run.state = "done" if code == 0 else ("interrupted" if interrupted or code in (EXIT_PREEMPTED, 128 + signal.SIGTERM,
+                                                                                 EXIT_INTERRUPTED) else "failed")
         if run.log is not None:
             run.log.close()
             run.log = None
