@@ -6,6 +6,8 @@ and the worker wrapper print them as one line instead of a traceback. Standard l
 
 from __future__ import annotations
 
+import re
+
 from typing_extensions import override
 
 # Exit statuses: the one table (docs/fault-tolerance.md, "Exit statuses") that the launcher, the
@@ -25,6 +27,30 @@ EXIT_HANG = 124
 EXIT_INTERRUPTED = 130
 
 
+#: Characters that steer a terminal (C0 and C1 controls, DEL, bidirectional overrides, line separators).
+_STEERING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+#: An error line never grows beyond this (a 3 MB value echoed back is cut, not printed).
+MAX_LINE = 2000
+
+
+def visible(text: str, keep_newlines: bool = False) -> str:
+    """``text`` that came from outside (a name, a file's contents), safe to print: everything that could
+    steer a terminal (an escape sequence that retitles the window or rewrites the screen, a bidirectional
+    override) is shown as ``\\xNN``/``\\uNNNN`` instead; tabs stay; newlines stay only when asked."""
+    def escape(match: "re.Match[str]") -> str:
+        char = match.group(0)
+        return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+
+    text = _STEERING.sub(escape, text)
+    return text if keep_newlines else text.replace("\n", "\\n")
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value echoed in an error line: its repr, made visible, cut to about ``limit`` characters."""
+    text = visible(repr(value))
+    return text if len(text) <= limit else f"{text[:limit - 15]}... ({len(text)} chars)"
+
+
 class MultiGPUError(Exception):
     """A problem with the user's input or environment, with the fix in ``hint``."""
 
@@ -38,8 +64,13 @@ class MultiGPUError(Exception):
         return f"{self.message} HINT: {self.hint}" if self.hint else self.message
 
     def one_line(self) -> str:
-        """The form printed by the CLI: never more than one line."""
-        return "multigpu: error: " + " ".join(str(self).split())
+        """The form printed by the CLI: one line, nothing in it that steers a terminal, at most MAX_LINE."""
+        message, hint = (visible(" ".join(part.split())) for part in (self.message, self.hint))
+        room = MAX_LINE - min(len(hint), MAX_LINE // 4) - 40
+        if len(message) > room:
+            message = f"{message[:room]}... (cut: {len(message)} characters)"
+        hint = hint if len(hint) <= MAX_LINE // 4 else hint[:MAX_LINE // 4] + "..."
+        return f"multigpu: error: {message} HINT: {hint}" if hint else f"multigpu: error: {message}"
 
 
 class WorldError(MultiGPUError):
