@@ -93,4 +93,4 @@ def test_pipeline_in_one_process_equals_the_unsplit_model(tmp_path, single, case
 def test_negative_control_a_different_global_batch_does_not_match(tmp_path, single, no_leftovers):
     """2 processes with the single run's batch (so the global batch doubles) must differ: the check can fail."""
     doubled = _train(tmp_path, "doubled", 2, GLOBAL, ["--tokens", no_leftovers])
-    assert _max_diff(doubled, single("plain")) > 1e-3
+    assert _max_diff(doubled, single("plain"), losses=False) > 1e-3

@@ -25,7 +25,7 @@ def test_links_below_the_root_are_refused_at_every_component(tree):
     (out / "checkpoints").symlink_to(victim)
     root = Folder(out)
     for call in (lambda: root.child("checkpoints"), lambda: root.child("checkpoints/step-1"),
-                 lambda: root.write_atomic("checkpoints/x.txt", "x"), lambda: root.read_text("checkpoints/precious.txt"),
+                 lambda: root.write_atomic("checkpoints/x.txt", "x"), lambda: root.load_text("checkpoints/precious.txt"),
                  lambda: root.open_append("checkpoints/log.txt"), lambda: root.entries("checkpoints"),
                  lambda: root.remove_tree("checkpoints/precious.txt")):
         with pytest.raises(UnsafePath):
@@ -43,7 +43,7 @@ def test_a_link_as_the_last_component_is_never_written_through(tree):
     with pytest.raises(UnsafePath):
         root.open_append("log.txt")
     with pytest.raises(UnsafePath):
-        root.read_bytes("log.txt")
+        root.load_bytes("log.txt")
     assert (victim / "precious.txt").read_text() == "keep me"
 
 
@@ -57,7 +57,7 @@ def test_fifos_and_devices_are_refused_without_blocking(tree):
     def attempt():
         for name in ("status.json", "metrics.csv"):
             with pytest.raises(UnsafePath):
-                root.read_text(name)
+                root.load_text(name)
         with pytest.raises(UnsafePath):
             root.open_append("status.json")
         assert root.tail_lines("status.json", 5) == ([], 0)
@@ -73,12 +73,12 @@ def test_reads_are_capped_and_names_stay_inside(tree):
     out, _ = tree
     root = Folder(out)
     root.write_atomic("big.txt", "x" * 1000)
-    assert len(root.read_bytes("big.txt", limit=10)) == 11
+    assert len(root.load_bytes("big.txt", limit=10)) == 11
     with pytest.raises(UnsafePath, match="larger than 10 bytes"):
-        root.read_text("big.txt", limit=10)
+        root.load_text("big.txt", limit=10)
     for name in ("../victim/precious.txt", "/etc/passwd", "a/../../x"):
         with pytest.raises(UnsafePath):
-            root.read_text(name)
+            root.load_text(name)
 
 
 def test_remove_tree_deletes_links_not_their_targets(tree):
@@ -97,12 +97,12 @@ def test_rename_never_replaces_and_a_failed_write_leaves_the_old_file(tree):
     root.write_atomic("a.txt", "a")
     root.write_atomic("b.txt", "b")
     with pytest.raises(UnsafePath, match="already exists"):
-        root.rename("a.txt", "b.txt")
+        root.move("a.txt", "b.txt")
     with pytest.raises(RuntimeError):
         with root.open_new("b.txt") as handle:
             handle.write(b"half")
             raise RuntimeError("crash while writing")
-    assert root.read_text("b.txt") == "b"
+    assert root.load_text("b.txt") == "b"
     assert [name for name, _ in root.entries()] == ["a.txt", "b.txt"]  # no temporary file left behind
 
 

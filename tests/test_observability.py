@@ -227,17 +227,34 @@ def test_the_progress_line_prints_in_a_log_file_and_the_start_report(tmp_path):
 # ------------------------------------------------------------------ run --debug, env
 
 
-def test_run_debug_sets_the_variables_and_says_so(tmp_path):
+@pytest.mark.timeout(120)  # one 2-process launch of a few DDP steps (~10 s here)
+def test_run_debug_with_ddp_on_cpu_processes_works_and_says_what_it_turned_on(tmp_path):
+    """torch 2.13's DETAIL mode with DDP over gloo ends in SIGSEGV: on CPU processes --debug turns on INFO."""
     script = tmp_path / "show.py"
-    script.write_text("import os, json\nprint(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', "
-                      "'NCCL_DEBUG', 'TORCH_NCCL_TRACE_BUFFER_SIZE', 'TORCH_NCCL_DUMP_ON_TIMEOUT', "
-                      "'TORCH_NCCL_DEBUG_INFO_TEMP_FILE')}))\n")
-    proc = multigpu("run", "--debug", "--log-dir", str(tmp_path / "logs"), str(script), check=True)
+    script.write_text("import os, json, torch, multigpu as mg\nrun = mg.init()\n"
+                      "model, opt = run.setup(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))\n"
+                      "for _ in range(3):\n    run.backward(model(torch.randn(2, 4)).sum()); opt.step(); opt.zero_grad()\n"
+                      "print(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', 'NCCL_DEBUG', "
+                      "'TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE')}))\n")
+    proc = multigpu("run", "--debug", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), str(script), check=True)
     shown = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert shown["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and shown["NCCL_DEBUG"] == "INFO"
-    assert int(shown["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and shown["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert shown["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path / "logs"))
-    assert "debug: TORCH_DISTRIBUTED_DEBUG=DETAIL" in proc.stderr
+    assert shown == {"TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_DEBUG": None, "TORCH_FR_BUFFER_SIZE": None,
+                     "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+    assert "debug: TORCH_DISTRIBUTED_DEBUG=INFO" in proc.stderr
+
+
+def test_debug_on_gpus_turns_on_detail_nccl_and_the_flight_recorder_by_its_current_name(tmp_path, monkeypatch):
+    from multigpu.launch.local import debug_env
+
+    for name in ("TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    new, old = debug_env(str(tmp_path), True, "2.13.0+cu130"), debug_env(str(tmp_path), True, "2.6.0")
+    assert new["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and new["NCCL_DEBUG"] == "INFO"
+    assert new["TORCH_FR_BUFFER_SIZE"] == "2000" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in new  # deprecated name
+    assert old["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and "TORCH_FR_BUFFER_SIZE" not in old
+    assert new["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith(str(tmp_path))
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    assert debug_env(str(tmp_path), True, "2.13.0")["NCCL_DEBUG"] == "WARN"  # the user's own value wins
 
 
 def test_env_reports_variables_and_the_check_measures_an_all_reduce(tmp_path):

@@ -197,14 +197,14 @@ class Folder:
         with os.fdopen(fd, "rb") as handle:
             yield handle
 
-    def read_bytes(self, relative: PathLike, limit: int = DEFAULT_LIMIT) -> bytes:
+    def load_bytes(self, relative: PathLike, limit: int = DEFAULT_LIMIT) -> bytes:
         """Up to ``limit + 1`` bytes (so callers can tell "too large")."""
         with self.open_read(relative) as handle:
             return handle.read(limit + 1)
 
-    def read_text(self, relative: PathLike, limit: int = DEFAULT_LIMIT) -> str:
+    def load_text(self, relative: PathLike, limit: int = DEFAULT_LIMIT) -> str:
         """The text of a regular file of at most ``limit`` bytes (a larger one is refused)."""
-        data = self.read_bytes(relative, limit)
+        data = self.load_bytes(relative, limit)
         if len(data) > limit:
             raise _refuse(self.path / relative, f"is larger than {limit} bytes", errno.EFBIG)
         return data.decode("utf-8", errors="replace")
@@ -276,8 +276,22 @@ class Folder:
         text.close()
         return os.fdopen(fd, "ab", buffering=0)
 
+    def open_lock(self, relative: PathLike) -> int:
+        """A descriptor of a lock file (read-write, created if missing) for ``fcntl.flock``; a link, FIFO
+        or device in its place is refused."""
+        folder, name = self._split(relative)
+        with self._dir(folder, create=True) as dir_fd:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o644, dir_fd=dir_fd)
+        try:
+            _regular(fd, self.path / relative)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     # ------------------------------------------------------------------ moving and deleting
-    def rename(self, source: PathLike, target: PathLike) -> None:
+    def move(self, source: PathLike, target: PathLike) -> None:
         """Rename inside this folder (links are renamed as links, never followed); refuses to replace."""
         src_folder, src_name = self._split(source)
         dst_folder, dst_name = self._split(target)
@@ -339,7 +353,7 @@ def _remove_tree_at(parent_fd: int, name: str) -> None:
 def read_regular(path: PathLike, limit: int) -> bytes:
     """Up to ``limit + 1`` bytes of a regular file; a symbolic link, FIFO or device is refused."""
     path = Path(path)
-    return Folder(path.parent).read_bytes(path.name, limit)
+    return Folder(path.parent).load_bytes(path.name, limit)
 
 
 def atomic_write_text(path: PathLike, text: str, fsync: bool = False) -> None:
@@ -378,3 +392,8 @@ def as_shown(line: str) -> str:
     ``multigpu.errors.visible`` where it is printed)."""
     line = _ANSI.sub("", line).rstrip("\r")
     return line.rsplit("\r", 1)[-1]
+
+
+def open_devnull() -> int:
+    """A descriptor of /dev/null for writing (to close a stream without closing its descriptor number)."""
+    return os.open(os.devnull, os.O_WRONLY | _CLOEXEC)

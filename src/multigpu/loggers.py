@@ -23,8 +23,8 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
-from multigpu.errors import ConfigError
-from multigpu.fileio import atomic_write_text, open_append, read_regular
+from multigpu.errors import ConfigError, visible
+from multigpu.fileio import Folder, UnsafePath
 
 KINDS = ("step", "epoch")
 #: metrics.csv holds the epoch rows (one per epoch, and per eval_every_steps validation); steps.csv the step rows.
@@ -77,28 +77,27 @@ class CSVLogger:
 
     def __init__(self, folder: Path, resume_step: Optional[int] = None) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.root = Folder(folder).create()
         self._columns: dict[str, list[str]] = {}
         for kind, name in CSV_FILES.items():
-            path = self.folder / name
-            rows = read_csv(path)
+            rows = read_csv(self.folder / name)
             kept = [r for r in rows if resume_step is None or _step_of(r) <= resume_step]
-            if rows and (len(kept) != len(rows) or not _ends_with_newline(path)):
-                self._rewrite(path, kept, _columns_of(kept))
+            if rows and (len(kept) != len(rows) or not _ends_with_newline(self.root, name)):
+                self._rewrite(name, kept, _columns_of(kept))
             self._columns[kind] = _columns_of(kept)
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
-        path = self.folder / CSV_FILES[kind]
+        name = CSV_FILES[kind]
         row = {"step": step, **{k: v for k, v in row.items() if k != "step"}}
         columns = self._columns[kind]
         if not columns or any(k not in columns for k in row):
-            rows = read_csv(path)
+            rows = read_csv(self.folder / name)
             self._columns[kind] = columns = [*columns, *(k for k in row if k not in columns)]
-            self._rewrite(path, [*rows, row], columns)
+            self._rewrite(name, [*rows, row], columns)
             return
         buffer = io.StringIO()
         csv.DictWriter(buffer, fieldnames=columns).writerow(row)
-        with open_append(path) as handle:
+        with self.root.open_append(name) as handle:
             handle.write(buffer.getvalue())
             handle.flush()
 
@@ -108,22 +107,29 @@ class CSVLogger:
     def close(self) -> None:
         pass
 
-    @staticmethod
-    def _rewrite(path: Path, rows: Sequence[Mapping[str, Any]], columns: list[str]) -> None:
+    def _rewrite(self, name: str, rows: Sequence[Mapping[str, Any]], columns: list[str]) -> None:
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-        atomic_write_text(path, buffer.getvalue())
+        self.root.write_atomic(name, buffer.getvalue())
+
+
+#: A metrics file larger than this is refused (a curve of a million logged steps is ~100 MB).
+MAX_CSV_BYTES = 256 << 20
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
-    """The complete rows of a metrics CSV ([] if missing); a torn last line is left out."""
+    """The complete rows of a metrics CSV ([] if missing); a torn last line is left out. A link, FIFO,
+    device or a file over MAX_CSV_BYTES is refused (UnsafePath, an OSError)."""
+    path = Path(path)
     try:
-        with open(path, newline="", errors="replace") as handle:
-            text = handle.read()
-    except OSError:
+        text = Folder(path.parent).load_text(path.name, limit=MAX_CSV_BYTES)
+    except FileNotFoundError:
         return []
+    except UnsafePath as exc:
+        raise ConfigError(f"{visible(str(path))} {exc.strerror}.", "a metrics file must be a regular file "
+                          f"of at most {MAX_CSV_BYTES >> 20} MiB; move it away (or use another out_dir).") from None
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
     try:
@@ -146,9 +152,9 @@ def _step_of(row: Mapping[str, Any]) -> float:
         return 0.0
 
 
-def _ends_with_newline(path: Path) -> bool:
+def _ends_with_newline(root: Folder, name: str) -> bool:
     try:
-        with open(path, "rb") as handle:
+        with root.open_read(name) as handle:
             handle.seek(-1, os.SEEK_END)
             return handle.read(1) == b"\n"
     except OSError:
@@ -168,7 +174,8 @@ class TensorBoardLogger:
             raise ConfigError("loggers: tensorboard needs the tensorboard package.",
                               "pip install tensorboard (or drop tensorboard from loggers).") from None
         # purge_step: events after the resumed step, written before a crash, are discarded by TensorBoard.
-        self.writer = SummaryWriter(log_dir=str(Path(folder) / "tensorboard"),
+        # A real folder the door created: a planted `tensorboard` link is refused, never written through.
+        self.writer = SummaryWriter(log_dir=str(Folder(folder).child("tensorboard").path),
                                     purge_step=resume_step + 1 if resume_step is not None else None)
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
@@ -198,14 +205,14 @@ class WandbLogger:
             raise ConfigError("loggers: wandb needs the wandb package.",
                               "pip install 'multigpu[wandb]' (or drop wandb from loggers).") from None
         folder = Path(folder).resolve()
-        (folder / "wandb").mkdir(parents=True, exist_ok=True)
+        root = Folder(folder).create()
+        root.child("wandb")  # W&B writes below it: a real folder, never a planted link
         # The id lives in the run folder: a resume continues the same W&B run, while a new folder (or a
         # deleted and recreated one, or the same path on another machine) starts a new one.
-        marker = folder / ".wandb_run_id"
-        run_id = read_regular(marker, 200).decode(errors="replace").strip() if marker.exists() else ""
+        run_id = _run_id(root, ".wandb_run_id")
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
             run_id = re.sub(r"[^A-Za-z0-9_-]", "-", f"{folder.name[:40]}-{secrets.token_hex(4)}")
-            atomic_write_text(marker, run_id)
+            root.write_atomic(".wandb_run_id", run_id)
         try:
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "multigpu"), name=folder.name, id=run_id,
                                   dir=str(folder), resume="allow", reinit=True)
@@ -241,12 +248,13 @@ class MLflowLogger:
             raise ConfigError("loggers: mlflow needs the mlflow package.",
                               "pip install 'multigpu[mlflow]' (or drop mlflow from loggers).") from None
         folder = Path(folder).resolve()
+        root = Folder(folder).create()
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             # No server named: a file store beside the run, readable with `mlflow ui --backend-store-uri`.
             # MLflow 3 keeps that backend in maintenance mode and refuses it unless this variable opts in;
             # a tracking URI of the user's own (a server, sqlite:///...) is used as given.
-            uri = (folder / "mlruns").as_uri()
+            uri = root.child("mlruns").path.as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "multigpu")
@@ -257,8 +265,7 @@ class MLflowLogger:
             raise ConfigError(f"loggers: mlflow could not reach {uri}: {' '.join(str(exc).split())[:300]}",
                               "check MLFLOW_TRACKING_URI (unset: a file store in the run folder), or drop mlflow "
                               "from loggers.") from None
-        marker = folder / ".mlflow_run_id"
-        run_id = read_regular(marker, 200).decode(errors="replace").strip() if marker.exists() else ""
+        run_id = _run_id(root, ".mlflow_run_id")
         if run_id:
             try:
                 self.client.get_run(run_id)
@@ -267,7 +274,7 @@ class MLflowLogger:
         if not run_id:
             run_id = self.client.create_run(experiment_id, run_name=folder.name,
                                             tags={"multigpu.out_dir": str(folder)}).info.run_id
-            atomic_write_text(marker, run_id)
+            root.write_atomic(".mlflow_run_id", run_id)
         self.run_id = run_id
         self._logged: dict[str, int] = {}
 
@@ -340,3 +347,15 @@ def hparams_of(settings: Mapping[str, Any], config: Any) -> dict[str, Any]:
     """What a run logs as hyperparameters: the recipe's resolved config and the Trainer settings."""
     plain = json.loads(json.dumps({"config": config, "trainer": settings}, default=str))
     return plain
+
+
+def _run_id(root: Folder, name: str) -> str:
+    """A logger's run id kept in the run folder ('' when there is none yet); a planted link, FIFO or
+    device in its place is one line, not a traceback or a hang."""
+    try:
+        return root.load_bytes(name, 200)[:200].decode(errors="replace").strip()
+    except FileNotFoundError:
+        return ""
+    except UnsafePath as exc:
+        raise ConfigError(f"{visible(str(root / name))} is not a regular file ({exc.strerror}).",
+                          "remove it; it holds only the logger's run id.") from None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from multigpu.errors import ConfigError
+from multigpu.fileio import Folder
 from multigpu.loggers import CSV_FILES, read_csv
 
 SIZE_IN = (11.0, 4.0)
@@ -106,10 +107,10 @@ def plot_runs(runs: Sequence[Path], out: Path, metric: Optional[str] = None) -> 
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize=7)
     figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp.png")
-    figure.savefig(tmp, dpi=DPI)
-    tmp.replace(out)
+    # matplotlib writes into a file the door opened (a fresh O_EXCL name renamed over the target): a
+    # planted link in the output folder is replaced, never written through.
+    with Folder(out.parent).create().open_new(out.name) as handle:
+        figure.savefig(handle, dpi=DPI, format="png")
     return out
 
 

@@ -19,6 +19,7 @@ Every rank exits 1 when there is a fault (so a Slurm job of it ends FAILED), unl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from multigpu.diagnostics.bandwidth import measure
+from multigpu.fileio import Folder
 
 MARKER = "MULTIGPU_DOCTOR "
 
@@ -60,9 +62,9 @@ def local_facts(out: Path) -> dict[str, Any]:
         except Exception:  # a CUDA build without a usable libnccl: the all-reduce below will say more
             facts["nccl"] = "unknown"
     try:
-        probe = existing(out) / f".multigpu-doctor-write-{socket.gethostname()}-{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
+        probe = f".multigpu-doctor-write-{socket.gethostname()[:60]}-{os.getpid()}"
+        Folder(existing(out)).write_atomic(probe, b"x")
+        Folder(existing(out)).remove(probe)
         facts["writable"] = True
     except OSError as exc:
         facts["writable"] = False
@@ -107,26 +109,22 @@ def _shared_folder(out: Path, run: Any, writable: bool) -> Optional[bool]:
     process: there is nobody to share with."""
     if run.world_size == 1:
         return None
-    out = existing(out)
+    folder = Folder(existing(out))
     secret = secrets.token_hex(8) if run.is_main else ""
     name = [f".multigpu-doctor-shared-{secret}"]
     if run.is_main and writable:
-        try:
-            (out / name[0]).write_text(secret)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            folder.write_atomic(name[0], secret)
     dist.broadcast_object_list(name, src=0)
     dist.barrier()
     try:
-        seen = writable and (out / name[0]).read_text() == name[0].rsplit("-", 1)[1]
+        seen = writable and folder.load_text(name[0], limit=64) == name[0].rsplit("-", 1)[1]
     except OSError:
         seen = False
     dist.barrier()
     if run.is_main and writable:
-        try:
-            (out / name[0]).unlink()
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            folder.remove(name[0])
     return seen
 
 

@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 from multigpu.errors import MultiGPUError
+from multigpu.fileio import read_regular
 from multigpu.distributed.world import detect_world
 
 
@@ -78,8 +79,7 @@ def _nccl_version() -> str:
 def _driver_version() -> Optional[str]:
     """The NVIDIA kernel driver's version, from /proc (no subprocess, no CUDA initialisation)."""
     try:
-        with open("/proc/driver/nvidia/version", encoding="utf-8", errors="replace") as handle:
-            first = handle.readline()
+        first = read_regular("/proc/driver/nvidia/version", 4096).decode(errors="replace").split("\n", 1)[0]
     except OSError:
         return None
     found = re.search(r"Kernel Module(?: for \S+)?\s+([0-9.]+)", first)

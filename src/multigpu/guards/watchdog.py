@@ -22,8 +22,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from multigpu.errors import EXIT_HANG
-from multigpu.fileio import atomic_write_text
+from multigpu.errors import EXIT_HANG, visible
+from multigpu.fileio import Folder
 
 _KINDS = (
     ("torch/utils/data", "in the data loader"),
@@ -76,11 +76,10 @@ class HangWatchdog:
         self._step = step
 
     def start(self) -> "HangWatchdog":
+        root = Folder(self.folder)
         for name in (f"rank{self.rank}.stack", f"rank{self.rank}.summary") + (("report.txt",) if self.rank == 0 else ()):
-            try:
-                (self.folder / name).unlink()  # a report of an earlier hang must not be read as this one
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                root.remove(name)  # a report of an earlier hang must not be read as this one
         self._last = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="multigpu-watchdog", daemon=True)
         self._thread.start()
@@ -112,40 +111,37 @@ class HangWatchdog:
 
     # -------------------------------------------------------------- the report
     def _report(self, idle: float) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        root = Folder(self.folder).create()
         frame = sys._current_frames().get(self._main.ident)
         summary = where(traceback.extract_stack(frame)) if frame is not None else "main thread gone"
         line = f"rank {self.rank}: no progress for {idle:.0f} s after step {self._step}, {summary}"
-        path = self.folder / f".rank{self.rank}.{os.getpid()}.tmp"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(line + "\n\n")
+        with root.open_new(f"rank{self.rank}.stack") as handle:  # renamed into place when complete
+            handle.write((line + "\n\n").encode())
             handle.flush()
             faulthandler.dump_traceback(file=handle, all_threads=True)
-        os.replace(path, self.folder / f"rank{self.rank}.stack")  # complete: others may read it now
-        atomic_write_text(self.folder / f"rank{self.rank}.summary", line + "\n")
-        report = self.folder / "report.txt"
+        root.write_atomic(f"rank{self.rank}.summary", line + "\n")
         if self.rank == 0:
-            summaries = self._collect()
+            summaries = self._collect(root)
             text = (f"multigpu: hang detected - no training step finished for {self.timeout_s:g} s.\n"
                     + "\n".join(summaries) + f"\nfull stacks: {self.folder}/rank<N>.stack\n")
-            atomic_write_text(report, text)
-            sys.stderr.write(text)
+            root.write_atomic("report.txt", text)
+            sys.stderr.write(visible(text, keep_newlines=True))
         else:
             deadline = time.monotonic() + self.grace_s * 2
-            while not report.exists() and time.monotonic() < deadline:
+            while root.kind("report.txt") is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            sys.stderr.write(line + "\n")
+            sys.stderr.write(visible(line) + "\n")
         sys.stderr.flush()
 
-    def _collect(self) -> list[str]:
+    def _collect(self, root: Folder) -> list[str]:
         deadline = time.monotonic() + self.grace_s
         lines: dict[int, str] = {}
         while time.monotonic() < deadline and len(lines) < self.world_size:
             for r in range(self.world_size):
-                file = self.folder / f"rank{r}.summary"
-                if r not in lines and file.exists():
-                    text = file.read_text().strip()
+                if r in lines:
+                    continue
+                with contextlib.suppress(OSError):
+                    text = root.load_text(f"rank{r}.summary", limit=4096).strip()
                     if text:
                         lines[r] = text
             time.sleep(0.05)

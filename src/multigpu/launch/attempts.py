@@ -11,11 +11,34 @@ worker stopped cleanly with its checkpoint (status 75) so the launcher reports 7
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from multigpu.errors import EXIT_PREEMPTED
+from multigpu.errors import EXIT_PREEMPTED, visible
+from multigpu.fileio import Folder
+
+
+#: The names workers leave in the log folder; anything else there (a stray "rank0.attempt0 (copy).stderr")
+#: is not ours and is ignored.
+_NAME = re.compile(r"^rank(\d{1,7})\.attempt(\d{1,7})\.(stderr|pid|exit)$")
+
+
+def parse_name(name: str) -> Optional[tuple[int, int, str]]:
+    """(rank, attempt, kind) of a file workers leave in the log folder, or None for anything else."""
+    found = _NAME.match(name)
+    return (int(found.group(1)), int(found.group(2)), found.group(3)) if found else None
+
+
+def files_of(log_dir: str, kind: str, rank: Optional[int] = None) -> list[tuple[int, int, Path]]:
+    """(rank, attempt, path) of every ``kind`` file (of ``rank``), ordered by attempt then rank."""
+    found = []
+    for path in Path(log_dir).glob(f"rank*.attempt*.{kind}"):
+        parsed = parse_name(path.name)
+        if parsed and parsed[2] == kind and (rank is None or parsed[0] == rank):
+            found.append((parsed[0], parsed[1], path))
+    return sorted(found, key=lambda item: (item[1], item[0]))
 
 
 def record_path(log_dir: str, rank: int, attempt: int, kind: str) -> Path:
@@ -27,7 +50,7 @@ def write_record(log_dir: Optional[str], rank: int, attempt: int, kind: str, val
     if not log_dir:
         return
     try:
-        record_path(log_dir, rank, attempt, kind).write_text(str(value))
+        Folder(log_dir).write_atomic(record_path(log_dir, rank, attempt, kind).name, str(value))
     except OSError:
         pass  # a record is for the report; the run goes on without it
 
@@ -52,7 +75,7 @@ class WorkerOutcome:
 
 def _read_int(path: Path) -> Optional[int]:
     try:
-        text = path.read_text()[:20].strip()
+        text = Folder(path.parent).load_text(path.name, limit=20).strip()
     except OSError:
         return None
     return int(text) if text.lstrip("-").isdigit() else None
@@ -62,7 +85,7 @@ def _alive(pid: Optional[int]) -> bool:
     if pid is None:
         return False
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
     return state != "Z"
@@ -71,24 +94,24 @@ def _alive(pid: Optional[int]) -> bool:
 def _errors(log_dir: str, attempt: int) -> dict[int, str]:
     """local rank -> the first line of the error torch's error file holds for ``attempt``."""
     found: dict[int, str] = {}
+    root = Folder(log_dir)
     for path in Path(log_dir).glob(f"*/attempt_{attempt}/*/error.json"):
         try:
-            message = json.loads(path.read_text()[:1_000_000]).get("message")
-        except (OSError, ValueError, AttributeError):
+            message = json.loads(root.load_text(path.relative_to(log_dir), limit=1_000_000)).get("message")
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue
         if isinstance(message, dict):
             line = (message.get("extraInfo") or {}).get("multigpu_error") or message.get("message") or ""
         else:
             line = str(message or "")
         if path.parent.name.isdigit() and line:
-            found[int(path.parent.name)] = " ".join(str(line).split())[:300]
+            found[int(path.parent.name)] = visible(" ".join(str(line).split())[:300])
     return found
 
 
 def outcomes(log_dir: str, attempt: int, first_rank: int = 0) -> list[WorkerOutcome]:
     """Every worker of this node in ``attempt`` (ranks from ``first_rank``), in rank order."""
-    ranks = sorted(int(p.name[4:].split(".")[0]) for p in Path(log_dir).glob(f"rank*.attempt{attempt}.pid")
-                   if p.name[4:].split(".")[0].isdigit())
+    ranks = sorted(rank for rank, found_attempt, _ in files_of(log_dir, "pid") if found_attempt == attempt)
     errors = _errors(log_dir, attempt)
     return [WorkerOutcome(rank, _read_int(record_path(log_dir, rank, attempt, "exit")),
                           _alive(_read_int(record_path(log_dir, rank, attempt, "pid"))),

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import sys
 import tempfile
@@ -26,10 +25,10 @@ from typing import Any, Iterator, Optional, Sequence
 from typing_extensions import override
 
 from multigpu import validate
-from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError
-from multigpu.launch.attempts import lost_a_peer
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
+from multigpu.launch.attempts import files_of, lost_a_peer
 from multigpu.launch.devices import DevicePlan
-from multigpu.fileio import as_shown, tail_lines
+from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.ports import require_free_port
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR
@@ -169,7 +168,7 @@ def prepare_log_dir(path: str) -> Path:
     if folder.exists() and not folder.is_dir():
         raise LaunchError(f"--log-dir {path} is a file, not a folder.", "give a folder for the per-rank logs.")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        Folder(folder).create()
     except OSError as exc:
         raise LaunchError(f"cannot create --log-dir {path}: {exc.strerror or exc}.",
                           "give a folder you can write to.") from None
@@ -349,7 +348,7 @@ def launch(request: LaunchRequest) -> int:
         return report_failure(failure.failures, log_dir)
     except SignalException as stopped:
         for line in recorded_errors(log_dir):  # e.g. a script that caught Ctrl-C and then hit a refused collective
-            print(line, file=sys.stderr, flush=True)
+            print(visible(line), file=sys.stderr, flush=True)
         name = signal.Signals(stopped.sigval).name
         if preempted_cleanly(log_dir):
             _say(f"stopped by {name}: every worker wrote its checkpoint and left with status {EXIT_PREEMPTED} "
@@ -373,8 +372,9 @@ def launch(request: LaunchRequest) -> int:
             _say(f"logs of every rank are kept in {log_dir}")
         return 1
     finally:
-        if not keep_logs and not failed:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
+            with contextlib.suppress(OSError):
+                Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
     return 0
 
 
@@ -382,7 +382,7 @@ def preempted_cleanly(log_dir: str) -> bool:
     """Every worker of the newest attempt left with EXIT_PREEMPTED (its checkpoint written)."""
     from multigpu.launch.attempts import all_preempted, outcomes
 
-    attempts = [int(p.name.rsplit("attempt", 1)[1].split(".")[0]) for p in Path(log_dir).glob("rank*.attempt*.pid")]
+    attempts = [attempt for _, attempt, _ in files_of(log_dir, "pid")]
     return bool(attempts) and all_preempted(outcomes(log_dir, max(attempts)))
 
 
@@ -427,10 +427,11 @@ def one_line_error(failure: Any) -> str:
 def recorded_errors(log_dir: str) -> list[str]:
     """The distinct ``multigpu: error:`` lines workers recorded in torch's error files, with their ranks."""
     lines: dict[str, list[str]] = {}
+    root = Folder(log_dir)
     for path in sorted(Path(log_dir).glob("*/attempt_*/*/error.json")):
         try:
-            message = json.loads(path.read_text()).get("message")
-        except (OSError, ValueError):
+            message = json.loads(root.load_text(path.relative_to(log_dir), limit=1_000_000)).get("message")
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue
         line = (message.get("extraInfo") or {}).get("multigpu_error") if isinstance(message, dict) else None
         if line:
@@ -456,7 +457,7 @@ def report_failure(failures: dict, log_dir: str) -> int:
                      + (f"; {stopped} other rank(s) stopped by the launcher" if stopped else "") + ")")
         else:
             where = ""
-        print(f"{lines[rank]}{where}", file=sys.stderr, flush=True)
+        print(f"{visible(lines[rank])}{where}", file=sys.stderr, flush=True)
         others = len(own) - len(same)
         if others:
             _say(f"{others} other rank(s) failed differently; logs of every rank are kept in {log_dir}")
@@ -476,15 +477,14 @@ def report_failure(failures: dict, log_dir: str) -> int:
 
 def _stderr_log(log_dir: str, rank: int) -> Optional[Path]:
     """The newest attempt's copy of rank ``rank``'s stderr (see worker.stderr_log_path)."""
-    logs = sorted(Path(log_dir).glob(f"rank{rank}.attempt*.stderr"),
-                  key=lambda p: int(p.name.rsplit("attempt", 1)[1].split(".")[0]))
-    return logs[-1] if logs else None
+    logs = files_of(log_dir, "stderr", rank)
+    return logs[-1][2] if logs else None
 
 
 def _tail(path: Path, lines: int) -> list[str]:
     """The last lines as a terminal would have shown them (see :func:`multigpu.fileio.as_shown`)."""
     raw, _ = tail_lines(path, lines * 20, 64 * 1024)
-    return [shown for shown in map(as_shown, raw) if shown.strip()][-lines:]
+    return [visible(shown) for shown in map(as_shown, raw) if shown.strip()][-lines:]
 
 
 def _say(message: str) -> None:

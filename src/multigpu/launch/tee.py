@@ -10,7 +10,7 @@ that the last bytes of a worker that crashed or was killed are still copied; it 
 ends when the last writer closes its end, or a second after its worker is gone (a child the script
 started may keep the stream open: it is not waited for).
 
-Standard library only: ``python -m multigpu.launch.tee FD FILE [PREFIX]``.
+Standard library and ``multigpu.fileio`` only: ``python -m multigpu.launch.tee FD FILE [PREFIX]``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,14 @@ def copy(source: int, sink: int, log_path: str, prefix: bytes = b"", parent: int
          drain_s: float = 1.0) -> None:
     """Copy until the last writer closes. ``parent``: the worker's pid - once it is gone (a child it
     started may still hold the stream open), copy what arrives for ``drain_s`` more and stop."""
+    from pathlib import Path
+
+    from multigpu.fileio import Folder
+
     at_line_start = True
     deadline = None
-    with open(log_path, "ab", buffering=0) as log:
+    path = Path(log_path)
+    with Folder(path.parent).open_append_bytes(path.name) as log:  # a planted link or FIFO is refused
         while True:
             ready, _, _ = select.select([source], [], [], 0.5)
             if not ready:

@@ -30,6 +30,9 @@ import traceback
 
 from typing import Optional
 
+from pathlib import Path
+
+from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.attempts import lost_a_peer, write_record
 from multigpu.launch.process import die_with_parent
 
@@ -64,7 +67,7 @@ def _tee_stderr() -> None:
         return
     path = stderr_log_path(log_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     try:
-        os.makedirs(log_dir, exist_ok=True)
+        Folder(log_dir).create()
         if os.isatty(2):
             import pty
             import termios
@@ -105,8 +108,8 @@ def _record_error(exc: BaseException, one_line: str = "") -> None:
                         "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc))[-20000:],
                                       "timestamp": str(int(time.time())), "multigpu_error": one_line}}}
     try:
-        with open(path, "w") as handle:
-            json.dump(data, handle)
+        where = Path(path)
+        Folder(where.parent).write_atomic(where.name, json.dumps(data))
     except OSError:
         pass
 
@@ -213,9 +216,10 @@ def _append_to_rank_log(line: str) -> None:
     if not log_dir:
         print(line, file=sys.stderr)
         return
-    path = stderr_log_path(log_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    path = Path(stderr_log_path(log_dir, int(os.environ.get("RANK", "0")),
+                                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
     try:
-        with open(path, "a") as handle:
+        with Folder(log_dir).open_append(path.name) as handle:
             handle.write(line + "\n")
     except OSError:
         print(line, file=sys.stderr)
@@ -249,7 +253,7 @@ def _drain_tee() -> None:
     if _TEE is None:
         return
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
+        devnull = open_devnull()
         os.dup2(devnull, 2)
         os.close(devnull)
         _TEE.wait(timeout=2)

@@ -6,7 +6,6 @@ a log file, and it redraws a live table without flicker.
 
 from __future__ import annotations
 
-import csv
 import json
 import re
 import shlex
@@ -19,6 +18,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from multigpu.errors import MultiGPUError, visible
+from multigpu.fileio import Folder
+from multigpu.loggers import read_csv
 from multigpu.queue.scheduler import Queue, EntryState, log_tail
 
 STYLE = {"queued": "dim", "running": "bold cyan", "done": "green", "skipped": "green", "failed": "bold red",
@@ -31,21 +33,20 @@ def last_metrics(run: EntryState) -> dict[str, str]:
     These files are written by the recipe (or by whoever wrote the folder): anything unreadable or of
     the wrong shape counts as "no metrics", never as a crash of the queue's display.
     """
-    final = run.folder / "final.json"
+    folder = Folder(run.folder)
     try:
-        values = json.loads(final.read_text()) if final.exists() else None
-    except (OSError, ValueError):
+        values = json.loads(folder.load_text("final.json", limit=1 << 20))
+    except (OSError, ValueError, RecursionError):
         values = None
     if isinstance(values, dict):
-        return {str(k): f"{v:.4g}" if isinstance(v, float) else str(v)[:40] for k, v in list(values.items())[:50]}
+        return {visible(str(k))[:40]: f"{v:.4g}" if isinstance(v, float) else visible(str(v))[:40]
+                for k, v in list(values.items())[:50]}
     try:
-        with open(run.folder / "metrics.csv", newline="", errors="replace") as handle:
-            last = None
-            for last in csv.DictReader(handle):
-                pass
-    except (OSError, csv.Error):
+        last = read_csv(run.folder / "metrics.csv")[-1:]
+    except (OSError, MultiGPUError):
         return {}
-    return {k: str(v)[:40] for k, v in (last or {}).items() if isinstance(k, str) and v is not None}
+    return {visible(k)[:40]: visible(str(v))[:40] for k, v in (last[0] if last else {}).items()
+            if isinstance(k, str) and v is not None}
 
 
 def headline(run: EntryState) -> str:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from multigpu.fileio import ensure_real_folder
+from multigpu.fileio import Folder, ensure_real_folder
 
 
 class RunLock:
@@ -29,7 +29,7 @@ class RunLock:
         if self._fd is not None:
             return True
         ensure_real_folder(self.path.parent, "lock folder")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        fd = Folder(self.path.parent).open_lock(self.path.name)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -43,9 +43,10 @@ class RunLock:
     def holder(self) -> str:
         """The pid written by the holder, for messages ("?" if unreadable)."""
         try:
-            return self.path.read_text().strip() or "?"
+            text = Folder(self.path.parent).load_text(self.path.name, limit=64).strip()
         except OSError:
             return "?"
+        return text if text.isdigit() else "?"
 
     def release(self) -> None:
         if self._fd is not None:

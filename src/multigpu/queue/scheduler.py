@@ -14,6 +14,7 @@ SIGTERM - the Trainer checkpoints and stops - and are marked interrupted.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -27,10 +28,10 @@ from typing import IO, Any, Callable, Optional, Sequence
 import yaml
 
 from multigpu import validate
-from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, visible
 from multigpu.launch.local import usable_cores
 from multigpu.launch.process import die_with_parent
-from multigpu.fileio import as_shown, atomic_write_text, ensure_real_folder, open_append, tail_lines
+from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import MAX_RUNS_PER_GPU, QueueEntry
 from multigpu.distributed.world import MEMORY_FRACTION_VAR
@@ -109,7 +110,7 @@ class Queue:
     # ------------------------------------------------------------------ main loop
     def execute(self) -> int:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        Folder(self.root).create()
         self._skip_finished()
         for run in self.runs:
             if run.state == "skipped":
@@ -330,25 +331,41 @@ def write_run_config(folder: Path, spec: QueueEntry) -> None:
     atomic_write_text(folder / CONFIG_FILE, yaml.safe_dump(spec.resolved(), sort_keys=False))
 
 
+#: The fields of status.json and their types: a status file is data from disk (a received or copied
+#: queue folder) - anything else in it is dropped, a field of the wrong type is as if it were missing.
+_STATUS_FIELDS = {"state": str, "exit_code": int, "started": float, "ended": float, "slots": list, "share": str,
+                  "fingerprint": str, "job_id": str}
+
+
 def read_status(folder: Path) -> dict:
+    """The run's status.json, checked field by field ({} if missing, unreadable or malformed)."""
     try:
-        status = json.loads((folder / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+        status = json.loads(Folder(folder).load_text(STATUS_FILE, limit=1 << 20))
+    except (OSError, ValueError, RecursionError):
         return {}
-    return status if isinstance(status, dict) else {}
+    if not isinstance(status, dict):
+        return {}
+    checked = {}
+    for key, kind in _STATUS_FIELDS.items():
+        value = status.get(key)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, kind) and not isinstance(value, bool) and (kind is not float or math.isfinite(value)):
+            checked[key] = value if kind is not str else value[:200]
+    return checked
 
 
 def move_aside(folder: Path) -> str:
     """Keep the outputs of earlier settings under ``<name>.old-<time>`` (never overwrite, never delete)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = folder.with_name(f"{folder.name}.old-{stamp}")
-    n = 1
-    while aside.exists():
-        aside, n = folder.with_name(f"{folder.name}.old-{stamp}-{n}"), n + 1
-    folder.rename(aside)
-    return f"settings changed: earlier outputs moved to {aside.name}"
+    parent = Folder(folder.parent)
+    aside, n = f"{folder.name}.old-{stamp}", 1
+    while parent.kind(aside) is not None:
+        aside, n = f"{folder.name}.old-{stamp}-{n}", n + 1
+    parent.move(folder.name, aside)
+    return f"settings changed: earlier outputs moved to {aside}"
 
 
 def log_tail(folder: Path, lines: int = 15) -> list[str]:
-    raw, _ = tail_lines(folder / LOG_FILE, lines * 20, 256 * 1024)
-    return [shown for shown in map(as_shown, raw) if shown.strip()][-lines:]
+    raw, _ = Folder(folder).tail_lines(LOG_FILE, lines * 20, 256 * 1024)
+    return [visible(shown) for shown in map(as_shown, raw) if shown.strip()][-lines:]
