@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -18,8 +19,9 @@ from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
 import yaml
 
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, shown
 from multigpu.fileio import read_regular
+from multigpu.validate import MAX_ITEMS, MAX_TEXT
 
 T = TypeVar("T")
 #: The line of each key in its file - or, for a key given on the command line, where it came from.
@@ -232,37 +234,58 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
                               f"indent its settings under `{path[-1]}:`.")
         return from_mapping(tp, value, source, lines, path)
     if origin in (list, tuple, collections.abc.Sequence) or tp in (list, tuple):
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where(source, lines, path)}: {key} must be a list, not {value!r}.", f"write {key}: [a, b].")
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) > MAX_ITEMS:
+            raise ConfigError(f"{where(source, lines, path)}: {key} must be a list of at most {MAX_ITEMS:,} items, not "
+                              f"{shown(value)}.", f"write {key}: [a, b].")
         args = typing.get_args(tp)
         items = [_convert(v, args[0], source, lines, path) for v in value] if args and args[0] is not Ellipsis else list(value)
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin in (dict, collections.abc.Mapping) or tp is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where(source, lines, path)}: {key} must be a mapping, not {value!r}.", f"write {key}: {{a: 1}}.")
+            raise ConfigError(f"{where(source, lines, path)}: {key} must be a mapping, not {shown(value)}.",
+                              f"write {key}: {{a: 1}}.")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where(source, lines, path)}: {key} must be true or false, not {value!r}.", "write true or false.")
+        raise ConfigError(f"{where(source, lines, path)}: {key} must be true or false, not {shown(value)}.",
+                          "write true or false.")
     if tp is float:
+        number: Optional[float] = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str) and len(value) <= 100:
             try:
-                return float(value)  # YAML 1.1 reads 1e-3 as a string
+                number = float(value)  # YAML 1.1 reads 1e-3 as a string
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:
+            raise ConfigError(f"{where(source, lines, path)}: {key} must be a finite number, not {shown(value)}.",
+                              f"give {key} a number (not nan or inf).")
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+            text = str(value)
+            if len(text) > MAX_TEXT or not _encodable(text):
+                raise ConfigError(f"{where(source, lines, path)}: {key} must be UTF-8 text of at most {MAX_TEXT:,} "
+                                  f"characters, not {shown(value)}.", f"give {key} a shorter, plain value.")
+            return text
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{where(source, lines, path)}: {key} must be {_type_name(tp)}, not {value!r}.",
+    raise ConfigError(f"{where(source, lines, path)}: {key} must be {_type_name(tp)}, not {shown(value)}.",
                       f"give {key} a value of type {_type_name(tp)}.")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_keys(known: Any, given: Mapping[str, Any], owner: str, noun: str = "setting") -> None:

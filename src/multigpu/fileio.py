@@ -140,6 +140,21 @@ class Folder:
         except OSError:
             return False
 
+    def only_folders_at(self, names: "tuple[str, ...]") -> bool:
+        """True when each of ``names`` is a real folder or not there at all (nor any folder on its way)."""
+        for name in names:
+            parts = _parts(name)
+            for depth in range(1, len(parts) + 1):
+                try:
+                    found = self.kind("/".join(parts[:depth]))
+                except OSError:
+                    return False
+                if found is None:
+                    break
+                if found != "folder":
+                    return False
+        return True
+
     def entries(self, relative: PathLike = "") -> list[tuple[str, str]]:
         """``(name, kind)`` of each entry, kind "folder", "file", "link" or "other"; sorted by name."""
         out = []
@@ -343,6 +358,17 @@ def _remove_tree_at(parent_fd: int, name: str) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
+
+
+def inside(path: PathLike, root: Optional[PathLike]) -> bool:
+    """True when ``path`` (links resolved) lies in ``root`` (None: no root to stay in)."""
+    if root is None:
+        return True
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------- one-off paths

@@ -40,7 +40,8 @@ from multigpu.distributed.agreement import Pending
 from multigpu.distributed.parallel import Parallelism
 from multigpu.distributed.session import DistSession, GroupSettings, choose_devices
 from multigpu.distributed.world import World, detect_world
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, visible
+from multigpu.fileio import inside
 from multigpu.guards import GuardSettings, Guards, consistency, interrupt
 from multigpu.guards import probe as check_probe
 from multigpu.strategies import Strategy, make_strategy
@@ -350,6 +351,7 @@ class Run:
         given back to the same rank by ``load_checkpoint`` as ``state["rank_state"]``.
         """
         self._ensure_usable("saving a checkpoint")
+        self.check_writable(directory, "the checkpoint folder")
         meta = {"world_size": self.world_size, "strategy": self._need_strategy().name, **(meta or {})}
         return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state)
 
@@ -375,6 +377,16 @@ class Run:
         return self._checkpoints.load(where, model, optimizer, self.device)
 
     # ------------------------------------------------------------------ helpers
+    def check_writable(self, folder: str | Path, what: str) -> Path:
+        """``folder`` if this run may write there: under ``multigpu queue`` only inside the run's own
+        folder (a runs file someone handed you cannot point a run at your home folder)."""
+        if not inside(folder, self.world.run_dir):
+            raise ConfigError(f"{what} {visible(str(folder))[:200]} is outside this queue run's folder "
+                              f"{visible(str(self.world.run_dir))[:200]}.",
+                              "write below the run's folder (the runs file's out_dir_key sets it), or start the "
+                              "script yourself instead of from that runs file.")
+        return Path(folder)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print on global rank 0 only."""
         rank_zero.print_on_main(self.world.is_main, *args, **kwargs)

@@ -9,10 +9,12 @@ further in. Standard library only.
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
-from multigpu.errors import MultiGPUError
+from multigpu.errors import MultiGPUError, shown
 
 #: No machine has more cores or GPUs than this per node; a larger count is a typo (``--nproc 100000``).
 MAX_PROCS_PER_NODE = 4096
@@ -26,15 +28,42 @@ MAX_SIMULATED_NODES = 64
 RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-#: What a runs file may set in a run's environment: the knobs of the libraries a training run uses.
-#: Anything else - PYTHON*, LD_*, PATH, BROWSER, SLURM_*, MASTER_* ... - can make a process run other
-#: code or steer the launcher (PYTHONWARNINGS imports any module; bash evaluates SLURM_JOB_ID in
-#: arithmetic): allowed only when the person starting the queue names it (``--allow-env NAME``).
-ENV_ALLOWED_PREFIXES = ("NCCL_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GLOO_", "CUDA_", "CUBLAS_", "CUDNN_", "NVIDIA_TF32_",
-                        "TORCH_LOGS", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_", "TORCH_SHOW_CPP_STACKTRACES",
-                        "PYTORCH_CUDA_ALLOC_CONF", "HF_", "TOKENIZERS_", "TRANSFORMERS_", "DATASETS_", "WANDB_",
-                        "MLFLOW_", "TF_CPP_", "MIOPEN_")
-ENV_REFUSED_PARTS = ("PLUGIN", "PRELOAD", "LIBRARY", "PATH", "HOOK", "EXEC")
+#: The one environment door: the variables a runs file may set on its own, each exactly by name, with
+#: why it is harmless - it tunes a library and names no file, folder, URL, host, credential, library or
+#: plugin. Anything else (PYTHONWARNINGS imports any module; LD_PRELOAD loads any library; SLURM_* and
+#: MASTER_* steer the launcher; WANDB_BASE_URL, MLFLOW_TRACKING_URI or HF_ENDPOINT send your credentials
+#: to a server the file chose; TORCH_LOGS_OUT or MKL_VERBOSE_OUTPUT_FILE write files anywhere) needs
+#: ``--allow-env NAME`` from the person starting the queue.
+ENV_ALLOWED = {
+    **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                     "KMP_AFFINITY", "KMP_BLOCKTIME", "TOKENIZERS_PARALLELISM"), "CPU threads"),
+    **dict.fromkeys(("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_IB_HCA",
+                     "NCCL_IB_TIMEOUT", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_NET_GDR_LEVEL",
+                     "NCCL_ALGO", "NCCL_PROTO", "NCCL_NTHREADS", "NCCL_BUFFSIZE", "NCCL_CROSS_NIC",
+                     "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "GLOO_SOCKET_IFNAME",
+                     "TP_SOCKET_IFNAME"), "collective communication tuning (interface names, not hosts)"),
+    **dict.fromkeys(("CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
+                     "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE", "PYTORCH_CUDA_ALLOC_CONF"), "GPU behaviour"),
+    **dict.fromkeys(("TORCH_DISTRIBUTED_DEBUG", "TORCH_SHOW_CPP_STACKTRACES", "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS",
+                     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                     "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_ENABLE_MONITORING",
+                     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCHINDUCTOR_MAX_AUTOTUNE", "TORCHINDUCTOR_FREEZING"),
+                    "PyTorch diagnostics and tuning (to stderr)"),
+    **dict.fromkeys(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
+                     "TRANSFORMERS_VERBOSITY", "DATASETS_VERBOSITY"), "Hugging Face: offline and verbosity"),
+    **dict.fromkeys(("WANDB_MODE", "WANDB_PROJECT", "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_NOTES", "WANDB_SILENT",
+                     "WANDB_CONSOLE", "WANDB_DISABLE_CODE", "MLFLOW_EXPERIMENT_NAME"),
+                    "logger naming and modes (the server and the credentials stay yours)"),
+    **dict.fromkeys(("PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER"), "Python hashing and output"),
+}
+#: Parts of a name that say it points somewhere or grants something: never allowed by the table above.
+ENV_POINTING_PARTS = ("URL", "URI", "ENDPOINT", "HOST", "ADDR", "SERVER", "TOKEN", "KEY", "SECRET", "PASSWORD",
+                      "PASSWD", "CREDENTIAL", "AUTH", "FILE", "DIR", "PATH", "HOME", "CACHE", "LIBRARY", "PLUGIN",
+                      "PRELOAD", "HOOK", "EXEC", "CONFIG")
+#: Names that say where a process sends data: when a runs file sets one, credentials stay out of that run.
+ENV_ENDPOINT_PARTS = ("URL", "URI", "ENDPOINT", "HOST", "ADDR", "SERVER", "PROXY")
+#: Credentials a process inherits from your shell: never passed to a run whose endpoints came from a file.
+ENV_CREDENTIAL_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "NETRC")
 #: Set by the queue and the launcher for every run: never from a runs file.
 ENV_RESERVED = ("CUDA_VISIBLE_DEVICES",)
 
@@ -80,18 +109,35 @@ def env_name(name: object, error: type[MultiGPUError] = MultiGPUError, where: st
 
 def env_allowed(name: str, allowed: Sequence[str] = (), error: type[MultiGPUError] = MultiGPUError,
                 where: str = "") -> str:
-    """A runs file's variable: a known library knob, or named by ``--allow-env`` (never a reserved one)."""
+    """A runs file's variable: one of :data:`ENV_ALLOWED`, or named by ``--allow-env`` (never a reserved one)."""
     if name in ENV_RESERVED:
         raise error(f"{where}environment variable {name} is set by the queue for every run.",
                     "remove it: the queue chooses each run's GPUs.")
-    if name in allowed:
+    if name in allowed or name in ENV_ALLOWED:
         return name
-    if name.startswith(ENV_ALLOWED_PREFIXES) and not any(part in name for part in ENV_REFUSED_PARTS):
-        return name
-    raise error(f"{where}environment variable {name} may change which code a run loads or how it is launched; a "
-                "runs file may not set it on its own.",
-                f"if you trust this runs file, allow it: `multigpu queue ... --allow-env {name}` (or set it in your "
-                "own shell before starting the queue).")
+    pointing = [part for part in ENV_POINTING_PARTS if part in name]
+    why = (f"names a {pointing[0].lower()}" if pointing else "is not one of the library settings a runs file may set")
+    raise error(f"{where}environment variable {name} {why}; a runs file may not set it on its own.",
+                f"if you trust this runs file, allow it: `multigpu queue ... --allow-env {name}` (or set it in your own "
+                "shell before starting the queue).")
+
+
+def run_environment(inherited: Mapping[str, str], from_file: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The environment of a run started from a runs file, and the names of credentials held back.
+
+    When the file sets where a run sends data (a URL, URI, endpoint, host - allowed by ``--allow-env``),
+    the credentials of your shell (tokens, keys, passwords) are not passed on, unless the file sets
+    them itself - which also needs ``--allow-env``: a file chooses a server *and* your key only when you
+    said both names."""
+    env = dict(inherited)
+    held: list[str] = []
+    if any(part in name for name in from_file for part in ENV_ENDPOINT_PARTS):
+        held = sorted(name for name in env if any(part in name.upper() for part in ENV_CREDENTIAL_PARTS)
+                      and name not in from_file)
+        for name in held:
+            del env[name]
+    env.update(from_file)
+    return env, held
 
 
 def plain_text(value: object, what: str, error: type[MultiGPUError] = MultiGPUError, allow_space: bool = True,
@@ -109,3 +155,116 @@ def plain_text(value: object, what: str, error: type[MultiGPUError] = MultiGPUEr
     if pattern is not None and not re.fullmatch(pattern, text):
         raise error(f"{what} {text[:60]!r} is not a valid value.", f"e.g. {example}." if example else "check it.")
     return text
+
+
+# ---------------------------------------------------------------------------- the settings door
+#: Text settings longer than this are refused (a path, a name, a metric); lists longer than MAX_ITEMS too.
+MAX_TEXT = 4096
+MAX_ITEMS = 10_000
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one setting may be: its type, bounds or choices, and whether None is allowed."""
+
+    kind: type
+    low: Optional[float] = None
+    high: Optional[float] = None
+    choices: Optional[tuple] = None
+    optional: bool = False
+    #: The lowest value is excluded (a positive number of seconds).
+    positive: bool = False
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            wanted = " or ".join(repr(c) for c in self.choices)
+        elif self.kind is bool:
+            wanted = "true or false"
+        elif self.kind in (int, float):
+            noun = "a whole number" if self.kind is int else "a number"
+            lo = "" if self.low is None else f"{'above' if self.positive else 'from'} {_number(self.low)}"
+            hi = "" if self.high is None else f"{'up ' if not lo else ''}to {_number(self.high)}"
+            wanted = f"{noun} {lo} {hi}".strip()
+        elif self.kind is str:
+            wanted = f"text of at most {MAX_TEXT} characters"
+        else:
+            wanted = f"a {self.kind.__name__}"
+        return f"{wanted}{', or null' if self.optional else ''}"
+
+
+def checked(owner: str, name: str, value: Any, rule: Rule, error: type[MultiGPUError] = MultiGPUError) -> Any:
+    """``value`` if it follows ``rule``; otherwise one line naming the setting and what it may be."""
+    if value is None and rule.optional:
+        return value
+    ok = True
+    if rule.kind is bool or isinstance(value, bool):
+        ok = isinstance(value, bool) and rule.kind is bool
+    elif rule.kind is float:
+        ok = isinstance(value, (int, float)) and math.isfinite(value)
+    elif rule.kind is str:
+        ok = isinstance(value, str) and len(value) <= MAX_TEXT and not _CONTROL.search(value) and _utf8(value)
+    elif rule.kind is list:
+        ok = isinstance(value, (list, tuple)) and len(value) <= MAX_ITEMS
+    else:
+        ok = isinstance(value, rule.kind)
+    if ok and rule.choices is not None:
+        ok = value in rule.choices
+    if ok and rule.kind in (int, float):
+        ok = ((rule.low is None or (value > rule.low if rule.positive else value >= rule.low))
+              and (rule.high is None or value <= rule.high))
+    if not ok:
+        raise error(f"{owner} setting {name}={shown(value)} is invalid.", f"use {rule.describe()}.")
+    return value
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+#: torch.compile's own arguments, and the inductor options (all on/off switches) a settings file may
+#: set. Anything else - above all a free string such as ``cpp.march`` or ``cpp.cxx``, which reach the C++
+#: compiler's command line (``-wrapper /bin/sh`` runs a program), or ``trace.debug_dir`` (a folder
+#: written to) - is refused: a settings file is data, and data must not choose what a compiler runs.
+COMPILE_ARGUMENTS = {
+    "fullgraph": Rule(bool), "dynamic": Rule(bool, optional=True),
+    "backend": Rule(str, choices=("inductor", "eager", "aot_eager", "cudagraphs")),
+    "mode": Rule(str, optional=True, choices=("default", "reduce-overhead", "max-autotune",
+                                              "max-autotune-no-cudagraphs")),
+}
+COMPILE_OPTIONS = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise", "epilogue_fusion",
+                   "coordinate_descent_tuning", "shape_padding", "freezing", "aggressive_fusion",
+                   "triton.cudagraphs", "triton.cudagraph_trees", "benchmark_kernel", "layout_optimization",
+                   "memory_planning", "split_reductions")
+
+
+def compile_settings(value: Any, error: type[MultiGPUError] = MultiGPUError) -> Any:
+    """``compile``: true/false, or a mapping of torch.compile's arguments from an allow-list."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, Mapping):
+        raise error(f"trainer setting compile={shown(value)} is invalid.",
+                    "use true, false, or a mapping such as {mode: max-autotune, fullgraph: true}.")
+    for key, item in value.items():
+        if key == "options":
+            if not isinstance(item, Mapping) or len(item) > 64:
+                raise error(f"compile.options={shown(item)} is not a mapping of switches.", "e.g. {max_autotune: true}.")
+            for option, switch in item.items():
+                if option not in COMPILE_OPTIONS:
+                    raise error(f"compile option {shown(option)} is not one a settings file may set.",
+                                f"choose from {', '.join(COMPILE_OPTIONS)} (on/off switches); for anything else, call "
+                                    "torch.compile on your model in your own code.")
+                checked("compile.options", str(option), switch, Rule(bool), error)
+        elif key in COMPILE_ARGUMENTS:
+            checked("compile", str(key), item, COMPILE_ARGUMENTS[key], error)
+        else:
+            raise error(f"compile has no argument {shown(key)} a settings file may set.",
+                        f"choose from {', '.join([*COMPILE_ARGUMENTS, 'options'])}.")
+    return dict(value)

@@ -26,6 +26,9 @@ MEMORY_FRACTION_VAR = "MULTIGPU_GPU_MEMORY_FRACTION"
 #: Slurm jobs without an explicit MASTER_PORT get one derived from the job id, in this range.
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
+#: Set by ``multigpu queue`` for each run: the folder the run may write in. A Trainer's out_dir or a
+#: checkpoint folder outside it (chosen by a runs file someone handed you) is refused.
+RUN_DIR_VAR = "MULTIGPU_RUN_DIR"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class World:
     nodes: tuple[str, ...] = field(default=())
     #: The Slurm job this process runs in, whatever launched it inside the job ("" outside Slurm).
     slurm_job_id: str = ""
+    #: The folder a queue run may write in (None: not started by ``multigpu queue``).
+    run_dir: Optional[str] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -125,7 +130,7 @@ def _common(env: Env) -> dict:
                              "it is set by `multigpu queue --runs-per-gpu`; unset it when running by hand.")
     return {"devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
             "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
-            "slurm_job_id": env.get("SLURM_JOB_ID", "")}
+            "slurm_job_id": env.get("SLURM_JOB_ID", ""), "run_dir": env.get(RUN_DIR_VAR) or None}
 
 
 def read_torchrun(env: Env) -> Optional[World]:

@@ -136,7 +136,7 @@ def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
     """Every run of the file, inheritance resolved, in file order (``only``: just these, in that order).
 
     ``allow_env``: variables the person starting the queue allows beyond the library knobs
-    (:data:`multigpu.validate.ENV_ALLOWED_PREFIXES`)."""
+    (:data:`multigpu.validate.ENV_ALLOWED`)."""
     data, lines = config.load_yaml(path)
     if not data:
         raise ConfigError(f"{path} defines no runs.", "add `name:` entries with script:, args:, overrides:.")

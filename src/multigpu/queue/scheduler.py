@@ -34,7 +34,7 @@ from multigpu.launch.process import die_with_parent
 from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import MAX_RUNS_PER_GPU, QueueEntry
-from multigpu.distributed.world import MEMORY_FRACTION_VAR
+from multigpu.distributed.world import MEMORY_FRACTION_VAR, RUN_DIR_VAR
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"
@@ -221,7 +221,11 @@ class Queue:
         if decision.action == "fresh":
             run.note = move_aside(run.folder)
         write_run_config(run.folder, run.spec)
-        env = {**os.environ, **{k: str(v) for k, v in run.spec.env.items()}, "MULTIGPU_RUN_NAME": run.spec.name}
+        env, held = validate.run_environment(os.environ, {k: str(v) for k, v in run.spec.env.items()})
+        if held:
+            run.note = f"credentials not passed (its env names an endpoint): {', '.join(held)[:120]}"
+        env["MULTIGPU_RUN_NAME"] = run.spec.name
+        env[RUN_DIR_VAR] = str(run.folder)  # the run may write here only (distributed.world.RUN_DIR_VAR)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
         env.pop(MEMORY_FRACTION_VAR, None)  # never inherited: only a packed run gets a memory share
         if self.on_gpus and run.share < 1:

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from multigpu.data import LoaderLike
-from multigpu.errors import CheckpointError, ConfigError
+from multigpu.errors import CheckpointError, ConfigError, visible
+from multigpu.fileio import Folder
 from multigpu.guards import consistency
 from multigpu.loggers import Loggers, hparams_of
 from multigpu.trainer.monitor import BestTracker
@@ -51,6 +52,11 @@ from multigpu.trainer.settings import TrainerSettings, TrainState
 from multigpu.strategies.base import OptimizerLike
 
 SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
+
+
+#: The folders a Trainer owns in its out_dir: each must be a real folder (or not there yet). A link there
+#: - in an out_dir someone handed you - would make a save, a log or pruning act on another folder.
+OWNED = ("checkpoints", "checkpoints/best", "hang", "tensorboard", "wandb", "mlruns", "logs")
 
 
 class _StopTraining(Exception):
@@ -94,9 +100,13 @@ class Trainer(abc.ABC):
         self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler  # a factory or an instance
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
-        self.out_dir = Path(s.out_dir)
+        self.out_dir = run.check_writable(s.out_dir, "the Trainer's out_dir")
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.best_dir = self.checkpoint_dir / "best"
+        if not Folder(self.out_dir).only_folders_at(OWNED):
+            raise ConfigError(f"{visible(str(self.out_dir))} holds a link or a file where the Trainer keeps one of "
+                              f"its folders ({', '.join(OWNED)}).",
+                              "remove it (or choose another out_dir): the Trainer never writes through a link.")
         self.tracker = BestTracker(s.monitor, s.mode, s.patience, s.min_delta) if s.monitor else None
         self.progress = ProgressLine(enabled=s.progress and run.is_main, every_s=s.progress_every_s)
         self.loggers = Loggers([], self.out_dir, enabled=False)

@@ -11,7 +11,32 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from multigpu.config import check_keys
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, shown
+from multigpu.trainer.precision import ALIASES as PRECISIONS
+from multigpu.validate import Rule, checked, compile_settings
+
+#: The loggers a settings file may name (multigpu.loggers.BACKENDS, spelled here to keep torch out).
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
+_BIG = 10**15
+#: Each setting's type and bounds: the door every value passes (docs/security.md).
+SETTING_RULES = {
+    "epochs": Rule(int, 0, 10**9), "max_steps": Rule(int, 0, _BIG, optional=True),
+    "batch_size": Rule(int, 1, 2**31), "eval_batch_size": Rule(int, 1, 2**31, optional=True),
+    "accumulate": Rule(int, 1, 10**6), "clip_grad_norm": Rule(float, 0, 1e12, optional=True, positive=True),
+    "precision": Rule(str, choices=tuple(PRECISIONS)), "strategy": Rule(str, optional=True),
+    "tp": Rule(int, 1, 4096), "dp_replicate": Rule(int, 1, 65536),
+    "scheduler_interval": Rule(str, choices=("step", "epoch")), "seed": Rule(int, 0, 2**63 - 1),
+    "shuffle": Rule(bool), "drop_last": Rule(bool), "num_workers": Rule(int, 0, 256),
+    "out_dir": Rule(str), "checkpoint_every_epochs": Rule(int, 1, 10**9),
+    "checkpoint_every_steps": Rule(int, 1, _BIG, optional=True), "keep_last": Rule(int, 1, 10**6),
+    "resume": Rule(bool), "verify_checksums": Rule(bool), "loggers": Rule(list),
+    "log_every_n_steps": Rule(int, 0, _BIG), "progress": Rule(bool),
+    "progress_every_s": Rule(float, 0, 1e7, positive=True), "eval_every_steps": Rule(int, 1, _BIG, optional=True),
+    "monitor": Rule(str, optional=True), "mode": Rule(str, choices=("min", "max")),
+    "patience": Rule(int, 0, 10**9, optional=True), "min_delta": Rule(float, 0, 1e30), "plot": Rule(bool),
+    "preemption": Rule(bool), "stop_check_every": Rule(int, 1, 10**9, optional=True),
+    "hang_timeout_s": Rule(float, 0, 1e9, optional=True, positive=True), "check_consistency": Rule(bool),
+}
 
 
 @dataclass
@@ -73,31 +98,25 @@ class TrainerSettings:
     check_consistency: bool = True
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.accumulate >= 1, "accumulate", "1 or more"),
-            (self.epochs >= 0, "epochs", "0 or more"),
-            (self.max_steps is None or self.max_steps >= 0, "max_steps", "0 or more, or null"),
-            (self.batch_size >= 1, "batch_size", "1 or more (it is per process)"),
-            (self.scheduler_interval in ("step", "epoch"), "scheduler_interval", "'step' or 'epoch'"),
-            (self.keep_last >= 1, "keep_last", "1 or more"),
-            (self.checkpoint_every_epochs >= 1, "checkpoint_every_epochs", "1 or more"),
-            (self.clip_grad_norm is None or self.clip_grad_norm > 0, "clip_grad_norm", "positive or null"),
-            (self.hang_timeout_s is None or self.hang_timeout_s > 0, "hang_timeout_s", "positive seconds or null"),
-            (self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1, "checkpoint_every_steps",
-             "1 or more, or null"),
-            (self.eval_every_steps is None or self.eval_every_steps >= 1, "eval_every_steps", "1 or more, or null"),
-            (self.log_every_n_steps >= 0, "log_every_n_steps", "0 (off) or more"),
-            (self.progress_every_s > 0, "progress_every_s", "positive seconds"),
-            (self.stop_check_every is None or self.stop_check_every >= 1, "stop_check_every", "1 or more, or null"),
+        """The settings door: every setting typed and bounded, on every path (YAML, KEY=VALUE overrides, a
+        runs file, the Python API), before anything runs - one line naming the setting, never a traceback."""
+        if isinstance(self.precision, int) and not isinstance(self.precision, bool):
+            self.precision = str(self.precision)  # precision=16 in code, as Lightning spells it
+        for name, rule in SETTING_RULES.items():
+            checked("trainer", name, getattr(self, name), rule, ConfigError)
+        self.compile = compile_settings(self.compile, ConfigError)
+        if not isinstance(self.strategy_options, dict) or len(self.strategy_options) > 64:
+            raise ConfigError(f"trainer setting strategy_options={shown(self.strategy_options)} is invalid.",
+                              "use a mapping of the strategy's options (see docs/strategies.md).")
+        for logger in self.loggers:
+            checked("trainer", "loggers", logger, Rule(str, choices=LOGGERS), ConfigError)
+        relations = [
             (self.collate_fn is None or callable(self.collate_fn), "collate_fn", "a function (set it in code)"),
-            (isinstance(self.compile, (bool, dict)), "compile", "true, false, or a mapping of torch.compile options"),
-            (self.mode in ("min", "max"), "mode", "'min' or 'max'"),
             (self.patience is None or self.monitor is not None, "patience", "null unless monitor is set"),
-            (self.eval_batch_size is None or self.eval_batch_size >= 1, "eval_batch_size", "1 or more, or null"),
         ]
-        for ok, name, wanted in checks:
+        for ok, name, wanted in relations:
             if not ok:
-                raise ConfigError(f"trainer setting {name}={getattr(self, name)!r} is invalid.", f"use {wanted}.")
+                raise ConfigError(f"trainer setting {name}={shown(getattr(self, name))} is invalid.", f"use {wanted}.")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainerSettings":
