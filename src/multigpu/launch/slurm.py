@@ -50,6 +50,7 @@ _STRUCTURAL = {
     "error": "nothing (the log goes to the run folder)", "open-mode": "nothing (the log is appended to)",
     "signal": "nothing (USR1 90 s before the time limit lets the job checkpoint)",
     "array": "`multigpu queue --slurm --array`", "wrap": "a script",
+    "gpus-per-socket": "--gpus-per-node (one task per node runs all of them)",
 }
 #: sbatch options that are flags of ours too: one or the other, never both.
 _FIRST_CLASS = ("time", "partition", "account", "qos", "constraint", "mem", "cpus-per-task")
