@@ -21,13 +21,14 @@ import pwd
 import re
 import shlex
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from multigpu.errors import LaunchError
 from multigpu.fileio import tail_lines
-from multigpu.launch.slurm import ACTIVE_STATES, SCRIPT_NAME, TASKS_FILE, call, check_job_id, job_infos
+from multigpu.launch.slurm import (ACTIVE_STATES, SCRIPT_NAME, TASKS_FILE, call, check_job_id, job_infos,
+                                   slurm_tool)
 
 #: sacct fields read (SubmitLine last: it is the one that may hold a ``|``).
 SACCT_FIELDS = ("JobID", "JobIDRaw", "JobName", "State", "Reason", "ExitCode", "Elapsed", "NodeList", "Submit",
@@ -55,6 +56,8 @@ class JobRecord:
         """``job 12 (trai-k3f): FAILED, exit 3:0, elapsed 00:00:04, restarts 0, nodes n1, log ... [sacct]``"""
         if self.state == "PENDING":
             what = f"PENDING ({self.reason or '?'}), submitted {self.submitted or '?'}"
+        elif self.active:
+            what = f"{self.state}, elapsed {self.elapsed or '?'}, restarts {self.restarts}, nodes {self.nodes or '?'}"
         else:
             what = (f"{self.state}, exit {self.exit_code or '?'}, elapsed {self.elapsed or '?'}, restarts {self.restarts}, "
                     f"nodes {self.nodes or '?'}")
@@ -152,9 +155,23 @@ def sacct(job_ids: Sequence[str] = (), user: Optional[str] = None, days: int = 7
     return [r for r in found if r.job_id.split("_")[0] not in arrays] + tasks
 
 
+def _live(found: list[JobRecord]) -> list[JobRecord]:
+    """A job still queued or running: the controller's own record (its pending reason is current; a job
+    submitted a moment ago has no name or submit line in accounting yet), with the restarts counted."""
+    out = []
+    for record in found:
+        if record.active and re.fullmatch(r"[0-9]+(_[0-9]+)?", record.job_id):
+            infos = job_infos(record.job_id)
+            if len(infos) == 1:
+                live = _record_of_scontrol(infos[0])
+                record = replace(live, restarts=max(live.restarts, record.restarts))
+        out.append(record)
+    return out
+
+
 def records(job_ids: Sequence[str]) -> dict[str, list[JobRecord]]:
     """Each job's records (an array job id: one per task), from sacct, else scontrol; [] when unknown."""
-    found = sacct(job_ids) if job_ids else []
+    found = _live(sacct(job_ids) or []) if job_ids else []
     out: dict[str, list[JobRecord]] = {}
     for job_id in job_ids:
         mine = [r for r in found or [] if r.job_id == job_id or r.job_id.startswith(f"{job_id}_")]
@@ -182,7 +199,18 @@ def my_jobs(days: int = 7) -> tuple[list[JobRecord], str]:
         uid = f"{user}("
         found = [_record_of_scontrol(i) for i in job_infos() if i.get("UserId", "").startswith(uid)]
         source = "scontrol: this cluster keeps no job accounting, so jobs that ended more than MinJobAge ago are gone"
-    return [r for r in found if Path(r.script).name == SCRIPT_NAME], source
+    else:
+        found = _live(found) + _not_in_accounting_yet(user, {r.job_id.split("_")[0] for r in found})
+    mine = [r for r in found if Path(r.script).name == SCRIPT_NAME]
+    return sorted(mine, key=lambda r: [int(n) if n.isdigit() else -1 for n in re.split(r"[_+]", r.job_id)]), source
+
+
+def _not_in_accounting_yet(user: str, known: set[str]) -> list[JobRecord]:
+    """Queued jobs that accounting has no row for yet (one held until a later --begin, for one)."""
+    done = call([slurm_tool("squeue"), "-u", user, "-h", "-o", "%i"])
+    ids = {line.strip().split("_")[0] for line in done.stdout.split() if line.strip()} if done.returncode == 0 else set()
+    return [_record_of_scontrol(info) for job_id in sorted(ids - known, key=int) if job_id.isdigit()
+            for info in job_infos(job_id)]
 
 
 def table(rows: Sequence[JobRecord]) -> str:
