@@ -255,11 +255,13 @@ def test_the_queue_job_script_writes_its_end_state_and_is_valid_bash(tmp_path):
 
 
 def _fake_scontrol(tmp_path: Path, stderr: str, code: int) -> dict:
+    """A fake scontrol, and a sacct that answers as on a cluster without job accounting (scontrol is then asked)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    tool = bin_dir / "scontrol"
-    tool.write_text(f"#!/bin/sh\necho '{stderr}' >&2\nexit {code}\n")
-    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    for name, text, exit_code in (("scontrol", stderr, code), ("sacct", "Slurm accounting storage is disabled", 1)):
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/sh\necho '{text}' >&2\nexit {exit_code}\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 

@@ -1,4 +1,5 @@
-"""multigpu on a real Slurm cluster: Debian's slurmctld, two slurmd acting as two nodes, a private munged.
+"""multigpu on a real Slurm cluster: Debian's slurmctld, two slurmd acting as two nodes, a private munged,
+job accounting (slurmdbd on a private MariaDB, so sacct answers) and 4 fake GPUs per node.
 
 The fixture installs the packages when they are missing (apt-get, as root) and starts the cluster
 under a temporary directory with its own SLURM_CONF; everything it started is gone afterwards.
@@ -27,8 +28,10 @@ from infra.slurm_cluster import SlurmCluster, ensure_slurm_installed  # noqa: E4
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    ensure_slurm_installed()
-    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus_per_node=2, verbose=False) as c:
+    ensure_slurm_installed(accounting=True)
+    # 16 CPUs per node (more than the machine has: Slurm only counts them) for the CPUs a GPU job asks for.
+    with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus_per_node=16, verbose=False, accounting=True,
+                      gpus_per_node=4) as c:
         yield c
 
 
@@ -168,3 +171,123 @@ def test_doctor_as_a_two_node_job_reports_and_fails_the_job_on_a_fault(cluster, 
     info, log = results["full"]
     assert info["JobState"] == "FAILED", log
     assert "multigpu: error: " in log and "the checkpoints need 1e+09 GB" in log
+
+
+# ------------------------------------------------------------------ GPUs, arrays, status after the end
+
+
+def _status_until(cluster, job_id, needle, timeout=30) -> str:
+    """`multigpu slurm status JOB` once it shows ``needle`` (accounting is written a moment after the end)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = _multigpu(cluster, "slurm", "status", str(job_id))
+        if needle in proc.stdout or time.monotonic() > deadline:
+            return proc.stdout + proc.stderr
+        time.sleep(0.5)
+
+
+def test_a_gres_job_asks_for_and_sees_its_gpus(cluster, tmp_path):
+    out = tmp_path / "out"
+    proc = _multigpu(cluster, "slurm", "--sbatch-arg=--gres=gpu:2", "--run-dir", str(tmp_path / "job"),
+                     str(SCRIPTS / "slurm_task.py"), f"out_dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    script = (tmp_path / "job" / "job.sbatch").read_text()
+    assert "#SBATCH --gres=gpu:2" in script and "#SBATCH --cpus-per-task=8" in script  # 4 cores per GPU process
+    (launcher,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert "--nproc 2" in launcher and "--cpu" not in launcher.split()  # a process per GPU, never the CPU
+    job_id = _job_id(proc.stdout)
+    info = _wait(cluster, job_id)
+    log = (tmp_path / "job" / f"slurm-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log
+    assert info["TresPerNode"] == "gres:gpu:2" and info["CPUs/Task"] == "8"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:  # what each worker got: Slurm's two GPUs, one process for each
+        assert rank["CUDA_VISIBLE_DEVICES"] == "0,1" and rank["SLURM_GPUS_ON_NODE"] == "2", rank
+        assert rank["WORLD_SIZE"] == "2"
+
+
+def test_an_array_of_4_runs_2_at_a_time_then_the_same_command_resubmits_the_failed_one(cluster, tmp_path):
+    runs = tmp_path / "runs.yaml"
+    runs.write_text(f"""
+r0:
+  script: {SCRIPTS / 'slurm_task.py'}
+  args: [sleep=1]
+  out_dir_key: out_dir
+r1 < r0: {{}}
+r2 < r0:
+  overrides: {{fail_once: 1}}
+r3 < r0: {{}}
+""")
+    command = ("queue", str(runs), "--slurm", "--array", "--max-parallel", "2", "--gpus-per-node", "0",
+               "--out", str(tmp_path / "q"))
+    proc = _multigpu(cluster, *command)
+    assert proc.returncode == 0, proc.stderr
+    array_id = int(proc.stdout.split("submitted array job ")[1].split()[0])
+    assert "4 task(s), 2 at a time" in proc.stdout
+    (script,) = (tmp_path / "q" / ".slurm").glob("array-*/job.sbatch")
+    assert "#SBATCH --array=0,1,2,3%2" in script.read_text()
+    states = {i: _wait(cluster, f"{array_id}_{i}")["JobState"] for i in range(4)}
+    assert states == {0: "COMPLETED", 1: "COMPLETED", 2: "FAILED", 3: "COMPLETED"}
+    spans = []
+    for i in range(4):
+        folder = tmp_path / "q" / f"r{i}"
+        status = json.loads((folder / "status.json").read_text())
+        assert status["state"] == ("failed" if i == 2 else "done") and status["job_id"] == f"{array_id}_{i}"
+        assert (folder / f"slurm-{array_id}_{i}.out").exists()  # each task logs into its own run folder
+        record = json.loads((folder / "rank0.json").read_text())
+        assert record["SLURM_ARRAY_TASK_ID"] == str(i)
+        spans.append((record["start"], record["end"]))
+    # Slurm's throttle: when any task started, at most one other was running
+    assert all(sum(s <= start < e for s, e in spans) <= 2 for start, _ in spans), spans
+    table = _multigpu(cluster, "queue", str(runs), "--slurm", "--status", "--out", str(tmp_path / "q"))
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.count(" done ") == 3 and " failed " in table.stdout and f"{array_id}_2" in table.stdout
+
+    again = _multigpu(cluster, *command)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("skipped - finished earlier") == 3
+    second = int(again.stdout.split("submitted array job ")[1].split()[0])
+    assert "1 task(s)" in again.stdout and f"r2: submitted job {second}_2" in again.stdout
+    assert _wait(cluster, f"{second}_2")["JobState"] == "COMPLETED"
+    assert json.loads((tmp_path / "q" / "r2" / "status.json").read_text())["state"] == "done"
+
+
+def test_status_reports_a_failed_and_a_requeued_job_after_they_end(cluster, tmp_path):
+    failing = _multigpu(cluster, "slurm", "--gpus-per-node", "0", "--run-dir", str(tmp_path / "failing"),
+                        str(SCRIPTS / "slurm_task.py"), f"out_dir={tmp_path / 'f'}", "fail=3")
+    out = tmp_path / "out"
+    requeued = _multigpu(cluster, "slurm", "--gpus-per-node", "0", "--run-dir", str(tmp_path / "requeued"),
+                         str(SCRIPTS / "faults.py"), str(out), "--sleep", "0.3", "--epochs", "1")
+    assert failing.returncode == 0 and requeued.returncode == 0, failing.stderr + requeued.stderr
+    failed_id, requeued_id = _job_id(failing.stdout), _job_id(requeued.stdout)
+    deadline = time.monotonic() + 120
+    while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.run(["scancel", "--signal=USR1", str(requeued_id)]).returncode == 0
+    assert _wait(cluster, failed_id)["JobState"] == "FAILED"
+    assert _wait(cluster, requeued_id, timeout=240)["JobState"] == "COMPLETED"
+
+    shown = _status_until(cluster, failed_id, "[sacct]")
+    assert f"job {failed_id} (slur-" in shown and "FAILED, exit " in shown and "exit 0:0" not in shown, shown
+    assert f"log {tmp_path / 'failing'}/slurm-{failed_id}.out [sacct]" in shown, shown
+    shown = _status_until(cluster, requeued_id, "restarts 1")
+    assert "COMPLETED, exit 0:0" in shown and "restarts 1" in shown and "[sacct]" in shown, shown
+    listed = _multigpu(cluster, "slurm", "status")
+    assert listed.returncode == 0 and "(sacct, submitted in the last 7 day(s))" in listed.stdout, listed.stderr
+    rows = {line.split()[0]: line for line in listed.stdout.splitlines()[2:]}
+    assert "FAILED" in rows[str(failed_id)] and "COMPLETED" in rows[str(requeued_id)], listed.stdout
+    logs = _multigpu(cluster, "slurm", "logs", str(failed_id))
+    assert "this task fails on purpose" in logs.stdout, logs.stdout + logs.stderr
+
+
+def test_without_accounting_status_comes_from_scontrol(tmp_path_factory, tmp_path):
+    with SlurmCluster(tmp_path_factory.mktemp("slurm-noacct"), nodes=1, verbose=False) as plain:
+        proc = _multigpu(plain, "slurm", "--gpus-per-node", "0", "--run-dir", str(tmp_path / "job"),
+                         str(SCRIPTS / "slurm_task.py"), f"out_dir={tmp_path / 'out'}")
+        assert proc.returncode == 0, proc.stderr
+        job_id = _job_id(proc.stdout)
+        assert plain.wait_job(job_id, timeout=120)["JobState"] == "COMPLETED"
+        shown = _multigpu(plain, "slurm", "status", str(job_id))
+        assert "COMPLETED, exit 0:0" in shown.stdout and shown.stdout.rstrip().endswith("[scontrol]"), shown.stdout
+        listed = _multigpu(plain, "slurm", "status")
+        assert "scontrol: this cluster keeps no job accounting" in listed.stdout and str(job_id) in listed.stdout

@@ -202,7 +202,7 @@ class Run:
         loader = self._adapt(data, batch_size, evaluation=False, shuffle=shuffle, seed=seed, drop_last=drop_last,
                              **dataloader_kwargs)
         if not quiet:
-            self.print(f"multigpu: {self.describe_batch(loader.batch_size, length=_length(loader))}")
+            self.print(f"multigpu: {self.describe_batch(loader.batch_size, length=loader.samples)}")
         return loader
 
     def eval_loader(self, data: Any, batch_size: Optional[int] = None, **dataloader_kwargs: Any) -> Any:
@@ -420,14 +420,6 @@ class Run:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-
-def _length(loader: Any) -> Optional[int]:
-    dataset = getattr(loader, "dataset", None)
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 #: What each process on a GPU holds outside PyTorch's allocator (its CUDA context, cuBLAS workspaces):

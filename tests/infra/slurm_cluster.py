@@ -6,15 +6,22 @@ Starts, under a private directory and with its own ``SLURM_CONF``:
   foreground, so its log goes to ``log/munged.stdout``),
 * one ``slurmctld``,
 * N ``slurmd`` daemons on this host, each acting as one node (``n1``, ``n2``, ...),
-  all with ``NodeAddr=127.0.0.1`` and their own port.
+  all with ``NodeAddr=127.0.0.1`` and their own port,
+* with ``accounting=True``: job accounting, so ``sacct`` works - a private MariaDB
+  (``mariadbd`` on an empty data folder, loopback port, no grant tables: nothing
+  but this cluster can reach it) and a ``slurmdbd`` storing into it,
+* with ``gpus_per_node=G``: G fake GPUs per node (``Gres=gpu:G``, ``AutoDetect=off``,
+  links to ``/dev/null`` as device files), enough for Slurm to allocate them and set
+  ``CUDA_VISIBLE_DEVICES`` in the job; nothing can compute on them.
 
 Nothing touches ``/etc/slurm`` or the system munged; every daemon runs in the
 foreground as a child of this process and everything it started (daemons,
 ``slurmstepd``, job processes) is killed on :meth:`SlurmCluster.stop`.
 
 Requires root (slurmd must be able to start jobs as any user) and the Debian
-packages ``slurmctld slurmd slurm-client munge`` (Slurm 22.05 on Debian 12);
-:func:`ensure_slurm_installed` installs them with apt if they are missing.
+packages ``slurmctld slurmd slurm-client munge`` (Slurm 22.05 on Debian 12), plus
+``slurmdbd mariadb-server`` for accounting; :func:`ensure_slurm_installed` installs
+them with apt if they are missing.
 
 Example (pytest)::
 
@@ -49,6 +56,7 @@ from types import TracebackType
 from typing import IO
 
 __all__ = [
+    "ACCOUNTING_PACKAGES",
     "SLURM_PACKAGES",
     "SlurmError",
     "SlurmCluster",
@@ -60,11 +68,14 @@ __all__ = [
 
 #: Debian packages providing the daemons and client commands.
 SLURM_PACKAGES: Sequence[str] = ("slurmctld", "slurmd", "slurm-client", "munge")
+#: Debian packages for job accounting (``sacct``): slurmdbd and the database it stores into.
+ACCOUNTING_PACKAGES: Sequence[str] = ("slurmdbd", "mariadb-server")
 
 #: Binaries the cluster needs (sbin ones are not on a non-root PATH).
 _REQUIRED_BINARIES: Sequence[str] = (
     "munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel",
 )
+_ACCOUNTING_BINARIES: Sequence[str] = ("slurmdbd", "mariadbd", "sacct")
 _SEARCH_DIRS: Sequence[str] = ("/usr/sbin", "/usr/bin", "/sbin", "/bin", "/usr/local/sbin", "/usr/local/bin")
 
 #: Job states after which a job will not run again by itself.
@@ -100,36 +111,39 @@ def _binary(name: str) -> str:
     return path
 
 
-def slurm_available() -> bool:
-    """True when every binary the cluster needs is installed."""
-    return all(find_slurm_binary(b) for b in _REQUIRED_BINARIES)
+def slurm_available(accounting: bool = False) -> bool:
+    """True when every binary the cluster needs is installed (``accounting``: also slurmdbd and MariaDB)."""
+    needed = (*_REQUIRED_BINARIES, *(_ACCOUNTING_BINARIES if accounting else ()))
+    return all(find_slurm_binary(b) for b in needed)
 
 
-def ensure_slurm_installed(timeout: float = 900.0) -> None:
-    """Install :data:`SLURM_PACKAGES` with apt-get when a needed binary is missing.
+def ensure_slurm_installed(timeout: float = 900.0, accounting: bool = False) -> None:
+    """Install :data:`SLURM_PACKAGES` (and :data:`ACCOUNTING_PACKAGES`) with apt-get when a needed
+    binary is missing.
 
     Must run as root on Debian/Ubuntu. Tries the install first and runs
     ``apt-get update`` only if that fails (stale or missing package lists).
     Raises :class:`SlurmError` when the binaries are still missing afterwards.
     """
-    if slurm_available():
+    if slurm_available(accounting):
         return
+    packages = (*SLURM_PACKAGES, *(ACCOUNTING_PACKAGES if accounting else ()))
     if os.geteuid() != 0:
         raise SlurmError("Slurm is not installed and installing it needs root")
     apt = find_slurm_binary("apt-get")
     if apt is None:
         raise SlurmError("Slurm is not installed and apt-get is not available")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = [apt, "install", "-y", "--no-install-recommends", *SLURM_PACKAGES]
+    install = [apt, "install", "-y", "--no-install-recommends", *packages]
     t0 = time.monotonic()
     res = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         subprocess.run([apt, "update"], env=env, capture_output=True, text=True, timeout=timeout)
         res = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0 or not slurm_available():
-        raise SlurmError(f"apt-get install {' '.join(SLURM_PACKAGES)} failed:\n"
+    if res.returncode != 0 or not slurm_available(accounting):
+        raise SlurmError(f"apt-get install {' '.join(packages)} failed:\n"
                          f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    print(f"[slurm_cluster] installed {' '.join(SLURM_PACKAGES)} in {time.monotonic() - t0:.1f}s",
+    print(f"[slurm_cluster] installed {' '.join(packages)} in {time.monotonic() - t0:.1f}s",
           file=sys.stderr)
 
 
@@ -252,6 +266,9 @@ class SlurmCluster:
             (e.g. another ``PartitionName=``); a repeated key wins but slurmctld
             logs "specified more than once", prefer ``conf_overrides``.
         verbose: print timings to stderr.
+        accounting: start MariaDB and slurmdbd too, so ``sacct`` answers
+            (about 3 s more at start; needs :data:`ACCOUNTING_PACKAGES`).
+        gpus_per_node: fake GPUs per node (0: none); see the module docstring.
     """
 
     def __init__(
@@ -264,6 +281,8 @@ class SlurmCluster:
         conf_overrides: Mapping[str, str | None] | None = None,
         extra_conf: Iterable[str] = (),
         verbose: bool = True,
+        accounting: bool = False,
+        gpus_per_node: int = 0,
     ) -> None:
         if nodes < 1:
             raise ValueError("nodes must be >= 1")
@@ -278,6 +297,10 @@ class SlurmCluster:
         self.conf_overrides: dict[str, str | None] = dict(conf_overrides or {})
         self.extra_conf = list(extra_conf)
         self.verbose = verbose
+        self.accounting = accounting
+        self.gpus_per_node = gpus_per_node
+        self.db_port: int | None = None
+        self.dbd_port: int | None = None
         self.tag = uuid.uuid4().hex  # marks every process we start (env var)
         self.conf_path = self.root / "etc" / "slurm.conf"
         self.munge_socket = self.root / "munge" / "run" / "munge.socket"
@@ -321,7 +344,8 @@ class SlurmCluster:
         """Write the config, start all daemons and wait until every node is idle."""
         if self._started:
             return self
-        missing = [b for b in _REQUIRED_BINARIES if not find_slurm_binary(b)]
+        missing = [b for b in (*_REQUIRED_BINARIES, *(_ACCOUNTING_BINARIES if self.accounting else ()))
+                   if not find_slurm_binary(b)]
         if missing:
             raise SlurmError(f"missing binaries {missing}; call ensure_slurm_installed() first")
         if os.geteuid() != 0:
@@ -332,6 +356,8 @@ class SlurmCluster:
             self._prepare_dirs()
             self._start_munged()
             self._write_conf()
+            if self.accounting:
+                self._start_accounting(t0 + self.start_timeout)
             self._spawn("slurmctld", [_binary("slurmctld"), "-D", "-c", "-i"])
             # a client started before slurmctld listens sleeps ~1 s before retrying
             self._wait_port(self.ctld_port or 0, t0 + self.start_timeout)
@@ -533,9 +559,50 @@ class SlurmCluster:
                 raise SlurmError("munged did not create its socket\n" + self.logs())
             time.sleep(0.02)
 
+    def _start_accounting(self, deadline: float) -> None:
+        """MariaDB on an empty data folder (it creates its system tablespace itself; without grant tables
+        no ``mariadb-install-db`` is needed, and it listens on loopback only), then slurmdbd, which
+        creates its tables on first start. slurmctld registers the cluster when it starts."""
+        data = self.root / "db"
+        data.mkdir(exist_ok=True)
+        self._spawn("mariadbd", [
+            _binary("mariadbd"), "--no-defaults", f"--datadir={data}", "--user=root",
+            f"--socket={self.root / 'run' / 'mariadb.sock'}", f"--pid-file={self.root / 'run' / 'mariadb.pid'}",
+            "--bind-address=127.0.0.1", f"--port={self.db_port}", "--skip-grant-tables", "--skip-name-resolve",
+            "--skip-log-bin", "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M",
+            "--innodb-flush-log-at-trx-commit=0", f"--log-error={self.log_dir / 'mariadb.log'}",
+        ])
+        self._wait_port(self.db_port or 0, deadline)
+        conf = self.root / "etc" / "slurmdbd.conf"  # found next to SLURM_CONF
+        conf.write_text("\n".join([
+            "# generated by slurm_cluster.py", "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket}",
+            "DbdHost=localhost", "DbdAddr=127.0.0.1", f"DbdPort={self.dbd_port}", "SlurmUser=root",
+            f"PidFile={self.root / 'run' / 'slurmdbd.pid'}", f"LogFile={self.log_dir / 'slurmdbd.log'}",
+            "DebugLevel=info", "StorageType=accounting_storage/mysql", "StorageHost=127.0.0.1",
+            f"StoragePort={self.db_port}", "StorageUser=root", "StorageLoc=slurm_acct_db",
+        ]) + "\n")
+        os.chmod(conf, 0o600)  # slurmdbd refuses a config others can read
+        self._spawn("slurmdbd", [_binary("slurmdbd"), "-D"])
+        self._wait_port(self.dbd_port or 0, deadline)
+
+    def _write_gres(self) -> list[str]:
+        """``Gres=`` of each node, after writing gres.conf and the fake device files."""
+        if not self.gpus_per_node:
+            return []
+        dev = self.root / "dev"
+        dev.mkdir(exist_ok=True)
+        for i in range(self.gpus_per_node):  # slurmd wants character devices: links to /dev/null
+            link = dev / f"gpu{i}"
+            if not link.is_symlink():
+                link.symlink_to("/dev/null")
+        files = f"{dev}/gpu[0-{self.gpus_per_node - 1}]" if self.gpus_per_node > 1 else f"{dev}/gpu0"
+        (self.root / "etc" / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={files}\n")
+        return [f"Gres=gpu:{self.gpus_per_node}"]
+
     def _write_conf(self) -> None:
-        ports = _pick_ports(1 + len(self.node_names))
+        ports = _pick_ports(3 + len(self.node_names))
         self.ctld_port = ports[0]
+        self.db_port, self.dbd_port = ports[-2:]
         self.node_ports = {name: ports[1 + i] for i, name in enumerate(self.node_names)}
         host = socket.gethostname().split(".")[0]
         r = self.root
@@ -575,6 +642,11 @@ class SlurmCluster:
             "SchedulerParameters": "sched_interval=1,sched_min_interval=0",
             "SlurmdParameters": "config_overrides",  # CPUs= may exceed the real cores
             "AccountingStorageType": "accounting_storage/none",
+            **({"AccountingStorageType": "accounting_storage/slurmdbd", "AccountingStorageHost": "127.0.0.1",
+                "AccountingStoragePort": str(self.dbd_port),
+                # with slurmdbd, the munge socket of its connection is given here, not by AuthInfo
+                "AccountingStoragePass": str(self.munge_socket)} if self.accounting else {}),
+            **({"GresTypes": "gpu"} if self.gpus_per_node else {}),
             "JobAcctGatherType": "jobacct_gather/none",
             "JobCompType": "jobcomp/none",
             "JobRequeue": "1",  # batch jobs requeueable unless --no-requeue
@@ -593,9 +665,10 @@ class SlurmCluster:
             else:
                 opts[key] = value
         lines = ["# generated by slurm_cluster.py"] + [f"{k}={v}" for k, v in opts.items()]
+        gres = self._write_gres()
         for name in self.node_names:
-            lines.append(f"NodeName={name} NodeAddr=127.0.0.1 Port={self.node_ports[name]} "
-                         f"CPUs={self.cpus_per_node} State=UNKNOWN")
+            lines.append(" ".join([f"NodeName={name} NodeAddr=127.0.0.1 Port={self.node_ports[name]}",
+                                   f"CPUs={self.cpus_per_node}", *gres, "State=UNKNOWN"]))
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         lines.extend(self.extra_conf)
         self.conf_path.write_text("\n".join(lines) + "\n")

@@ -16,6 +16,8 @@ examples:
   multigpu queue runs.yaml --gpus-per-run 2     every run gets 2 GPUs (DDP inside the run)
   multigpu queue runs.yaml --runs-per-gpu 4     4 small runs share each GPU (or gpus: 0.25 per run)
   multigpu queue runs.yaml --slurm --partition gpu --time 4:00:00   one Slurm job per run
+  multigpu queue runs.yaml --slurm --array --max-parallel 2        one array job, 2 runs at a time
+  multigpu queue runs.yaml --slurm --status                        each run's job, state, exit, metric
 
 runs.yaml: keys are run names; `larger_net < net` inherits every setting of net and overrides some.
   net:
@@ -48,6 +50,9 @@ def add_queue_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-env", action="append", default=[], metavar="NAME",
                    help="let the runs file set this environment variable (beyond NCCL_*, OMP_*, HF_*, ...; repeatable)")
     p.add_argument("--slurm", action="store_true", help="submit each run as its own Slurm job instead")
+    p.add_argument("--array", action="store_true", help="with --slurm: all runs as one job array, each task its own "
+                   "run folder; --max-parallel M runs at most M at once (runs file: slurm_array: true)")
+    p.add_argument("--status", action="store_true", help="with --slurm: show each run's job and state, submit nothing")
     add_slurm_job_options(p)
     p.set_defaults(handler=_cmd_queue)
 
@@ -70,8 +75,18 @@ def _cmd_queue(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder.", "give a folder for the run folders.")
     validate.count(args.runs_per_gpu, "--runs-per-gpu", ConfigError, high=validate.MAX_SHARERS_PER_GPU)
+    if (args.array or args.status) and not args.slurm:
+        flag = "--array" if args.array else "--status"
+        raise ConfigError(f"{flag} is for Slurm jobs.", f"add --slurm: `multigpu queue {args.runs_file} --slurm {flag}`.")
     if args.slurm:
-        from multigpu.queue.slurm_jobs import submit_runs
+        from multigpu.queue.slurm_jobs import show_status, submit_runs
+
+        if args.gpus is not None or args.slots is not None:
+            flag = "--gpus" if args.gpus is not None else "--slots"
+            raise ConfigError(f"{flag} chooses this machine's GPUs or slots; Slurm jobs get theirs from the cluster.",
+                              "ask per node with --gpus-per-node N (or --gres gpu:N) instead.")
+        if args.status:
+            return show_status(specs, out)
 
         packed = next((spec.name for spec in specs if spec.gpus < 1), None)
         if args.runs_per_gpu != 1 or packed:
@@ -80,7 +95,7 @@ def _cmd_queue(args: argparse.Namespace) -> int:
                               "give the runs whole GPUs with --slurm, or pack them inside one job: "
                               "`multigpu queue runs.yaml --runs-per-gpu K` in an sbatch script.")
         options = slurm_options_from_args(args)
-        return submit_runs(specs, out, options, dry_run=args.dry_run)
+        return submit_runs(specs, out, options, dry_run=args.dry_run, array=args.array, max_parallel=args.max_parallel)
     from rich.console import Console
 
     from multigpu.launch.devices import visible_gpus

@@ -25,6 +25,10 @@ class LoaderLike(Protocol):
     def dataset(self) -> Any: ...
 
     @property
+    def samples(self) -> Optional[int]:
+        """Samples in the whole dataset (every rank's share); None for a stream."""
+
+    @property
     def num_workers(self) -> int:
         """Worker processes it forks (the Run settles its collectives before they are forked)."""
 

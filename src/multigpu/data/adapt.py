@@ -208,6 +208,10 @@ class StreamLoader:
     def num_workers(self) -> int:
         return int(self.kwargs.get("num_workers") or 0)
 
+    @property
+    def samples(self) -> Optional[int]:
+        return None  # a stream's length is not known ahead
+
     def __len__(self) -> int:
         raise TypeError("a stream has no length: its epoch ends when the shortest rank's share ends")
 

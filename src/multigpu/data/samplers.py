@@ -174,6 +174,13 @@ class Loader:
     def num_workers(self) -> int:
         return self.loader.num_workers
 
+    @property
+    def samples(self) -> Optional[int]:
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
     def ends_after_current(self) -> bool:
         """True after the epoch's last batch (every rank has the same number of batches)."""
         return self._done >= len(self.loader)

@@ -31,7 +31,8 @@ _KINDS = (
     ("torch/nn/parallel/distributed", "in DDP (gradient synchronisation)"),
     ("torch/autograd", "in backward (DDP's gradient all-reduce runs here)"),
     ("torch/_tensor.py", "in backward (DDP's gradient all-reduce runs here)"),
-    ("multigpu/preemption", "waiting for the other ranks' stop flags"),
+    ("multigpu/guards/preemption", "waiting for the other ranks' stop flags"),
+    ("multigpu/distributed/agreement", "waiting for the other ranks to agree (a stop, a stream's end)"),
     ("multigpu/checkpoint", "writing or reading a checkpoint"),
 )
 

@@ -48,6 +48,9 @@ class QueueEntry:
     out_dir_key: Optional[str] = "trainer.out_dir"
     #: The metrics.csv column shown in the status table (default: the first valid_* column).
     metric: Optional[str] = None
+    #: With ``multigpu queue --slurm``: submit this run as one task of an array job (as ``--array`` does
+    #: for every run). Where a run trains, not what it computes: not part of the fingerprint.
+    slurm_array: bool = False
 
     def __post_init__(self) -> None:
         validate.run_name(self.name, ConfigError)
@@ -104,7 +107,7 @@ class QueueEntry:
 
     def fingerprint(self) -> str:
         """Changes when anything that affects the run's result changes (not its name)."""
-        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric")}
+        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric", "slurm_array")}
         data["gpus"] = math.ceil(self.gpus)  # a share of a GPU computes what a whole one does
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

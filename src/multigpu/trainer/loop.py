@@ -173,8 +173,8 @@ class Trainer(abc.ABC):
         self._valid = self._loader(valid, evaluation=True) if valid is not None else None
         if s.check_consistency:
             consistency.check_same_on_all_ranks(
-                {"train_samples": _size(train_loader), "batch_size": train_loader.batch_size,
-                 "valid_samples": _size(self._valid) if self._valid is not None else None,
+                {"train_samples": train_loader.samples, "batch_size": train_loader.batch_size,
+                 "valid_samples": self._valid.samples if self._valid is not None else None,
                  "epochs": epochs}, group=self.run.control_group)
         if s.resume:
             self.resume()
@@ -514,12 +514,5 @@ class Trainer(abc.ABC):
                                                              self.settings.batch_size * self.run.dp_size)
         if state.get("rank_state") is not None:
             self.load_rank_state(move_to(state["rank_state"], self.device, non_blocking=False))
-
-def _size(loader: Any) -> Optional[int]:
-    try:
-        return len(loader.dataset)
-    except TypeError:
-        return None
-
 
 __all__ = ["Trainer"]

@@ -88,11 +88,7 @@ def start_report(run: Any, settings: Any, model: Any, loader: Any, strategy: str
     length = loader.length
     per_epoch = (f"{-(-length // settings.accumulate):,} optimizer steps per epoch" if length
                  else "steps per epoch: unknown (a stream)")
-    try:
-        samples: Optional[int] = len(loader.dataset)
-    except TypeError:
-        samples = None
-    return [f"multigpu: {run.describe_batch(loader.batch_size, settings.accumulate, samples)}",
+    return [f"multigpu: {run.describe_batch(loader.batch_size, settings.accumulate, loader.samples)}",
             f"multigpu: {total:,} parameters ({trainable:,} trainable{shard}); strategy {strategy}, "
             f"precision {precision}{', compiled' if settings.compile else ''}; {per_epoch}; "
             f"world {run.world_size} on {run.device.type}"]
