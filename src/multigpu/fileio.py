@@ -132,6 +132,13 @@ class Folder:
             pass
         return Folder(self.path.joinpath(*_parts(relative)))
 
+    def make(self, relative: PathLike) -> "Folder":
+        """Create ``relative`` as a new, empty folder; FileExistsError if anything is there already."""
+        folder, name = self._split(relative)
+        with self._dir(folder, create=True) as fd:
+            os.mkdir(name, 0o755, dir_fd=fd)
+        return Folder(self.path.joinpath(*_parts(relative)))
+
     def is_folder(self, relative: PathLike = "") -> bool:
         """True if ``relative`` is a real folder (links below the root do not count)."""
         try:
@@ -241,14 +248,15 @@ class Folder:
 
     # ------------------------------------------------------------------ writing
     @contextlib.contextmanager
-    def open_new(self, relative: PathLike, fsync: bool = False) -> Iterator[IO[bytes]]:
+    def open_new(self, relative: PathLike, fsync: bool = False, mode: int = 0o644) -> Iterator[IO[bytes]]:
         """Write ``relative`` in one step: the caller writes into a fresh temporary file (``O_EXCL``,
         never a planted name), renamed over ``relative`` when the block ends without an error."""
         folder, name = self._split(relative)
         tmp = f".{name[:80]}.{uuid.uuid4().hex[:12]}.tmp"
         with self._dir(folder, create=True) as dir_fd:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644, dir_fd=dir_fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dir_fd)
             try:
+                os.fchmod(fd, mode)  # exactly this mode, whatever the umask
                 with os.fdopen(fd, "wb") as handle:
                     yield handle
                     handle.flush()
@@ -260,9 +268,9 @@ class Folder:
                     os.unlink(tmp, dir_fd=dir_fd)
                 raise
 
-    def write_atomic(self, relative: PathLike, data: Union[str, bytes], fsync: bool = False) -> None:
+    def write_atomic(self, relative: PathLike, data: Union[str, bytes], fsync: bool = False, mode: int = 0o644) -> None:
         """Replace ``relative`` with ``data``: readers see the old or the new file, never half of one."""
-        with self.open_new(relative, fsync=fsync) as handle:
+        with self.open_new(relative, fsync=fsync, mode=mode) as handle:
             handle.write(data.encode("utf-8") if isinstance(data, str) else data)
 
     def open_append(self, relative: PathLike) -> IO[str]:
@@ -382,10 +390,10 @@ def read_regular(path: PathLike, limit: int) -> bytes:
     return Folder(path.parent).load_bytes(path.name, limit)
 
 
-def atomic_write_text(path: PathLike, text: str, fsync: bool = False) -> None:
+def atomic_write_text(path: PathLike, text: str, fsync: bool = False, mode: int = 0o644) -> None:
     """Replace ``path`` with ``text`` in one step (see :meth:`Folder.write_atomic`)."""
     path = Path(path)
-    Folder(path.parent).write_atomic(path.name, text, fsync=fsync)
+    Folder(path.parent).write_atomic(path.name, text, fsync=fsync, mode=mode)
 
 
 def open_append(path: PathLike) -> IO[str]:

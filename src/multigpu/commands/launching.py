@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from multigpu import validate
-from multigpu.errors import LaunchError
+from multigpu.errors import LaunchError, visible
+from multigpu.fileio import Folder, read_regular
 
 if TYPE_CHECKING:
     from multigpu.launch.local import LaunchRequest
@@ -423,15 +424,14 @@ def _new_run_dir(stem: str, when: float) -> tuple[str, Path]:
     from multigpu.launch.slurm import timed_job_name
 
     base = "".join(c if c.isalnum() or c in "._-" else "_" for c in stem).lstrip(".-") or "job"
+    jobs = Folder("outputs").create().child("slurm")
     for step in range(3600):
         moment = int(when) + step
-        folder = (Path("outputs") / "slurm" / f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(moment))}").resolve()
-        folder.parent.mkdir(parents=True, exist_ok=True)
         try:
-            folder.mkdir()
+            folder = jobs.make(f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(moment))}")
         except FileExistsError:
             continue
-        return timed_job_name(base, moment), folder
+        return timed_job_name(base, moment), folder.path.resolve()
     raise LaunchError("no free run folder under outputs/slurm for this second or the next hour.", "give --run-dir.")
 
 
@@ -457,7 +457,7 @@ def _cmd_slurm_submit(args: argparse.Namespace) -> int:
                          options=dataclasses.replace(options, job_name=options.job_name or name))
     if args.dry_run:
         path = slurm.write(job)
-        print(path.read_text())
+        print(read_regular(path, 1 << 20).decode())
         print(f"# written to {path}; submit with: sbatch {path}")
         return 0
     job_id = slurm.submit(job)
@@ -475,18 +475,18 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
         days = validate.count(args.days, "--days", LaunchError, high=3650)
         rows, source = slurm_state.my_jobs(days)
         print(f"multigpu jobs of {slurm_state.current_user()} ({source}):")
-        print(slurm_state.table(rows) if rows else "  none")
+        print(visible(slurm_state.table(rows), keep_newlines=True) if rows else "  none")
         return 0
     job_id = slurm.check_job_id(args.job_id)
     if args.action == "status":
         for record in slurm_state.job_records(job_id):
-            print(record.line())
+            print(visible(record.line()))
     elif args.action == "cancel":
         slurm.cancel(job_id)
         print(f"cancelled job {job_id}")
     else:
         lines = validate.count(args.lines, "--lines", LaunchError, high=100_000)
         path, tail, total = slurm_state.log_tail(job_id, lines)
-        print(f"==> {path} (last {len(tail)} of {total} lines)")
-        print("\n".join(tail))
+        print(f"==> {visible(str(path))} (last {len(tail)} of {total} lines)")
+        print("\n".join(visible(line) for line in tail))
     return 0

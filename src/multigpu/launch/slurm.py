@@ -232,8 +232,7 @@ def render_array(array: SlurmArray) -> str:
 def write(job: SlurmJob) -> Path:
     text = render(job)
     ensure_real_folder(job.run_dir, "run folder")
-    atomic_write_text(job.script_path, text)
-    job.script_path.chmod(0o755)
+    atomic_write_text(job.script_path, text, mode=0o755)
     return job.script_path
 
 
@@ -243,8 +242,7 @@ def write_array(array: SlurmArray) -> Path:
     ensure_real_folder(array.folder, "array folder")
     atomic_write_text(array.folder / TASKS_FILE,
                       json.dumps({str(i): str(task.run_dir) for i, task in sorted(array.tasks.items())}, indent=1))
-    atomic_write_text(array.script_path, text)
-    array.script_path.chmod(0o755)
+    atomic_write_text(array.script_path, text, mode=0o755)
     return array.script_path
 
 

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 from multigpu.errors import LaunchError
 from multigpu.fileio import tail_lines
+from multigpu.fileio import Folder
 from multigpu.launch.slurm import (ACTIVE_STATES, SCRIPT_NAME, TASKS_FILE, call, check_job_id, job_infos,
                                    slurm_tool)
 
@@ -110,9 +111,9 @@ def _log_of(job_id: str, raw_id: str, script: str, stdout: str) -> str:
     if match is None:
         return str(folder / f"slurm-{raw_id or job_id}.out")
     try:
-        tasks = json.loads((folder / TASKS_FILE).read_text())
+        tasks = json.loads(Folder(folder).load_text(TASKS_FILE, limit=16 << 20))
         return str(Path(tasks[match.group(2)]) / f"slurm-{job_id}.out")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return stdout
 
 
