@@ -33,6 +33,8 @@ def child_env(extra: Optional[dict] = None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(SCRIPTS), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
+    if "SLURM_CONF" not in env:  # not the test cluster: Slurm's tools answer "no cluster" (see fakebin/)
+        env["PATH"] = os.pathsep.join([str(REPO / "tests" / "fakebin"), env.get("PATH", "")])
     return env
 
 

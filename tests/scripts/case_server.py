@@ -1,0 +1,81 @@
+"""A fork server for the hostile-input table: ``python -m multigpu ARGS`` without paying for a new
+interpreter and ``import torch`` per case.
+
+Why: the table runs ~150 command lines; each used to cost an interpreter start and the imports (~1 s
+here), most of the table's time. This process imports multigpu and torch once, then forks one child
+per case. The child does what ``python -m multigpu ARGS`` does - in the case's folder, with the case's
+environment, its stdout and stderr going to files - and exits with the command's status. The parent
+never runs torch code, so forking it is safe. Processes the command itself starts are real ones.
+
+Protocol: one JSON object per line on stdin - ``{"argv": [...], "cwd": ..., "env": {...}, "out": path,
+"err": path, "timeout": seconds}`` - and one JSON line back: ``{"status": N, "seconds": S}`` (status
+-9 when the case ran past its timeout and was killed with its process group).
+"""
+
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+
+import torch  # noqa: F401 - imported once here, inherited by every case
+
+import multigpu.cli  # noqa: F401
+
+
+def run_case(request: dict) -> int:
+    pid = os.fork()
+    if pid == 0:  # the case
+        try:
+            os.setpgid(0, 0)  # its own process group: a timeout kills everything it started
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(request["env"])
+            for fd, path in ((1, request["out"]), (2, request["err"])):
+                target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
+            sys.argv = ["multigpu", *request["argv"]]
+            code = 0
+            try:
+                runpy.run_module("multigpu", run_name="__main__", alter_sys=True)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:  # what `python -m multigpu` would do: a traceback, status 1
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            pass
+        os._exit(code)
+    deadline = time.monotonic() + request.get("timeout", 30)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return -9
+        time.sleep(0.005)
+
+
+def main() -> None:
+    for line in sys.stdin:
+        request = json.loads(line)
+        started = time.monotonic()
+        status = run_case(request)
+        print(json.dumps({"status": status, "seconds": time.monotonic() - started}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
