@@ -3,17 +3,25 @@
 It runs the script twice through ``multigpu run``, unchanged: on N processes with its own batch size
 b per process, and on one process whose loaders (``run.loader``, the Trainer's) give N x b samples per
 step. Both runs stop after K optimizer steps (see :mod:`multigpu.diagnostics.probe`, which records
-them). Then it compares the loss of every step and every weight, prints a table, and when they
-differ says why - from what it measured, not from guesses:
+them). Then it compares the loss of every step and every weight, prints a table, and names every
+cause the records support - from what was measured, not from guesses:
 
-- the loader is not sharded: every rank's inputs were identical at every step;
-- the loader's batch did not scale, or drop_last/padding changed how many samples a step saw;
-- BatchNorm without SyncBatchNorm: each rank normalises with its own b samples;
-- a loss summed over the batch, or gradients summed over ranks: step 1's loss or first update differ
-  by a factor of N;
-- every rank draws the same random numbers (an augmentation seeded alike on every rank);
-- parameters that get no gradient (DDP then fails at step 2 unless find_unused_parameters);
-- a metric averaged over the ranks' means while ranks evaluated different numbers of samples.
+- what each step trained on: forward passes (micro-steps) per optimizer step and samples per forward
+  on every rank, so a world-size-dependent accumulation or batch, an unscaled loader, drop_last or
+  padding are told apart; and the global batch of each run, side by side;
+- identical inputs on different data-parallel ranks (the data is not sharded), whatever made them;
+- ranks that stepped the optimizer a different number of times; gradients never averaged
+  (``no_sync`` on every micro-step, or on the last one; a forward around the DDP wrapper; parameters
+  outside the model given to ``run.setup``); replicas whose weights drifted apart;
+- BatchNorm without SyncBatchNorm; a loss summed over the batch or gradients summed over ranks;
+  every rank drawing the same random numbers; parameters that get no gradient;
+- mistakes that are wrong on any number of processes: gradients clipped before the GradScaler
+  unscaled them, an LR scheduler stepped per micro-step, a metric averaged over the ranks' means.
+
+Verdicts: EQUAL (exit 0) only when the numbers agree, the sample counts agree, every rank's inputs
+were seen and differ, and no cause was found; DIFFERENT (exit 1); "EQUAL numbers, but" (exit 1) for
+mistakes that are wrong on one process too; UNVERIFIED (exit 3) when the numbers agree but what the
+runs trained on could not be seen; exit 2 when the script did not run or never stepped an optimizer.
 
 Dropout is switched off in both runs (it cannot draw the same masks for one batch of N x b as for N
 batches of b); everything else is the script's own.
@@ -30,14 +38,26 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from multigpu import validate
 from multigpu.diagnostics.probe import DIR_VAR, SCALE_VAR, STEPS_VAR
 from multigpu.errors import LaunchError
 
-METRIC_CAUSE = "a metric is averaged"
 EPS = {"float32": 1.2e-7, "float64": 2.2e-16, "bfloat16": 7.8e-3, "float16": 9.8e-4}
+#: Exit statuses of ``multigpu check``.
+EQUAL, DIFFERENT, DID_NOT_RUN, UNVERIFIED = 0, 1, 2, 3
+
+#: Kinds of cause. BLOCKING: N processes do not train as one process does, whatever the numbers say.
+#: NUMERIC: explains a difference in the numbers (only found when there is one). WRONG: a mistake on
+#: any number of processes (both runs make it, so the numbers agree).
+BLOCKING, NUMERIC, WRONG = "blocking", "numeric", "wrong"
+
+
+@dataclass
+class Cause:
+    kind: str
+    text: str
 
 
 @dataclass
@@ -49,6 +69,7 @@ class Outcome:
     output: str
     ranks: list[list[dict]] = field(default_factory=list)
     model: dict = field(default_factory=dict)
+    stranded: list[int] = field(default_factory=list)
 
     @classmethod
     def read(cls, folder: Path, status: int, output: str) -> "Outcome":
@@ -57,11 +78,22 @@ class Outcome:
             lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
             ranks.append([json.loads(line) for line in lines])
         model = json.loads((folder / "model.json").read_text()) if (folder / "model.json").exists() else {}
-        return cls(folder, status, output, ranks, model)
+        stranded = sorted({r for path in folder.glob("stranded.rank*.json")
+                           for r in json.loads(path.read_text()).get("missing", [])})
+        return cls(folder, status, output, ranks, model, stranded)
 
     @property
     def steps(self) -> int:
+        """Steps every rank recorded."""
         return min((len(r) for r in self.ranks), default=0)
+
+    @property
+    def most_steps(self) -> int:
+        return max((len(r) for r in self.ranks), default=0)
+
+    def at(self, step: int) -> list[dict]:
+        """The records of step ``step`` (0-based) of the ranks that got that far."""
+        return [r[step] for r in self.ranks if len(r) > step]
 
     def weights(self, name: str = "weights.pt") -> Optional[dict]:
         import torch
@@ -70,20 +102,21 @@ class Outcome:
         return torch.load(path, map_location="cpu", weights_only=True) if path.exists() else None
 
     def loss(self, step: int) -> Optional[float]:
-        """The global loss of a step: the ranks' losses weighted by their samples (their means' mean)."""
-        rows = [r[step] for r in self.ranks if len(r) > step and r[step].get("loss") is not None]
-        total = sum(row["samples"] for row in rows)
+        """The global loss of a step: each rank's (the sum of the values it gave to backward in the
+        step, i.e. the script's own loss when it divides by its accumulation) weighted by its samples."""
+        rows = [row for row in self.at(step) if row.get("loss") is not None]
         if not rows:
             return None
+        total = sum(row["samples"] for row in rows)
         if total == 0:
             return sum(row["loss"] for row in rows) / len(rows)
         return sum(row["loss"] * row["samples"] for row in rows) / total
 
     def samples(self, step: int) -> int:
-        return sum(r[step]["samples"] for r in self.ranks if len(r) > step)
+        return sum(row["samples"] for row in self.at(step))
 
     def error_line(self) -> str:
-        lines = [line for line in self.output.splitlines() if "error" in line.lower() or "Error" in line]
+        lines = [line for line in self.output.splitlines() if "error" in line.lower()]
         return (lines[-1] if lines else (self.output.strip().splitlines() or ["(no output)"])[-1]).strip()[:300]
 
 
@@ -131,88 +164,298 @@ def _weight_differences(many: dict, one: dict) -> list[tuple[str, float, float]]
     return rows
 
 
-def _update_ratio(many: Outcome, one: Outcome) -> Optional[float]:
+def _update_ratio(many: Outcome, one: Outcome, nproc: int) -> Optional[float]:
+    """N or 1/N when the first update of every weight tensor on N processes is that multiple of one
+    process's (gradients scaled by the world size); None otherwise. Per tensor, so that an update that
+    differs for another reason cannot average out to N by chance."""
     m0, m1 = many.weights("weights0.pt"), many.weights("weights1.pt")
     o0, o1 = one.weights("weights0.pt"), one.weights("weights1.pt")
     if not (m0 and m1 and o0 and o1):
         return None
-    num = sum(((m1[k].double() - m0[k].double()) ** 2).sum().item() for k in m0 if k in m1 and m1[k].is_floating_point())
-    den = sum(((o1[k].double() - o0[k].double()) ** 2).sum().item() for k in o0 if k in o1 and o1[k].is_floating_point())
-    return math.sqrt(num / den) if den > 0 else None
+    ratios = []
+    for k in m0:
+        if k in m1 and k in o0 and k in o1 and m1[k].is_floating_point() and m1[k].shape == o1[k].shape:
+            num = (m1[k].double() - m0[k].double()).norm().item()
+            den = (o1[k].double() - o0[k].double()).norm().item()
+            if den > 0:
+                ratios.append(num / den)
+    for factor in (nproc, 1 / nproc):
+        if ratios and all(abs(r - factor) < 0.05 * factor for r in ratios):
+            return factor
+    return None
 
 
-def diagnose(many: Outcome, one: Outcome, nproc: int) -> list[str]:
-    """The causes the records show, most basic first."""
-    found: list[str] = []
-    steps = min(many.steps, one.steps)
-    world = len(many.ranks)
-    if world > 1 and steps:
-        same = all(len({tuple(r[i]["inputs"]) for r in many.ranks}) == 1 and many.ranks[0][i]["inputs"]
-                   for i in range(steps))
-        if same:
-            found.append("every rank trained on the same batches at every step: the loader is not sharded. Build it "
-                         "with run.loader(dataset or DataLoader) - or give your DataLoader a DistributedSampler.")
-    if steps and one.samples(0) and one.samples(0) * nproc == many.samples(0):
-        found.append(f"the one-process run saw {one.samples(0)} samples in step 1 where {nproc} processes saw "
-                     f"{many.samples(0)}: its loader was not scaled, so it is not built by run.loader (or the "
-                     "Trainer). Build loaders with run.loader so the batch size is per process.")
-    else:
+def _steps_text(steps: Sequence[int]) -> str:
+    """1-based step numbers, as a short list: '1, 2, 3' or '1-7'."""
+    numbers = [s + 1 for s in steps]
+    if len(numbers) > 3 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{numbers[0]}-{numbers[-1]}"
+    return ", ".join(str(n) for n in numbers[:8]) + (", ..." if len(numbers) > 8 else "")
+
+
+def batch_shape(outcome: Outcome, step: int = 0) -> str:
+    """'2 processes x 1 micro-step x 8 samples = 16' for one step of a run, from its records."""
+    rows = outcome.at(step)
+    if not rows:
+        return "no step recorded"
+    forwards = {row["forwards"] for row in rows}
+    sizes = {size for row in rows for size in row["rows"]}
+    micro = str(forwards.pop()) if len(forwards) == 1 else "/".join(str(row["forwards"]) for row in rows)
+    each = str(sizes.pop()) if len(sizes) == 1 else "+".join(str(s) for s in sorted(sizes))
+    procs = f"{len(rows)} process{'es' if len(rows) > 1 else ''}"
+    if not any(row["rows"] for row in rows) or not outcome.samples(step):
+        return f"{procs} x {micro} micro-step(s), no sample counted"
+    return f"{procs} x {micro} micro-step(s) x {each} samples = {outcome.samples(step)}"
+
+
+# ------------------------------------------------------------------------------------------ causes
+def _rank_steps(many: Outcome) -> list[Cause]:
+    counts = [len(r) for r in many.ranks]
+    if len(counts) < 2 or (min(counts) == max(counts) and not many.stranded):
+        return []
+    most = max(counts)
+    behind = [r for r, n in enumerate(counts) if n < most] or many.stranded
+    ahead = [r for r, n in enumerate(counts) if n == most]
+    return [Cause(BLOCKING, f"rank(s) {', '.join(map(str, behind))} stepped the optimizer "
+                  f"{', '.join(str(counts[r]) for r in behind)} time(s) while rank(s) {', '.join(map(str, ahead))} "
+                  f"stepped it {most} time(s) over the same forward and backward passes: an optimizer step that only some ranks take "
+                  "(e.g. `if rank == 0: optimizer.step()`). Every rank must step, or the replicas drift apart "
+                  "and the next all-reduce waits for ranks that are gone.")]
+
+
+def _identical_inputs(many: Outcome) -> list[Cause]:
+    steps, pairs = [], set()
+    for i in range(many.most_steps):
+        rows = [(r, row) for r, row in enumerate(many.at(i))]
+        for a in range(len(rows)):
+            for b in range(a + 1, len(rows)):
+                (ra, x), (rb, y) = rows[a], rows[b]
+                if x.get("dp_rank", ra) == y.get("dp_rank", rb):
+                    continue  # tensor-parallel peers read the same data on purpose
+                if set(filter(None, x["inputs"])) & set(filter(None, y["inputs"])):
+                    pairs.add((ra, rb))
+                    if not steps or steps[-1] != i:
+                        steps.append(i)
+    if not steps:
+        return []
+    ranks = sorted({r for pair in pairs for r in pair})
+    names = ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+    return [Cause(BLOCKING, f"ranks {names} trained on identical inputs at step(s) "
+                  f"{_steps_text(steps)}: the data is not split across ranks - a plain DataLoader, or random "
+                  "offsets drawn with the same seed on every rank (nanoGPT's get_batch after a torch.manual_seed "
+                  "that is the same on every rank). Build the loader with run.loader(dataset) (an offsets Dataset "
+                  "for random windows), or give each rank its own generator; see docs/migrating.md.")]
+
+
+def _batch_causes(many: Outcome, one: Outcome, nproc: int) -> list[Cause]:
+    """Micro-steps per optimizer step and samples per micro-step, compared: which of accumulation,
+    batch size, loader scaling or padding differs between the runs."""
+    steps = min(many.steps, one.steps)  # steps every rank recorded (a rank that never stepped has none)
+    seen = all(row["samples"] for outcome in (many, one) for i in range(steps) for row in outcome.at(i))
+    if not steps or not seen:
+        return []  # a step whose forwards were not seen (see _unverified): nothing to compare
+    found: list[Cause] = []
+    micro_many = [max(row["forwards"] for row in many.at(i)) for i in range(steps)]
+    micro_one = [one.at(i)[0]["forwards"] for i in range(steps)]
+    first_many = next((size for row in many.at(0) for size in row["rows"] if size), 0)
+    first_one = next((size for row in one.at(0) for size in row["rows"] if size), 0)
+    global_many, global_one = many.samples(0), one.samples(0)
+    accumulation = micro_many != micro_one
+    if accumulation:
+        found.append(Cause(BLOCKING, f"the micro-steps per optimizer step depend on the number of processes: 1 process "
+                           f"ran {micro_one[0]} forward pass(es) per optimizer step, each of {nproc} processes "
+                           f"{micro_many[0]} - gradient accumulation divided by the world size (nanoGPT's "
+                           "`gradient_accumulation_steps //= world_size`). With the batch per process, that makes the "
+                           f"one-process run train on {global_one} samples per step where {nproc} processes train on "
+                           f"{global_many}. Keep the accumulation steps the same on any number of processes (global "
+                           "batch = batch x processes x accumulation); see docs/migrating.md."))
+    if first_many and first_one:
+        if first_one == first_many:
+            found.append(Cause(BLOCKING, f"the one-process run's forward passes held {first_one} samples, as many as "
+                               f"each of {nproc} processes: its batch was not scaled by {nproc}, so it does not come "
+                               "from run.loader (a plain DataLoader, or batches made by hand like nanoGPT's get_batch). "
+                               "The check scales only loaders built by run.loader (or the Trainer): pass your Dataset "
+                               "or DataLoader through run.loader (an offsets Dataset for random windows)."))
+        elif first_one != nproc * first_many:
+            asked = f"{first_one // nproc}" if first_one % nproc == 0 else f"{first_one}/{nproc}"
+            found.append(Cause(BLOCKING, f"the batch per process depends on the number of processes: each of {nproc} "
+                               f"processes ran forward passes of {first_many} samples, the one-process run of "
+                               f"{first_one} ({nproc} x the {asked} the script asked for on one process) - e.g. "
+                               "batch_size = global_batch // world_size. The batch given to run.loader is per process: "
+                               "give it the same value on any number of processes."))
+    if not found:
         for i in range(steps):
             if many.samples(i) != one.samples(i):
-                found.append(f"step {i + 1}: {nproc} processes saw {many.samples(i)} samples, one process "
-                             f"{one.samples(i)}: drop_last or the sampler's padding (DistributedSampler repeats "
-                             "samples to fill the last batch) changes what a step trains on.")
+                found.append(Cause(BLOCKING, f"step {i + 1}: {nproc} processes saw {many.samples(i)} samples, one "
+                                   f"process {one.samples(i)}: drop_last or the sampler's padding (DistributedSampler "
+                                   "repeats samples to fill the last batch) changes what a step trains on."))
                 break
+    return found
+
+
+def _numeric_causes(many: Outcome, one: Outcome, nproc: int) -> list[Cause]:
+    found: list[Cause] = []
     batchnorms = many.model.get("batchnorm_count", 0)
-    if batchnorms and world > 1:
+    if batchnorms and len(many.ranks) > 1:
         names = ", ".join(many.model.get("batchnorms", [])[:3])
-        found.append(f"{batchnorms} BatchNorm layer(s) ({names}) normalise with each rank's own batch: convert them "
-                     "with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before run.setup, or expect "
-                     "this difference.")
-    if steps:
+        found.append(Cause(NUMERIC, f"{batchnorms} BatchNorm layer(s) ({names}) normalise with each rank's own batch: "
+                           "convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) before run.setup, "
+                           "or expect this difference."))
+    if min(many.most_steps, one.most_steps):
         a, b = many.loss(0), one.loss(0)
         if a and b and abs(a / b - 1 / nproc) < 0.02 / nproc:
-            found.append(f"step 1's loss on {nproc} processes is 1/{nproc} of one process's ({a:.6g} against {b:.6g}): "
-                         "the loss is summed over the batch (reduction='sum'). Average it (reduction='mean'), or "
-                         f"scale it by 1/{nproc} when its samples are split across ranks.")
-        ratio = _update_ratio(many, one)
-        if ratio is not None and (abs(ratio - nproc) < 0.05 * nproc or abs(ratio - 1 / nproc) < 0.05 / nproc):
-            found.append(f"the first update on {nproc} processes is {ratio:.3g}x one process's: gradients are summed "
-                         "(an all-reduce SUM on top of DDP's average, or a summed loss). Let DDP average them.")
-    if world > 1 and steps >= 2:
-        same_rng = sum(1 for i in range(steps) if len({tuple(r[i]["rng"]) for r in many.ranks}) == 1
-                       and many.ranks[0][i]["rng"])
-        moved = sum(1 for i in range(1, steps) if many.ranks[0][i]["rng"] and many.ranks[0][i - 1]["rng"]
-                    and many.ranks[0][i]["rng"][0] != many.ranks[0][i - 1]["rng"][-1])
-        if same_rng >= max(1, steps // 2) and moved >= max(1, (steps - 1) // 2):
-            found.append("every rank draws the same random numbers at every step (an augmentation or noise seeded "
-                         "alike on every rank, e.g. torch.manual_seed(0) after mg.init): ranks repeat each other's "
-                         "randomness. Seed through mg.init(seed=...) (per rank after run.setup) or seed each rank "
-                         "differently.")
+            found.append(Cause(NUMERIC, f"step 1's loss on {nproc} processes is 1/{nproc} of one process's ({a:.6g} "
+                               f"against {b:.6g}): the loss is summed over the batch (reduction='sum') or divided by "
+                               f"the world size. Average it over the batch (reduction='mean'); DDP averages over ranks."))
+        ratio = _update_ratio(many, one, nproc)
+        if ratio is not None:
+            found.append(Cause(NUMERIC, f"the first update on {nproc} processes is {ratio:.3g}x one process's, in every "
+                               "weight: gradients are scaled by the number of processes (an all-reduce SUM on top of "
+                               "DDP's average, or a loss summed or divided by the world size). Let DDP average them."))
+    return found
+
+
+def _random_streams(many: Outcome) -> list[Cause]:
+    steps = many.steps
+    if len(many.ranks) < 2 or steps < 1:
+        return []
+    same = sum(1 for i in range(steps) if len({tuple(r[i]["rng"]) for r in many.ranks}) == 1 and many.ranks[0][i]["rng"])
+    moved = sum(1 for i in range(1, steps) if many.ranks[0][i]["rng"] and many.ranks[0][i - 1]["rng"]
+                and many.ranks[0][i]["rng"][0] != many.ranks[0][i - 1]["rng"][-1])
+    dropouts = many.model.get("dropouts_disabled", 0)
+    if same < max(1, steps // 2 + steps % 2) or not (dropouts or moved >= max(1, (steps - 1) // 2)):
+        return []
+    masks = (f" The model has {dropouts} dropout layer(s) (off during the check): on {len(many.ranks)} processes "
+             "they would draw the same masks on every rank.") if dropouts else ""
+    return [Cause(BLOCKING, "every rank draws the same random numbers at every step (a seed that is the same on every "
+                  "rank after mg.init, e.g. torch.manual_seed(1337) without the rank's offset): ranks repeat each "
+                  f"other's randomness.{masks} Seed through mg.init(seed=...) (per rank after run.setup) or add the "
+                  "rank to the seed.")]
+
+
+def _gradient_sync(many: Outcome) -> list[Cause]:
+    if len(many.ranks) < 2:
+        return []
+    never, last_off, bypass = [], [], 0
+    for i in range(many.most_steps):
+        for row in many.at(i):
+            sync = [s for s in row.get("sync", []) if s is not None]
+            if sync and not any(sync):
+                never.append(i)
+            elif sync and not sync[-1]:
+                last_off.append(i)
+            bypass += row.get("bypass", 0)
+    found = []
+    if never:
+        found.append(Cause(BLOCKING, f"every forward pass of step(s) {_steps_text(sorted(set(never)))} ran under no_sync "
+                           "(require_backward_grad_sync False): those gradients were never averaged across ranks, so "
+                           "each rank stepped on its own data. Only the micro-steps before the last may skip the sync: "
+                           "`with run.no_sync(model):` around those, never around the last."))
+    if last_off:
+        found.append(Cause(BLOCKING, f"the last forward pass before optimizer step(s) {_steps_text(sorted(set(last_off)))} "
+                           "ran without gradient sync while an earlier one synced: the gradients that reach the optimizer "
+                           "are this rank's own. With nanoGPT's toggle, set `model.require_backward_grad_sync = "
+                           "(micro_step == gradient_accumulation_steps - 1)` - True on the last micro-step."))
+    if bypass:
+        found.append(Cause(BLOCKING, f"{bypass} forward pass(es) called the model around the object run.setup returned "
+                           "(model.module(x), or a reference kept from before run.setup): DDP does not average the "
+                           "gradients of those. Call the model that run.setup returned."))
+    return found
+
+
+def _outside_parameters(many: Outcome) -> list[Cause]:
+    first = [r[0] for r in many.ranks if r]
+    count = max((row.get("outside", 0) for row in first), default=0)
+    if len(first) < 2 or not count or len({row.get("outside_digest") for row in first}) == 1:
+        return []
+    return [Cause(BLOCKING, f"{count} parameter tensor(s) the optimizer steps are not in the model given to run.setup, "
+                  "and they differ between ranks after step 1: their gradients are not averaged (a layer built after "
+                  "run.setup, or kept outside the model). Make them part of the model before run.setup, or set that "
+                  "module up with run.setup too.")]
+
+
+def _diverged(many: Outcome, explained: bool) -> list[Cause]:
+    if explained or len(many.ranks) < 2:
+        return []
+    for i in range(many.steps):
+        digests = {r[i].get("weights_digest") for r in many.ranks}
+        if None not in digests and len(digests) > 1:
+            return [Cause(BLOCKING, f"the ranks' weights differ after step {i + 1}: the replicas drifted apart - "
+                          "something changes the weights on some ranks only (an update outside the optimizer, a "
+                          "rank-dependent branch, weights loaded on one rank after run.setup).")]
+    return []
+
+
+def _unused(many: Outcome, one: Outcome, nproc: int) -> list[Cause]:
     for outcome, label in ((many, f"{nproc} processes"), (one, "one process")):
         first = outcome.ranks[0][0] if outcome.ranks and outcome.ranks[0] else {}
         unused = first.get("no_grad") or []
         if unused:
-            found.append(f"{len(unused)} parameter(s) got no gradient in step 1 on {label} ({', '.join(unused[:3])}): "
-                         "DDP fails at the next step unless run.setup(model, opt, find_unused_parameters=True); or "
-                         "remove them from the model.")
-            break
-    if world > 1:
+            return [Cause(BLOCKING, f"{len(unused)} parameter(s) got no gradient in step 1 on {label} "
+                          f"({', '.join(unused[:3])}): DDP fails at the next step unless run.setup(model, opt, "
+                          "find_unused_parameters=True); or remove them from the model.")]
+    return []
+
+
+def _wrong_anyway(many: Outcome, one: Outcome) -> list[Cause]:
+    found: list[Cause] = []
+    rows = [row for outcome in (many, one) for r in outcome.ranks for row in r]
+    clipped = sorted({row["step"] for row in rows if row.get("clipped_scaled")})
+    if clipped:
+        found.append(Cause(WRONG, f"gradients were clipped while still multiplied by the GradScaler's scale (step(s) "
+                           f"{', '.join(map(str, clipped[:5]))}: clip_grad_norm_ before scaler.unscale_(optimizer)): "
+                           "the threshold then applies to scaled gradients and clips far more than asked. Call "
+                           "scaler.unscale_(optimizer) before clipping."))
+    per_step = sorted({row["scheduler_steps"] for row in rows if row["step"] >= 2 and row.get("scheduler_steps", 0) > 1})
+    if per_step:
+        found.append(Cause(WRONG, f"the LR scheduler stepped {per_step[-1]} times per optimizer step (once per "
+                           "micro-step): the schedule runs that many times too fast, and its speed changes with the "
+                           "accumulation. Step it once, after optimizer.step()."))
+    if len(many.ranks) > 1:
         last = [r[-1] for r in many.ranks if r]
         counts = {row.get("eval_samples", 0) for row in last}
         if any(row.get("averaged_scalars", 0) for row in last) and len(counts) > 1:
-            found.append(f"{METRIC_CAUSE} over the ranks' means (an all_reduce with ReduceOp.AVG) while ranks "
-                         f"evaluated {' and '.join(str(c) for c in sorted(counts))} samples: the mean of means is "
-                         "not the mean. All-reduce sums and counts (run.metric_sums()) instead.")
+            found.append(Cause(WRONG, "a metric is averaged over the ranks' means (an all_reduce with ReduceOp.AVG) while "
+                               f"ranks evaluated {' and '.join(str(c) for c in sorted(counts))} samples: the mean of "
+                               "means is not the mean. All-reduce sums and counts (run.metric_sums()) instead."))
     return found
 
 
+def diagnose(many: Outcome, one: Outcome, nproc: int) -> list[Cause]:
+    """Every cause the records support, most basic first."""
+    sync, outside, rank_steps, unused = (_gradient_sync(many), _outside_parameters(many), _rank_steps(many),
+                                         _unused(many, one, nproc))
+    explained = bool(sync or outside or rank_steps or unused)  # each of these makes the replicas drift apart
+    return (rank_steps + _identical_inputs(many) + _batch_causes(many, one, nproc) + _numeric_causes(many, one, nproc)
+            + _random_streams(many) + sync + outside + _diverged(many, explained) + unused + _wrong_anyway(many, one))
+
+
+def _unverified(many: Outcome, one: Outcome, nproc: int) -> list[str]:
+    """Why an agreement of the numbers proves nothing: what each step trained on was not seen."""
+    reasons = []
+    for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
+        empty = [i for i in range(outcome.steps) if any(row["samples"] == 0 for row in outcome.at(i))]
+        if empty:
+            reasons.append(f"no sample was counted in step(s) {_steps_text(empty)} of the {label} run: the model "
+                           "given to run.setup was not called with tensors (or not called at all), so what the step "
+                           "trained on is unknown. Call the model run.setup returned, with the batch's tensors.")
+    if len(many.ranks) > 1:
+        blind = [i for i in range(many.steps) if any(not any(row["inputs"]) for row in many.at(i))]
+        if blind and not reasons:
+            reasons.append(f"the ranks' inputs could not be compared in step(s) {_steps_text(blind)}: no tensor "
+                           "reached the model's forward, so whether the data is split across ranks is unknown.")
+    return reasons
+
+
+# ------------------------------------------------------------------------------------------ the command
 def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tolerance: Optional[float] = None,
-          keep: bool = False, timeout_s: float = 600.0, out=print, procs_per_gpu: int = 1) -> int:
-    """Run, compare, print the verdict; 0 when equal within the tolerance.
+          keep: bool = False, timeout_s: float = 600.0, out: Callable[[str], None] = print, procs_per_gpu: int = 1,
+          show_output: bool = False) -> int:
+    """Run, compare, print the verdict; the exit status (:data:`EQUAL` 0 ... :data:`UNVERIFIED` 3).
 
     ``procs_per_gpu``: the N processes share the GPUs K to a GPU (a one-GPU machine checks 2 processes
-    with ``nproc=2, procs_per_gpu=2``); the one-process run has a GPU to itself."""
+    with ``nproc=2, procs_per_gpu=2``); the one-process run has a GPU to itself. ``show_output``: print
+    each run's own output (stdout and stderr) before the comparison."""
     validate.count(nproc, "--nproc", LaunchError, low=2, high=validate.MAX_PROCS_PER_NODE,
                    hint="compare 2 or more processes against one.")
     validate.count(steps, "--steps", LaunchError, low=1, high=10_000)
@@ -226,7 +469,12 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
             f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
         many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, procs_per_gpu)
         one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s)
-        return _report(many, one, nproc, steps, tolerance, out)
+        if show_output:
+            for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
+                out(f"\n----- the script's output, {label} run (exit {outcome.status}) -----")
+                out(outcome.output.rstrip() or "(no output)")
+            out("----- end of the script's output -----")
+        return report(many, one, nproc, steps, tolerance, out)
     finally:
         if keep:
             out(f"records kept in {root}")
@@ -234,26 +482,30 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optional[float], out) -> int:
-    causes = diagnose(many, one, nproc)
+def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optional[float],
+           out: Callable[[str], None] = print) -> int:
+    """Print the comparison of two runs' records and the verdict; return the exit status."""
+    for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
+        if outcome.most_steps == 0:
+            out(f"the {label} run recorded no step (exit {outcome.status}): {outcome.error_line()}")
+            out("HINT: the script must build its model with run.setup (or the Trainer) and step an optimizer; "
+                "run it with `multigpu run` first.")
+            return DID_NOT_RUN
     for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
         if outcome.status != 0 or outcome.steps < steps:
-            if outcome.steps == 0:
-                out(f"the {label} run recorded no step (exit {outcome.status}): {outcome.error_line()}")
-                out("HINT: the script must build its model with run.setup (or the Trainer) and step an optimizer; "
-                    "run it with `multigpu run` first.")
-                return 2
             out(f"the {label} run stopped after {outcome.steps} of {steps} step(s) (exit {outcome.status}): "
                 f"{outcome.error_line()}")
+    causes = diagnose(many, one, nproc)
     dtype = next((r[0].get("dtype") for r in one.ranks if r and r[0].get("dtype")), None) or "float32"
     tol = _tolerance(dtype, steps, tolerance)
+    out(f"\nglobal batch of step 1:  {batch_shape(many)}   |   {batch_shape(one)}")
+    shown = min(many.most_steps, one.most_steps)
     out(f"\n{'step':>4}  {'loss, ' + str(nproc) + ' procs':>15}  {'loss, 1 proc':>15}  {'rel. diff':>9}  samples")
     worst_loss = 0.0
-    no_losses = all(many.loss(i) is None and one.loss(i) is None for i in range(min(many.steps, one.steps)))
-    for i in range(min(many.steps, one.steps)):
+    for i in range(shown):
         a, b = many.loss(i), one.loss(i)
         if a is None and b is None:
-            rel = 0.0  # neither run reported its loss (see the note below): the weights decide
+            rel = 0.0  # neither run reported a loss (see the note below): the weights decide
         elif a is None or b is None:
             rel = math.inf
         else:
@@ -261,8 +513,8 @@ def _report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Opti
         worst_loss = max(worst_loss, rel)
         out(f"{i + 1:>4}  {a if a is not None else float('nan'):>15.8g}  {b if b is not None else float('nan'):>15.8g}  "
             f"{rel:>9.2e}  {many.samples(i)} / {one.samples(i)}")
-    if no_losses:
-        out("(no losses: the script calls loss.backward() itself; call run.backward(loss) to have them compared)")
+    if all(many.loss(i) is None and one.loss(i) is None for i in range(shown)):
+        out("(no losses: nothing was backpropagated through a scalar loss; the weights decide)")
     weights_many, weights_one = many.weights(), one.weights()
     worst_weight = math.inf
     if weights_many is not None and weights_one is not None:
@@ -271,24 +523,44 @@ def _report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Opti
         worst_weight = worst[2]
         out(f"\nweights after step {steps}: {len(rows)} tensor(s); largest difference {worst[1]:.3g} in {worst[0]} "
             f"({worst[2]:.3g} of its largest value)")
-    same_samples = all(many.samples(i) == one.samples(i) for i in range(min(many.steps, one.steps)))
-    equal = (many.status == 0 and one.status == 0 and many.steps >= steps and one.steps >= steps
-             and worst_loss <= tol and worst_weight <= tol and same_samples)
-    metric = [cause for cause in causes if cause.startswith(METRIC_CAUSE)]
-    if equal and metric:
-        out(f"verdict: training EQUAL (within {tol:.2g}, {dtype}), but a reported metric is not:")
-        out(f"  - {metric[0]}")
-        return 1
-    if equal:
-        out(f"verdict: EQUAL - {nproc} processes compute what 1 process computes (within {tol:.2g}, {dtype})")
-        return 0
-    out(f"verdict: DIFFERENT - loss differs by up to {worst_loss:.3g}, weights by {worst_weight:.3g} "
-        f"(tolerance {tol:.2g}, {dtype}){'' if same_samples else '; the runs trained on different sample counts'}")
-    if causes:
-        out("why:")
+    same_samples = all(many.samples(i) == one.samples(i) for i in range(shown))
+    complete = (many.status == 0 and one.status == 0 and many.steps >= steps and one.steps >= steps)
+    numbers_agree = complete and worst_loss <= tol and worst_weight <= tol and same_samples
+    blocking = [c for c in causes if c.kind == BLOCKING]
+    wrong = [c for c in causes if c.kind == WRONG]
+    within = f"within {tol:.2g}, {dtype}"
+    if not numbers_agree or blocking:
+        if numbers_agree:
+            out(f"verdict: DIFFERENT - the numbers agree ({within}), but {nproc} processes do not train as one "
+                "process does:")
+        else:
+            out(f"verdict: DIFFERENT - loss differs by up to {worst_loss:.3g}, weights by {worst_weight:.3g} "
+                f"(tolerance {tol:.2g}, {dtype}){'' if same_samples else '; the runs trained on different sample counts'}")
+        if causes:
+            out("why:")
+            for cause in causes:
+                out(f"  - {cause.text}")
+        else:
+            out("why: none of the usual causes was seen (sharding, batch size, accumulation, BatchNorm, summed losses, "
+                "gradient sync, shared random streams, unused parameters, averaged metrics). Run again with --keep "
+                "and compare the records.")
+        return DIFFERENT
+    reasons = _unverified(many, one, nproc)
+    if wrong:
+        out(f"verdict: EQUAL numbers ({within}), but the records show a mistake that is wrong on any number of "
+            "processes:")
+        for text in [c.text for c in causes] + reasons:
+            out(f"  - {text}")
+        return DIFFERENT
+    if reasons:
+        out(f"verdict: UNVERIFIED - the numbers agree ({within}), but what the runs trained on could not be seen:")
+        for text in reasons + [c.text for c in causes]:
+            out(f"  - {text}")
+        return UNVERIFIED
+    if causes:  # numeric explanations only arise with a difference; kept so that nothing found goes unsaid
+        out(f"verdict: EQUAL ({within}), but:")
         for cause in causes:
-            out(f"  - {cause}")
-    else:
-        out("why: none of the usual causes was seen (sharding, batch size, BatchNorm, summed losses, shared random "
-            "streams, unused parameters, averaged metrics). Run again with --keep and compare the records.")
-    return 1
+            out(f"  - {cause.text}")
+        return EQUAL
+    out(f"verdict: EQUAL - {nproc} processes compute what 1 process computes ({within})")
+    return EQUAL
