@@ -236,11 +236,12 @@ def main() -> int:
     parser.add_argument("--records", type=Path)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--scale", type=int, default=1)
-    args = parser.parse_args()
+    args, _token = parser.parse_known_args()  # a test may append a token to find leftover processes
     run = mg.init(seed=0, timeout_s=60)
     if args.table:
         run_table(run, args.table.split(","), args.records, args.steps, args.scale)
     else:
+        run.print(f"check_mutants: training with bug {args.bug!r} on {run.world_size} process(es)")
         train(run, args.bug)
     return 0
 
