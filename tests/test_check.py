@@ -100,7 +100,7 @@ def table(tmp_path_factory) -> dict[str, tuple[int, str]]:
     from multigpu.diagnostics import check
 
     root = tmp_path_factory.mktemp("mutants")
-    cases = [*[b for b in BUGS], *CORRECT, "opaque_inputs"]
+    cases = [*BUGS, *CORRECT, "opaque_inputs", "per_rank_generator"]
     token = f"mgtest-table-{time.monotonic_ns()}"
     started = time.monotonic()
     try:
@@ -161,6 +161,13 @@ def test_a_world_size_dependent_accumulation_shows_both_global_batches(table):
 def test_a_script_whose_inputs_cannot_be_seen_is_unverified(table):
     code, report = table["opaque_inputs"]
     assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"unverified"}, report
+
+
+def test_batches_made_by_hand_with_a_generator_per_rank_are_named_as_unscaled(table):
+    """Right for training (every rank its own offsets), but the one-process run cannot get 2x the batch:
+    the check must say so - and not that the data is unsharded."""
+    code, report = table["per_rank_generator"]
+    assert code == 1 and verdict(report) == "DIFFERENT" and named(report) == {"unscaled"}, report
 
 
 # ------------------------------------------------------------------ end to end, through the command line

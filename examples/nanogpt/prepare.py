@@ -4,7 +4,7 @@ Writes what nanoGPT's character datasets write - ``train.bin`` and ``val.bin`` (
 90% / 10%) - and ``meta.json`` (the vocabulary; nanoGPT keeps it in a pickle, which a shared folder
 should not be trusted with).
 
-    python examples/nanogpt/prepare.py data/chars        # or let train.py do it (once, on rank 0)
+    python examples/nanogpt/prepare.py outputs/nanogpt/data   # or let train.py do it (once, on rank 0)
 """
 
 from __future__ import annotations
@@ -51,5 +51,5 @@ def prepare(folder: str | Path, chars: int = 200_000) -> Path:
 
 
 if __name__ == "__main__":
-    where = prepare(sys.argv[1] if len(sys.argv) > 1 else "data/chars")
+    where = prepare(sys.argv[1] if len(sys.argv) > 1 else "outputs/nanogpt/data")
     print(f"wrote {where}/train.bin, val.bin, meta.json")

@@ -47,7 +47,7 @@ eval_iters = 20
 eval_only = False
 always_save_checkpoint = False  # nanoGPT's default is True; here only an improved validation loss saves
 init_from = "scratch"  # 'scratch' or 'resume' (the newest checkpoint in out_dir that verifies)
-data_dir = "data/chars"  # made by prepare.py on first use
+data_dir = "outputs/nanogpt/data"  # made by prepare.py on first use
 gradient_accumulation_steps = 2  # multigpu: per process - the same on any number of processes
 batch_size = 8  # per process and micro-step
 block_size = 32
@@ -94,8 +94,8 @@ def configure(settings: dict, argv: list[str]) -> dict:
     return settings
 
 
-config = configure({k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))},
-                   sys.argv[1:])
+config = configure({k: v for k, v in globals().items()
+                    if not k.startswith("_") and isinstance(v, (int, float, bool, str))}, sys.argv[1:])
 globals().update(config)
 
 # multigpu: one line replaces init_process_group, LOCAL_RANK/WORLD_SIZE, set_device and the seeds.
@@ -161,7 +161,8 @@ if init_from == "resume":
     # multigpu: the newest checkpoint that verifies, the same on every rank; model and optimizer in place.
     state = run.load_checkpoint(ckpt_dir, model, optimizer)
     if state is None:
-        raise ConfigError(f"init_from='resume' but {ckpt_dir} holds no checkpoint.", "train with init_from='scratch' first.")
+        raise ConfigError(f"init_from='resume' but {ckpt_dir} holds no checkpoint.",
+                          "train with init_from='scratch' first.")
     iter_num, best_val_loss = state["iter_num"], state["best_val_loss"]
     train_loader.resume_at(*state["position"])
 

@@ -54,7 +54,9 @@ BUGS = {
 }
 CORRECT = ["none", "late_optimizer", "seq_first", "plain_backward", "accumulate", "nanogpt_toggle", "amp_clip",
            "scheduler_per_step", "trainer"]
-UNVERIFIABLE = ["opaque_inputs"]
+#: Right for training, but not what the check can compare: no tensor reaches the forward; batches made
+#: by hand with a generator per rank (the check cannot give its one-process run N times the batch).
+UNCHECKABLE = ["opaque_inputs", "per_rank_generator"]
 ACCUMULATING = {"accumulate", "nanogpt_toggle", "scheduler_per_micro", "scheduler_per_step", "no_sync_always",
                 "sync_toggle_wrong", "accum_div_world"}
 
@@ -89,10 +91,11 @@ def datasets(bug: str):
 
 def batches(run, bug: str, train: Dataset):
     """The batches of this rank, forever, from the source the bug calls for."""
-    if bug == "get_batch_one_seed":  # nanoGPT: ix = torch.randint(len(data) - block_size, (batch_size,))
+    if bug in ("get_batch_one_seed", "per_rank_generator"):  # nanoGPT: torch.randint(len(data) - block_size, ...)
         x, y = train.tensors
+        g = torch.Generator().manual_seed(1337 + run.rank) if bug == "per_rank_generator" else None
         while True:
-            ix = torch.randint(len(x), (8,))
+            ix = torch.randint(len(x), (8,), generator=g)
             yield x[ix], y[ix]
     batch = 16 // run.world_size if bug == "batch_div_world" else 8
     if bug == "plain_loader":
@@ -231,7 +234,7 @@ def run_table(run, cases: list[str], records: Path, steps: int, scale: int) -> N
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bug", default="none", choices=[*BUGS, *CORRECT, *UNVERIFIABLE])
+    parser.add_argument("--bug", default="none", choices=[*BUGS, *CORRECT, *UNCHECKABLE])
     parser.add_argument("--table", help="comma-separated cases, each recorded into --records/<case>")
     parser.add_argument("--records", type=Path)
     parser.add_argument("--steps", type=int, default=3)

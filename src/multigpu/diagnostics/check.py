@@ -203,6 +203,9 @@ def batch_shape(outcome: Outcome, step: int = 0) -> str:
     micro = str(forwards.pop()) if len(forwards) == 1 else "/".join(str(row["forwards"]) for row in rows)
     each = str(sizes.pop()) if len(sizes) == 1 else "+".join(str(s) for s in sorted(sizes))
     procs = f"{len(rows)} process{'es' if len(rows) > 1 else ''}"
+    missing = [str(r) for r, records in enumerate(outcome.ranks) if len(records) <= step]
+    if missing:
+        procs += f" (rank(s) {', '.join(missing)}: no step)"
     if not any(row["rows"] for row in rows) or not outcome.samples(step):
         return f"{procs} x {micro} micro-step(s), no sample counted"
     return f"{procs} x {micro} micro-step(s) x {each} samples = {outcome.samples(step)}"
@@ -218,8 +221,8 @@ def _rank_steps(many: Outcome) -> list[Cause]:
     ahead = [r for r, n in enumerate(counts) if n == most]
     return [Cause(BLOCKING, f"rank(s) {', '.join(map(str, behind))} stepped the optimizer "
                   f"{', '.join(str(counts[r]) for r in behind)} time(s) while rank(s) {', '.join(map(str, ahead))} "
-                  f"stepped it {most} time(s) over the same forward and backward passes: an optimizer step that only some ranks take "
-                  "(e.g. `if rank == 0: optimizer.step()`). Every rank must step, or the replicas drift apart "
+                  f"stepped it {most} time(s) over the same forward and backward passes: an optimizer step that "
+                  "only some ranks take (e.g. `if rank == 0: optimizer.step()`). Every rank must step, or the replicas drift apart "
                   "and the next all-reduce waits for ranks that are gone.")]
 
 
@@ -499,9 +502,12 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
     dtype = next((r[0].get("dtype") for r in one.ranks if r and r[0].get("dtype")), None) or "float32"
     tol = _tolerance(dtype, steps, tolerance)
     out(f"\nglobal batch of step 1:  {batch_shape(many)}   |   {batch_shape(one)}")
-    shown = min(many.most_steps, one.most_steps)
-    out(f"\n{'step':>4}  {'loss, ' + str(nproc) + ' procs':>15}  {'loss, 1 proc':>15}  {'rel. diff':>9}  samples")
-    worst_loss = 0.0
+    shown = min(many.steps, one.steps)  # steps every rank of both runs recorded
+    if shown:
+        out(f"\n{'step':>4}  {'loss, ' + str(nproc) + ' procs':>15}  {'loss, 1 proc':>15}  {'rel. diff':>9}  samples")
+    else:
+        out("\n(no step was recorded by every rank of both runs: nothing to compare step by step)")
+    worst_loss = 0.0 if shown else math.inf
     for i in range(shown):
         a, b = many.loss(i), one.loss(i)
         if a is None and b is None:
@@ -513,10 +519,10 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
         worst_loss = max(worst_loss, rel)
         out(f"{i + 1:>4}  {a if a is not None else float('nan'):>15.8g}  {b if b is not None else float('nan'):>15.8g}  "
             f"{rel:>9.2e}  {many.samples(i)} / {one.samples(i)}")
-    if all(many.loss(i) is None and one.loss(i) is None for i in range(shown)):
+    if shown and all(many.loss(i) is None and one.loss(i) is None for i in range(shown)):
         out("(no losses: nothing was backpropagated through a scalar loss; the weights decide)")
     weights_many, weights_one = many.weights(), one.weights()
-    worst_weight = math.inf
+    worst_weight = math.inf  # stays so when a run stopped before writing its weights ("a run stopped early")
     if weights_many is not None and weights_one is not None:
         rows = _weight_differences(weights_many, weights_one)
         worst = max(rows, key=lambda row: row[2]) if rows else ("-", 0.0, 0.0)
@@ -534,8 +540,17 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
             out(f"verdict: DIFFERENT - the numbers agree ({within}), but {nproc} processes do not train as one "
                 "process does:")
         else:
-            out(f"verdict: DIFFERENT - loss differs by up to {worst_loss:.3g}, weights by {worst_weight:.3g} "
-                f"(tolerance {tol:.2g}, {dtype}){'' if same_samples else '; the runs trained on different sample counts'}")
+            parts = []
+            if worst_loss > tol and shown:
+                parts.append(f"losses differ by up to {worst_loss:.3g}" if math.isfinite(worst_loss) else
+                             "a loss is NaN or infinite in one run only")
+            if weights_many is not None and weights_one is not None and worst_weight > tol:
+                parts.append(f"weights differ by up to {worst_weight:.3g}")
+            if not same_samples:
+                parts.append("the runs trained on different sample counts")
+            if not complete:
+                parts.append("a run stopped early")
+            out(f"verdict: DIFFERENT - {'; '.join(parts)} (tolerance {tol:.2g}, {dtype})")
         if causes:
             out("why:")
             for cause in causes:
