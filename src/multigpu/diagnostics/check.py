@@ -495,7 +495,11 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
                 "run it with `multigpu run` first.")
             return DID_NOT_RUN
     for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
-        if outcome.status != 0 or outcome.steps < steps:
+        if outcome.stranded:
+            out(f"the {label} run: rank(s) {', '.join(map(str, outcome.stranded))} went past step {steps} without "
+                f"stepping; the ranks that reached it left without them, so their next collective failed "
+                f"(exit {outcome.status}): {outcome.error_line()}")
+        elif outcome.status != 0 or outcome.steps < steps:
             out(f"the {label} run stopped after {outcome.steps} of {steps} step(s) (exit {outcome.status}): "
                 f"{outcome.error_line()}")
     causes = diagnose(many, one, nproc)
