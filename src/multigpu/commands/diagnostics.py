@@ -42,9 +42,9 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
                        epilog="examples:\n  multigpu check --nproc 2 --steps 5 train.py hparams.yaml\n"
                        "  multigpu check --nproc 4 -m mypkg.train --lr 3e-4\n"
                        "  multigpu check --nproc 2 --procs-per-gpu 2 train.py   (one GPU: two processes share it)\n\nExit 0: equal within a tolerance "
-                       "scaled to the dtype; 1: different, or equal numbers but a mistake found (the causes are printed); 2: "
-                       "the script did not run; 3: unverified (the numbers agree, but what the runs trained on could "
-                       "not be seen).",
+                       "scaled to the dtype; 1: different, or equal numbers but a mistake found (the causes are "
+                       "printed); 2: the script did not run; 3: unverified (the numbers agree, but what the runs "
+                       "trained on could not be seen).",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes to compare with one (default 2)")
     p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps in each run (default 5)")
