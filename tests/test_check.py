@@ -1,56 +1,239 @@
-"""`multigpu check` on a user's script: equal when it is right, and each usual mistake planted in
-turn is named by what the check measured (tests/scripts/check_target.py plants them)."""
+"""`multigpu check` on a user's script: EQUAL only when it is right, and every planted bug - each one
+that real programs have - is caught and named by what the check measured.
+
+The mutation table (tests/scripts/check_mutants.py) runs every case of a run in one launch: one
+2-process launch and one 1-process launch record all cases with the check's own recorder, and the
+check's own report compares them case by case (~30 s for 30 cases instead of ~15 s per case). The
+cases that need a launch of their own (a rank that stops stepping, the command line itself, the
+nanoGPT example) run through `multigpu check` end to end.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
 
-from conftest import SCRIPTS, multigpu
+from conftest import PY, REPO, SCRIPTS, child_env, kill_all, multigpu, wait_until_gone
 
-pytestmark = pytest.mark.timeout(240)
-TARGET = str(SCRIPTS / "check_target.py")
+pytestmark = pytest.mark.timeout(300)
+MUTANTS = str(SCRIPTS / "check_mutants.py")
+STEPS = 3
+
+#: Distinctive words of each cause the check can name.
+CAUSES = {
+    "rank_steps": "stepped the optimizer",
+    "inputs": "trained on identical inputs",
+    "unscaled": "its batch was not scaled",
+    "accumulation": "micro-steps per optimizer step depend on the number of processes",
+    "batch": "batch per process depends on the number of processes",
+    "padding": "drop_last or the sampler's padding",
+    "batchnorm": "BatchNorm layer(s)",
+    "summed_loss": "is 1/2 of one process's",
+    "scaled_update": "the first update on 2 processes is",
+    "random": "every rank draws the same random numbers",
+    "never_synced": "ran under no_sync",
+    "last_unsynced": "ran without gradient sync while an earlier one synced",
+    "bypass": "around the object run.setup returned",
+    "outside": "not in the model given to run.setup",
+    "diverged": "the ranks' weights differ",
+    "unused": "got no gradient",
+    "clip": "clipped while still multiplied by the GradScaler's scale",
+    "scheduler": "LR scheduler stepped 2 times per optimizer step",
+    "metric": "a metric is averaged over the ranks' means",
+    "unverified": "no sample was counted",
+}
+
+#: bug -> (the verdict, exactly the causes it must name). "EQUAL numbers" (exit 1): both runs make the
+#: mistake, so the numbers agree, but it is wrong on any number of processes.
+BUGS = {
+    "get_batch_one_seed": ("DIFFERENT", {"inputs", "unscaled", "random"}),
+    "accum_div_world": ("DIFFERENT", {"accumulation"}),
+    "batch_div_world": ("DIFFERENT", {"batch"}),
+    "sum_loss": ("DIFFERENT", {"summed_loss", "scaled_update"}),
+    "loss_div_world": ("DIFFERENT", {"summed_loss", "scaled_update"}),
+    "grad_sum": ("DIFFERENT", {"scaled_update"}),
+    "batchnorm": ("DIFFERENT", {"batchnorm"}),
+    "mean_of_means": ("EQUAL numbers", {"metric"}),
+    "plain_loader": ("DIFFERENT", {"inputs", "unscaled"}),
+    "clip_before_unscale": ("EQUAL numbers", {"clip"}),
+    "scheduler_per_micro": ("EQUAL numbers", {"scheduler"}),
+    "dropout_one_generator": ("DIFFERENT", {"random"}),
+    "noise_same_seed": ("DIFFERENT", {"random"}),
+    "no_sync_always": ("DIFFERENT", {"never_synced"}),
+    "sync_toggle_wrong": ("DIFFERENT", {"last_unsynced"}),
+    "late_layer": ("DIFFERENT", {"outside"}),
+    "bypass_wrapper": ("DIFFERENT", {"bypass"}),
+    "unused": ("DIFFERENT", {"unused"}),
+    "drop_last_padding": ("DIFFERENT", {"padding"}),
+}
+CORRECT = ["none", "late_optimizer", "seq_first", "plain_backward", "accumulate", "nanogpt_toggle", "amp_clip",
+           "scheduler_per_step", "trainer"]
+EXIT = {"EQUAL": 0, "DIFFERENT": 1, "EQUAL numbers": 1, "UNVERIFIED": 3}
 
 
-@pytest.mark.parametrize("extra", [[], ["--trainer"], ["--plant", "late_optimizer"], ["--plant", "seq_first"],
-                                   ["--plant", "plain_backward"]],
-                         ids=["own-loop", "trainer", "optimizer-after-setup", "seq-first-input", "loss-backward"])
-def test_a_correct_script_is_equal_on_two_processes_and_one(extra):
-    proc = multigpu("check", "--nproc", "2", "--steps", "4", TARGET, *extra, timeout=200)
+def named(report: str) -> set[str]:
+    """The causes a report names, by their distinctive words."""
+    listed = "\n".join(line for line in report.splitlines() if line.startswith("  - "))
+    return {key for key, words in CAUSES.items() if words in listed}
+
+
+def verdict(report: str) -> str:
+    line = next(line for line in report.splitlines() if line.startswith("verdict: "))
+    return "EQUAL numbers" if line.startswith("verdict: EQUAL numbers") else line.split()[1]
+
+
+def _launch(nproc: int, scale: int, cases: list[str], records: Path, token: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "multigpu", "run", "--nproc", str(nproc), "--tee-prefix", "never", MUTANTS,
+                           "--table", ",".join(cases), "--records", str(records), "--steps", str(STEPS),
+                           "--scale", str(scale), token], capture_output=True, text=True, timeout=240, env=child_env(),
+                          cwd=str(REPO))
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Every case's (exit status, report), from one 2-process and one 1-process launch."""
+    from multigpu.diagnostics import check
+
+    root = tmp_path_factory.mktemp("mutants")
+    cases = [*BUGS, *CORRECT, "opaque_inputs", "per_rank_generator"]
+    token = f"mgtest-table-{time.monotonic_ns()}"
+    started = time.monotonic()
+    try:
+        for nproc, scale in ((2, 1), (1, 2)):
+            proc = _launch(nproc, scale, cases, root / f"n{nproc}", token)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        left = wait_until_gone(token, timeout=15)
+        kill_all(left)
+    assert not left, f"processes left behind: {left}"
+
+    def outcome(folder: Path):
+        statuses = [json.loads(p.read_text()) for p in sorted(folder.glob("status.rank*.json"))]
+        return check.Outcome.read(folder, max(s["status"] for s in statuses),
+                                  "\n".join(s["error"] for s in statuses if s["error"]))
+
+    reports = {}
+    for case in cases:
+        lines: list[str] = []
+        code = check.report(outcome(root / "n2" / case), outcome(root / "n1" / case), 2, STEPS, None, lines.append)
+        reports[case] = (code, "\n".join(lines))
+    print(f"mutation table: {len(cases)} cases in {time.monotonic() - started:.1f} s")
+    return reports
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_a_planted_bug_is_caught_and_named(table, bug):
+    code, report = table[bug]
+    expected_verdict, expected_causes = BUGS[bug]
+    assert verdict(report) == expected_verdict and code == EXIT[expected_verdict], report
+    assert named(report) == expected_causes, report
+
+
+@pytest.mark.parametrize("variant", CORRECT)
+def test_a_correct_variant_is_equal(table, variant):
+    code, report = table[variant]
+    assert code == 0 and "verdict: EQUAL - 2 processes compute what 1 process computes" in report, report
+    assert not named(report), report
+    assert re.search(r"^\s+1 .* (16 / 16|32 / 32)$", report, re.M), report  # samples counted in both runs
+
+
+def test_the_loss_shown_is_the_scripts_own_undivided_by_accumulation(table):
+    """Accumulating over 2 micro-steps with loss / 2 (nanoGPT, the Trainer): the step's loss is their
+    sum - the cross-entropy of 3 classes at initialisation, ~1.1, not ~0.55."""
+    for variant in ("accumulate", "nanogpt_toggle", "trainer"):
+        first = next(line for line in table[variant][1].splitlines() if re.match(r"\s+1\s", line))
+        many, one = float(first.split()[1]), float(first.split()[2])
+        assert 0.9 < many < 1.4 and 0.9 < one < 1.4, table[variant][1]
+    assert "2 processes x 2 micro-step(s) x 8 samples = 32   |   1 process x 2 micro-step(s) x 16 samples = 32" in \
+        table["accumulate"][1]
+
+
+def test_a_world_size_dependent_accumulation_shows_both_global_batches(table):
+    assert "2 processes x 1 micro-step(s) x 8 samples = 16   |   1 process x 2 micro-step(s) x 16 samples = 32" in \
+        table["accum_div_world"][1]
+
+
+def test_a_script_whose_inputs_cannot_be_seen_is_unverified(table):
+    code, report = table["opaque_inputs"]
+    assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"unverified"}, report
+
+
+def test_batches_made_by_hand_with_a_generator_per_rank_are_named_as_unscaled(table):
+    """Right for training (every rank its own offsets), but the one-process run cannot get 2x the batch:
+    the check must say so - and not that the data is unsharded."""
+    code, report = table["per_rank_generator"]
+    assert code == 1 and verdict(report) == "DIFFERENT" and named(report) == {"unscaled"}, report
+
+
+# ------------------------------------------------------------------ end to end, through the command line
+
+
+def test_a_correct_script_is_equal_and_its_own_output_is_shown(no_leftovers):
+    proc = multigpu("check", "--nproc", "2", "--steps", str(STEPS), "--show-output", MUTANTS, no_leftovers,
+                    timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "verdict: EQUAL" in proc.stdout and "16 / 16" in proc.stdout
-    assert ("(no losses" in proc.stdout) == ("plain_backward" in extra)
+    assert "verdict: EQUAL - 2 processes compute" in proc.stdout
+    assert "check_mutants: training with bug 'none' on 2 process(es)" in proc.stdout
+    assert "check_mutants: training with bug 'none' on 1 process(es)" in proc.stdout
 
 
-@pytest.mark.parametrize("plant, steps, expected", [
-    ("unsharded", 3, "every rank trained on the same batches"),
-    ("batchnorm", 3, "BatchNorm layer(s) (body.1)"),
-    ("sum_loss", 3, "is 1/2 of one process's"),
-    ("grad_sum", 3, "the first update on 2 processes is 2x"),
-    ("same_seed", 3, "every rank draws the same random numbers"),
-    ("unused", 3, "2 parameter(s) got no gradient in step 1 on 2 processes (spare.weight, spare.bias)"),
-    ("mean_of_means", 3, "a metric is averaged over the ranks' means"),
-    ("drop_last_padding", 7, "step 7: 2 processes saw 6 samples, one process 5"),
-])
-def test_a_planted_mistake_is_found_and_named(plant, steps, expected):
-    proc = multigpu("check", "--nproc", "2", "--steps", str(steps), TARGET, "--plant", plant, timeout=200)
+def test_a_plain_dataloader_beside_an_unused_run_loader_is_different(no_leftovers):
+    """The issue's case: run.loader built, a plain DataLoader used - every rank trains on the same data."""
+    proc = multigpu("check", "--nproc", "2", "--steps", str(STEPS), MUTANTS, "--bug", "plain_loader", no_leftovers,
+                    timeout=200)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert expected in proc.stdout, proc.stdout
-    causes = [line for line in proc.stdout.splitlines() if line.startswith("  - ")]
-    assert 1 <= len(causes) <= 2, proc.stdout  # the cause, not a list of every possible one
+    assert "verdict: DIFFERENT" in proc.stdout and "16 / 8" in proc.stdout
+    assert named(proc.stdout) == {"inputs", "unscaled"}, proc.stdout
 
 
-def test_a_planted_batchnorm_in_the_trainer_is_found():
-    proc = multigpu("check", "--nproc", "2", "--steps", "3", TARGET, "--plant", "batchnorm", "--trainer", timeout=200)
-    assert proc.returncode == 1 and "BatchNorm" in proc.stdout
+def test_an_optimizer_step_on_rank_0_only_is_named(no_leftovers):
+    """Rank 1 never steps: rank 0 stops at step K, sees rank 1 go past without stepping, and leaves
+    without the goodbye barrier; rank 1's next all-reduce fails at once instead of waiting."""
+    proc = multigpu("check", "--nproc", "2", "--steps", str(STEPS), MUTANTS, "--bug", "rank0_step", no_leftovers,
+                    timeout=200)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "rank(s) 1 stepped the optimizer 0 time(s) while rank(s) 0 stepped it 3 time(s)" in proc.stdout
+    assert named(proc.stdout) == {"rank_steps"}, proc.stdout
 
 
-def test_a_script_that_never_steps_is_refused_with_a_hint(tmp_path):
+def test_a_script_that_never_steps_is_refused_with_a_hint(tmp_path, no_leftovers):
     script = tmp_path / "plain.py"
     script.write_text("print('no training here')\n")
-    proc = multigpu("check", "--nproc", "2", str(script), timeout=120)
+    proc = multigpu("check", "--nproc", "2", str(script), no_leftovers, timeout=120)
     assert proc.returncode == 2 and "recorded no step" in proc.stdout and "HINT:" in proc.stdout
     bad = multigpu("check", "--nproc", "1", str(script))
     assert bad.returncode == 2 and "multigpu: error: --nproc" in bad.stderr
+
+
+def test_the_nanogpt_port_trains_on_two_processes_and_checks_equal(tmp_path, no_leftovers):
+    """examples/nanogpt: a few iterations on 2 CPU processes (evaluation, a checkpoint, a resume),
+    then `multigpu check` says EQUAL."""
+    train = str(REPO / "examples" / "nanogpt" / "train.py")
+    data, out = f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / no_leftovers}"
+    first = multigpu("run", "--nproc", "2", train, data, out, "--max_iters=2", "--eval_interval=2", timeout=200)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "step 2: train loss" in first.stdout and "saved a checkpoint" in first.stdout and "sample:" in first.stdout
+    resumed = multigpu("run", "--nproc", "2", train, data, out, "--max_iters=3", "--eval_interval=2",
+                       "--log_interval=1", "--init_from=resume", timeout=200)
+    assert resumed.returncode == 0 and "iter 2: loss" in resumed.stdout, resumed.stdout + resumed.stderr
+    proc = multigpu("check", "--nproc", "2", "--steps", str(STEPS), train, data, out, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: EQUAL - 2 processes compute" in proc.stdout
+    assert "2 processes x 2 micro-step(s) x 8 samples = 32   |   1 process x 2 micro-step(s) x 16 samples = 32" in \
+        proc.stdout
+
+
+def test_a_bad_nanogpt_setting_is_one_line(tmp_path):
+    proc = multigpu("run", "--nproc", "1", str(REPO / "examples" / "nanogpt" / "train.py"), "--max_itres=3",
+                    timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("multigpu: error:")]
+    assert "--max_itres is not a setting" in line and "HINT:" in line
 
 
 # ------------------------------------------------------------------ multigpu doctor on this machine

@@ -365,6 +365,8 @@ CASES = [
     Case("check-steps-zero", ["check", "--steps", "0", "s.py"], "--steps 0", write("s.py", "")),
     Case("check-tolerance-nan", ["check", "--tolerance", "nan", "s.py"], "--tolerance nan", write("s.py", "")),
     Case("check-missing-script", ["check", "nothere.py"], "does not exist"),
+    Case("check-show-output-value", ["check", "--show-output=yes", "s.py"], "--show-output: ignored explicit argument",
+         write("s.py", "")),
     Case("doctor-sizes-text", ["doctor", "--sizes", "1,lots"], "--sizes"),
     Case("doctor-disk-nan", ["doctor", "--checkpoint-gb", "nan"], "--checkpoint-gb nan"),
     Case("doctor-skew-negative", ["doctor", "--max-clock-skew", "-1"], "--max-clock-skew -1"),

@@ -23,7 +23,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
-from multigpu.errors import ConfigError, visible
+from multigpu.errors import ConfigError, shown, visible
 from multigpu.fileio import Folder, UnsafePath
 
 KINDS = ("step", "epoch")
@@ -256,13 +256,13 @@ class MLflowLogger:
             # a tracking URI of the user's own (a server, sqlite:///...) is used as given.
             uri = root.child("mlruns").path.as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=uri)
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "multigpu")
         try:
+            self.client = MlflowClient(tracking_uri=uri)
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
         except Exception as exc:  # an unreachable server, a refused store: MLflow's own exception types
-            raise ConfigError(f"loggers: mlflow could not reach {uri}: {' '.join(str(exc).split())[:300]}",
+            raise ConfigError(f"loggers: mlflow could not reach {shown(uri)}: {shown(' '.join(str(exc).split()), 300)}",
                               "check MLFLOW_TRACKING_URI (unset: a file store in the run folder), or drop mlflow "
                               "from loggers.") from None
         run_id = _run_id(root, ".mlflow_run_id")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.loggers import CSV_FILES, read_csv
 
@@ -43,17 +43,29 @@ def find_runs(paths: Sequence[str | Path]) -> list[Path]:
     return runs
 
 
+#: Steps and values beyond this are not plotted (a forged 1e308 would make no axis at all).
+MAX_ABS = 1e15
+
+
 def _series(rows: list[dict[str, str]], key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for row in rows:
         try:
             x, y = float(row.get("step") or "nan"), float(row.get(key) or "nan")
-        except ValueError:
+        except (ValueError, TypeError):
             continue
-        if math.isfinite(x) and math.isfinite(y):
+        if math.isfinite(x) and math.isfinite(y) and abs(x) <= MAX_ABS and abs(y) <= MAX_ABS:
             xs.append(x)
             ys.append(y)
     return xs, ys
+
+
+def label(text: str) -> str:
+    """A name from a folder or a CSV header as plain text on a figure: never matplotlib's mathtext (a
+    ``$`` pair is parsed as TeX: a forged name crashes or recurses the parser), no control characters,
+    no bytes that are not text, at most 60 characters."""
+    text = visible(text.encode("utf-8", errors="replace").decode("utf-8"))[:60]
+    return text.replace("$", r"\$")
 
 
 def _metric_of(rows: list[dict[str, str]], preferred: Optional[str]) -> Optional[str]:
@@ -69,39 +81,48 @@ def plot_runs(runs: Sequence[Path], out: Path, metric: Optional[str] = None) -> 
     if metric is not None:
         columns = {k for folder in runs for row in read_csv(folder / CSV_FILES["epoch"])[:1] for k in row}
         if metric not in columns:
-            raise ConfigError(f"--metric {metric!r} is not a column of the runs' metrics.csv.",
-                              f"choose from {', '.join(sorted(c for c in columns if c not in ('step', 'epoch')))[:300]}.")
+            shown_columns = ", ".join(sorted(visible(c) for c in columns if c not in ("step", "epoch")))
+            raise ConfigError(f"--metric {shown(metric)} is not a column of the runs' metrics.csv.",
+                              f"choose from {shown_columns[:300]}.")
     # (checked before importing matplotlib, which writes its font cache on first import)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
+    try:
+        return _draw(Figure, FigureCanvasAgg, runs, out, metric)
+    except (ValueError, OverflowError, RecursionError, TypeError, RuntimeError) as exc:  # matplotlib's own errors
+        raise ConfigError(f"could not draw the curves: {type(exc).__name__}: {shown(str(exc), 120)}",
+                          "the runs' metrics files hold values matplotlib cannot draw; check them.") from None
+
+
+def _draw(Figure: Any, FigureCanvasAgg: Any, runs: Sequence[Path], out: Path, metric: Optional[str]) -> Path:
     figure = Figure(figsize=SIZE_IN, dpi=DPI)
     FigureCanvasAgg(figure)
     loss_axes, metric_axes = figure.subplots(1, 2)
     chosen = None
     for index, folder in enumerate(runs):
         color = f"C{index % 10}"
-        label = folder.name if len(runs) > 1 else "train"
+        name = label(folder.name) if len(runs) > 1 else "train"
         steps, epochs = read_csv(folder / CSV_FILES["step"]), read_csv(folder / CSV_FILES["epoch"])
         xs, ys = _series(steps, "loss")
         if xs:
-            loss_axes.plot(xs, ys, color=color, alpha=0.45, linewidth=0.8, label=f"{label} (steps)")
+            loss_axes.plot(xs, ys, color=color, alpha=0.45, linewidth=0.8, label=f"{name} (steps)")
         xs, ys = _series(epochs, "train_loss")
         if xs:
-            loss_axes.plot(xs, ys, color=color, linewidth=1.6, label=f"{label} train" if len(runs) > 1 else "train (epochs)")
+            loss_axes.plot(xs, ys, color=color, linewidth=1.6, label=f"{name} train" if len(runs) > 1 else "train (epochs)")
         xs, ys = _series(epochs, "valid_loss")
         if xs:
             loss_axes.plot(xs, ys, color=color, linestyle="--", marker="o", markersize=3,
-                           label=f"{label} valid" if len(runs) > 1 else "valid")
+                           label=f"{name} valid" if len(runs) > 1 else "valid")
         key = _metric_of(epochs, metric)
         if key is not None:
             chosen = chosen or key
             xs, ys = _series(epochs, key)
-            metric_axes.plot(xs, ys, color=color, marker="o", markersize=3, label=folder.name)
+            metric_axes.plot(xs, ys, color=color, marker="o", markersize=3, label=label(folder.name))
     loss_axes.set(title="loss", xlabel="optimizer step")
-    metric_axes.set(title=chosen or "no validation metric", xlabel="optimizer step")
+    metric_axes.set(title=label(chosen) if chosen else "no validation metric", xlabel="optimizer step")
     for axes in (loss_axes, metric_axes):
         axes.grid(alpha=0.3)
         if axes.get_legend_handles_labels()[0]:

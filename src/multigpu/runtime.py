@@ -468,7 +468,7 @@ def init(
     settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
     session = DistSession(world, devices[0], settings).start()
     run = Run(world=world, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,
-              seed=seed, same_random_streams=same_random_streams, probe=check_probe.from_environment(world.rank))
+              seed=seed, same_random_streams=same_random_streams, probe=check_probe.from_world(world))
     atexit.register(run.close)
     interrupt.install(run.guards, world.is_distributed)
     if seed is not None:

@@ -7,7 +7,7 @@ import argparse
 
 from multigpu import validate
 from multigpu.commands.launching import add_launch_flags
-from multigpu.errors import ConfigError, LaunchError
+from multigpu.errors import ConfigError, LaunchError, visible
 
 
 def add_env_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +41,9 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
                        epilog="examples:\n  multigpu check --nproc 2 --steps 5 train.py hparams.yaml\n"
                        "  multigpu check --nproc 4 -m mypkg.train --lr 3e-4\n"
                        "  multigpu check --nproc 2 --procs-per-gpu 2 train.py   (one GPU: two processes share it)\n\nExit 0: equal within a tolerance "
-                       "scaled to the dtype; 1: different (with the causes found); 2: the script did not run.",
+                       "scaled to the dtype; 1: different, or equal numbers but a mistake found (the causes are "
+                       "printed); 2: the script did not run; 3: unverified (the numbers agree, but what the runs "
+                       "trained on could not be seen).",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes to compare with one (default 2)")
     p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps in each run (default 5)")
@@ -50,6 +52,8 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
                    help="the N processes share the GPUs, K to a GPU (one GPU: --nproc 2 --procs-per-gpu 2; default 1)")
     p.add_argument("--tolerance", type=float, metavar="T", help="relative tolerance (default: from the dtype)")
     p.add_argument("--keep", action="store_true", help="keep the per-step records")
+    p.add_argument("--show-output", action="store_true",
+                   help="print the script's own output (stdout and stderr) of both runs before the comparison")
     p.add_argument("--timeout", type=int, default=600, metavar="S", help="seconds each run may take (default 600)")
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
@@ -67,7 +71,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     command = split_command(None if args.module else args.script, args.script if args.module else None,
                             args.script_args)
     return check(list(command), args.nproc, args.steps, cpu=args.cpu, tolerance=args.tolerance, keep=args.keep,
-                 timeout_s=args.timeout, out=lambda line: print(line, flush=True), procs_per_gpu=args.procs_per_gpu)
+                 timeout_s=args.timeout, out=lambda line: print(line, flush=True), procs_per_gpu=args.procs_per_gpu,
+                 show_output=args.show_output)
 
 
 DOCTOR_EXAMPLES = """\
@@ -196,5 +201,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if out.suffix.lower() != ".png":
         raise ConfigError(f"--out {out} does not end in .png.", "give a file name like curves.png.")
     plot_runs(runs, out, args.metric)
-    print(f"wrote {out} ({len(runs)} run(s): {', '.join(r.name for r in runs[:8])}{', ...' if len(runs) > 8 else ''})")
+    names = ", ".join(visible(r.name) for r in runs[:8])
+    print(f"wrote {visible(str(out))} ({len(runs)} run(s): {names}{', ...' if len(runs) > 8 else ''})")
     return 0

@@ -29,6 +29,11 @@ SLURM_PORT_SPAN = 20000
 #: Set by ``multigpu queue`` for each run: the folder the run may write in. A Trainer's out_dir or a
 #: checkpoint folder outside it (chosen by a runs file someone handed you) is refused.
 RUN_DIR_VAR = "MULTIGPU_RUN_DIR"
+#: Set by ``multigpu check`` for the runs it starts: where the recorder writes, after how many optimizer
+#: steps the run ends, and by how much the one-process run's loaders scale their batch.
+CHECK_DIR_VAR = "MULTIGPU_CHECK_DIR"
+CHECK_STEPS_VAR = "MULTIGPU_CHECK_STEPS"
+CHECK_SCALE_VAR = "MULTIGPU_CHECK_BATCH_SCALE"
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,10 @@ class World:
     slurm_job_id: str = ""
     #: The folder a queue run may write in (None: not started by ``multigpu queue``).
     run_dir: Optional[str] = None
+    #: ``multigpu check``'s request: where to record (None: not a check), steps, batch scale.
+    check_dir: Optional[str] = None
+    check_steps: int = 5
+    check_scale: int = 1
 
     @property
     def is_distributed(self) -> bool:
@@ -128,7 +137,12 @@ def _common(env: Env) -> dict:
         if not 0 < fraction <= 1:  # NaN fails too
             raise WorldError(f"{MEMORY_FRACTION_VAR}={raw[:40]!r} is not a share between 0 and 1.",
                              "it is set by `multigpu queue --runs-per-gpu`; unset it when running by hand.")
-    return {"devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
+    check_steps, check_scale = _int(env, CHECK_STEPS_VAR, 5), _int(env, CHECK_SCALE_VAR, 1)
+    if not (0 < check_steps <= 10_000 and 0 < check_scale <= 4096):
+        raise WorldError(f"{CHECK_STEPS_VAR}={check_steps} / {CHECK_SCALE_VAR}={check_scale} are out of range.",
+                         "they are set by `multigpu check`; unset them when running by hand.")
+    return {"check_dir": env.get(CHECK_DIR_VAR) or None, "check_steps": check_steps, "check_scale": check_scale,
+            "devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
             "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "run_dir": env.get(RUN_DIR_VAR) or None}
 

@@ -1,30 +1,48 @@
 """The in-process half of ``multigpu check``: records what each training step did, then ends the run.
 
-Why inside the script: the check must run the user's own code, unchanged, and still see each step's
-loss, how many samples each rank got, whether ranks saw the same inputs or drew the same random
-numbers, which parameters got no gradient, and the weights after K steps. ``mg.init`` creates a
-:class:`Probe` only when ``multigpu check`` set :data:`DIR_VAR`; otherwise ``run.probe`` is None and
-costs one attribute test per backward.
+Why inside the script: the check must run the user's own code, unchanged, and still see what each
+step trained on - how many forward passes (micro-steps) it made and how many samples each held, a
+digest of every rank's inputs, the random state, whether the gradients were synchronised, each step's
+loss, which parameters got no gradient, and the weights. ``mg.init`` creates a :class:`Probe` only when
+``multigpu check`` set :data:`DIR_VAR`; otherwise ``run.probe`` is None and costs one attribute test per
+backward.
+
+What is counted where, and why there:
+
+- samples, micro-steps, input digests, gradient sync: at the *model's* forward (a pre-hook on what
+  ``run.setup`` returned), whatever produced the batch - ``run.loader``, a plain DataLoader, random
+  offsets (nanoGPT's ``get_batch``). A loader built by ``run.loader`` only tells the forward where the
+  batch dimension is (a ``(time, batch, ...)`` input);
+- the loss: every value given to a backward (``run.backward``, the Trainer, or ``loss.backward()``
+  itself), divided back by a GradScaler's scale; a step's loss is their sum, so a loss divided by the
+  accumulation steps (nanoGPT, the Trainer) sums back to the script's own loss;
+- mistakes that are wrong on any number of processes: gradients clipped while a GradScaler still
+  scales them, an LR scheduler stepped on every micro-step, a metric averaged over the ranks' means.
 
 What it changes, identically in both runs of the check: dropout is switched off (``p = 0``) so that
 N processes and one process compute the same function, and loaders built by ``run.loader`` (the
-Trainer's included) get ``batch x SCALE`` samples per step in the one-process run.
+Trainer's included) get ``batch x SCALE`` samples per step in the one-process run. Every patch and
+hook is removed again when the probe closes (after the K-th step).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-DIR_VAR = "MULTIGPU_CHECK_DIR"
-STEPS_VAR = "MULTIGPU_CHECK_STEPS"
-SCALE_VAR = "MULTIGPU_CHECK_BATCH_SCALE"
+from multigpu.fileio import Folder
+
+#: After its K-th step a rank waits this long at most for the others to reach theirs (they normally
+#: arrive within milliseconds: the K-th step follows the same all-reduce on every rank).
+PEER_WAIT_S = 60.0
+#: Elements of a tensor that go into its digest (enough to tell batches or replicas apart).
+DIGEST_LIMIT = 1 << 20
 
 
 class CheckDone(SystemExit):
@@ -34,62 +52,105 @@ class CheckDone(SystemExit):
         super().__init__(0)
 
 
-def from_environment(rank: int) -> Optional["Probe"]:
-    folder = os.environ.get(DIR_VAR)
-    if not folder:
+def from_world(world: Any) -> Optional["Probe"]:
+    """The recorder ``multigpu check`` asked for (its request is part of the World), or None."""
+    if not world.check_dir:
         return None
-    return Probe(Path(folder), rank, steps=int(os.environ.get(STEPS_VAR, "5")),
-                 scale=int(os.environ.get(SCALE_VAR, "1")))
+    return Probe(Path(world.check_dir), world.rank, steps=world.check_steps, scale=world.check_scale)
+
+
+def _tensors(value: Any, found: list, depth: int = 0) -> list:
+    """Every tensor in a (nested) batch: tensors, mappings, sequences, dataclass-like objects."""
+    if depth > 6 or len(found) > 64:
+        return found
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, found, depth + 1)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            _tensors(getattr(value, name, None), found, depth + 1)
+    return found
 
 
 def _first_tensor(value: Any) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
+    found = _tensors(value, [])
+    return found[0] if found else None
 
 
-def _digest(tensor: torch.Tensor, limit: int = 1 << 20) -> str:
-    flat = tensor.detach().reshape(-1)[:limit].cpu()
-    return hashlib.sha256(flat.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+def _digest(tensors: list) -> str:
+    """One digest of the bytes of every tensor given (each cut at :data:`DIGEST_LIMIT` elements)."""
+    h = hashlib.sha256()
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)[:DIGEST_LIMIT].cpu().contiguous()
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def _rng_digest(device: Optional[torch.device]) -> str:
+    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    if device is not None and device.type == "cuda":
+        h.update(torch.cuda.get_rng_state(device).numpy().tobytes())  # dropout on a GPU draws from its generator
+    return h.hexdigest()[:16]
 
 
 class Probe:
-    """Per-rank recorder: one JSON line per optimizer step in ``DIR/rank<R>.jsonl``; rank 0 saves
-    the weights after the last step to ``DIR/weights.pt`` (and a ``model.json`` with the layers found)."""
+    """Per-rank recorder: one JSON line per optimizer step in ``DIR/rank<R>.jsonl``; rank 0 saves the
+    weights after setup, step 1 and step K (``weights0.pt``, ``weights1.pt``, ``weights.pt``) and a
+    ``model.json`` with the layers found."""
 
     def __init__(self, folder: Path, rank: int, steps: int, scale: int) -> None:
         self.folder, self.rank, self.steps, self.scale = folder, rank, steps, scale
-        folder.mkdir(parents=True, exist_ok=True)
-        self._log = open(folder / f"rank{rank}.jsonl", "w", encoding="utf-8")
+        self.records = Folder(folder).create()  # check's own temporary folder (mkdtemp), via the file door
+        self._log = self.records.open_append(f"rank{rank}.jsonl")
         self.step = 0
-        self._losses: list[float] = []
-        self._samples = 0
-        self._inputs: list[str] = []
-        self._rng: list[str] = []
-        self._used: set[int] = set()
+        self.world_size = 1
         self._names: dict[int, str] = {}
+        self._used: set[int] = set()
         self._model: Optional[nn.Module] = None
+        self._inner: Optional[nn.Module] = None
         self._run: Any = None
+        self._replicated = False
         self._compute_dtype: Optional[str] = None
         self._eval_samples = 0
         self._averaged_scalars = 0
-        self._loader_samples = False  # True once a run.loader loader counts the samples
+        self._total_forwards = 0
+        self._loader_rows: Optional[int] = None  # the last run.loader batch's size: where the batch dimension is
+        self._explicit_losses = False  # run.backward / the Trainer report losses: the backward patch stays quiet
+        self._scalers: list = []
+        self._undo: list[Callable[[], None]] = []
+        self._closed = False
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self._losses: list[float] = []
+        self._rows: list[int] = []
+        self._inputs: list[str] = []
+        self._rng: list[str] = []
+        self._sync: list[Optional[bool]] = []
+        self._loader_batches: list[int] = []
+        self._inner_forwards = 0
+        self._scheduler_steps = 0
+        self._clipped_scaled = 0
+        self._scaled: dict[int, float] = {}
 
     # ------------------------------------------------------------------ attach
     def attach(self, run: Any, wrapped: nn.Module, inner: nn.Module, optimizer: Any) -> None:
         """Called by ``run.setup``: hooks on the model and on every optimizer's step, dropout off, the
         layers noted. Only the first model set up is compared (a second one - a teacher, a GAN's other
         half - still trains, and every ``optimizer.step()`` of any optimizer counts as a step)."""
-        if self._model is not None:
+        if self._model is not None or self._closed:
             return
-        self._run, self._model = run, wrapped
+        self._run, self._model, self._inner = run, wrapped, inner
+        self.world_size = run.world_size
+        strategy = getattr(run.strategy, "name", "?")
+        # Replicas (plain DDP) must hold bitwise-equal weights after every step; sharded strategies do not.
+        self._replicated = strategy == "ddp" and not getattr(run.strategy, "sharded", False)
         dropouts = 0
         for module in inner.modules():
             if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
@@ -100,51 +161,135 @@ class Probe:
         for name, param in inner.named_parameters():
             if param.requires_grad:
                 self._names[id(param)] = name
-                param.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
-        wrapped.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+                handle = param.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
+                self._undo.append(handle.remove)
+        self._undo.append(wrapped.register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
+        if inner is not wrapped:  # calls that go around the wrapper (model.module(x)) reach only this one
+            self._undo.append(inner.register_forward_pre_hook(self._on_inner_forward).remove)
         # Global: also an optimizer built after run.setup (`model, _ = run.setup(model)`; opt = SGD(...)).
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        register_optimizer_step_post_hook(lambda opt, args, kwargs: self._on_step())
-        self._watch_averages()
+        self._undo.append(register_optimizer_step_post_hook(lambda opt, args, kwargs: self._on_step(opt)).remove)
+        self._patch_all_reduce()
+        self._patch_backward()
+        self._patch_scaler()
+        self._patch_clipping()
+        self._patch_schedulers()
         self._save_weights("weights0.pt")  # a collective for sharded models: every rank is in setup
         if self.rank == 0:
-            (self.folder / "model.json").write_text(json.dumps({
+            self.records.write_atomic("model.json", json.dumps({
                 "dropouts_disabled": dropouts, "batchnorms": batchnorms[:20], "batchnorm_count": len(batchnorms),
                 "scale": self.scale, "world_size": run.world_size, "dp_size": run.dp_size,
-                "strategy": getattr(run.strategy, "name", "?")}))
+                "strategy": strategy, "replicated": self._replicated}))
 
-    # ------------------------------------------------------------------ hooks
-    def _watch_averages(self) -> None:
+    def close(self) -> None:
+        """Remove every hook and patch (also when the script failed before the K-th step)."""
+        if self._closed:
+            return
+        self._closed = True
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        if not self._log.closed:
+            self._log.close()
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    # ------------------------------------------------------------------ patches (only in a check's processes)
+    def _patch_all_reduce(self) -> None:
         """Count all-reduces that average a few numbers (a metric's per-rank mean): with uneven
-        evaluation shards, the mean of the ranks' means is not the mean. Only in a check's processes."""
+        evaluation shards, the mean of the ranks' means is not the mean."""
         import torch.distributed as dist
 
-        original = dist.all_reduce
-        if getattr(original, "_multigpu_probe", False):
-            return
+        def make(original):
+            def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+                if op == dist.ReduceOp.AVG and isinstance(tensor, torch.Tensor) and tensor.numel() <= 16:
+                    self._averaged_scalars += 1
+                return original(tensor, op, *args, **kwargs)
+            return all_reduce
 
-        def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
-            if op == dist.ReduceOp.AVG and isinstance(tensor, torch.Tensor) and tensor.numel() <= 16:
-                self._averaged_scalars += 1
-            return original(tensor, op, *args, **kwargs)
+        self._patch(dist, "all_reduce", make)
 
-        all_reduce._multigpu_probe = True  # type: ignore[attr-defined]
-        dist.all_reduce = all_reduce
+    def _patch_backward(self) -> None:
+        """``loss.backward()`` called by the script itself: its loss is recorded too."""
+        def make(original):
+            def backward(tensor, *args, **kwargs):
+                if not self._explicit_losses and tensor.numel() == 1 and tensor.requires_grad:
+                    self._losses.append(self._unscaled(tensor))
+                return original(tensor, *args, **kwargs)
+            return backward
 
+        self._patch(torch.Tensor, "backward", make)
+
+    def _patch_scaler(self) -> None:
+        """Remember what a GradScaler multiplied, to report the loss undivided by its scale and to see
+        gradients clipped before ``scaler.unscale_``."""
+        def make(original):
+            def scale(scaler, outputs):
+                result = original(scaler, outputs)
+                if isinstance(result, torch.Tensor) and scaler.is_enabled():
+                    self._scaled[id(result)] = float(scaler.get_scale())
+                    if all(s is not scaler for s in self._scalers):
+                        self._scalers.append(scaler)
+                return result
+            return scale
+
+        self._patch(torch.amp.GradScaler, "scale", make)
+
+    def _patch_clipping(self) -> None:
+        from torch.amp.grad_scaler import OptState
+
+        def make(original):
+            def clip_grad_norm_(*args, **kwargs):
+                if self._scaled and not any(state.get("stage") is OptState.UNSCALED for scaler in self._scalers
+                                            for state in scaler._per_optimizer_states.values()):
+                    self._clipped_scaled += 1  # a loss was scaled this step and nothing was unscaled yet
+                return original(*args, **kwargs)
+            return clip_grad_norm_
+
+        self._patch(torch.nn.utils, "clip_grad_norm_", make)
+
+    def _patch_schedulers(self) -> None:
+        def make(original):
+            def step(scheduler, *args, **kwargs):
+                if getattr(scheduler, "_step_count", 0) >= 1:  # 0: the step the constructor takes
+                    self._scheduler_steps += 1
+                return original(scheduler, *args, **kwargs)
+            return step
+
+        self._patch(torch.optim.lr_scheduler.LRScheduler, "step", make)
+
+    def _unscaled(self, loss: torch.Tensor) -> float:
+        return float(loss.detach().float().mean().item()) / self._scaled.get(id(loss), 1.0)
+
+    # ------------------------------------------------------------------ hooks
     def _save_weights(self, name: str) -> None:
         weights = self._run.state_dict(self._model)
         if self.rank == 0:
-            torch.save(weights, self.folder / name)
+            with self.records.open_new(name) as handle:
+                torch.save(weights, handle)
 
     def count(self, loader: Any) -> "CountingLoader":
-        """Wrap a training loader built by ``run.loader``: samples are counted as it yields batches
-        (the collated batch's first dimension), not from the model's input, which may be (time, batch)."""
-        self._loader_samples = True
+        """Wrap a training loader built by ``run.loader``: its batches' sizes tell the forward hook where
+        the batch dimension of the model's input is (``(time, batch, ...)`` inputs)."""
         return CountingLoader(loader, self)
 
+    def _batch_rows(self, first: torch.Tensor) -> int:
+        """Samples in one forward: the input's first dimension - or, when a ``run.loader`` batch of B
+        samples was just drawn and B is another of the input's dimensions, B."""
+        if not first.dim():
+            return 1
+        rows = int(first.shape[0])
+        if self._loader_rows is not None and rows != self._loader_rows and self._loader_rows in first.shape[1:]:
+            return self._loader_rows
+        return rows
+
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first = _first_tensor(args) if args else _first_tensor(kwargs)
+        tensors = _tensors((args, kwargs), [])
+        first = tensors[0] if tensors else None
         if not module.training:
             self._eval_samples += int(first.shape[0]) if first is not None and first.dim() else 0
             return
@@ -153,36 +298,102 @@ class Probe:
             enabled = torch.is_autocast_enabled(device) if device in ("cuda", "cpu") else False
             self._compute_dtype = str(torch.get_autocast_dtype(device) if enabled else
                                       next((p.dtype for p in module.parameters()), torch.float32)).replace("torch.", "")
-        if first is not None:
-            if not self._loader_samples:
-                self._samples += int(first.shape[0]) if first.dim() else 1
-            self._inputs.append(_digest(first))
-        self._rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
+        self._rows.append(self._rows_of(first))
+        self._inputs.append(_digest(tensors) if tensors else "")
+        self._rng.append(_rng_digest(first.device if first is not None else None))
+        # DDP's no_sync() (and nanoGPT's toggle) set this; the forward decides whether the backward syncs.
+        sync = getattr(module, "require_backward_grad_sync", None)
+        self._sync.append(None if sync is None else bool(sync))
+        self._inner_forwards -= 1  # the wrapper's own call of the inner module is not a bypass
+        self._total_forwards += 1
+        if self.world_size > 1:
+            self.records.write_atomic(f"progress.rank{self.rank}", str(self._total_forwards))
+
+    def _rows_of(self, first: Optional[torch.Tensor]) -> int:
+        return self._batch_rows(first) if first is not None else 0
+
+    def _on_inner_forward(self, module: nn.Module, args: tuple) -> None:
+        if module.training:
+            self._inner_forwards += 1
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """Every backward's loss (the Trainer's and ``run.backward``'s); a step's loss is their mean."""
-        self._losses.append(float(loss.detach().float().mean().item()))
+        """The value given to a backward by ``run.backward`` or the Trainer (a step's loss is their sum).
+        Once these come, ``loss.backward()`` calls are no longer recorded besides them."""
+        if not self._explicit_losses:
+            self._explicit_losses = True
+            self._losses = []  # the Trainer reports after its backward: drop the implicit copy
+        self._losses.append(self._unscaled(loss))
 
-    def _on_step(self) -> None:
+    @staticmethod
+    def _params_digest(params: list) -> str:
+        return _digest(params) if params else ""
+
+    def _on_step(self, optimizer: Any) -> None:
+        if self._closed:
+            return
         self.step += 1
-        record = {"step": self.step, "loss": sum(self._losses) / len(self._losses) if self._losses else None,
-                  "samples": self._samples, "inputs": self._inputs, "rng": self._rng, "dtype": self._compute_dtype,
-                  "eval_samples": self._eval_samples, "averaged_scalars": self._averaged_scalars}
+        record = {"step": self.step, "loss": sum(self._losses) if self._losses else None,
+                  "backwards": len(self._losses), "forwards": len(self._rows), "rows": self._rows,
+                  "samples": sum(self._rows), "inputs": self._inputs, "rng": self._rng, "sync": self._sync,
+                  "loader_batches": self._loader_batches, "bypass": max(self._inner_forwards, 0),
+                  "dtype": self._compute_dtype, "eval_samples": self._eval_samples,
+                  "averaged_scalars": self._averaged_scalars, "scheduler_steps": self._scheduler_steps,
+                  "clipped_scaled": self._clipped_scaled, "dp_rank": getattr(self._run, "dp_rank", self.rank)}
         if self.step == 1:
             record["no_grad"] = [name for key, name in self._names.items() if key not in self._used][:50]
+            outside = [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]
+                       if id(p) not in self._names]
+            record["outside"] = len(outside)
+            record["outside_digest"] = self._params_digest(outside)
+        if self._replicated and (self.step == 1 or self.step >= self.steps):
+            record["weights_digest"] = self._params_digest(list(self._inner.parameters()))
         self._log.write(json.dumps(record) + "\n")
         self._log.flush()
-        self._losses, self._samples, self._inputs, self._rng = [], 0, [], []
+        self._new_step()
         if self.step == 1:
             self._save_weights("weights1.pt")  # every rank finishes step 1 here: a collective is safe
         if self.step >= self.steps:
-            self._save_weights("weights.pt")
-            self._log.close()
-            raise CheckDone()
+            self._finish()
+
+    def _finish(self) -> None:
+        self._save_weights("weights.pt")
+        self.close()
+        if self.world_size > 1:
+            self.records.write_atomic(f"done.rank{self.rank}", str(self._total_forwards))
+            missing = self._wait_for_peers()
+            if missing:
+                # They went on without stepping (an optimizer step on some ranks only): they are in a
+                # collective this rank will never join, so leave without the goodbye barrier.
+                self.records.write_atomic(f"stranded.rank{self.rank}.json", json.dumps({"missing": missing}))
+                self._run.interrupted(f"multigpu check: rank(s) {missing} did not reach step {self.steps}")
+        raise CheckDone()
+
+    def _wait_for_peers(self) -> list[int]:
+        """The ranks that did not reach step K: gone past this rank's forward count without stepping
+        (seen in their progress files), or not there after :data:`PEER_WAIT_S`."""
+        deadline = time.monotonic() + PEER_WAIT_S
+        past_since: dict[int, float] = {}
+        while True:
+            missing = [r for r in range(self.world_size) if not (self.folder / f"done.rank{r}").exists()]
+            now = time.monotonic()
+            for r in missing:
+                if self._forwards_of(r) > self._total_forwards:
+                    past_since.setdefault(r, now)
+            # A rank past this one's forward count for 2 s without a done file is not coming.
+            gone = [r for r in missing if now - past_since.get(r, now) > 2.0]
+            if not missing or gone == missing or now > deadline:
+                return missing
+            time.sleep(0.02)
+
+    def _forwards_of(self, rank: int) -> int:
+        try:
+            return int(self.records.load_text(f"progress.rank{rank}", limit=64) or 0)
+        except (OSError, ValueError):
+            return 0
 
 
 class CountingLoader:
-    """A training loader that tells the probe how many samples each batch holds; everything else is
+    """A training loader that tells the probe the size of each batch it yields; everything else is
     the wrapped loader's (attributes, ``len``, resuming)."""
 
     def __init__(self, loader: Any, probe: Probe) -> None:
@@ -191,8 +402,9 @@ class CountingLoader:
     def __iter__(self):
         for batch in self._loader:
             first = _first_tensor(batch)
-            if first is not None:
-                self._probe._samples += int(first.shape[0]) if first.dim() else 1
+            if first is not None and first.dim():
+                self._probe._loader_rows = int(first.shape[0])
+                self._probe._loader_batches.append(int(first.shape[0]))
             yield batch
 
     def __len__(self) -> int:

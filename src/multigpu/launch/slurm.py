@@ -155,12 +155,13 @@ _PREAMBLE = [
 def _end_state(status_file: str, fingerprint: str, job_id: str) -> list[str]:
     """Lines that write the run's end state for `multigpu queue --slurm`; ``status_file``, ``fingerprint``
     and ``job_id`` are shell words (quoted paths, or double-quoted $-expressions of ours)."""
-    tmp = f'{status_file[:-1]}.tmp"' if status_file.endswith('"') else shlex.quote(shlex.split(status_file)[0] + ".tmp")
     return [
-        "# The end state for `multigpu queue --slurm` (75: preempted, requeued or resumable).",
+        "# The end state for `multigpu queue --slurm` (75: preempted, requeued or resumable), written to a",
+        "# fresh temporary file (mktemp: never a name planted in the folder) renamed over status.json.",
         'state=done; [ "$code" -eq 0 ] || state=failed; [ "$code" -ne 75 ] || state=interrupted',
+        f'tmp=$(mktemp "$(dirname {status_file})/.status.json.XXXXXXXX")',
         "printf '{\"state\": \"%s\", \"exit_code\": %d, \"job_id\": \"%s\", \"fingerprint\": \"%s\"}\\n' "
-        f'"$state" "$code" {job_id} {fingerprint} > {tmp} && mv {tmp} {status_file}',
+        f'"$state" "$code" {job_id} {fingerprint} > "$tmp" && mv -f -T "$tmp" {status_file}',
         'exit "$code"',
         "",
     ]

@@ -28,12 +28,18 @@ def copy(source: int, sink: int, log_path: str, prefix: bytes = b"", parent: int
     started may still hold the stream open), copy what arrives for ``drain_s`` more and stop."""
     from pathlib import Path
 
-    from multigpu.fileio import Folder
+    from multigpu.fileio import Folder, open_devnull
 
     at_line_start = True
     deadline = None
     path = Path(log_path)
-    with Folder(path.parent).open_append_bytes(path.name) as log:  # a planted link or FIFO is refused
+    try:
+        log = Folder(path.parent).open_append_bytes(path.name)  # a planted link or FIFO is refused
+    except OSError as exc:  # the terminal still gets every byte; only the per-rank copy is lost
+        os.write(sink, f"multigpu: not keeping a copy of this rank's stderr in {log_path}: "
+                       f"{exc.strerror or exc}\n".encode(errors="replace"))
+        log = os.fdopen(open_devnull(), "ab", buffering=0)
+    with log:
         while True:
             ready, _, _ = select.select([source], [], [], 0.5)
             if not ready:

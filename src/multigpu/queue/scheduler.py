@@ -355,7 +355,7 @@ def read_status(folder: Path) -> dict:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(value, kind) and not isinstance(value, bool) and (kind is not float or math.isfinite(value)):
-            checked[key] = value if kind is not str else value[:200]
+            checked[key] = value if kind is not str else visible(value[:200])  # printed in the table
     return checked
 
 

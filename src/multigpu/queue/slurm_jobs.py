@@ -101,6 +101,9 @@ def _prepare(index: int, spec: QueueEntry, folder: Path, options: slurm.SlurmOpt
         return None
     job = _job(spec, folder, options, job_name)
     slurm.render(job)  # every value checked before anything is moved or written
+    if dry_run:  # a dry run changes nothing that is there: it only writes the script it shows
+        note = "earlier outputs would be moved aside" if decision.action == "fresh" else decision.note
+        return _Pending(index, spec, job, note)
     note = move_aside(folder) if decision.action == "fresh" else decision.note
     write_run_config(folder, spec)
     return _Pending(index, spec, job, note)

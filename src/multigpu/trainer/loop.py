@@ -283,8 +283,8 @@ class Trainer(abc.ABC):
                 strategy.backward(precision.scale(loss / s.accumulate if s.accumulate > 1 else loss))
             detached = loss.detach()
             loss_sum += detached
-            if run.probe is not None:  # `multigpu check` records each step's loss
-                run.probe.record_loss(detached)
+            if run.probe is not None:  # `multigpu check`: the value backpropagated (before precision scaling);
+                run.probe.record_loss(detached / s.accumulate)  # a step's loss is their sum, the mean of the batches
             batches += 1
             window_batches += 1
             n = batch_length(batch)
