@@ -285,3 +285,29 @@ def test_a_master_address_nobody_can_resolve_fails_in_seconds_not_after_the_rend
         require_resolvable("nothing.invalid", "--master-addr")  # RFC 6761: .invalid never resolves
     require_resolvable("127.0.0.1", "--master-addr")
     require_resolvable("[::1]", "--rdzv-endpoint")
+
+
+def test_ranks_waiting_for_run_on_main_say_so_early_and_then_less_often(capsys):
+    """A wait longer than a few seconds is never silent: the first line after FIRST_NOTICE_S (here
+    shortened), then at doubling intervals; one line for all the waiting ranks (rank 1 prints it)."""
+    import time
+
+    from multigpu.distributed.rank_zero import _wait_for
+
+    class Store:
+        def __init__(self, ready_after: float) -> None:
+            self.ready_at = time.monotonic() + ready_after
+
+        def check(self, keys):
+            return time.monotonic() >= self.ready_at
+
+        def get(self, key):
+            return b"ok:none"
+
+    assert _wait_for(Store(0.6), "k", test_ranks_waiting_for_run_on_main_say_so_early_and_then_less_often, 1,
+                     notice_every_s=10.0, others=3, first_notice_s=0.1) == "ok:none"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all("ranks 1-3 wait for rank 0 to finish" in line for line in lines)
+    assert len(lines) <= 3  # 0.1 s, then 0.2 s and 0.4 s later at most: doubling, not every poll
+    assert _wait_for(Store(0.3), "k", print, 2, notice_every_s=10.0, others=3, first_notice_s=0.05) == "ok:none"
+    assert capsys.readouterr().err == ""  # rank 2 stays quiet: rank 1 speaks for the waiting ranks

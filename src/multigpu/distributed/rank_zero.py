@@ -123,7 +123,7 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
             raise
         store.set(key, "ok:none" if result is None else "ok:value")
     else:
-        status = _wait_for(store, key, fn, me, notice_every_s)
+        status = _wait_for(store, key, fn, me, notice_every_s, dist.get_world_size() - 1)
         if status.startswith("error:"):
             raise MultiGPUError(
                 f"run_on_main({_name(fn)}) failed on rank 0 ({status[6:200]}).",
@@ -139,18 +139,28 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
     return box[0]
 
 
-def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float) -> str:
-    started = last_notice = time.monotonic()
+#: The first "still waiting" line comes after this long; later ones at twice the interval, up to
+#: ``notice_every_s`` (a wait is never silent for long, and an hour-long one is not a wall of lines).
+FIRST_NOTICE_S = 10.0
+
+
+def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float, others: int,
+              first_notice_s: float = FIRST_NOTICE_S) -> str:
+    started = time.monotonic()
+    next_notice, interval = started + min(first_notice_s, notice_every_s), min(first_notice_s, notice_every_s)
     delay = 0.01
     try:
         while not store.check([key]):
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
             now = time.monotonic()
-            if now - last_notice >= notice_every_s:
-                last_notice = now
-                print(f"multigpu: rank {me} still waiting for rank 0 to finish {_name(fn)} ({now - started:.0f} s)",
-                      file=sys.stderr, flush=True)
+            if now >= next_notice:
+                interval = min(interval * 2, notice_every_s)
+                next_notice = now + interval
+                if me == 1:  # one line for all the waiting ranks
+                    who = "rank 1" if others == 1 else f"ranks 1-{others}"
+                    print(f"multigpu: {who} wait for rank 0 to finish {_name(fn)} ({now - started:.0f} s so far)",
+                          file=sys.stderr, flush=True)
         return store.get(key).decode()
     except RuntimeError as exc:  # the store (hosted by rank 0 or its launcher) went away
         raise MultiGPUError(
