@@ -9,6 +9,7 @@ aborts at interpreter shutdown after a successful run.
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,6 +82,10 @@ class GroupSettings:
 def group_active() -> bool:
     """Is a process group of more than one rank up? (The one test every helper asks.)"""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+#: After this long in the goodbye barrier a rank says what it waits for.
+GOODBYE_NOTICE_S = 5.0
 
 
 class DistSession:
@@ -168,7 +173,16 @@ class DistSession:
             return
         try:
             if goodbye:
-                dist.monitored_barrier(group=self._control, timeout=self.settings.teardown_timeout)
+                # A wait of more than a few seconds says what it waits for (the others may still be saving).
+                notice = threading.Timer(GOODBYE_NOTICE_S, lambda: print(
+                    f"multigpu: rank {self.world.rank} has finished and waits for the other ranks to finish too "
+                    f"(up to {self.settings.teardown_timeout.total_seconds():.0f} s)", file=sys.stderr, flush=True))
+                notice.daemon = True
+                notice.start()
+                try:
+                    dist.monitored_barrier(group=self._control, timeout=self.settings.teardown_timeout)
+                finally:
+                    notice.cancel()
         except Exception as exc:  # a peer already gone: still destroy our side
             warnings.warn(f"multigpu: goodbye barrier failed on rank {self.world.rank}: {' '.join(str(exc).split())[:200]}",
                           stacklevel=2)
