@@ -70,7 +70,7 @@ class Run:
     seed: Optional[int] = None
     same_random_streams: bool = False
     #: ``multigpu check``'s recorder (None unless the check started this process).
-    probe: Any = field(default=None, repr=False)
+    probe: Any = field(default=check_probe.NO_PROBE, repr=False)
     #: The loop's safety: watchdog, preemption agreement, interrupts (built from the session).
     guards: Guards = field(init=False, repr=False)
     _checkpoints: CheckpointManager = field(init=False, repr=False)
@@ -182,8 +182,7 @@ class Run:
                                       parallelism=self.parallelism, mesh=lambda: self.mesh, **options)
         wrapped = self.strategy.setup(model, optimizer)
         self._make_dp_groups()
-        if self.probe is not None:
-            self.probe.attach(self, wrapped[0], self.strategy.unwrap(wrapped[0]), wrapped[1])
+        self.probe.attach(self, wrapped[0], self.strategy.unwrap(wrapped[0]), wrapped[1])
         if self.seed is not None and not self.same_random_streams:
             seed_everything(rank_seed(self.seed, self.rank))
         return wrapped
@@ -216,11 +215,11 @@ class Run:
         if batch_size is None and not isinstance(data, DataLoader) and not hasattr(data, "batch_size"):
             raise ConfigError("a loader needs batch_size (per data-parallel rank).", "e.g. run.loader(data, 32).")
         self._loaders_dp = self.dp_size
-        scale = self.probe.scale if self.probe is not None and not evaluation else 1
+        scale = self.probe.batch_scale(evaluation)
         loader = adapt(data, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=batch_size or 1,
                        evaluation=evaluation, batch_scale=scale, pin_memory=self.device.type == "cuda",
                        rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
-        return self.probe.count(loader) if self.probe is not None and not evaluation else loader
+        return self.probe.loader(loader, evaluation)
 
     def _min_agreement(self) -> Optional[Pending]:
         """A stream's end, agreed asynchronously: it ends on every rank where the shortest share ends."""
@@ -235,8 +234,7 @@ class Run:
                 + f" ({self.world_size} processes: {self.parallelism.describe()})")
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.probe is not None:
-            self.probe.record_loss(loss)
+        self.probe.record_loss(loss)
         self._need_strategy().backward(loss)
 
     def no_sync(self, model: nn.Module) -> Any:

@@ -211,7 +211,7 @@ def evaluate_mean_of_means(run, model, valid) -> None:
 def run_table(run, cases: list[str], records: Path, steps: int, scale: int) -> None:
     """Each case in turn with its own recorder, as `multigpu check` would record it in its own launch."""
     from multigpu.checkpoint.rng import seed_everything
-    from multigpu.guards.probe import CheckDone, Probe
+    from multigpu.guards.probe import NO_PROBE, CheckDone, Probe
 
     for case in cases:
         folder = records / case
@@ -227,7 +227,7 @@ def run_table(run, cases: list[str], records: Path, steps: int, scale: int) -> N
             status, error = 1, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         finally:
             probe.close()
-            run.probe = None
+            run.probe = NO_PROBE
             run.guards.interrupted_by = None  # the Trainer marks any exception out of fit, the planned stop included
         (folder / f"status.rank{run.rank}.json").write_text(json.dumps({"status": status, "error": error}))
 

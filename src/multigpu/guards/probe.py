@@ -4,8 +4,8 @@ Why inside the script: the check must run the user's own code, unchanged, and st
 step trained on - how many forward passes (micro-steps) it made and how many samples each held, a
 digest of every rank's inputs, the random state, whether the gradients were synchronised, each step's
 loss, which parameters got no gradient, and the weights. ``mg.init`` creates a :class:`Probe` only when
-``multigpu check`` set :data:`DIR_VAR`; otherwise ``run.probe`` is None and costs one attribute test per
-backward.
+``multigpu check`` asked for one (``World.check_dir``); otherwise ``run.probe`` is :data:`NO_PROBE`, whose
+hooks are no-op method calls.
 
 What is counted where, and why there:
 
@@ -52,10 +52,10 @@ class CheckDone(SystemExit):
         super().__init__(0)
 
 
-def from_world(world: Any) -> Optional["Probe"]:
-    """The recorder ``multigpu check`` asked for (its request is part of the World), or None."""
+def from_world(world: Any) -> "Probe | NoProbe":
+    """The recorder ``multigpu check`` asked for (its request is part of the World), or NO_PROBE."""
     if not world.check_dir:
-        return None
+        return NO_PROBE
     return Probe(Path(world.check_dir), world.rank, steps=world.check_steps, scale=world.check_scale)
 
 
@@ -316,13 +316,26 @@ class Probe:
         if module.training:
             self._inner_forwards += 1
 
-    def record_loss(self, loss: torch.Tensor) -> None:
-        """The value given to a backward by ``run.backward`` or the Trainer (a step's loss is their sum).
-        Once these come, ``loss.backward()`` calls are no longer recorded besides them."""
+    def record_loss(self, loss: torch.Tensor, accumulation: int = 1) -> None:
+        """The value given to a backward by ``run.backward`` or the Trainer (a step's loss is their sum:
+        the Trainer's micro-batch losses count 1/accumulation each). Once these come, ``loss.backward()``
+        calls are no longer recorded besides them."""
         if not self._explicit_losses:
             self._explicit_losses = True
             self._losses = []  # the Trainer reports after its backward: drop the implicit copy
-        self._losses.append(self._unscaled(loss))
+        self._losses.append(self._unscaled(loss) / accumulation)
+
+    def trainer_settings(self, settings: Any) -> Any:
+        """A Trainer under the check writes into the check's own folder, never the user's outputs."""
+        import dataclasses
+
+        return dataclasses.replace(settings, out_dir=str(self.folder / "trainer_out"), loggers=[], plot=False)
+
+    def loader(self, loader: Any, evaluation: bool) -> Any:
+        return loader if evaluation else self.count(loader)
+
+    def batch_scale(self, evaluation: bool) -> int:
+        return 1 if evaluation else self.scale
 
     @staticmethod
     def _params_digest(params: list) -> str:
@@ -412,3 +425,28 @@ class CountingLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+
+class NoProbe:
+    """What a run has when ``multigpu check`` did not start it: every hook a no-op method call (the
+    Run and the Trainer call the hooks unconditionally instead of testing for a recorder each time)."""
+
+    active = False
+
+    def attach(self, run: Any, wrapped: nn.Module, inner: nn.Module, optimizer: Any) -> None:
+        pass
+
+    def record_loss(self, loss: torch.Tensor, accumulation: int = 1) -> None:
+        pass
+
+    def trainer_settings(self, settings: Any) -> Any:
+        return settings
+
+    def loader(self, loader: Any, evaluation: bool) -> Any:
+        return loader
+
+    def batch_scale(self, evaluation: bool) -> int:
+        return 1
+
+
+NO_PROBE = NoProbe()

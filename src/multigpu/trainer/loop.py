@@ -72,9 +72,7 @@ class Trainer(abc.ABC):
         """``config``: your recipe's own settings (any dataclass or mapping); ranks must agree on it."""
         base = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} if settings else {}
         self.settings = s = TrainerSettings.from_mapping({**base, **overrides})
-        if run.probe is not None:  # `multigpu check`: a fresh folder of its own, never the user's outputs
-            self.settings = s = dataclasses.replace(s, out_dir=str(run.probe.folder / "trainer_out"), loggers=[],
-                                                    plot=False)
+        self.settings = s = run.probe.trainer_settings(s)  # `multigpu check`: its own folder, never the user's
         self.run = run
         self.config = config
         run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate)
@@ -283,8 +281,7 @@ class Trainer(abc.ABC):
                 strategy.backward(precision.scale(loss / s.accumulate if s.accumulate > 1 else loss))
             detached = loss.detach()
             loss_sum += detached
-            if run.probe is not None:  # `multigpu check`: the value backpropagated (before precision scaling);
-                run.probe.record_loss(detached / s.accumulate)  # a step's loss is their sum, the mean of the batches
+            run.probe.record_loss(detached, s.accumulate)  # `multigpu check` (a no-op otherwise)
             batches += 1
             window_batches += 1
             n = batch_length(batch)
