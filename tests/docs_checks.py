@@ -156,7 +156,7 @@ def masked(text: str) -> str:
 
 
 def glossary_link(page: Path, anchor: str) -> str:
-    prefix = "" if page.parent.name == "docs" else "docs/"
+    prefix = "" if page.parent == REPO / "docs" else "docs/"
     return f"{prefix}glossary.md#{anchor}"
 
 
