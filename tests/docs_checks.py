@@ -192,3 +192,43 @@ def glossary_problems(pages: Iterable[Path]) -> list[str]:
                 problems.append(f"{page.relative_to(REPO)}:{line}: the first use of {text[start:end]!r} is not a link "
                                 f"to {glossary_link(page, anchor)}")
     return problems
+
+
+def formatted_like(printed: str, value: float) -> str:
+    """``value`` written with the precision and style of ``printed`` (decimals, thousands commas, e-notation)."""
+    mantissa, _, exponent = printed.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    if exponent:
+        return f"{value:.{decimals}e}".replace("e-0", "e-").replace("e+0", "e")
+    return f"{value:,.{decimals}f}" if "," in printed else f"{value:.{decimals}f}"
+
+
+def update_figures(pages: Iterable[Path]) -> list[str]:
+    """Rewrite every marked figure from its results file (after a benchmark ran again); returns what changed.
+    The dates on the pages are not touched: the check says which ones to update by hand."""
+    changed = []
+    for page in pages:
+        text = page.read_text()
+
+        def replace(match: re.Match) -> str:
+            name, key, printed = match.groups()
+            value = results(name)["figures"][key]
+            new = formatted_like(printed, value)
+            if new != printed:
+                changed.append(f"{page.relative_to(REPO)}: {name}.{key} {printed} -> {new}")
+            return match.group(0)[: match.start(3) - match.start(0)] + new
+
+        page.write_text(FIGURE.sub(replace, text))
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from docs_runner import pages as all_pages
+
+    if sys.argv[1:] == ["--update"]:
+        print("\n".join(update_figures(all_pages())) or "no figure changed")
+    else:
+        print("\n".join(figure_problems(all_pages()) + glossary_problems(all_pages())) or "figures and glossary links agree")
