@@ -39,7 +39,7 @@ SKIP = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
 FENCE = re.compile(r"^(\s*)(```+)\s*([\w+-]*)\s*$")
 #: Where the placeholder files come from: the README's own script and its settings.
 QUICKSTART = REPO / "examples" / "quickstart"
-BLOCK_TIMEOUT_S = 240
+BLOCK_TIMEOUT_S = 540  # a loaded 2-core machine runs the README block in ~4 minutes
 
 
 @dataclass(frozen=True)

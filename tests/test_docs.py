@@ -20,7 +20,7 @@ PAGES_THAT_RUN = [p for p in pages() if any(docs_runner.runnable(b) for b in blo
 @pytest.mark.slow
 # The timeout's reason: a page runs up to a dozen launches one after another, each a few seconds on 2 idle
 # cores and several times that on a loaded machine; a hung block is also killed by the runner's own limit.
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", PAGES_THAT_RUN, ids=[str(p.relative_to(REPO)) for p in PAGES_THAT_RUN])
 def test_every_block_of_the_page_runs_as_written(page: Path):
     for block, status, output, seconds in docs_runner.run_page(page):
