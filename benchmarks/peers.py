@@ -30,6 +30,8 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+from record import record
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "peers_worker.py"
 JOBS = ("ddp", "trainer", "own_loop", "fabric", "accelerate", "lightning")
@@ -126,6 +128,17 @@ def compare(args: argparse.Namespace) -> None:
             cells.append(f"{median * 1e3:.3f} ({min(values) * 1e3:.3f}-{max(values) * 1e3:.3f}), "
                          f"**{median / base:.3f}**")
         print(f"| {LABELS[job]} | " + " | ".join(cells) + " |")
+    figures = {"repeats": args.repeats, "nproc": args.nproc, "steps": args.steps, "epochs": args.epochs}
+    for size in sizes:
+        for job in jobs:
+            values = results[size, job]
+            figures[f"{size}_{job}_ms"] = statistics.median(values) * 1e3
+            figures[f"{size}_{job}_min_ms"] = min(values) * 1e3
+            figures[f"{size}_{job}_max_ms"] = max(values) * 1e3
+            if "ddp" in jobs:
+                figures[f"{size}_{job}_ratio"] = statistics.median(values) / statistics.median(results[size, "ddp"])
+    here = Path(__file__).resolve().parent
+    record("peers-" + "-".join(sizes) + "-" + "-".join(jobs), figures, [here / "peers.py", here / "peers_worker.py"])
     runs = args.repeats * len(sizes)
     if EXIT_FAILURES:
         print("\nruns that exited non-zero after their timed epochs (a rank aborted at shutdown): "

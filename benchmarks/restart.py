@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from record import record
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -34,6 +36,8 @@ def main() -> None:
             print(f"repeat {index + 1}: {gaps[-1]:.2f} s", flush=True)
     print(f"\nkill -> first resumed step, {args.nproc} gloo processes, {args.repeats} repeats: "
           f"median {statistics.median(gaps):.2f} s (min {min(gaps):.2f}, max {max(gaps):.2f})")
+    record("restart", {"median_s": statistics.median(gaps), "min_s": min(gaps), "max_s": max(gaps),
+                       "repeats": args.repeats, "nproc": args.nproc}, [__file__, HERE / "restart_worker.py"])
 
 
 if __name__ == "__main__":

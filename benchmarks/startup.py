@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from record import record
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,13 @@ def main() -> None:
             times[name].append(time.perf_counter() - started)
     for name, values in times.items():
         print(f"{name:13s} median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f})")
-    print(f"ratio multigpu/torchrun {statistics.median(times['multigpu run']) / statistics.median(times['torchrun']):.3f}")
+    ratio = statistics.median(times['multigpu run']) / statistics.median(times['torchrun'])
+    print(f"ratio multigpu/torchrun {ratio:.3f}")
+    figures = {"ratio": ratio, "repeats": args.repeats, "nproc": args.nproc}
+    for key, name in (("multigpu", "multigpu run"), ("torchrun", "torchrun")):
+        figures.update({f"{key}_median_s": statistics.median(times[name]), f"{key}_min_s": min(times[name]),
+                        f"{key}_max_s": max(times[name])})
+    record("startup", figures, [__file__, ROOT / "tests" / "scripts" / "allreduce.py"])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import multigpu as mg
+from record import record
 
 
 def build(width: int):
@@ -87,6 +88,9 @@ def main() -> None:
         median = statistics.median(values)
         print(f"{name:20s} {median:7.1f} us/step (min {min(values):.1f}, max {max(values):.1f}), "
               f"+{median - bare:.1f} us over the bare loop")
+    keys = {"bare loop": "bare", "own loop (helpers)": "own_loop", "Trainer (defaults)": "trainer"}
+    record("step_overhead", {f"{keys[name]}_us": statistics.median(values) for name, values in results.items()}
+           | {"repeats": args.repeats, "width": args.width}, [__file__])
 
 
 if __name__ == "__main__":

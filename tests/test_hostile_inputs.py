@@ -351,6 +351,8 @@ CASES = [
          runs(f'a:\n{RUN_OK}  env: {{A: "x\\ny"}}\n')),
     Case("runs-module-injection", ["queue", "runs.yaml"], "is not a module name",
          runs("a:\n  module: 'os; touch x'\n")),
+    Case("runs-mode-unknown", ["queue", "runs.yaml"], "mode 'best' is neither min nor max",
+         runs(f"a:\n{RUN_OK}  metric: valid_loss\n  mode: best\n")),
     Case("runs-only-empty", ["queue", "runs.yaml", "--only", ""], "--only names no run", runs(f"a:\n{RUN_OK}")),
     Case("runs-only-unknown", ["queue", "runs.yaml", "--only", "zz"], "--only names 'zz'", runs(f"a:\n{RUN_OK}")),
     Case("queue-slots-zero", ["queue", "runs.yaml", "--slots", "0"], "--slots 0", runs(f"a:\n{RUN_OK}")),

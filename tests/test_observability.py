@@ -270,16 +270,20 @@ def test_the_queue_summary_names_the_best_run_by_its_metric(tmp_path):
 
     from multigpu.queue.display import best_line
 
-    def queue(metric: str, values: dict) -> SimpleNamespace:
+    def queue(metric: str, values: dict, chosen=None, mode="min") -> SimpleNamespace:
         runs = []
         for name, value in values.items():
             folder = tmp_path / metric / name
             folder.mkdir(parents=True)
             (folder / "metrics.csv").write_text(f"step,epoch,{metric}\n10,1,{value * 2}\n20,2,{value}\n")
-            runs.append(SimpleNamespace(spec=SimpleNamespace(name=name, metric=None), state="done", folder=folder))
+            runs.append(SimpleNamespace(spec=SimpleNamespace(name=name, metric=chosen, mode=mode), state="done",
+                                        folder=folder))
         return SimpleNamespace(runs=runs, root=tmp_path / metric)
 
     line = best_line(queue("valid_loss", {"a": 0.5, "b": 0.3, "c": 0.9}))
     assert line.startswith("best run: b (valid_loss 0.3, lowest of 3)") and "multigpu plot" in line
-    assert best_line(queue("valid_answer_f1", {"a": 0.5, "b": 0.7})).startswith("best run: b")  # not "wer"
-    assert best_line(queue("valid_rmse", {"a": 0.5, "b": 0.7})).startswith("best run: a")
+    # The direction is the runs file's mode:, never guessed from the metric's name.
+    assert best_line(queue("valid_f1", {"a": 0.5, "b": 0.7}, "valid_f1", "max")).startswith("best run: b")
+    assert best_line(queue("valid_err", {"a": 0.5, "b": 0.7}, "valid_err", "max")).startswith("best run: b")
+    assert best_line(queue("valid_rmse", {"a": 0.5, "b": 0.7}, "valid_rmse")).startswith("best run: a")
+    assert best_line(queue("valid_accuracy", {"a": 0.5, "b": 0.7})) == ""  # no loss, no metric: chosen: no guess

@@ -97,7 +97,7 @@ def test_a_run_takes_whole_gpus_or_a_share_of_one(value, expected):
 @pytest.mark.parametrize("text, needle", [
     ("gpus: 1.5", "gpus 1.5 is neither a whole number nor a share of one GPU"),
     ("gpus: 0.01", "gpus 0.01 is neither"),
-    ("gpus: .nan", "gpus nan is neither"),
+    ("gpus: .nan", "gpus must be"),  # refused by the settings door: no number is NaN
     ("gpus: -0.5", "gpus -0.5 is neither"),
     ("gpus: 0", "gpus 0 must be at least 1"),
     ("gpus: half", "gpus must be int"),
@@ -322,3 +322,34 @@ def test_a_run_whose_settings_changed_starts_afresh_and_keeps_the_old_outputs(tm
     assert "0.2" in (out / "a" / "metrics.csv").read_text()
     (old,) = [p for p in out.iterdir() if p.name.startswith("a.old-")]
     assert "0.1" in (old / "metrics.csv").read_text()
+
+
+@pytest.mark.parametrize("runs_file", ["examples/digits/runs.yaml", "examples/quickstart/runs.yaml"])
+def test_the_summary_names_the_best_run_of_the_repos_runs_files(tmp_path, runs_file):
+    """The repo's own runs files name their metric and mode:, and the summary's best-run line follows them.
+    The run with the best accuracy has the worst loss here, so a guessed metric or direction picks another."""
+    from types import SimpleNamespace
+
+    from multigpu.queue.display import best_line
+
+    specs = load_runs(REPO / runs_file)
+    runs = []
+    for i, spec in enumerate(specs):
+        folder = tmp_path / spec.name
+        folder.mkdir()
+        accuracy, loss = 0.5 + 0.1 * i, 0.2 + 0.1 * i
+        if "digits" in runs_file:  # the digits recipe writes final.json; the quickstart only metrics.csv
+            (folder / "final.json").write_text(json.dumps({"loss": loss, "accuracy": accuracy}))
+        else:
+            (folder / "metrics.csv").write_text(f"epoch,step,valid_accuracy,valid_loss\n1,10,{accuracy},{loss}\n")
+        runs.append(SimpleNamespace(spec=spec, state="done", folder=folder))
+    line = best_line(SimpleNamespace(runs=runs, root=tmp_path))
+    assert line.startswith(f"best run: {specs[-1].name} ("), line
+    assert "highest of" in line
+
+
+def test_a_runs_files_mode_is_min_or_max(tmp_path):
+    path = tmp_path / "runs.yaml"
+    path.write_text("a:\n  script: train.py\n  metric: valid_accuracy\n  mode: maximum\n")
+    with pytest.raises(ConfigError, match="neither min nor max"):
+        load_runs(path)

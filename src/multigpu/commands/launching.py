@@ -474,7 +474,7 @@ def _cmd_slurm_job(args: argparse.Namespace) -> int:
     if args.action == "status" and args.job_id is None:
         days = validate.count(args.days, "--days", LaunchError, high=3650)
         rows, source = slurm_state.my_jobs(days)
-        print(f"multigpu jobs of {slurm_state.current_user()} ({source}):")
+        print(f"multigpu: jobs of {slurm_state.current_user()} ({source}):")
         print(visible(slurm_state.table(rows), keep_newlines=True) if rows else "  none")
         return 0
     job_id = slurm.check_job_id(args.job_id)

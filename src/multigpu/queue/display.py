@@ -7,7 +7,6 @@ a log file, and it redraws a live table without flicker.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import time
 from typing import Optional
@@ -158,21 +157,18 @@ class Display:
                                f"{ideal / span:.0%} of it)", highlight=False)
 
 
-#: Words of a metric name that mean lower is better (compared as whole words: "wer" is not "answer").
-LOWER_IS_BETTER = {"loss", "error", "err", "perplexity", "ppl", "wer", "cer", "mae", "mse", "rmse", "nll", "bpc",
-                   "bpb", "eer", "fid", "distance", "time"}
-
-
 def best_line(queue: Queue) -> str:
-    """'best run: NAME (valid_loss 0.31 of 4 runs); curves: multigpu plot OUT' - or '' without metrics.
+    """'best run: NAME (valid_accuracy 0.97, highest of 4); curves of every run: multigpu plot OUT' - or ''.
 
-    The metric is the runs' own ``metric:`` (when they agree), else valid_loss, else the first valid_*
-    column; lower is better when a word of its name is in :data:`LOWER_IS_BETTER`, higher otherwise."""
+    The metric and its direction are the runs file's ``metric:`` and ``mode:`` (when the runs agree), else
+    valid_loss, else the ``loss`` of a recipe's final.json, lower being better - never guessed from a name."""
     finals = {run.spec.name: last_metrics(run) for run in queue.runs if run.state == "done"}
-    chosen = {run.spec.metric for run in queue.runs if run.spec.metric}
-    columns = [k for values in finals.values() for k in values]
-    key = (chosen.pop() if len(chosen) == 1 else None) or ("valid_loss" if "valid_loss" in columns else
-                                                           next((k for k in columns if k.startswith("valid_")), None))
+    chosen = {(run.spec.metric, run.spec.mode) for run in queue.runs if run.spec.metric}
+    columns = {k for values in finals.values() for k in values}
+    if len(chosen) == 1:
+        key, mode = chosen.pop()
+    else:
+        key, mode = next((k for k in ("valid_loss", "loss") if k in columns), None), "min"
     scored = []
     for name, values in finals.items():
         try:
@@ -182,9 +178,8 @@ def best_line(queue: Queue) -> str:
     scored = [(v, n) for v, n in scored if v == v]  # drop NaN
     if not key or not scored:
         return ""
-    lower = bool(LOWER_IS_BETTER & set(re.split(r"[^a-z0-9]+", key.lower())))
-    value, name = (min if lower else max)(scored)
-    return (f"best run: {name} ({key} {value:.4g}, {'lowest' if lower else 'highest'} of {len(scored)}); "
+    value, name = (max if mode == "max" else min)(scored)
+    return (f"best run: {name} ({key} {value:.4g}, {'highest' if mode == 'max' else 'lowest'} of {len(scored)}); "
             f"curves of every run: multigpu plot {shlex.quote(str(queue.root))}")
 
 

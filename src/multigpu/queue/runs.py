@@ -46,8 +46,11 @@ class QueueEntry:
     env: dict[str, str] = field(default_factory=dict)
     #: The override that tells the recipe where to write (set to the run's folder); null: none.
     out_dir_key: Optional[str] = "trainer.out_dir"
-    #: The metrics.csv column shown in the status table (default: the first valid_* column).
+    #: The metrics.csv column shown in the status table (default: the first valid_* column) and by which the
+    #: summary names the best run (default: valid_loss, else the recipe's final.json ``loss``).
     metric: Optional[str] = None
+    #: Whether a lower (``min``) or higher (``max``) ``metric`` is better, as the Trainer's ``mode``.
+    mode: str = "min"
     #: With ``multigpu queue --slurm``: submit this run as one task of an array job (as ``--array`` does
     #: for every run). Where a run trains, not what it computes: not part of the fingerprint.
     slurm_array: bool = False
@@ -66,6 +69,9 @@ class QueueEntry:
                               "flag.", "write the path of the script, e.g. ./-odd-name.py.")
         if self.module is not None and not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
             raise ConfigError(f"{where}module {self.module!r} is not a module name.", "write e.g. module: mypkg.train")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"{where}mode {str(self.mode)[:40]!r} is neither min nor max.",
+                              "mode: max when a higher metric is better (accuracy), min when lower is (a loss).")
         self.gpus = whole_or_share(self.gpus, f"{where}gpus")
         if self.nproc is not None:
             validate.count(self.nproc, f"{where}nproc", ConfigError)
@@ -107,7 +113,7 @@ class QueueEntry:
 
     def fingerprint(self) -> str:
         """Changes when anything that affects the run's result changes (not its name)."""
-        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric", "slurm_array")}
+        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric", "mode", "slurm_array")}
         data["gpus"] = math.ceil(self.gpus)  # a share of a GPU computes what a whole one does
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
