@@ -87,6 +87,18 @@ class PlainGradients:
     backward, nothing to skip for accumulation, peel the wrappers, clip by the local norm (which is
     the global one wherever every rank holds the whole, already averaged, gradient)."""
 
+    #: The validated ``activation_checkpointing`` setting (None: off), set by ``make_strategy``; each
+    #: ``setup`` applies it after tensor parallelism and before its wrapper (strategies/checkpointing.py).
+    activation_checkpointing: Optional[dict] = None
+
+    def checkpoint_activations(self, model: Any) -> Any:
+        """``model`` with its chosen blocks checkpointed in place (a list of stages: its modules)."""
+        if self.activation_checkpointing:
+            from multigpu.strategies.checkpointing import apply
+
+            apply(model if isinstance(model, nn.Module) else nn.ModuleList(model), self.activation_checkpointing)
+        return model
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
