@@ -173,3 +173,31 @@ def test_a_trainer_with_everything_on_still_trains(tmp_path):
                    skip_nonfinite=True, skip_grad_norm_above=1e6, skip_loss_above=1e6, max_skipped_in_a_row=2,
                    memory_snapshot_on_oom=True, progress=False, plot=False)
     assert trainer.fit(data)[0]["train_loss"] > 0
+
+
+def test_the_mapping_settings_are_values_or_one_line():
+    """Property: whatever YAML gives activation_checkpointing or profile, the checker returns the one form
+    the strategies and the profiler read, or raises one line."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from multigpu import validate
+    from multigpu.errors import MultiGPUError
+
+    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                              st.sampled_from(["every", "blocks", "wait", "active", "top", "x"]) | st.text(max_size=8),
+                              inner, max_size=4), max_leaves=12)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(values)
+    def check(value):
+        for checker in (validate.activation_checkpointing_settings, validate.profile_settings):
+            try:
+                out = checker(value)
+            except MultiGPUError as exc:
+                assert "\n" not in exc.one_line() and "HINT:" in exc.one_line()
+                continue
+            assert out is False or (isinstance(out, dict) and checker(out) == out)  # idempotent: checked twice
+
+    check()

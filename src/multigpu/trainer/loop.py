@@ -263,7 +263,7 @@ class Trainer(abc.ABC):
         """One epoch (or what is left of it); returns (metrics, samples, completed)."""
         s = self.settings
         model, optimizer, precision, strategy, run = self.model, self.optimizer, self.precision, self.strategy, self.run
-        extras, guard = self.extras, self.extras.guard
+        guard, after_step = self.extras.guard, self.extras.after_step if self.extras.after_each_step else None
         model.train()
         total = loader.length  # the whole epoch; None for a stream
         # Batches need moving unless everything is on the CPU (a CPU run on a GPU machine may still load CUDA tensors).
@@ -304,8 +304,8 @@ class Trainer(abc.ABC):
                 if stepped and self.scheduler is not None and s.scheduler_interval == "step":
                     self.scheduler.step()
                 self.state.global_step += 1
-                if extras.after_each_step:
-                    extras.after_step(stepped, self.state.global_step)
+                if after_step is not None:  # averaging, profiling
+                    after_step(stepped, self.state.global_step)
                 batches, window_batches = batches - dropped, window_batches - dropped  # a skipped step's batches
             self.state.batch_in_epoch = index + 1
             run.step_done(self.state.global_step)

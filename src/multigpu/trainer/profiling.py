@@ -94,7 +94,7 @@ class StepProfiler:
                      f"{self.folder / f'rank*-step{last}.pt.trace.json'} (open in https://ui.perfetto.dev "
                      f"or chrome://tracing, or `tensorboard --logdir {self.folder.path}` with torch-tb-profiler)")
             if self.settings["top"]:
-                key = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+                key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
                 self.say(f"multigpu: profile: rank 0's top operators by {key}:\n"
                          + profiler.key_averages().table(sort_by=key, row_limit=self.settings["top"]))
 

@@ -8,8 +8,8 @@ the same door as every other "does any rank ...?" of the loop. The gradient norm
 (the strategy's clip: DDP's averaged gradients, FSDP's norm over every shard).
 
 What it costs, and only when it is on: deciding needs the flags on the host before the optimizer step,
-so a guarded step has one host synchronisation (four integers read back) and one all-reduce of four
-integers over gloo - measured in docs/observability.md. The fp16 gradient scaler pays the same read
+so a guarded step has one host synchronisation (the step's loss and gradient norm read back, two numbers)
+and one all-reduce of four integers over gloo - measured in docs/observability.md. The fp16 gradient scaler pays the same read
 for its inf check. Off (the default), the loop calls nothing.
 
 A skipped step is counted (``skipped_steps`` in the step rows, a line on rank 0) and leaves no trace in
@@ -47,33 +47,33 @@ class StepGuard:
         #: Steps skipped in this run (restored on resume), and in a row now.
         self.skipped = 0
         self.in_a_row = 0
+        #: The loop's loss sum this epoch, and its value after the last step taken (read on the host anyway).
         self._sum: Optional[torch.Tensor] = None
-        self._mark: Optional[torch.Tensor] = None
+        self._mark = 0.0
 
-    def flags(self, step_loss: torch.Tensor, micro_batches: int, grad_norm: torch.Tensor) -> torch.Tensor:
-        """This rank's four reasons as 0/1 integers on the device (nothing read back yet)."""
-        norm = grad_norm.detach().to(step_loss.device, torch.float64)
-        mean = step_loss.detach().to(torch.float64) / micro_batches
-        inf = math.inf
-        finite_loss, finite_norm = torch.isfinite(mean), torch.isfinite(norm)
-        above_loss = finite_loss & (mean > (self.loss_above if self.loss_above is not None else inf))
-        above_norm = finite_norm & (norm > (self.grad_norm_above if self.grad_norm_above is not None else inf))
-        return torch.stack([~finite_loss, above_loss, ~finite_norm, above_norm]).to(torch.int64)
+    def reasons(self, step_loss: float, micro_batches: int, grad_norm: float) -> list[int]:
+        """This rank's four reasons (0/1), in the order of :data:`REASONS`."""
+        mean = step_loss / micro_batches
+        finite_loss, finite_norm = math.isfinite(mean), math.isfinite(grad_norm)
+        return [int(not finite_loss), int(finite_loss and self.loss_above is not None and mean > self.loss_above),
+                int(not finite_norm),
+                int(finite_norm and self.grad_norm_above is not None and grad_norm > self.grad_norm_above)]
 
     def check(self, loss_sum: torch.Tensor, micro_batches: int, grad_norm: torch.Tensor, state: Any) -> int:
         """At an accumulation boundary, before the optimizer step (``state.global_step`` steps done): 0 to
         step, or - on every rank alike - the number of this step's batches, to skip it. ``loss_sum``: the
         loop's running sum of batch losses; on a skip it is put back to where it was before this step's
         batches, so the loss means leave them out."""
-        start = self._mark if self._sum is loss_sum and self._mark is not None else torch.zeros_like(loss_sum)
-        local = self.flags(loss_sum - start, micro_batches, grad_norm).tolist()  # the one host read
-        reasons = agreement.reduce_ints(local, "max", self.group, self.active)
+        total, norm = torch.stack([loss_sum.detach(), grad_norm.detach().to(loss_sum)]).tolist()  # the one read
+        before = self._mark if self._sum is loss_sum else 0.0  # a new sum: a new epoch
+        reasons = agreement.reduce_ints(self.reasons(total - before, micro_batches, norm), "max", self.group,
+                                        self.active)
+        self._sum = loss_sum
         if not any(reasons):
             self.in_a_row = 0
-            self._sum, self._mark = loss_sum, loss_sum.clone()
+            self._mark = total
             return 0
-        loss_sum.copy_(start)
-        self._sum, self._mark = loss_sum, start
+        loss_sum.fill_(before)  # the very value read before: the sum as it was
         self.skipped += 1
         self.in_a_row += 1
         step = state.global_step + 1
