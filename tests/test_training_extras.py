@@ -27,13 +27,14 @@ N, D, BLOCKS = 256, 32, 8  # activations of one block's hidden layer: N x 4D flo
 
 
 class Block(nn.Module):
-    def __init__(self, width: int = D) -> None:
+    def __init__(self, width: int = D, factor: int = 4) -> None:
         super().__init__()
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
+        self.up = nn.Linear(width, factor * width)
+        self.down = nn.Linear(factor * width, width)
+        self.act = torch.relu if factor == 4 else torch.tanh  # tests/scripts/training_extras.py's: 2, tanh
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+        return x + self.down(self.act(self.up(x)))
 
 
 def blocks(n: int = BLOCKS, width: int = D) -> nn.Sequential:
@@ -418,6 +419,17 @@ def test_the_sharded_average_equals_the_hand_computed_ema_and_loads_into_a_plain
     for key in hand:
         assert torch.allclose(run["averaged"][key], hand[key], rtol=0, atol=1e-13), key
     (last,) = sorted((out / "fsdp" / "checkpoints").glob("step-00000012"))
+    rows = list(csv.DictReader(open(out / "fsdp" / "metrics.csv")))
+    model = nn.Sequential()
+    model.blocks = nn.Sequential(*[Block(8, 2) for _ in range(4)])
+    model.head = nn.Linear(8, 1)
+    model = model.double()
+    model.load_state_dict(run["averaged"])  # strict: a plain model
+    inputs, targets = run["valid"]
+    with torch.no_grad():
+        expected = F.mse_loss(model.head(model.blocks(inputs)), targets[:, None]).item()
+    assert float(rows[-1]["valid_loss"]) == pytest.approx(expected, rel=1e-12)  # validated on the average
+    assert _equal(run["before_eval"], run["after_eval"]) and _equal(run["after_eval"], run["final"])
     extra = torch.load(last / "extra.pt", weights_only=True)  # a sharded checkpoint: the averaged model is whole
     assert extra["averaging"] == {"kind": "ema", "decay": 0.9, "start": None, "updates": 11}
     assert _equal(extra["averaged_model"], run["averaged"])

@@ -3,11 +3,12 @@
     multigpu run --nproc 2 --profile training_extras.py OUT
 
 Every fit trains the same float64 model (4 residual blocks and a head) on the same 48 samples for 2
-epochs (6 optimizer steps each) with SGD, ema 0.9 and the step guard; rank 1's loss is NaN at step 3,
-so every rank must skip that step. Fits, each in OUT/<name>:
+epochs (6 optimizer steps each) with SGD, ema 0.9 and the step guard, validating on 10 samples after
+each epoch (on the averaged weights); rank 1's loss is NaN at step 3, so every rank must skip that step.
+Fits, each in OUT/<name>:
 
 - fsdp: without activation checkpointing; records the full weights after every step (for the
-  hand-computed EMA in the test);
+  hand-computed EMA in the test) and around the last validation;
 - half then resumed: fsdp with activation checkpointing for 1 epoch, then resumed to 2 - must equal
   fsdp bit for bit (checkpointing changes no number, and the resume is exact);
 - ddp, ddp_ac: the same pair under DDP.
@@ -70,9 +71,16 @@ class Fit(mg.Trainer):
         if self.record:
             self.steps.append(self.run.state_dict(self.model))  # a collective: every rank
 
+    def on_evaluate_start(self):  # before validation swaps the averaged weights in ...
+        self.before_eval = self.run.state_dict(self.model) if self.record else {}
+
+    def on_validation_end(self, metrics):  # ... and after it put the model's own back
+        self.after_eval = self.run.state_dict(self.model) if self.record else {}
+
 
 generator = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(48, 8, generator=generator), torch.randn(48, generator=generator))
+valid = TensorDataset(torch.randn(10, 8, generator=generator), torch.randn(10, generator=generator))
 
 
 def fit(name: str, strategy: str, epochs: int = 2, record: bool = False, out: str = "", **settings) -> None:
@@ -83,14 +91,16 @@ def fit(name: str, strategy: str, epochs: int = 2, record: bool = False, out: st
                   epochs=epochs, shuffle=False, ema=0.9, skip_nonfinite=True, log_every_n_steps=1, progress=False,
                   plot=False, **settings)
     trainer.record = record
-    trainer.fit(data)
+    trainer.fit(data, valid)
     final = run.state_dict(trainer.model)
     averaged = trainer.extras.averaging.state_dict()["averaged_model"]
     checkpointed = [n for n, m in run.unwrap(trainer.model).named_modules() if is_checkpointed(m)]
     (OUT / f"{name}-rank{run.rank}.json").write_text(json.dumps({"skipped": trainer.extras.guard.skipped,
                                                                    "checkpointed": checkpointed}))
     if run.is_main:
-        torch.save({"final": final, "averaged": averaged, "steps": trainer.steps if record else []}, OUT / f"{name}.pt")
+        torch.save({"final": final, "averaged": averaged, "steps": trainer.steps if record else [],
+                    "before_eval": trainer.before_eval if record else {}, "after_eval": trainer.after_eval if record else {},
+                    "valid": valid.tensors}, OUT / f"{name}.pt")
 
 
 fit("fsdp", "fsdp", record=True)

@@ -71,6 +71,12 @@ class StepExtras:
     def report(self) -> list[str]:
         """Rank 0's start lines for what is on."""
         lines = []
+        if self.profiler is not None:
+            p = self.profiler.settings
+            first = p["wait"] + p["warmup"] + 1
+            cycles = f", {p['repeat']} cycles" if p["repeat"] > 1 else ""
+            lines.append(f"multigpu: profile: tracing steps {first}-{first + p['active'] - 1} of this fit{cycles} "
+                         f"into {self.profiler.folder.path}")
         if self.averaging is not None:
             lines.append(f"multigpu: weight averaging: {self.averaging.describe()}; validation uses the averaged "
                          "weights; checkpoints hold them as averaged_model")
