@@ -435,6 +435,25 @@ def test_the_sharded_average_equals_the_hand_computed_ema_and_loads_into_a_plain
     assert _equal(extra["averaged_model"], run["averaged"])
 
 
+def test_one_process_resumes_the_two_process_average(two_ranks, tmp_path):
+    """The fsdp checkpoint of 2 ranks, resumed by 1 (fsdp in a world of one): its average, whole."""
+    import shutil
+
+    import multigpu as mg
+
+    out, _ = two_ranks
+    shutil.copytree(out / "fsdp", tmp_path / "fsdp")
+    model = nn.Sequential()
+    model.blocks = nn.Sequential(*[Block(8, 2) for _ in range(4)])
+    model.head = nn.Linear(8, 1)
+    trainer = Regression(mg.init(env={}), model.double(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                         strategy="fsdp", out_dir=str(tmp_path / "fsdp"), ema=0.9, skip_nonfinite=True, progress=False)
+    assert trainer.resume() and trainer.extras.averaging.updates == 11 and trainer.extras.guard.skipped == 1
+    averaged = dict(zip([n for names in trainer.extras.averaging.names for n in names[:1]],
+                        trainer.extras.averaging.averaged))
+    assert _equal(averaged, _load(out, "fsdp")["averaged"])
+
+
 def test_every_rank_writes_its_trace_and_rank_0_names_them(two_ranks):
     out, stdout = two_ranks
     for rank in (0, 1):
