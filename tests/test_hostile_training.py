@@ -189,7 +189,7 @@ def test_the_mapping_settings_are_values_or_one_line():
                               st.sampled_from(["every", "blocks", "wait", "active", "top", "x"]) | st.text(max_size=8),
                               inner, max_size=4), max_leaves=12)
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(values)
     def check(value):
         for checker in (validate.activation_checkpointing_settings, validate.profile_settings):
