@@ -268,3 +268,54 @@ def compile_settings(value: Any, error: type[MultiGPUError] = MultiGPUError) -> 
             raise error(f"compile has no argument {shown(key)} a settings file may set.",
                         f"choose from {', '.join([*COMPILE_ARGUMENTS, 'options'])}.")
     return dict(value)
+
+
+#: ``activation_checkpointing`` as a mapping: which blocks (class names) and how often.
+CHECKPOINTING_KEYS = {"blocks": Rule(list, optional=True), "every": Rule(int, 1, 10**6)}
+
+
+def activation_checkpointing_settings(value: Any, error: type[MultiGPUError] = MultiGPUError) -> Any:
+    """``activation_checkpointing``: false, true (every repeated block), or ``{every: N, blocks: [Name]}``.
+
+    Returned as false or ``{"blocks": [names] or None, "every": N}``: the one form the strategies read."""
+    if isinstance(value, bool):
+        return {"blocks": None, "every": 1} if value else False
+    if not isinstance(value, Mapping) or not value:
+        raise error(f"trainer setting activation_checkpointing={shown(value)} is invalid.",
+                    "use true, false, {every: 2} (every 2nd block) or {blocks: [Block]} (class names).")
+    for key, item in value.items():
+        if key not in CHECKPOINTING_KEYS:
+            raise error(f"activation_checkpointing has no key {shown(key)}.", "use every and/or blocks.")
+        checked("activation_checkpointing", str(key), item, CHECKPOINTING_KEYS[key], error)
+    blocks = value.get("blocks")
+    if blocks is not None:
+        if not blocks:
+            raise error("activation_checkpointing.blocks=[] names no block.", "name a class, e.g. {blocks: [Block]}.")
+        for name in blocks:
+            plain_text(name, "activation_checkpointing block name", error, allow_space=False,
+                       pattern=r"[A-Za-z_][A-Za-z0-9_]{0,199}", example="Block")
+    return {"blocks": list(blocks) if blocks is not None else None, "every": value.get("every", 1)}
+
+
+#: ``profile``: torch.profiler's schedule (in optimizer steps) and what it records.
+PROFILE_KEYS = {"wait": Rule(int, 0, 10**6), "warmup": Rule(int, 0, 10**6), "active": Rule(int, 1, 1000),
+                "repeat": Rule(int, 1, 1000), "record_shapes": Rule(bool), "profile_memory": Rule(bool),
+                "with_stack": Rule(bool), "top": Rule(int, 0, 1000)}
+PROFILE_DEFAULTS = {"wait": 1, "warmup": 1, "active": 3, "repeat": 1, "record_shapes": False, "profile_memory": False,
+                    "with_stack": False, "top": 15}
+
+
+def profile_settings(value: Any, error: type[MultiGPUError] = MultiGPUError) -> Any:
+    """``profile``: false, true (wait 1, warmup 1, active 3), or a mapping of :data:`PROFILE_KEYS`.
+
+    Returned as false or the full mapping with the defaults filled in."""
+    if isinstance(value, bool):
+        return dict(PROFILE_DEFAULTS) if value else False
+    if not isinstance(value, Mapping):
+        raise error(f"trainer setting profile={shown(value)} is invalid.",
+                    "use true, false, or a mapping such as {wait: 1, warmup: 1, active: 3}.")
+    for key, item in value.items():
+        if key not in PROFILE_KEYS:
+            raise error(f"profile has no key {shown(key)}.", f"choose from {', '.join(PROFILE_KEYS)}.")
+        checked("profile", str(key), item, PROFILE_KEYS[key], error)
+    return {**PROFILE_DEFAULTS, **value}

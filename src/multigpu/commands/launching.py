@@ -196,6 +196,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     misc.add_argument("--debug", action="store_true",
                       help="TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO and the NCCL flight recorder (dumped "
                       "into the log folder on a timeout); keeps every rank's log")
+    misc.add_argument("--profile", action="store_true",
+                      help="the Trainer traces steps 3-5 with torch.profiler: one trace per rank in out_dir/profile, "
+                      "rank 0's top operators printed (the trainer setting profile: tunes it)")
     add_torchrun_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
@@ -291,7 +294,7 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
         command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
         log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout, tee_prefix=args.tee_prefix,
         debug=args.debug, monitor_interval=args.monitor_interval or 0.1, role=args.role or "default",
-        local_addr=args.local_addr,
+        local_addr=args.local_addr, profile=args.profile,
     )
 
 
@@ -330,7 +333,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                         nproc=nproc, gpus_per_proc=args.gpus_per_proc, cpu=cpu,
                         procs_per_gpu=args.procs_per_gpu,
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
-                        rdzv_timeout=args.rdzv_timeout, verbose=args.verbose, debug=args.debug,
+                        rdzv_timeout=args.rdzv_timeout, verbose=args.verbose, debug=args.debug, profile=args.profile,
                         clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
                                   "--master-addr": args.master_addr, "--master-port": args.master_port,
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})

@@ -34,6 +34,8 @@ RUN_DIR_VAR = "MULTIGPU_RUN_DIR"
 CHECK_DIR_VAR = "MULTIGPU_CHECK_DIR"
 CHECK_STEPS_VAR = "MULTIGPU_CHECK_STEPS"
 CHECK_SCALE_VAR = "MULTIGPU_CHECK_BATCH_SCALE"
+#: Set by ``multigpu run --profile``: the Trainer profiles a few steps (docs/observability.md).
+PROFILE_VAR = "MULTIGPU_PROFILE"
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class World:
     check_dir: Optional[str] = None
     check_steps: int = 5
     check_scale: int = 1
+    #: ``multigpu run --profile``: the Trainer traces a few steps per rank.
+    profile: bool = False
 
     @property
     def is_distributed(self) -> bool:
@@ -141,7 +145,12 @@ def _common(env: Env) -> dict:
     if not (0 < check_steps <= 10_000 and 0 < check_scale <= 4096):
         raise WorldError(f"{CHECK_STEPS_VAR}={check_steps} / {CHECK_SCALE_VAR}={check_scale} are out of range.",
                          "they are set by `multigpu check`; unset them when running by hand.")
+    profile = env.get(PROFILE_VAR, "")
+    if profile not in ("", "0", "1"):
+        raise WorldError(f"{PROFILE_VAR}={profile[:40]!r} is not 0 or 1.",
+                         "it is set by `multigpu run --profile`; unset it when running by hand.")
     return {"check_dir": env.get(CHECK_DIR_VAR) or None, "check_steps": check_steps, "check_scale": check_scale,
+            "profile": profile == "1",
             "devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
             "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "run_dir": env.get(RUN_DIR_VAR) or None}

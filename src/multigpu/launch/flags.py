@@ -21,7 +21,7 @@ _VALUED = (("nnodes", "--nnodes"), ("node_rank", "--node-rank"), ("master_addr",
            ("gpus_per_proc", "--gpus-per-proc"), ("procs_per_gpu", "--procs-per-gpu"),
            ("simulate_nodes", "--simulate-nodes"), ("max_restarts", "--max-restarts"),
            ("stop_timeout", "--stop-timeout"), ("log_dir", "--log-dir"), ("tee_prefix", "--tee-prefix"))
-_SWITCHES = (("cpu", "--cpu"), ("debug", "--debug"), ("verbose", "--verbose"))
+_SWITCHES = (("cpu", "--cpu"), ("debug", "--debug"), ("verbose", "--verbose"), ("profile", "--profile"))
 #: The device and node flags that ``run`` and ``doctor`` share (``doctor`` hands them on to ``run``).
 LAUNCH_FIELDS = ("gpus", "nproc", "gpus_per_proc", "procs_per_gpu", "cpu", "nnodes", "node_rank", "master_addr",
                  "master_port", "rdzv_endpoint", "rdzv_id", "rdzv_timeout", "simulate_nodes")
@@ -56,6 +56,7 @@ class RunFlags:
     tee_prefix: Optional[str] = None
     debug: bool = False
     verbose: bool = False
+    profile: bool = False
 
     @classmethod
     def from_launch_args(cls, args: argparse.Namespace) -> "RunFlags":

@@ -31,7 +31,7 @@ from multigpu.launch.devices import DevicePlan
 from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.ports import require_free_port
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
-from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR
+from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
 STDERR_TAIL_LINES = 20
@@ -73,6 +73,8 @@ class LaunchRequest:
     #: torchrun's ``--role`` (the worker group's name in torch elastic's logs) and ``--local-addr``.
     role: str = "default"
     local_addr: Optional[str] = None
+    #: ``--profile``: the workers' Trainers trace a few steps (``MULTIGPU_PROFILE=1``).
+    profile: bool = False
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -194,6 +196,8 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
         # torchrun's default of 1 starves CPU training; split the cores this process may use instead
         # (its affinity: a Slurm task sees its allocation, not the whole node).
         env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // request.devices.nproc))
+    if request.profile:
+        env[PROFILE_VAR] = "1"
     env.update({k: str(v) for k, v in request.extra_env.items()})
     return env
 

@@ -71,8 +71,9 @@ def parse_options(entry: StrategySpec, options: dict[str, Any]) -> Any:
 
 def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.device], *,
                   parallelism: Optional[Parallelism] = None, mesh: Optional[Callable[[], Any]] = None,
-                  **options: Any) -> Strategy:
-    """The strategy called ``name`` for this process (``auto``: ddp with several processes, else single)."""
+                  activation_checkpointing: Any = None, **options: Any) -> Strategy:
+    """The strategy called ``name`` for this process (``auto``: ddp with several processes, else single).
+    ``activation_checkpointing``: the validated setting, applied by the strategy's ``setup``."""
     entry = spec(resolve_name(name, world))
     if world.is_distributed and not entry.in_sync:
         raise ConfigError(
@@ -83,7 +84,12 @@ def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.dev
     context = BuildContext(world=world, devices=list(devices),
                            parallelism=parallelism or Parallelism.plain(world.world_size),
                            mesh=mesh or _no_mesh)
-    return entry.build(context, parse_options(entry, options))
+    strategy = entry.build(context, parse_options(entry, options))
+    if activation_checkpointing:
+        from multigpu.validate import activation_checkpointing_settings
+
+        strategy.activation_checkpointing = activation_checkpointing_settings(activation_checkpointing, ConfigError)
+    return strategy
 
 
 def _no_mesh() -> Any:

@@ -87,6 +87,18 @@ class PlainGradients:
     backward, nothing to skip for accumulation, peel the wrappers, clip by the local norm (which is
     the global one wherever every rank holds the whole, already averaged, gradient)."""
 
+    #: The validated ``activation_checkpointing`` setting (None: off), set by ``make_strategy``; each
+    #: ``setup`` applies it after tensor parallelism and before its wrapper (strategies/checkpointing.py).
+    activation_checkpointing: Optional[dict] = None
+
+    def checkpoint_activations(self, model: Any) -> Any:
+        """``model`` with its chosen blocks checkpointed in place (a list of stages: its modules)."""
+        if self.activation_checkpointing:
+            from multigpu.strategies.checkpointing import apply
+
+            apply(model if isinstance(model, nn.Module) else nn.ModuleList(model), self.activation_checkpointing)
+        return model
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -97,6 +109,8 @@ class PlainGradients:
         return unwrap_module(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        if max_norm == float("inf"):  # the norm alone (the step guard's): scaling by 1 would change nothing
+            return nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 

@@ -42,7 +42,7 @@ class DDP(PlainGradients):
         self.options = options
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        model = model.to(self.device)
+        model = self.checkpoint_activations(model.to(self.device))
         kwargs = {k: v for k, v in asdict(self.options).items() if v is not None}
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **kwargs)  # broadcasts rank 0's weights

@@ -48,7 +48,7 @@ class DataParallelStrategy(PlainGradients):
         return torch.device("cuda", self.device_ids[0]) if self.device_ids else torch.device("cpu")
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        model = model.to(self.device)
+        model = self.checkpoint_activations(model.to(self.device))
         wrapped = nn.DataParallel(model, device_ids=self.device_ids) if len(self.device_ids) > 1 else model
         return wrapped, build_optimizer(optimizer, model)
 

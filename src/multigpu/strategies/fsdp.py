@@ -134,7 +134,7 @@ class FSDP(PlainGradients):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if not self.distributed:
-            model = model.to(self.device)
+            model = self.checkpoint_activations(model.to(self.device))
             return model, build_optimizer(optimizer, model)
         names = {id(p): n for n, p in model.named_parameters()}
         if self._mesh_provider is not None:
@@ -146,6 +146,8 @@ class FSDP(PlainGradients):
             from multigpu.strategies.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
+        blocks = find_blocks(model, self.options.wrap)  # before checkpointing gives some blocks a subclass
+        self.checkpoint_activations(model)  # after tensor parallelism, before sharding
         kwargs: dict[str, Any] = {
             "reshard_after_forward": self.options.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype),
@@ -154,7 +156,7 @@ class FSDP(PlainGradients):
         data_mesh = self._data_mesh()
         if data_mesh is not None:
             kwargs["mesh"] = data_mesh
-        for block in find_blocks(model, self.options.wrap):
+        for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         _sum_reductions_over_gloo(model)
@@ -203,7 +205,7 @@ def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float
     if not norms:
         return torch.zeros(())
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-    for params in groups.values():
+    for params in groups.values() if max_norm != float("inf") else ():  # inf: the norm alone (the step guard)
         nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 

@@ -167,7 +167,7 @@ class Pipeline(PlainGradients):
         return self.devices[0]
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        layers, bounds = split_model(model, self.stages, self.options.split_points)
+        layers, bounds = split_model(self.checkpoint_activations(model), self.stages, self.options.split_points)
         piped = PipelineModule(layers, bounds, self.devices, self.options.micro_batches,
                                self.options.output_to_first_device)
         if isinstance(optimizer, torch.optim.Optimizer):

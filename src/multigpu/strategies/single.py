@@ -18,7 +18,7 @@ class SingleDevice(PlainGradients):
         self.device = device
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        model = model.to(self.device)  # in place: an optimizer built before this still holds the parameters
+        model = self.checkpoint_activations(model.to(self.device))  # in place: an optimizer built before still holds them
         return model, build_optimizer(optimizer, model)
 
 

@@ -44,7 +44,8 @@ from multigpu.trainer.monitor import BestTracker
 from multigpu.trainer.precision import Precision
 from multigpu.guards.preemption import Preempted
 from multigpu.trainer.evaluation import evaluate_shard
-from multigpu.trainer.progress import ProgressLine, format_metrics, start_report
+from multigpu.trainer.progress import ProgressLine, format_metrics, show_progress, start_report
+from multigpu.trainer.extras import StepExtras
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.runtime import Run
 from multigpu.trainer import resume
@@ -56,7 +57,7 @@ SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
 
 #: The folders a Trainer owns in its out_dir: each must be a real folder (or not there yet). A link there
 #: - in an out_dir someone handed you - would make a save, a log or pruning act on another folder.
-OWNED = ("checkpoints", "checkpoints/best", "hang", "tensorboard", "wandb", "mlruns", "logs")
+OWNED = ("checkpoints", "checkpoints/best", "hang", "tensorboard", "wandb", "mlruns", "logs", "profile")
 
 
 class _StopTraining(Exception):
@@ -81,7 +82,7 @@ class Trainer(abc.ABC):
         if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
             run.check_consistency(model, config, trainer_settings=s.plain())
         self.model, self.optimizer = run.setup(model, optimizer, strategy=s.strategy or run.strategy_name,
-                                               **s.strategy_options)
+                                               activation_checkpointing=s.activation_checkpointing, **s.strategy_options)
         if self.optimizer is None:
             raise ConfigError("the Trainer needs an optimizer.", "pass one, or a factory like "
                               "`lambda params: torch.optim.AdamW(params, lr=1e-3)`.")
@@ -111,6 +112,7 @@ class Trainer(abc.ABC):
         self._valid: Any = None
         self._epochs = s.epochs
         self._grad_norm: Optional[torch.Tensor] = None
+        self.extras = StepExtras(s, run, self.strategy.unwrap(self.state_model), self.out_dir)  # profile, ema, guard
 
     # ------------------------------------------------------------------ your code
     @abc.abstractmethod
@@ -191,7 +193,8 @@ class Trainer(abc.ABC):
         clean = False
         try:
             self.on_fit_start()
-            self._fit_epochs(train_loader, epochs)
+            with self.extras.fitting(self.state.global_step):
+                self._fit_epochs(train_loader, epochs)
             clean = True
         except Preempted:
             clean = True
@@ -258,6 +261,7 @@ class Trainer(abc.ABC):
         """One epoch (or what is left of it); returns (metrics, samples, completed)."""
         s = self.settings
         model, optimizer, precision, strategy, run = self.model, self.optimizer, self.precision, self.strategy, self.run
+        guard, after_step = self.extras.guard, self.extras.after_step if self.extras.after_each_step else None
         model.train()
         total = loader.length  # the whole epoch; None for a stream
         # Batches need moving unless everything is on the CPU (a CPU run on a GPU machine may still load CUDA tensors).
@@ -289,18 +293,22 @@ class Trainer(abc.ABC):
             log_samples += n
             if boundary:
                 precision.unscale(optimizer)
-                if s.clip_grad_norm is not None:
-                    self._grad_norm = strategy.clip_grad_norm(model, s.clip_grad_norm)
-                stepped = precision.step(optimizer)
+                if s.clip_grad_norm is not None or guard is not None:  # the guard reads the global norm
+                    self._grad_norm = strategy.clip_grad_norm(model, s.clip_grad_norm or float("inf"))
+                dropped = guard.check(loss_sum, index % s.accumulate + 1, self._grad_norm, self.state) if guard else 0
+                stepped = precision.step(optimizer) if not dropped else precision.skip()
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and self.scheduler is not None and s.scheduler_interval == "step":
                     self.scheduler.step()
                 self.state.global_step += 1
+                if after_step is not None:  # averaging, profiling
+                    after_step(stepped, self.state.global_step)
+                batches, window_batches = batches - dropped, window_batches - dropped  # a skipped step's batches
             self.state.batch_in_epoch = index + 1
             run.step_done(self.state.global_step)
             self.on_train_batch_end(self.state.global_step, detached)
             if self.progress.wants_update():
-                self._show_progress(epoch, epochs, index + 1, total, loss_sum / batches, samples, batches, started)
+                show_progress(self, epoch, epochs, index + 1, total, loss_sum / batches, samples, batches, started)
             if not boundary:
                 continue
             step = self.state.global_step
@@ -325,18 +333,6 @@ class Trainer(abc.ABC):
         metrics.add("loss", loss_sum, batches)
         return metrics.compute(), samples * self.run.dp_size, completed
 
-    def _show_progress(self, epoch: int, epochs: int, done: int, total: Optional[int], mean_loss: torch.Tensor,
-                       samples: int, batches: int, started: float) -> None:
-        elapsed = max(time.monotonic() - started, 1e-9)
-        per_batch = elapsed / max(batches, 1)
-        eta = None
-        if total:
-            eta = ((total - done) + (epochs - epoch - 1) * total) * per_batch
-        if self.settings.max_steps is not None:
-            left = (self.settings.max_steps - self.state.global_step) * self.settings.accumulate * per_batch
-            eta = left if eta is None else min(eta, left)
-        self.progress.update(epoch + 1, epochs, done, total, mean_loss.item(), samples * self.run.dp_size / elapsed, eta)
-
     def _log_step(self, mean_loss: torch.Tensor, samples: int, elapsed: float, epoch: int, done: int,
                   total: Optional[int]) -> None:
         """A step row - rank 0's own loss (reading it is the only sync, on logging steps only)."""
@@ -347,6 +343,7 @@ class Trainer(abc.ABC):
                                "samples_per_s": samples * self.run.dp_size / elapsed if elapsed > 0 else 0.0}
         if self._grad_norm is not None:
             row["grad_norm"] = float(self._grad_norm)
+        row.update(self.extras.row())
         if self.device.type == "cuda":
             row["gpu_mem_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.loggers.log_metrics(row, self.state.global_step, kind="step")
@@ -363,7 +360,7 @@ class Trainer(abc.ABC):
     def _validate(self) -> dict[str, float]:
         self.run.settle()  # the evaluation loader may fork workers: no all-reduce in flight meanwhile
         self.on_evaluate_start()
-        with self.run.paused_watchdog():
+        with self.run.paused_watchdog(), self.extras.averaged():  # the averaged weights, when averaging is on
             metrics = self.evaluate(self._valid)
         self.on_validation_end(metrics)
         if self.tracker is not None:
@@ -424,7 +421,7 @@ class Trainer(abc.ABC):
         """What runs, on rank 0, before the first step: nobody trains a week with the wrong setup."""
         if self.run.is_main:
             for line in start_report(self.run, self.settings, self.state_model, loader, self.strategy.name,
-                                     self.precision.mode):
+                                     self.precision.mode) + self.extras.report():
                 self.run.print(line)
 
     # ------------------------------------------------------------------ checkpoints
@@ -443,6 +440,7 @@ class Trainer(abc.ABC):
             "settings": resume.plain_data(self.settings.plain()),
             "config": resume.plain_data(consistency.plain(self.config)),
             "monitor": self.tracker.state_dict() if self.tracker is not None else None,
+            **self.extras.state_dict(),
         }
 
     def save(self) -> Path:
@@ -503,6 +501,7 @@ class Trainer(abc.ABC):
             self.precision.load_state_dict(state.get("scaler") or {})
             if self.tracker is not None and isinstance(state.get("monitor"), Mapping):
                 self.tracker.load_state_dict(state["monitor"])
+            self.extras.load_state_dict(state)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise CheckpointError(f"the checkpoint's scheduler, scaler or monitor state does not fit: "
                                   f"{' '.join(str(exc).split())[:200]}", "resume with the same settings, or start a "

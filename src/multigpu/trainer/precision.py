@@ -61,6 +61,14 @@ class Precision:
         self.scaler.update()
         return True
 
+    def skip(self) -> bool:
+        """No optimizer step this time (the step guard skipped it). After ``unscale`` the fp16 scaler still
+        closes its step (``update``: a step with infs also lowers the scale), so the next one may unscale.
+        Returns False: not stepped."""
+        if self.scaler is not None:
+            self.scaler.update()
+        return False
+
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler is not None else {}
 

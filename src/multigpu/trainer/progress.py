@@ -78,6 +78,22 @@ class ProgressLine:
         self.line(f"epoch {epoch}/{epochs}: {format_metrics(values)}")
 
 
+def show_progress(trainer: Any, epoch: int, epochs: int, done: int, total: Optional[int], mean_loss: Any,
+                  samples: int, batches: int, started: float) -> None:
+    """The Trainer's progress line with its ETA (the epochs left, or ``max_steps``, whichever ends first)."""
+    settings = trainer.settings
+    elapsed = max(time.monotonic() - started, 1e-9)
+    per_batch = elapsed / max(batches, 1)
+    eta = None
+    if total:
+        eta = ((total - done) + (epochs - epoch - 1) * total) * per_batch
+    if settings.max_steps is not None:
+        left = (settings.max_steps - trainer.state.global_step) * settings.accumulate * per_batch
+        eta = left if eta is None else min(eta, left)
+    trainer.progress.update(epoch + 1, epochs, done, total, mean_loss.item(), samples * trainer.run.dp_size / elapsed,
+                            eta)
+
+
 def start_report(run: Any, settings: Any, model: Any, loader: Any, strategy: str, precision: str) -> list[str]:
     """The two lines rank 0 prints before the first step: the global batch, and what trains on what."""
     params = list(model.parameters())
@@ -90,5 +106,13 @@ def start_report(run: Any, settings: Any, model: Any, loader: Any, strategy: str
                  else "steps per epoch: unknown (a stream)")
     return [f"multigpu: {run.describe_batch(loader.batch_size, settings.accumulate, loader.samples)}",
             f"multigpu: {total:,} parameters ({trainable:,} trainable{shard}); strategy {strategy}, "
-            f"precision {precision}{', compiled' if settings.compile else ''}; {per_epoch}; "
+            f"precision {precision}{', compiled' if settings.compile else ''}{_checkpointing(settings)}; {per_epoch}; "
             f"world {run.world_size} on {run.device.type}"]
+
+
+def _checkpointing(settings: Any) -> str:
+    ac = getattr(settings, "activation_checkpointing", False)
+    if not ac:
+        return ""
+    which = f"{', '.join(ac['blocks'])} blocks" if ac.get("blocks") else "repeated blocks"
+    return f", activation checkpointing of {which}" + (f" (every {ac['every']})" if ac.get("every", 1) > 1 else "")

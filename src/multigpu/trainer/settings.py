@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional
 from multigpu.config import check_keys
 from multigpu.errors import ConfigError, shown
 from multigpu.trainer.precision import ALIASES as PRECISIONS
-from multigpu.validate import Rule, checked, compile_settings
+from multigpu.validate import Rule, activation_checkpointing_settings, checked, compile_settings, profile_settings
 
 #: The loggers a settings file may name (multigpu.loggers.BACKENDS, spelled here to keep torch out).
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
@@ -36,6 +36,10 @@ SETTING_RULES = {
     "patience": Rule(int, 0, 10**9, optional=True), "min_delta": Rule(float, 0, 1e30), "plot": Rule(bool),
     "preemption": Rule(bool), "stop_check_every": Rule(int, 1, 10**9, optional=True),
     "hang_timeout_s": Rule(float, 0, 1e9, optional=True, positive=True), "check_consistency": Rule(bool),
+    "ema": Rule(float, 0, 1, optional=True, positive=True), "swa_start": Rule(int, 1, _BIG, optional=True),
+    "skip_nonfinite": Rule(bool), "skip_grad_norm_above": Rule(float, 0, 1e12, optional=True, positive=True),
+    "skip_loss_above": Rule(float, -1e12, 1e12, optional=True), "max_skipped_in_a_row": Rule(int, 1, 10**9),
+    "memory_snapshot_on_oom": Rule(bool),
 }
 
 
@@ -96,6 +100,24 @@ class TrainerSettings:
     hang_timeout_s: Optional[float] = 900.0
     #: Compare model, settings, data and versions across ranks before training; fail with a diff.
     check_consistency: bool = True
+    #: Recompute each block's activations in backward instead of keeping them: true (every repeated block),
+    #: {every: 2} (every 2nd), {blocks: [Block]} (by class name). Applied by the strategy (docs/api.md).
+    activation_checkpointing: Any = False
+    #: torch.profiler over optimizer steps: true ({wait: 1, warmup: 1, active: 3}) or a mapping; traces per rank
+    #: in out_dir/profile, the top operators of rank 0 printed (docs/observability.md).
+    profile: Any = False
+    #: On CUDA, record allocations and write a memory snapshot per rank when a step runs out of memory.
+    memory_snapshot_on_oom: bool = False
+    #: Keep an exponential moving average of the weights with this decay (e.g. 0.999), or an equal-weight
+    #: average of the weights after every optimizer step from step ``swa_start`` on; validation uses it.
+    ema: Optional[float] = None
+    swa_start: Optional[int] = None
+    #: Skip an optimizer step (on every rank) whose loss or gradient norm is NaN/inf, whose gradient norm is
+    #: above ``skip_grad_norm_above`` or whose loss is above ``skip_loss_above``; stop after so many in a row.
+    skip_nonfinite: bool = False
+    skip_grad_norm_above: Optional[float] = None
+    skip_loss_above: Optional[float] = None
+    max_skipped_in_a_row: int = 20
 
     def __post_init__(self) -> None:
         """The settings door: every setting typed and bounded, on every path (YAML, KEY=VALUE overrides, a
@@ -105,6 +127,8 @@ class TrainerSettings:
         for name, rule in SETTING_RULES.items():
             checked("trainer", name, getattr(self, name), rule, ConfigError)
         self.compile = compile_settings(self.compile, ConfigError)
+        self.activation_checkpointing = activation_checkpointing_settings(self.activation_checkpointing, ConfigError)
+        self.profile = profile_settings(self.profile, ConfigError)
         if not isinstance(self.strategy_options, dict) or len(self.strategy_options) > 64:
             raise ConfigError(f"trainer setting strategy_options={shown(self.strategy_options)} is invalid.",
                               "use a mapping of the strategy's options (see docs/strategies.md).")
@@ -113,6 +137,8 @@ class TrainerSettings:
         relations = [
             (self.collate_fn is None or callable(self.collate_fn), "collate_fn", "a function (set it in code)"),
             (self.patience is None or self.monitor is not None, "patience", "null unless monitor is set"),
+            (self.ema is None or self.ema < 1, "ema", "a decay below 1, e.g. 0.999"),
+            (self.ema is None or self.swa_start is None, "swa_start", "null when ema is set (one average at a time)"),
         ]
         for ok, name, wanted in relations:
             if not ok:
