@@ -247,21 +247,24 @@ def plot_sweep(record: Path, out: Path, top: int = 5) -> Path:
 
 
 def _value_panel(panel: object, key: str, space: dict, trials: list[dict], metric: str) -> None:
-    """``metric`` against one swept override; text values on evenly spaced ticks."""
+    """``metric`` against one swept override: a list of values (grid, choice) or text on evenly spaced
+    ticks in their order; a range on its own axis (log for loguniform)."""
     values = [t["values"].get(key) for t in trials]
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None)
     labels: list[str] = []
-    if not numeric:
-        labels = sorted({str(v) for v in values}, key=str)
+    if space.get("kind") in ("grid", "choice") or not numeric:
+        present = {str(v): v for v in values}
+        order = sorted(present, key=lambda k: (0, float(present[k]), k) if numeric and present[k] is not None else (1, 0.0, k))
+        labels = list(order)
     for state, marker, color in (("done", "o", "C0"), ("pruned", "x", "0.5")):
         xs, ys = [], []
         for trial, value in zip(trials, values):
             if trial["state"] == state and trial["value"] is not None and value is not None:
-                xs.append(float(value) if numeric else labels.index(str(value)))
+                xs.append(labels.index(str(value)) if labels else float(value))
                 ys.append(trial["value"])
         if xs:
             panel.scatter(xs, ys, marker=marker, color=color, s=18, label=state)
-    if space.get("kind") == "loguniform" and numeric:
+    if space.get("kind") == "loguniform" and not labels:
         panel.set_xscale("log")
     if labels:
         panel.set_xticks(range(len(labels)), [label[:12] for label in labels], rotation=30, fontsize=7)

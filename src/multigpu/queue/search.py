@@ -34,8 +34,9 @@ from multigpu.fileio import Folder
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import QueueEntry
 from multigpu.queue.space import Param, Space, _labels, trial_name
-from multigpu.queue.trials import (SWEEPS_FOLDER, VERDICT_WAIT_S, Trial, make_trial, read_reports, read_verdict,
-                                   result, write_verdict)
+from multigpu.distributed.world import TRIAL_REPORTS_FILE
+from multigpu.queue.trials import (SWEEPS_FOLDER, TRIAL_FOLDER, VERDICT_WAIT_S, Trial, make_trial, read_reports,
+                                   read_verdict, result, write_verdict)
 
 INSTALL_HINT = "pip install 'multigpu[sweep]' (or pip install 'optuna>=4')."
 
@@ -103,6 +104,7 @@ class Search:
         self._trials: dict[str, Any] = {}  # run name -> optuna Trial (to report to)
         self._reported: dict[str, int] = {}  # run name -> last step reported to the study
         self._pruned: dict[str, bool] = {}
+        self._sizes: dict[str, int] = {}  # run name -> size of its reports.csv when last read
         self._asked = 0
         #: Trials told in this queue (finished, pruned, failed) - for the summary's counts.
         self.told: dict[str, str] = {}
@@ -130,7 +132,11 @@ class Search:
         database = f"{self.name}.db"
         if folder.kind(database) not in (None, "file"):
             raise ConfigError(f"{folder / database} is not a regular file.", "move it away: the study is kept there.")
-        storage = optuna.storages.RDBStorage(f"sqlite:///{(folder / database).resolve()}")
+        path = str((folder / database).resolve())
+        if any(char in path for char in "?#%"):
+            raise ConfigError(f"the study's path {path[:200]!r} has ?, # or %, which a SQLite URL cannot hold.",
+                              "give the queue an --out without them.")
+        storage = optuna.storages.RDBStorage(f"sqlite:///{path}")
         direction = "maximize" if self.space.mode == "max" else "minimize"
         self.study = optuna.create_study(storage=storage, study_name=self.name, direction=direction,
                                          sampler=sampler(self.space), pruner=pruner(self.space), load_if_exists=True)
@@ -191,6 +197,13 @@ class Search:
                 self._take_reports(run.spec.name, run.folder)
 
     def _take_reports(self, name: str, folder: Path) -> None:
+        try:
+            size = Folder(folder).size(f"{TRIAL_FOLDER}/{TRIAL_REPORTS_FILE}")
+        except OSError:
+            return  # nothing reported yet (or not a regular file: read_reports would read nothing either)
+        if self._sizes.get(name) == size:
+            return
+        self._sizes[name] = size
         last = self._reported.get(name, -1)
         new = [(step, value) for step, value in read_reports(folder) if step > last]
         if not new:

@@ -254,6 +254,10 @@ def summarize(console: Any, runs: Sequence[Any], root: Path, families: Sequence[
     """After the queue: each family's ranking and best settings, and its record for ``multigpu plot``."""
     import shlex
 
+    from rich.console import Console
+
+    if not console.is_terminal:  # a log file or a pipe: whole trial names, not 80 columns
+        console = Console(width=max(console.width, 160), file=console.file, force_terminal=False)
     for family in families:
         rows = rows_of(runs, family.name, family.space.metric)
         if not rows:
