@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu
 from multigpu.loggers import read_csv
@@ -109,6 +108,15 @@ def test_the_command_line_sweeps_a_run_of_the_file(tmp_path):
     assert [r.name.split("-")[1] for r in drawn.runs] == ["s0", "s1", "s2"]
 
 
+def test_the_digits_sweeps_file_holds_a_grid_a_random_sweep_and_a_search():
+    plan = load_plan(REPO / "examples" / "digits" / "sweeps.yaml")
+    assert [f.name for f in plan.families] == ["lr_grid", "lr_random", "lr_search"]
+    assert len([r for r in plan.runs if r.name.startswith("lr_grid-")]) == 6 and "lr_grid-lr0.01-hidden32" in {
+        r.name for r in plan.runs}
+    (search,) = plan.searches
+    assert search.space.search.trials == 12 and search.space.search.pruner == "median"
+
+
 # ------------------------------------------------------------------ grid on the pool
 
 
@@ -144,6 +152,9 @@ grid < base:
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.count("skipped grid-") == 4 and "start " not in again.stdout
     assert {name: _status(out / name)["ended"] for name in names} == ended  # not run again
+    one = multigpu("queue", str(runs), "--only", "grid-score0.2-tagb", "--slots", "2", "--out", str(out), "--no-live")
+    assert one.returncode == 0 and "skipped grid-score0.2-tagb" in one.stdout, one.stdout + one.stderr
+    assert len(json.loads((out / ".sweeps" / "grid.json").read_text())["trials"]) == 4  # the others still ranked
     plotted = multigpu("plot", str(out), timeout=120)
     assert plotted.returncode == 0, plotted.stdout + plotted.stderr
     assert (out / "sweep-grid.png").stat().st_size > 1000 and "sweep grid" in plotted.stdout

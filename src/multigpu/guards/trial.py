@@ -51,6 +51,12 @@ class TrialChannel:
         self._settings_read = False
         self._rows = 0
 
+    @property
+    def _folder(self) -> Folder:
+        if self.folder is None:
+            raise RuntimeError("not a queue trial")  # report() returns before anything needs the folder
+        return self.folder
+
     def report(self, value: Any, step: int) -> bool:
         """Report ``value`` (a number, or a mapping holding the search's metric) at optimizer ``step``;
         True on every rank once the search has pruned this trial: save and stop."""
@@ -71,7 +77,7 @@ class TrialChannel:
     def _report_on_main(self, number: float, step: int) -> bool:
         if self._rows >= MAX_REPORTS:
             return False
-        if self._rows == 0 and self.folder.kind(TRIAL_REPORTS_FILE) is None:
+        if self._rows == 0 and self._folder.kind(TRIAL_REPORTS_FILE) is None:
             self._append("step,value\n")
         self._rows += 1
         self._append(f"{step},{number!r}\n")
@@ -80,7 +86,7 @@ class TrialChannel:
         return self._verdict(step) if self.wait_s > 0 else False
 
     def _append(self, text: str) -> None:
-        with self.folder.open_append(TRIAL_REPORTS_FILE) as handle:
+        with self._folder.open_append(TRIAL_REPORTS_FILE) as handle:
             handle.write(text)
 
     def _verdict(self, step: int) -> bool:
@@ -102,7 +108,7 @@ class TrialChannel:
 
     def _read_verdict(self) -> Optional[tuple[int, bool]]:
         try:
-            data = json.loads(self.folder.load_text(TRIAL_VERDICT_FILE, limit=4096))
+            data = json.loads(self._folder.load_text(TRIAL_VERDICT_FILE, limit=4096))
         except (OSError, ValueError):
             return None  # not written yet (or being replaced): ask again
         step, prune = (data.get("step"), data.get("prune")) if isinstance(data, dict) else (None, None)
@@ -115,10 +121,10 @@ class TrialChannel:
         """The metric to report and how long to wait for answers, from the queue's trial.json."""
         if self._settings_read:
             return
-        where = f"the trial settings {self.folder / TRIAL_SETTINGS_FILE}"
+        where = f"the trial settings {self._folder / TRIAL_SETTINGS_FILE}"
         hint = f"start this run from its queue, or unset {TRIAL_DIR_VAR} to run it on its own."
         try:
-            data = json.loads(self.folder.load_text(TRIAL_SETTINGS_FILE, limit=64 * 1024))
+            data = json.loads(self._folder.load_text(TRIAL_SETTINGS_FILE, limit=64 * 1024))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}.", hint) from None
         metric, wait_s = (data.get("metric"), data.get("wait_s")) if isinstance(data, dict) else (None, None)

@@ -8,7 +8,6 @@ is written or any job submitted.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -25,8 +24,10 @@ class Family:
 
     entry: QueueEntry
     space: Space
-    #: A grid/random sweep's trials (a search asks its own while the queue runs: empty).
+    #: A grid/random sweep's trials to run now (a search asks its own while the queue runs: empty).
     trials: list[Trial] = field(default_factory=list)
+    #: Every trial of a grid/random sweep, also those ``--only`` left out (the ranking shows them all).
+    every: list[Trial] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -64,6 +65,7 @@ def load_plan(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
             check_names([(t.name, f"trial {t.name!r} of {entry.spec.name!r} ({_values(t.values)})") for t in family.trials],
                         taken)
             taken.update((t.name.lower(), f"trial {t.name!r}") for t in family.trials)
+            family.every = list(family.trials)
             runs.extend(family.trials)
         families.append(family)
     if single_trials:  # --only names trials of sweeps: just those
@@ -100,7 +102,7 @@ def _chosen(entries: list, only: Optional[Sequence[str]], path: str | Path) -> t
                           "give runs and families, or trials of sweeps, not both.")
     # Trials of grid/random sweeps: expand every family to find them (cheap: no folder is touched).
     families = [e for e in entries if e.blocks]
-    trial_names = set()
+    trial_names: set[str] = set()
     for entry in families:
         space = _space(entry, (), None)
         if space is not None and space.search is None:

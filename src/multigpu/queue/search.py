@@ -33,7 +33,7 @@ from multigpu.errors import ConfigError
 from multigpu.fileio import Folder
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import QueueEntry
-from multigpu.queue.space import Param, Space, _labels, trial_name
+from multigpu.queue.space import Param, SearchSettings, Space, _labels, trial_name
 from multigpu.distributed.world import TRIAL_REPORTS_FILE
 from multigpu.queue.trials import (SWEEPS_FOLDER, TRIAL_FOLDER, VERDICT_WAIT_S, Trial, make_trial, read_reports,
                                    read_verdict, result, write_verdict)
@@ -60,16 +60,16 @@ def distribution(param: Param) -> Any:
     return optuna.distributions.FloatDistribution(param.low, param.high, log=param.kind == "loguniform")
 
 
-def sampler(space: Space) -> Any:
-    optuna, settings = _optuna(), space.search
+def sampler(settings: SearchSettings) -> Any:
+    optuna = _optuna()
     if settings.sampler == "random":
         return optuna.samplers.RandomSampler(seed=settings.seed)
     startup = settings.startup_trials if settings.startup_trials is not None else min(10, settings.trials)
     return optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=startup, constant_liar=True)
 
 
-def pruner(space: Space) -> Any:
-    optuna, settings = _optuna(), space.search
+def pruner(settings: SearchSettings) -> Any:
+    optuna = _optuna()
     if settings.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=5 if settings.min_trials is None else settings.min_trials,
                                            n_warmup_steps=settings.min_steps)
@@ -94,7 +94,8 @@ class Search:
     def __init__(self, entry: QueueEntry, space: Space, root: Path) -> None:
         if space.search is None:
             raise ValueError("not a search")
-        self.entry, self.space, self.settings = entry, space, space.search
+        self.entry, self.space = entry, space
+        self.settings: SearchSettings = space.search
         self.root = Path(root)
         self.lock = RunLock(self.root, f".search-{entry.name}")
         self.wait_s = VERDICT_WAIT_S if self.settings.pruner != "none" else 0.0
@@ -139,7 +140,7 @@ class Search:
         storage = optuna.storages.RDBStorage(f"sqlite:///{path}")
         direction = "maximize" if self.space.mode == "max" else "minimize"
         self.study = optuna.create_study(storage=storage, study_name=self.name, direction=direction,
-                                         sampler=sampler(self.space), pruner=pruner(self.space), load_if_exists=True)
+                                         sampler=sampler(self.settings), pruner=pruner(self.settings), load_if_exists=True)
         wanted = identity(self.entry, self.space)
         found = self.study.user_attrs.get("multigpu")
         if found is None:

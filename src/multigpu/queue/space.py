@@ -32,7 +32,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from multigpu import validate
 from multigpu.errors import ConfigError, shown
@@ -194,7 +194,7 @@ def parse_space(sweep: Any, search: Any, where: str, out_dir_key: Optional[str] 
     return Space(tuple(params.values()), **settings, search=SearchSettings(**chosen))
 
 
-def _known(block: Mapping, names: Sequence[str], owner: str) -> None:
+def _known(block: Mapping, names: Collection[str], owner: str) -> None:
     for key in block:
         if key not in names:
             close = difflib.get_close_matches(str(key), list(names), n=1)

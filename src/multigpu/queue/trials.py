@@ -250,6 +250,22 @@ def shown_values(values: dict) -> str:
     return visible(" ".join(f"{k}={value_text(v)}" for k, v in values.items()))[:200]
 
 
+def _left_out(runs: Sequence[Any], root: Path, every: Sequence[Trial]) -> list[Any]:
+    """Trials of the family this queue did not run (``--only``) but that ran before: as their folders say."""
+    from types import SimpleNamespace
+
+    from multigpu.queue.scheduler import read_status
+
+    here = {run.spec.name for run in runs}
+    out = []
+    for trial in every:
+        if trial.name not in here:
+            status = read_status(Path(root) / trial.name)
+            if status.get("state"):
+                out.append(SimpleNamespace(spec=trial, folder=Path(root) / trial.name, state=status["state"], note=""))
+    return out
+
+
 def summarize(console: Any, runs: Sequence[Any], root: Path, families: Sequence[Any]) -> None:
     """After the queue: each family's ranking and best settings, and its record for ``multigpu plot``."""
     import shlex
@@ -259,7 +275,7 @@ def summarize(console: Any, runs: Sequence[Any], root: Path, families: Sequence[
     if not console.is_terminal:  # a log file or a pipe: whole trial names, not 80 columns
         console = Console(width=max(console.width, 160), file=console.file, force_terminal=False)
     for family in families:
-        rows = rows_of(runs, family.name, family.space.metric)
+        rows = rows_of([*runs, *_left_out(runs, root, getattr(family, "every", []))], family.name, family.space.metric)
         if not rows:
             continue
         console.print(ranking_table(family.name, family.space, rows))
