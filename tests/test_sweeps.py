@@ -211,6 +211,45 @@ tpe < base:
     assert (out / ".sweeps" / "tpe.db").is_file()
 
 
+def test_asha_prunes_trials_behind_at_their_first_rung(tmp_path):
+    """The queue's half of pruning without processes: reports written as a trial's rank 0 would, read
+    by the search's poll, answered in verdict.json, told to the study when the trial ends."""
+    optuna = pytest.importorskip("optuna")
+    from types import SimpleNamespace
+
+    from multigpu.queue.search import Search
+    from multigpu.queue.trials import read_verdict
+
+    runs = _write(tmp_path, f"base:\n  script: {SLEEP}\n  out_dir_key: out_dir\na < base:\n"
+                  "  sweep: {params: {x: {uniform: [0, 1]}}}\n"
+                  "  search: {sampler: random, trials: 6, pruner: asha, min_steps: 1}\n")
+    (family,) = load_plan(runs).searches
+    search = Search(family.entry, family.space, tmp_path / "out")
+    assert search.open() == []
+    stopped = {}
+    for index in range(6):
+        trial = search.ask()
+        folder = tmp_path / "out" / trial.name
+        trial.prepare(folder)
+        run = SimpleNamespace(spec=trial, folder=folder, state="running", note="")
+        bad = index in (1, 2, 4, 5)  # a good trial first: ASHA promotes what is in the top quarter of a rung
+        rows = "step,value\n"
+        for step in range(1, 9):
+            rows += f"{step},{(10.0 if bad else 0.0) + 1.0 / step}\n"
+            (folder / "trial" / "reports.csv").write_text(rows)
+            search.poll([run])
+            if read_verdict(folder) == (step, True):
+                break
+        stopped[trial.name] = step
+        run.state = "done"
+        search.finished(run)
+    search.close()
+    states = [t.state.name for t in search.study.get_trials()]
+    assert states == ["COMPLETE", "PRUNED", "PRUNED", "COMPLETE", "PRUNED", "PRUNED"]
+    assert [stopped[t.user_attrs["run"]] for t in search.study.get_trials()] == [8, 1, 1, 8, 1, 1]
+    assert search.study.best_value == pytest.approx(1 / 8) and optuna.__version__
+
+
 # ------------------------------------------------------------------ a crash in the middle of a study
 
 

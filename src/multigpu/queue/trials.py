@@ -60,7 +60,7 @@ class Trial(QueueEntry):
 
     def prepare(self, folder: Path) -> None:
         settings = {"metric": self.metric or "valid_loss", "wait_s": self.wait_s}
-        Folder(folder).write_atomic(f"{TRIAL_FOLDER}/{TRIAL_SETTINGS_FILE}", json.dumps(settings))
+        Folder(folder).create().write_atomic(f"{TRIAL_FOLDER}/{TRIAL_SETTINGS_FILE}", json.dumps(settings))
 
 
 def make_trial(family: QueueEntry, name: str, values: dict[str, Any], space: Space, wait_s: float = 0.0) -> Trial:
