@@ -158,3 +158,135 @@ def best_run(runs: Sequence[Path], metric: str, mode: str = "min") -> Optional[t
     if not scored:
         return None
     return (min if mode == "min" else max)(scored, key=lambda item: item[1])
+
+
+# ---------------------------------------------------------------------------------- sweeps
+
+#: Where a queue keeps each sweep's record (``multigpu queue`` writes ``OUT/.sweeps/<family>.json``).
+SWEEPS_FOLDER = ".sweeps"
+MAX_RECORD_BYTES = 32 << 20
+#: Swept overrides drawn, at most (one panel each).
+MAX_PANELS = 8
+
+
+def sweep_records(folder: Path) -> list[Path]:
+    """The sweep records of a queue folder ([] when it ran no sweep)."""
+    records = Folder(folder)
+    if records.kind(SWEEPS_FOLDER) != "folder":
+        return []
+    return [folder / SWEEPS_FOLDER / name for name, kind in records.entries(SWEEPS_FOLDER)
+            if kind == "file" and name.endswith(".json") and not name.startswith(".")]
+
+
+def read_record(path: Path) -> dict:
+    """A sweep record, checked: anything malformed in it is a ConfigError naming the file, never a
+    traceback (it is data from disk - a folder someone sent you)."""
+    import json
+
+    bad = ConfigError(f"{path} is not a sweep record written by `multigpu queue`.", "run the queue again to rewrite it.")
+    try:
+        data = json.loads(Folder(path.parent).load_text(path.name, limit=MAX_RECORD_BYTES))
+    except (OSError, ValueError, RecursionError):
+        raise bad from None
+    if not isinstance(data, dict) or not isinstance(data.get("params"), dict) or not isinstance(data.get("trials"), list):
+        raise bad
+    if data.get("mode") not in ("min", "max") or not isinstance(data.get("metric"), str):
+        raise bad
+    trials = []
+    for trial in data["trials"]:
+        if (isinstance(trial, dict) and isinstance(trial.get("run"), str) and isinstance(trial.get("values"), dict)
+                and isinstance(trial.get("reports"), str) and trial.get("state") in ("done", "pruned", "failed",
+                                                                                    "interrupted", "queued", "running")):
+            value = trial.get("value")
+            trial["value"] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            trials.append(trial)
+    data["trials"] = trials
+    return data
+
+
+def _reports(queue: Path, relative: str) -> tuple[list[float], list[float]]:
+    """(steps, values) a trial reported: ``relative`` is read below the queue folder, one component at a
+    time (a link or a ``..`` in it reads nothing)."""
+    import csv
+    import io
+
+    try:
+        text = Folder(queue).load_text(relative, limit=MAX_RECORD_BYTES)
+    except OSError:
+        return [], []
+    xs, ys = [], []
+    for row in csv.DictReader(io.StringIO(text[: text.rfind("\n") + 1])):
+        try:
+            x, y = float(row.get("step") or "nan"), float(row.get("value") or "nan")
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(x) and math.isfinite(y):
+            xs.append(x)
+            ys.append(y)
+    return xs, ys
+
+
+def plot_sweep(record: Path, out: Path, top: int = 5) -> Path:
+    """One figure for one sweep: the metric's curves of the ``top`` best trials (by the record's ranking),
+    and the metric against each swept override - finished trials as dots, pruned ones as crosses (their
+    last value), on a log axis for a loguniform range."""
+    data = read_record(record)
+    queue = record.parent.parent
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
+    params = list(data["params"].items())[:MAX_PANELS]
+    panels = 1 + len(params)
+    columns = min(panels, 3)
+    rows = -(-panels // columns)
+    figure = Figure(figsize=(4.2 * columns, 3.4 * rows), dpi=DPI)
+    FigureCanvasAgg(figure)
+    axes = list(figure.subplots(rows, columns, squeeze=False).flat)
+    metric, trials = data["metric"], data["trials"]
+    best = [t for t in trials if t["value"] is not None][:top]
+    for index, trial in enumerate(best):
+        xs, ys = _reports(queue, trial["reports"])
+        if xs:
+            style = "--" if trial["state"] == "pruned" else "-"
+            axes[0].plot(xs, ys, style, color=f"C{index % 10}", marker="o", markersize=2.5,
+                         label=f"{trial['run'][:40]} ({trial['value']:.4g})")
+    axes[0].set(title=f"{metric}: best {len(best)} of {len(trials)} ({data['mode']})", xlabel="optimizer step")
+    for panel, (key, space) in zip(axes[1:], params):
+        _value_panel(panel, str(key), space if isinstance(space, dict) else {}, trials, metric)
+    for panel in axes[panels:]:
+        panel.set_visible(False)
+    for panel in axes[:panels]:
+        panel.grid(alpha=0.3)
+        if panel.get_legend_handles_labels()[0]:
+            panel.legend(fontsize=6)
+    figure.tight_layout()
+    with Folder(out.parent).create().open_new(out.name) as handle:
+        figure.savefig(handle, dpi=DPI, format="png")
+    return out
+
+
+def _value_panel(panel: object, key: str, space: dict, trials: list[dict], metric: str) -> None:
+    """``metric`` against one swept override: a list of values (grid, choice) or text on evenly spaced
+    ticks in their order; a range on its own axis (log for loguniform)."""
+    values = [t["values"].get(key) for t in trials]
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None)
+    labels: list[str] = []
+    if space.get("kind") in ("grid", "choice") or not numeric:
+        present = {str(v): v for v in values}
+        order = sorted(present, key=lambda k: (0, float(present[k]), k) if numeric and present[k] is not None else (1, 0.0, k))
+        labels = list(order)
+    for state, marker, color in (("done", "o", "C0"), ("pruned", "x", "0.5")):
+        xs, ys = [], []
+        for trial, value in zip(trials, values):
+            if trial["state"] == state and trial["value"] is not None and value is not None:
+                xs.append(labels.index(str(value)) if labels else float(value))
+                ys.append(trial["value"])
+        if xs:
+            panel.scatter(xs, ys, marker=marker, color=color, s=18, label=state)
+    if space.get("kind") == "loguniform" and not labels:
+        panel.set_xscale("log")
+    if labels:
+        panel.set_xticks(range(len(labels)), [label[:12] for label in labels], rotation=30, fontsize=7)
+    panel.set(title=f"{metric} against {key}"[:60], xlabel=key[:40])

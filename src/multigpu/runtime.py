@@ -314,6 +314,12 @@ class Run:
         """After a stop agreed by ``should_stop`` and a checkpoint: requeue the Slurm job on SIGUSR1, exit 75."""
         self.guards.exit_preempted(self.print, checkpoint_path, step)
 
+    def report(self, metric: Any, step: int) -> bool:
+        """A sweep or search trial's one call after each evaluation, on every rank: ``metric`` (a number,
+        or a mapping holding the search's metric) at optimizer ``step``. True on every rank once the
+        queue's search pruned the trial: save a checkpoint and stop. Outside a queue trial: False, free."""
+        return self.guards.report(metric, step, self.print)
+
     def paused_watchdog(self) -> Any:
         """No hang report while inside (a long checkpoint write, an evaluation hook)."""
         return self.guards.paused()

@@ -187,15 +187,27 @@ def add_plot_parser(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("folders", nargs="+", metavar="OUT_DIR", help="a run's out_dir, or a queue's --out folder")
     plot.add_argument("--out", metavar="FILE.png", help="where to write (default: curves.png in the folder given)")
     plot.add_argument("--metric", metavar="NAME", help="the metric for the right panel, e.g. valid_accuracy")
+    plot.add_argument("--top", type=int, default=5, metavar="K", help="a queue folder with sweeps: also draw each "
+                      "sweep's K best trials and its metric against each swept value, in sweep-<family>.png (default 5)")
     plot.set_defaults(handler=_cmd_plot)
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from multigpu.plots import find_runs, plot_runs
+    from multigpu.plots import find_runs, plot_runs, plot_sweep, sweep_records
 
-    runs = find_runs(args.folders)
+    validate.count(args.top, "--top", ConfigError, high=20)
+    records = [r for folder in args.folders if Path(folder).is_dir() for r in sweep_records(Path(folder))]
+    for record in records:
+        drawn = plot_sweep(record, record.parent.parent / f"sweep-{record.stem}.png", args.top)
+        print(f"wrote {drawn} (sweep {record.stem}: its {args.top} best trials, and its metric against each swept value)")
+    try:
+        runs = find_runs(args.folders)
+    except ConfigError:
+        if records:  # trials that report but write no metrics.csv: the sweep figure is all there is
+            return 0
+        raise
     out = Path(args.out) if args.out else (runs[0] if len(runs) == 1 and len(args.folders) == 1
                                            else Path(args.folders[0])) / "curves.png"
     if out.suffix.lower() != ".png":

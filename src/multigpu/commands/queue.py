@@ -18,6 +18,8 @@ examples:
   multigpu queue runs.yaml --slurm --partition gpu --time 4:00:00   one Slurm job per run
   multigpu queue runs.yaml --slurm --array --max-parallel 2        one array job, 2 runs at a time
   multigpu queue runs.yaml --slurm --status                        each run's job, state, exit, metric
+  multigpu queue runs.yaml --only net --sweep 'optim.lr=1e-3,3e-3,1e-2'       3 trials of net, one per lr
+  multigpu queue runs.yaml --only net --sweep 'optim.lr=loguniform(1e-4,1e-1)' --samples 8
 
 runs.yaml: keys are run names; `larger_net < net` inherits every setting of net and overrides some.
   net:
@@ -27,8 +29,13 @@ runs.yaml: keys are run names; `larger_net < net` inherits every setting of net 
     overrides: {model.hidden: 128}
   larger_net < net:
     overrides: {model.hidden: 512}
+  lr_sweep < net:                 a family: each trial is a run of net's settings plus its values
+    sweep: {params: {optim.lr: [1e-3, 3e-3], model.hidden: {choice: [32, 64]}}, samples: 2}
+  lr_search < net:                Optuna (pip install 'multigpu[sweep]'), bad trials pruned early
+    sweep: {params: {optim.lr: {loguniform: [1e-4, 1e-1]}}}
+    search: {sampler: tpe, trials: 32, metric: valid_loss, mode: min, pruner: asha}
 Each run writes into OUT/<run name>/ (run.yaml, log.txt, status.json and the recipe's outputs).
-Running the queue again skips finished runs and resumes interrupted ones.
+Running the queue again skips finished runs and resumes interrupted ones (a search: its study too).
 """
 
 def add_queue_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +56,10 @@ def add_queue_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-live", action="store_true", help="print one line per event instead of a live table")
     p.add_argument("--allow-env", action="append", default=[], metavar="NAME",
                    help="let the runs file set this environment variable (beyond NCCL_*, OMP_*, HF_*, ...; repeatable)")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUES",
+                   help="sweep an override in every chosen run: a list (optim.lr=1e-3,3e-3) or a distribution "
+                   "(optim.lr=loguniform(1e-4,1e-1); also choice, uniform, int); repeatable")
+    p.add_argument("--samples", type=int, metavar="N", help="draws of the --sweep distributions (per grid point)")
     p.add_argument("--slurm", action="store_true", help="submit each run as its own Slurm job instead")
     p.add_argument("--array", action="store_true", help="with --slurm: all runs as one job array, each task its own "
                    "run folder; --max-parallel M runs at most M at once (runs file: slurm_array: true)")
@@ -60,14 +71,16 @@ def add_queue_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_queue(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from multigpu.queue.runs import load_runs
+    from multigpu.queue.plan import load_plan
+    from multigpu.queue.space import parse_cli
 
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
     allowed = [validate.env_name(n, ConfigError, "--allow-env: ") for a in args.allow_env for n in a.split(",") if n]
-    specs = load_runs(args.runs_file, only, allow_env=allowed)
+    plan = load_plan(args.runs_file, only, allow_env=allowed, sweep=parse_cli(args.sweep), samples=args.samples)
+    specs = plan.runs
     if args.gpus_per_run is not None:
         validate.count(args.gpus_per_run, "--gpus-per-run", ConfigError)
-        for spec in specs:
+        for spec in [*specs, *(f.entry for f in plan.searches)]:
             spec.gpus = args.gpus_per_run
     if args.max_parallel is not None:
         validate.count(args.max_parallel, "--max-parallel", ConfigError)
@@ -95,17 +108,42 @@ def _cmd_queue(args: argparse.Namespace) -> int:
                               "give the runs whole GPUs with --slurm, or pack them inside one job: "
                               "`multigpu queue runs.yaml --runs-per-gpu K` in an sbatch script.")
         options = slurm_options_from_args(args)
-        return submit_runs(specs, out, options, dry_run=args.dry_run, array=args.array, max_parallel=args.max_parallel)
+        if plan.searches and args.dry_run:
+            raise ConfigError(f"run {plan.searches[0].name!r} is a search, which asks each trial's values when it can "
+                              "start: there is no script to write ahead.", "leave out --dry-run, or --only the other runs.")
+        code = submit_runs(specs, out, options, dry_run=args.dry_run, array=args.array,
+                           max_parallel=args.max_parallel) if specs else 0
+        if plan.searches:
+            from multigpu.queue.search import Search
+            from multigpu.queue.search_slurm import follow_searches
+
+            from rich.console import Console
+
+            from multigpu.queue.trials import summarize
+
+            followed, runs = follow_searches([Search(f.entry, f.space, out) for f in plan.searches], out, options,
+                                             args.max_parallel)
+            summarize(Console(), runs, out.resolve(), plan.searches)
+            code = followed or code
+        return code
     from rich.console import Console
 
     from multigpu.launch.devices import visible_gpus
     from multigpu.queue.display import Display
     from multigpu.queue.pool import plan_pool
     from multigpu.queue.scheduler import Queue
+    from multigpu.queue.trials import summarize
 
     pool = plan_pool(visible_gpus(), gpus=args.gpus, slots=args.slots)
+    searches = []
+    if plan.searches:
+        from multigpu.queue.search import Search
+
+        searches = [Search(f.entry, f.space, out) for f in plan.searches]
     display = Display(Console(), live=False if args.no_live else None)
-    queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display, runs_per_gpu=args.runs_per_gpu)
+    queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display, runs_per_gpu=args.runs_per_gpu,
+                  searches=searches)
     code = queue.execute()
     display.summary(queue)
+    summarize(display.console, queue.runs, out, plan.families)
     return code

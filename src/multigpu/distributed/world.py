@@ -36,6 +36,15 @@ CHECK_STEPS_VAR = "MULTIGPU_CHECK_STEPS"
 CHECK_SCALE_VAR = "MULTIGPU_CHECK_BATCH_SCALE"
 #: Set by ``multigpu run --profile``: the Trainer profiles a few steps (docs/observability.md).
 PROFILE_VAR = "MULTIGPU_PROFILE"
+#: Set by ``multigpu queue`` for a trial of a sweep or search: the folder of its channel to the queue.
+#: The queue writes TRIAL_SETTINGS_FILE there (the metric to report, how long to wait for a verdict);
+#: rank 0 appends ``step,value`` rows to TRIAL_REPORTS_FILE (``run.report``, the Trainer after each
+#: evaluation) and reads the queue's pruning answer from TRIAL_VERDICT_FILE. Files, not a socket: the
+#: queue may be another machine's process (Slurm), and the trial imports nothing of the queue.
+TRIAL_DIR_VAR = "MULTIGPU_TRIAL_DIR"
+TRIAL_SETTINGS_FILE = "trial.json"
+TRIAL_REPORTS_FILE = "reports.csv"
+TRIAL_VERDICT_FILE = "verdict.json"
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,8 @@ class World:
     check_scale: int = 1
     #: ``multigpu run --profile``: the Trainer traces a few steps per rank.
     profile: bool = False
+    #: A queue trial's channel to its sweep or search (None: not a trial; see TRIAL_DIR_VAR).
+    trial_dir: Optional[str] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -153,7 +164,8 @@ def _common(env: Env) -> dict:
             "profile": profile == "1",
             "devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
             "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
-            "slurm_job_id": env.get("SLURM_JOB_ID", ""), "run_dir": env.get(RUN_DIR_VAR) or None}
+            "slurm_job_id": env.get("SLURM_JOB_ID", ""), "run_dir": env.get(RUN_DIR_VAR) or None,
+            "trial_dir": env.get(TRIAL_DIR_VAR) or None}
 
 
 def read_torchrun(env: Env) -> Optional[World]:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from multigpu.distributed.agreement import any_rank
 from multigpu.distributed.session import DistSession
 from multigpu.errors import ConfigError, MultiGPUError
 from multigpu.guards.preemption import Preempted, StopSignal, requeue_slurm_job
+from multigpu.guards.trial import TrialChannel
 from multigpu.guards.watchdog import HangWatchdog
 
 
@@ -42,6 +44,7 @@ class Guards:
         self.interrupted_by: Optional[str] = None
         self._stop: Optional[StopSignal] = None
         self._watchdog: Optional[HangWatchdog] = None
+        self._trial: Optional[TrialChannel] = None
 
     def configure(self, **settings: Any) -> GuardSettings:
         known = [f.name for f in fields(GuardSettings)]
@@ -86,6 +89,21 @@ class Guards:
         after = f" after step {step}" if step is not None else ""
         say(f"multigpu: stopped by {reason}{after}{where}")
         raise Preempted(f"preempted by {reason}" + (f"; resume from {checkpoint_path}" if checkpoint_path else ""))
+
+    def report(self, value: Any, step: int, say: Callable[[str], None]) -> bool:
+        """A queue trial's report to its search (see :mod:`~multigpu.guards.trial`); True on every rank
+        once the search pruned the trial. Nothing at all outside a queue trial."""
+        if self._trial is None:
+            world, session = self.session.world, self.session
+            self._trial = TrialChannel(world.trial_dir, world.is_main, say=say,
+                                       agree=lambda flag: any_rank(flag, session.control, session.active),
+                                       stopping=lambda: self._stop is not None and self._stop.received is not None)
+        if self._trial.folder is None:
+            return False
+        self.ensure_usable("run.report")
+        self.settle()  # no stop agreement in flight on the control group while this one runs
+        with self.paused():  # rank 0 may wait for the queue's answer
+            return self._trial.report(value, step)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

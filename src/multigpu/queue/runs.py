@@ -108,6 +108,13 @@ class QueueEntry:
         flags = RunFlags(nproc=self.processes(on_gpus), cpu=not on_gpus, log_dir=str(folder / "logs"))
         return flags.to_argv([*target, *self.recipe_args(folder)], python)
 
+    def run_env(self, folder: Path) -> dict[str, str]:
+        """Variables the queue sets for this run besides its own ``env`` (a sweep's trial: its channel)."""
+        return {}
+
+    def prepare(self, folder: Path) -> None:
+        """Files the run needs in its folder before it starts (a sweep's trial: its channel's settings)."""
+
     def resolved(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
 
@@ -141,8 +148,23 @@ def format_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = ()) -> list[QueueEntry]:
-    """Every run of the file, inheritance resolved, in file order (``only``: just these, in that order).
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a runs file: its settings, its ``sweep:``/``search:`` blocks as written (empty for a
+    plain run; a family with them is not run itself - its trials are) and where it is written."""
+
+    spec: QueueEntry
+    blocks: dict
+    where: str
+
+
+#: Settings of a family that are not a run's: they say how its trials vary (queue/space.py).
+SWEEP_KEYS = ("sweep", "search")
+
+
+def load_entries(path: str | Path, allow_env: Sequence[str] = ()) -> list[Entry]:
+    """Every entry of the file, inheritance resolved (a ``sweep:`` is inherited like any setting; a
+    child sets ``sweep: null`` to be a plain run again), in file order.
 
     ``allow_env``: variables the person starting the queue allows beyond the library knobs
     (:data:`multigpu.validate.ENV_ALLOWED`)."""
@@ -160,22 +182,30 @@ def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
         folded[name.lower()] = name
     resolved = config.resolve_inheritance(data, str(path), lines)
     raw_keys = {config.split_run_key(key)[0]: key for key in data}
-    specs = []
+    entries = []
     for name, settings in resolved.items():
         run_lines = {path_[1:]: line for path_, line in lines.items() if path_ and path_[0] == raw_keys[name]}
         if "name" in settings:
             raise ConfigError(f"{config.where(str(path), lines, (raw_keys[name], 'name'))}: run {name!r} sets name:, "
                               "which is the run's key.", "remove name: (rename the entry instead).")
-        specs.append(config.from_mapping(QueueEntry, {**settings, "name": name}, f"{path} (run {name!r})", run_lines))
-    for spec in specs:
-        for name in spec.env:
-            validate.env_allowed(name, allow_env, ConfigError, f"run {spec.name!r}: ")
-    if only is not None:
-        if not only:
-            raise ConfigError("--only names no run.", "give comma-separated run names, or leave --only out for every run.")
-        names = [s.name for s in specs]
-        unknown = [n for n in only if n not in names]
-        if unknown:
-            raise ConfigError(f"--only names {unknown[0]!r}, which {path} does not define.", f"runs: {', '.join(names)}.")
-        specs = [next(s for s in specs if s.name == n) for n in only]
-    return specs
+        blocks = {key: settings[key] for key in SWEEP_KEYS if settings.get(key) is not None}
+        settings = {key: value for key, value in settings.items() if key not in SWEEP_KEYS}
+        spec = config.from_mapping(QueueEntry, {**settings, "name": name}, f"{path} (run {name!r})", run_lines)
+        at = config.where(str(path), lines, (raw_keys[name], *(["sweep"] if "sweep" in blocks else [])))
+        entries.append(Entry(spec, blocks, f"{at} (run {name!r})"))
+    for entry in entries:
+        for name in entry.spec.env:
+            validate.env_allowed(name, allow_env, ConfigError, f"run {entry.spec.name!r}: ")
+    return entries
+
+
+def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = ()) -> list[QueueEntry]:
+    """Every run of the file, inheritance resolved, sweeps expanded into their trials, in file order
+    (``only``: just these, in that order). A file with a ``search:`` needs :func:`multigpu.queue.plan.load_plan`."""
+    from multigpu.queue.plan import load_plan
+
+    plan = load_plan(path, only, allow_env)
+    if plan.searches:
+        raise ConfigError(f"{path}: run {plan.searches[0].entry.name!r} is a search, whose trials are asked while "
+                          "the queue runs.", "start it with `multigpu queue`.")
+    return plan.runs

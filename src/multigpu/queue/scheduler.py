@@ -87,7 +87,7 @@ def _die_with_queue() -> None:
 class Queue:
     def __init__(self, specs: Sequence[QueueEntry], root: Path, slots: Sequence[str], on_gpus: bool,
                  max_parallel: Optional[int] = None, display: Optional[Callable[["Queue", str], None]] = None,
-                 poll_s: float = 0.1, runs_per_gpu: int = 1) -> None:
+                 poll_s: float = 0.1, runs_per_gpu: int = 1, searches: Sequence[Any] = ()) -> None:
         self.root = Path(root)
         self.slots = list(slots)
         self.on_gpus = on_gpus
@@ -99,7 +99,10 @@ class Queue:
         self.runs = [EntryState(spec, self.root / spec.name, share=spec.share(runs_per_gpu)) for spec in specs]
         self._stop = threading.Event()
         self._stop_signal: Optional[int] = None
-        for run in self.runs:
+        self.runs_per_gpu = runs_per_gpu
+        #: Searches (queue.search.Search) whose trials are asked while the queue runs, when the pool has room.
+        self.searches = list(searches)
+        for run in [*self.runs, *(EntryState(s.entry, self.root / s.entry.name) for s in self.searches)]:
             if run.spec.gpus > len(self.slots):
                 unit = "GPU(s)" if on_gpus else "slot(s)"
                 raise ConfigError(
@@ -111,7 +114,16 @@ class Queue:
     def execute(self) -> int:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
         Folder(self.root).create()
-        self._skip_finished()
+        try:
+            for search in self.searches:  # its earlier trials: skipped when finished, resumed when not
+                self.runs += [EntryState(spec, self.root / spec.name, share=spec.share(self.runs_per_gpu))
+                              for spec in search.open()]
+            self._skip_finished()
+            for search in self.searches:
+                search.settle_earlier(self.runs)
+        except BaseException:
+            self._close_searches()
+            raise
         for run in self.runs:
             if run.state == "skipped":
                 self.display(self, f"skipped {run.spec.name}")
@@ -120,10 +132,13 @@ class Queue:
         try:
             while True:
                 self._reap()
+                for search in self.searches:  # new evaluations of running trials -> the pruner's answers
+                    search.poll(self.runs)
                 if self._stop.is_set():
                     self._stop_all()
                     break
                 self._launch_ready()
+                self._ask_searches()
                 if not any(r.state in ("queued", "running") for r in self.runs):
                     break
                 self.display(self, "tick")
@@ -134,11 +149,33 @@ class Queue:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._close_searches()
             self.ended = time.time()
             self.display(self, "end")  # always: a live table left running hides the cursor
         if self._stop_signal is not None:
             return 128 + self._stop_signal
         return 0 if all(r.state in ("done", "skipped") for r in self.runs) else 1
+
+    def _ask_searches(self) -> None:
+        """A new trial of each search while the pool has room and nothing else is waiting for it."""
+        if self._stop.is_set() or any(r.state == "queued" for r in self.runs):
+            return
+        running = sum(1 for r in self.runs if r.state == "running")
+        for search in self.searches:
+            probe = EntryState(search.entry, self.root / search.entry.name, share=search.entry.share(self.runs_per_gpu))
+            while search.wants_more() and (self.max_parallel is None or running < self.max_parallel):
+                slots = self.place(probe)
+                if slots is None:
+                    break
+                spec = search.ask()
+                run = EntryState(spec, self.root / spec.name, share=probe.share)
+                self.runs.append(run)
+                self._start(run, slots)
+                running += run.state == "running"
+
+    def _close_searches(self) -> None:
+        for search in self.searches:
+            search.close()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
@@ -224,6 +261,7 @@ class Queue:
         env, held = validate.run_environment(os.environ, {k: str(v) for k, v in run.spec.env.items()})
         if held:
             run.note = f"credentials not passed (its env names an endpoint): {', '.join(held)[:120]}"
+        env.update(run.spec.run_env(run.folder))
         env["MULTIGPU_RUN_NAME"] = run.spec.name
         env[RUN_DIR_VAR] = str(run.folder)  # the run may write here only (distributed.world.RUN_DIR_VAR)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
@@ -270,6 +308,8 @@ class Queue:
         run.proc = None
         run.save_status()
         run.lock.release()
+        for search in self.searches:  # a trial: tell its study (done or pruned)
+            search.finished(run)
         self.display(self, f"{run.state} {run.spec.name}")
 
     def _stop_all(self) -> None:
@@ -333,6 +373,7 @@ def write_run_config(folder: Path, spec: QueueEntry) -> None:
     """The run's folder (never a symbolic link: it would be written through) with its resolved settings."""
     ensure_real_folder(folder, "run folder")
     atomic_write_text(folder / CONFIG_FILE, yaml.safe_dump(spec.resolved(), sort_keys=False))
+    spec.prepare(folder)
 
 
 #: The fields of status.json and their types: a status file is data from disk (a received or copied

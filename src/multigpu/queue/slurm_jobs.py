@@ -56,7 +56,8 @@ def run_options(options: slurm.SlurmOptions, spec: QueueEntry) -> slurm.SlurmOpt
 
 def _job(spec: QueueEntry, folder: Path, options: slurm.SlurmOptions, job_name: str) -> slurm.SlurmJob:
     target = ("-m", spec.module) if spec.module else (spec.script,)
-    env = {**{k: str(v) for k, v in spec.env.items()}, RUN_DIR_VAR: str(folder)}  # it writes only there
+    env = {**{k: str(v) for k, v in spec.env.items()}, RUN_DIR_VAR: str(folder),  # it writes only there
+           **spec.run_env(folder)}
     _, held = validate.run_environment(os.environ, env)
     return slurm.SlurmJob(command=(*target, *spec.recipe_args(folder)), run_dir=folder,
                           options=replace(run_options(options, spec), job_name=job_name),

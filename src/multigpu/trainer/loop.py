@@ -107,6 +107,7 @@ class Trainer(abc.ABC):
                               f"its folders ({', '.join(OWNED)}).",
                               "remove it (or choose another out_dir): the Trainer never writes through a link.")
         self.tracker = BestTracker(s.monitor, s.mode, s.patience, s.min_delta) if s.monitor else None
+        self._pruned = False  # a queue search pruned this trial (run.report): stop as early stopping does
         self.progress = ProgressLine(enabled=s.progress and run.is_main, every_s=s.progress_every_s)
         self.loggers = Loggers([], self.out_dir, enabled=False)
         self._valid: Any = None
@@ -244,10 +245,10 @@ class Trainer(abc.ABC):
                 self._record(row)
                 self.progress.epoch_done(epoch + 1, epochs,
                                          {k: v for k, v in row.items() if k not in ("epoch", "step")})
-            stopping = stopping or (self.tracker is not None and self.tracker.should_stop)
+            stopping = stopping or (self.tracker is not None and self.tracker.should_stop) or self._pruned
             if not completed or stopping:
                 self._save()  # resumable from here (a larger max_steps, or the best checkpoint is kept)
-                if stopping and self.tracker is not None:
+                if stopping and self.tracker is not None and not self._pruned:
                     self.run.print(f"multigpu: early stop: {s.monitor} did not improve by more than "
                                        f"{s.min_delta:g} for {s.patience} validation(s); best {self.tracker.best:.6g} "
                                        f"at step {self.tracker.best_step}")
@@ -363,14 +364,15 @@ class Trainer(abc.ABC):
         with self.run.paused_watchdog(), self.extras.averaged():  # the averaged weights, when averaging is on
             metrics = self.evaluate(self._valid)
         self.on_validation_end(metrics)
+        value = {**{f"valid_{k}": v for k, v in metrics.items()}, **metrics}
         if self.tracker is not None:
             key = self.settings.monitor
-            value = {**{f"valid_{k}": v for k, v in metrics.items()}, **metrics}
             if self.tracker.value(value) is None:
                 raise ConfigError(f"monitor {key!r} is not among the validation metrics "
                                   f"({', '.join(f'valid_{k}' for k in metrics)}).", "set monitor to one of them.")
             if self.tracker.update(value, self.state.global_step):
                 self._save_best()
+        self._pruned |= self.run.report(value, self.state.global_step)  # a queue trial: every rank hears the same
         return metrics
 
     def _validate_inside_epoch(self, epoch: int, done: int, total: Optional[int]) -> None:
@@ -379,7 +381,7 @@ class Trainer(abc.ABC):
                **{f"valid_{k}": v for k, v in metrics.items()}}
         self._record(row)
         self.progress.line(f"step {self.state.global_step}: {format_metrics({k: v for k, v in row.items() if k != 'step'})}")
-        if self.tracker is not None and self.tracker.should_stop:
+        if (self.tracker is not None and self.tracker.should_stop) or self._pruned:
             raise _StopTraining()
         self.model.train()
 
