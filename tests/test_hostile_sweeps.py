@@ -222,17 +222,17 @@ def test_a_study_is_continued_only_with_its_own_settings(tmp_path):
     runs.write_text(family("{params: {lr: {uniform: [0, 1]}}}", "{trials: 2}"))
     (search,) = load_plan(runs).searches
     first = Search(search.entry, search.space, tmp_path / "out")
-    assert first.open() == []
+    assert first.start() == []
     with pytest.raises(ConfigError, match="being run by another queue"):
-        Search(search.entry, search.space, tmp_path / "out").open()
+        Search(search.entry, search.space, tmp_path / "out").start()
     first.close()
     runs.write_text(family("{params: {lr: {uniform: [0, 2]}}}", "{trials: 2}"))
     (changed,) = load_plan(runs).searches
     with pytest.raises(ConfigError, match="changed since its study") as info:
-        Search(changed.entry, changed.space, tmp_path / "out").open()
+        Search(changed.entry, changed.space, tmp_path / "out").start()
     assert "another --out" in info.value.hint
     runs.write_text(family("{params: {lr: {uniform: [0, 1]}}}", "{trials: 9, pruner: median}"))
     (more,) = load_plan(runs).searches
     again = Search(more.entry, more.space, tmp_path / "out")  # more trials, another pruner: the same study
-    assert again.open() == [] and again.wants_more()
+    assert again.start() == [] and again.wants_more()
     again.close()

@@ -225,7 +225,7 @@ def test_asha_prunes_trials_behind_at_their_first_rung(tmp_path):
                   "  search: {sampler: random, trials: 6, pruner: asha, min_steps: 1}\n")
     (family,) = load_plan(runs).searches
     search = Search(family.entry, family.space, tmp_path / "out")
-    assert search.open() == []
+    assert search.start() == []
     stopped = {}
     for index in range(6):
         trial = search.ask()

@@ -117,7 +117,7 @@ class Queue:
         try:
             for search in self.searches:  # its earlier trials: skipped when finished, resumed when not
                 self.runs += [EntryState(spec, self.root / spec.name, share=spec.share(self.runs_per_gpu))
-                              for spec in search.open()]
+                              for spec in search.start()]
             self._skip_finished()
             for search in self.searches:
                 search.settle_earlier(self.runs)

@@ -115,7 +115,7 @@ class Search:
         return self.entry.name
 
     # ------------------------------------------------------------------ opening
-    def open(self) -> list[Trial]:
+    def start(self) -> list[Trial]:
         """Take the study (one queue at a time), create or continue it; return its earlier trials as runs:
         the finished ones are skipped by their folders, the unfinished ones resume in theirs."""
         optuna = _optuna()

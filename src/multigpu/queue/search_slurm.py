@@ -45,7 +45,7 @@ def follow_searches(searches: Sequence[Any], out: Path, options: slurm.SlurmOpti
     every: list[EntryState] = []
     try:
         for search in searches:
-            for spec in search.open():
+            for spec in search.start():
                 run = EntryState(spec, out / spec.name)
                 every.append(run)
                 status = read_status(run.folder)
