@@ -48,6 +48,7 @@ from multigpu.trainer.progress import ProgressLine, format_metrics, start_report
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.runtime import Run
 from multigpu.trainer import resume
+from multigpu.trainer.replicas import ReplicaGroups, require_launch
 from multigpu.trainer.settings import TrainerSettings, TrainState
 from multigpu.strategies.base import OptimizerLike
 
@@ -78,6 +79,7 @@ class Trainer(abc.ABC):
         self.run = run
         self.config = config
         run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate)
+        require_launch(s.fault_tolerance, run.world)
         self.device = run.device
         self.precision = Precision(s.precision, self.device)
         if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
@@ -101,6 +103,10 @@ class Trainer(abc.ABC):
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
         self.out_dir = run.check_writable(s.out_dir, "the Trainer's out_dir")
+        #: Replica groups (strategy ft-ddp): each group keeps its own folder in out_dir (trainer/replicas.py).
+        self.replicas = ReplicaGroups(self, self.out_dir) if getattr(self.strategy, "fault_tolerant", False) else None
+        if self.replicas is not None:
+            self.out_dir = self.replicas.folder
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.best_dir = self.checkpoint_dir / "best"
         if not Folder(self.out_dir).only_folders_at(OWNED):
@@ -181,6 +187,8 @@ class Trainer(abc.ABC):
         elif self.run.latest_checkpoint(self.checkpoint_dir, checksums=False) is not None:
             raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
                               "set resume: true to continue that run, or choose a new out_dir.")
+        if self.replicas is not None:  # the first quorum: a group that comes back heals here, at the live step
+            self.replicas.join(epochs)
         train_loader.resume_at(self.state.epoch, self.state.batch_in_epoch)
         self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, report_dir=str(self.out_dir / "hang"),
                                   preemption=s.preemption, stop_check_every=s.stop_check_every)
@@ -207,6 +215,8 @@ class Trainer(abc.ABC):
         finally:
             self.run.release_guards(clean=clean)
             self.loggers.close()
+        if self.replicas is not None:
+            self.replicas.finished()
         self.on_fit_end()
         if s.plot and self.run.is_main:
             from multigpu.plots import write_curves
@@ -298,13 +308,16 @@ class Trainer(abc.ABC):
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and self.scheduler is not None and s.scheduler_interval == "step":
                     self.scheduler.step()
-                self.state.global_step += 1
+                if stepped:  # False only for a step the replica groups did not commit: dropped, not counted
+                    self.state.global_step += 1
+                if self.replicas is not None:
+                    self.replicas.after_step(stepped)
             self.state.batch_in_epoch = index + 1
             run.step_done(self.state.global_step)
             self.on_train_batch_end(self.state.global_step, detached)
             if self.progress.wants_update():
                 self._show_progress(epoch, epochs, index + 1, total, loss_sum / batches, samples, batches, started)
-            if not boundary:
+            if not boundary or not stepped:
                 continue
             step = self.state.global_step
             if s.log_every_n_steps and step % s.log_every_n_steps == 0:
@@ -446,6 +459,7 @@ class Trainer(abc.ABC):
             "settings": resume.plain_data(self.settings.plain()),
             "config": resume.plain_data(consistency.plain(self.config)),
             "monitor": self.tracker.state_dict() if self.tracker is not None else None,
+            **({"fault_tolerance": self.replicas.checkpoint()} if self.replicas is not None else {}),
         }
 
     def save(self) -> Path:
@@ -475,7 +489,8 @@ class Trainer(abc.ABC):
         Settings given now win over the checkpoint's for hyperparameters (learning rate, weight decay,
         ...); every difference is printed once. A changed model still fails, clearly.
         """
-        info = self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums)
+        info = (self.replicas.latest(self.settings.verify_checksums) if self.replicas is not None
+                else self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums))
         if info is None:
             return False
         wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)
@@ -514,5 +529,7 @@ class Trainer(abc.ABC):
                                                              self.settings.batch_size * self.run.dp_size)
         if state.get("rank_state") is not None:
             self.load_rank_state(move_to(state["rank_state"], self.device, non_blocking=False))
+        if self.replicas is not None:
+            self.replicas.restore(state)
 
 __all__ = ["Trainer"]
