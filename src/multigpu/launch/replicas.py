@@ -5,8 +5,8 @@ own agent that restarts its workers with ``--max-restarts``), told which group i
 lighthouse listens. The lighthouse - torchft's quorum server, one per job - runs *inside this launcher
 process* (``torchft.coordination.LighthouseServer``), bound to 127.0.0.1 on a port the OS picks (as our
 rendezvous ports are), so it cannot outlive the job: when the launcher ends, by any signal, so does the
-lighthouse. Each group's agent asks the kernel to be stopped when this launcher dies (SIGTERM: its
-workers checkpoint), and each worker already dies with its agent: no orphans, even after a SIGKILL.
+lighthouse. Each group's agent asks the kernel to kill it when this launcher dies, and each worker
+already dies with its agent: no orphans, even after a SIGKILL of the launcher.
 
 Signals: the groups run in sessions of their own (Ctrl-C reaches this launcher only), and SIGINT, SIGTERM,
 SIGHUP and SIGUSR1 are forwarded to every group's agent, which forwards them to its workers - so a
@@ -135,12 +135,15 @@ class Lighthouse:
 
 
 def follow_launcher() -> None:
-    """In a group's agent: stop (SIGTERM, so the workers checkpoint) when the replica launcher dies."""
+    """In a group's agent: die when the replica launcher dies. SIGKILL, not SIGTERM: the lighthouse died
+    with the launcher, so no quorum can form and the workers could not reach their next checkpoint (they
+    would wait in the quorum until its timeout). Each worker dies with its agent; the job resumes from
+    the last periodic checkpoint."""
     from multigpu.launch.process import die_with_parent
 
     expected = os.environ.get(LAUNCHER_PID_VAR)
-    if expected and die_with_parent(signal.SIGTERM) and str(os.getppid()) != expected:
-        os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before prctl took effect
+    if expected and die_with_parent(signal.SIGKILL) and str(os.getppid()) != expected:
+        os._exit(1)  # the launcher died before prctl took effect
 
 
 def run_groups(commands: Sequence[Sequence[str]], envs: Sequence[dict], lighthouse: Lighthouse,

@@ -112,7 +112,7 @@ class ReplicaGroups:
         run = self.trainer.run
         found: Optional[files.CheckpointInfo] = None
         if run.is_main:
-            for group in range(self.groups):
+            for group in sorted(range(self.groups), key=lambda g: g != self.group):  # its own first: ties stay home
                 directory = group_folder(self.root, group) / "checkpoints"
                 info = (files.latest(directory, checksums=checksums, report=run.print) if group == self.group
                         else _newest_readonly(directory, checksums))
