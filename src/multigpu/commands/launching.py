@@ -51,6 +51,7 @@ examples:
   multigpu slurm --nodes 1 --gres gpu:a100:8 --partition gpu --account proj --qos high train.py
   multigpu slurm --sbatch-arg=--gpus=8 --nodes 2 train.py          GPUs as sbatch takes them (4 per node)
   multigpu slurm --dry-run --nodes 2 --gpus-per-node 4 train.py     write and show the script only
+  multigpu slurm --nodes 4 --replica-groups 4 --max-restarts 3 train.py   a node dies, the others keep training
   multigpu slurm status                your multigpu jobs of the last 7 days, ended ones too
   multigpu slurm status 12345          state (pending: why), exit code, elapsed, restarts, log path
   multigpu slurm logs 12345            the end of the job's log
@@ -486,6 +487,8 @@ def slurm_options_from_args(args: argparse.Namespace):
         nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, account=args.account,
         qos=args.qos, constraint=args.constraint, cpus_per_task=args.cpus_per_task, mem=args.mem,
         job_name=args.job_name, max_restarts=getattr(args, "max_restarts", 0) or 0, extra=tuple(args.sbatch_arg),
+        replica_groups=getattr(args, "replica_groups", None), min_replicas=getattr(args, "min_replicas", 1),
+        heartbeat_timeout=getattr(args, "heartbeat_timeout", 5.0),
     )
 
 
@@ -502,6 +505,14 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("--run-dir", metavar="DIR",
                         help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
     submit.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restarts of the workers inside the job")
+    replica = submit.add_argument_group("replica groups (torchft; docs/fault-tolerance.md)")
+    replica.add_argument("--replica-groups", type=int, metavar="R", help="one replica group per node (R = --nodes): "
+                         "a node that fails is restarted by its own agent (--max-restarts) and heals while the others "
+                         "keep training; the lighthouse runs on the first node")
+    replica.add_argument("--min-replicas", type=int, default=1, metavar="M", help="the fewest live groups a step "
+                         "needs (default 1)")
+    replica.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S", help="seconds a silent group is "
+                         "waited for before the others go on without it (default 5)")
     submit.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     submit.add_argument("script", help="training script (or module with -m)")
     submit.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -142,6 +142,8 @@ class FaultTolerantDDP(PlainGradients):
         self.options = options
         self.manager: Any = None
         self._store: Any = None
+        #: What a healing group receives, by key, in the order it is loaded (see ``register_state``).
+        self._parts: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         #: A quorum is open for the current step (opened by the first training forward, closed by step()).
         self._open = False
 
@@ -150,6 +152,7 @@ class FaultTolerantDDP(PlainGradients):
         torchft = import_torchft()
         model = model.to(self.device)
         self.manager = self._make_manager()
+        self.manager.register_state_dict_fn("multigpu", self._load_parts, self._state_parts)
         self.register_state("model", model.load_state_dict, model.state_dict)
         wrapped = _replica_ddp(torchft)(self.manager, model)
         wrapped.register_forward_pre_hook(self._before_forward)
@@ -164,9 +167,23 @@ class FaultTolerantDDP(PlainGradients):
         return model.no_sync()
 
     # ------------------------------------------------------------------ the quorum, step by step
-    def register_state(self, key: str, load: Callable[[Any], None], state: Callable[[], Any]) -> None:
-        """What a group that heals receives from its peer, under ``key`` (the Trainer adds its counters)."""
-        self.manager.register_state_dict_fn(key, load, state)
+    def register_state(self, key: str, load: Callable[[Any], None], state: Callable[[], Any],
+                       first: bool = False) -> None:
+        """What a group that heals receives from its peer, under ``key`` (the Trainer adds its counters).
+        ``first``: load this part before the others (a check that must run before anything is changed)."""
+        self._parts = {key: (load, state), **self._parts} if first else {**self._parts, key: (load, state)}
+
+    def _state_parts(self) -> dict:
+        return {key: state() for key, (_, state) in self._parts.items()}
+
+    def _load_parts(self, received: Any) -> None:
+        missing = [key for key in self._parts if not isinstance(received, dict) or key not in received]
+        if missing:
+            raise MultiGPUError(f"replica group {self.world.replica_group} cannot heal: the live group sent no "
+                                f"{', '.join(missing)} state (it runs different code: a Trainer and a loop of your own?).",
+                                "start every replica group with the same script.")
+        for key, (load, _) in self._parts.items():
+            load(received[key])
 
     def begin_step(self) -> None:
         """Open this step's quorum: wait for the lighthouse, reconfigure if the live groups changed, and

@@ -98,7 +98,7 @@ class ReplicaGroups:
                              **consistency.config_items("trainer", trainer.settings.plain()),
                              **consistency.config_items("config", consistency.plain(trainer.config)),
                              **consistency.environment_fingerprint()}
-        self.strategy.register_state("trainer", self._load, self._state)
+        self.strategy.register_state("trainer", self._load, self._state, first=True)
 
     @property
     def folder(self) -> Path:
