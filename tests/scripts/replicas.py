@@ -8,10 +8,14 @@ weights to OUT_DIR/final-g<G>.pt.
 --kill-at STEP       group --kill-group SIGKILLs itself in step STEP+1 (first attempt only), after its forward:
                      the quorum of that step holds it, so the others' all-reduce fails and the step is dropped
 --sleep S            sleep S seconds in every step (time for the other group, or a test, to act)
---hold S             after the kill, a live group sleeps S seconds per step while it is alone, so the killed
-                     group's restart (seconds of process start-up) reaches it before the end without a race
+--hold S             after the kill, a live group sleeps S seconds per step while it is alone
+--wait-restart-at K  ... and before step K+1 it waits until the killed group's restarted process is about to
+                     join (it writes OUT/restarted-g<G> just before): the restart (seconds of process start-up)
+                     then always meets a live group with steps left, whatever the machine's speed
 --valid              validate every epoch (metrics land in each group's metrics.csv)
 --wider              build a wider model in group --kill-group (the desync guard across groups)
+--final-checkpoint-only  no checkpoint before the end: a restarted group has nothing to resume from but a
+                     live peer (so it always heals)
 """
 
 import argparse
@@ -35,11 +39,13 @@ parser.add_argument("--kill-at", type=int)
 parser.add_argument("--kill-group", type=int, default=1)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--hold", type=float, default=0.0)
+parser.add_argument("--wait-restart-at", type=int)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--samples", type=int, default=256)
 parser.add_argument("--batch-size", type=int, default=8)
 parser.add_argument("--valid", action="store_true")
 parser.add_argument("--wider", action="store_true")
+parser.add_argument("--final-checkpoint-only", action="store_true")
 args = parser.parse_args()
 
 run = mg.init(seed=0, timeout_s=60)
@@ -59,8 +65,12 @@ class ReplicaTrainer(mg.Trainer):
         step = self.state.global_step
         if args.sleep:
             time.sleep(args.sleep)
-        if args.hold and self.strategy.participants() < run.world.replica_groups and list(out.glob("killed-g*")):
+        alone = self.strategy.participants() < run.world.replica_groups and (out / f"killed-g{args.kill_group}").exists()
+        if alone and args.hold:
             time.sleep(args.hold)
+        if alone and args.wait_restart_at is not None and step == args.wait_restart_at:
+            while not (out / f"restarted-g{args.kill_group}").exists():
+                time.sleep(0.05)
         inputs, labels = batch
         loss = F.cross_entropy(self.model(inputs), labels)
         if (args.kill_at is not None and step == args.kill_at and group == args.kill_group
@@ -69,9 +79,16 @@ class ReplicaTrainer(mg.Trainer):
             os.kill(os.getpid(), signal.SIGKILL)
         return loss
 
+    def resume(self):
+        found = super().resume()
+        if run.world.restart_count > 0:  # the next thing fit does is join the live group
+            (out / f"restarted-g{group}").write_text(str(os.getpid()))
+        return found
+
     def on_train_batch_end(self, step, loss):
         if run.rank == 0:
-            record = {"group": group, "attempt": run.world.restart_count, "step": step, "t": time.time(),
+            record = {"group": group, "attempt": run.world.restart_count, "pid": os.getpid(), "step": step,
+                      "t": time.time(),
                       "live": self.strategy.participants(), "digest": digest(self.strategy.unwrap(self.model)),
                       "epoch": self.state.epoch, "batch": self.state.batch_in_epoch}
             with open(out / f"steps-g{group}.jsonl", "a") as handle:
@@ -86,8 +103,9 @@ valid = TensorDataset(x[:40], y[:40]) if args.valid else None
 width = 32 if args.wider and group == args.kill_group else 24
 model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Linear(width, 3))
 trainer = ReplicaTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs,
-                         batch_size=args.batch_size, checkpoint_every_steps=4, keep_last=2, out_dir=str(out / "run"),
-                         progress=False, log_every_n_steps=1, stop_check_every=1, plot=False)
+                         batch_size=args.batch_size, checkpoint_every_steps=None if args.final_checkpoint_only else 4,
+                         checkpoint_every_epochs=1000 if args.final_checkpoint_only else 1, keep_last=2,
+                         out_dir=str(out / "run"), progress=False, log_every_n_steps=1, stop_check_every=1, plot=False)
 trainer.fit(train, valid)
 if run.rank == 0:
     torch.save(trainer.strategy.unwrap(trainer.model).state_dict(), out / f"final-g{group}.pt")
