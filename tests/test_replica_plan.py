@@ -64,7 +64,7 @@ def test_fault_tolerance_setting_is_checked_and_defaults_min_replicas():
 
 
 def test_the_setting_must_match_the_launch():
-    from multigpu.trainer.replicas import require_launch
+    from multigpu.distributed.parallel import check_replica_groups as require_launch
 
     require_launch(None, World())
     require_launch({"replica_groups": 3, "min_replicas": 2}, detect_world(FT_ENV))

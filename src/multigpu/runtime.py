@@ -37,7 +37,7 @@ from multigpu.data.adapt import adapt
 from multigpu.data.samplers import describe_batch
 from multigpu.distributed import rank_zero
 from multigpu.distributed.agreement import Pending
-from multigpu.distributed.parallel import Parallelism
+from multigpu.distributed.parallel import Parallelism, check_replica_groups
 from multigpu.distributed.session import DistSession, GroupSettings, choose_devices
 from multigpu.distributed.world import World, detect_world
 from multigpu.errors import ConfigError, visible
@@ -130,8 +130,11 @@ class Run:
         return self.session.control
 
     # ------------------------------------------------------------------ parallelism
-    def configure_parallelism(self, *, tp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None) -> Parallelism:
-        """Set the degrees (before ``setup`` and before any loader): their product is the world size."""
+    def configure_parallelism(self, *, tp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None,
+                              fault_tolerance: Optional[Mapping[str, int]] = None) -> Parallelism:
+        """Set the degrees (before ``setup`` and before any loader): their product is the world size.
+        ``fault_tolerance`` (replica groups, the Trainer's setting) is checked against the launch."""
+        check_replica_groups(fault_tolerance, self.world)
         wanted = Parallelism.from_degrees(self.world_size, self.world.local_world_size, dp_replicate=dp_replicate,
                                           dp_shard=dp_shard, tp=tp)
         if wanted == self.parallelism:

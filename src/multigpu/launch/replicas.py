@@ -108,10 +108,12 @@ class Lighthouse:
     def __enter__(self) -> "Lighthouse":
         if not self.verbose and "RUST_LOG" not in os.environ:
             os.environ["RUST_LOG"] = "warn"  # read once, when torchft's native module loads
-        from multigpu.strategies.fault_tolerant import import_torchft
-
-        import_torchft()
-        from torchft.coordination import LighthouseServer
+        try:
+            from torchft.coordination import LighthouseServer
+        except ImportError as exc:  # the same words as the strategy's (which launch may not import)
+            raise LaunchError(f"replica groups need torchft, which is not installed ({exc.name or 'torchft'}).",
+                              "pip install 'multigpu[ft]' (or pip install torchft); it installs beside a CPU or "
+                              "CUDA torch without changing it.") from None
 
         try:
             self._server = LighthouseServer(bind=f"{self.host}:{self.port}", min_replicas=self.settings.min_replicas,

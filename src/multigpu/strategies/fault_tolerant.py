@@ -123,10 +123,16 @@ class CommittingOptimizer(torch.optim.Optimizer):
         return committed
 
     def state_dict(self) -> dict:
-        return self.optim.state_dict()
+        """The optimizer's state and torchft's counters (``Manager.state_dict()``: the committed steps and
+        batches), which a checkpoint must hold so a resumed group reports its true step to the quorum."""
+        return {**self.optim.state_dict(), "torchft": self._strategy.manager_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        counters = state_dict.pop("torchft", None)
         self.optim.load_state_dict(state_dict)
+        if isinstance(counters, dict):
+            self._strategy.load_manager_state(counters)
 
 
 class FaultTolerantDDP(PlainGradients):

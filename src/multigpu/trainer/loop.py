@@ -47,8 +47,7 @@ from multigpu.trainer.evaluation import evaluate_shard
 from multigpu.trainer.progress import ProgressLine, format_metrics, start_report
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.runtime import Run
-from multigpu.trainer import resume
-from multigpu.trainer.replicas import ReplicaGroups, require_launch
+from multigpu.trainer import replicas, resume
 from multigpu.trainer.settings import TrainerSettings, TrainState
 from multigpu.strategies.base import OptimizerLike
 
@@ -78,8 +77,7 @@ class Trainer(abc.ABC):
                                                     plot=False)
         self.run = run
         self.config = config
-        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate)
-        require_launch(s.fault_tolerance, run.world)
+        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate, fault_tolerance=s.fault_tolerance)
         self.device = run.device
         self.precision = Precision(s.precision, self.device)
         if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
@@ -102,11 +100,7 @@ class Trainer(abc.ABC):
         self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler  # a factory or an instance
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
-        self.out_dir = run.check_writable(s.out_dir, "the Trainer's out_dir")
-        #: Replica groups (strategy ft-ddp): each group keeps its own folder in out_dir (trainer/replicas.py).
-        self.replicas = ReplicaGroups(self, self.out_dir) if getattr(self.strategy, "fault_tolerant", False) else None
-        if self.replicas is not None:
-            self.out_dir = self.replicas.folder
+        self.replicas, self.out_dir = replicas.attach(self, run.check_writable(s.out_dir, "the Trainer's out_dir"))
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.best_dir = self.checkpoint_dir / "best"
         if not Folder(self.out_dir).only_folders_at(OWNED):
@@ -187,9 +181,7 @@ class Trainer(abc.ABC):
         elif self.run.latest_checkpoint(self.checkpoint_dir, checksums=False) is not None:
             raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
                               "set resume: true to continue that run, or choose a new out_dir.")
-        if self.replicas is not None:  # the first quorum: a group that comes back heals here, at the live step
-            self.replicas.join(epochs)
-        train_loader.resume_at(self.state.epoch, self.state.batch_in_epoch)
+        train_loader.resume_at(*self.replicas.join(epochs))  # replica groups: a group that comes back heals here
         self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, report_dir=str(self.out_dir / "hang"),
                                   preemption=s.preemption, stop_check_every=s.stop_check_every)
         # With resume on, the files continue from this run's step - 0 when no checkpoint was found, so a
@@ -215,8 +207,7 @@ class Trainer(abc.ABC):
         finally:
             self.run.release_guards(clean=clean)
             self.loggers.close()
-        if self.replicas is not None:
-            self.replicas.finished()
+        self.replicas.finished()
         self.on_fit_end()
         if s.plot and self.run.is_main:
             from multigpu.plots import write_curves
@@ -308,10 +299,8 @@ class Trainer(abc.ABC):
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and self.scheduler is not None and s.scheduler_interval == "step":
                     self.scheduler.step()
-                if stepped:  # False only for a step the replica groups did not commit: dropped, not counted
-                    self.state.global_step += 1
-                if self.replicas is not None:
-                    self.replicas.after_step(stepped)
+                self.state.global_step += int(stepped)  # a step the replica groups did not commit is dropped
+                self.replicas.after_step(stepped)
             self.state.batch_in_epoch = index + 1
             run.step_done(self.state.global_step)
             self.on_train_batch_end(self.state.global_step, detached)
@@ -459,7 +448,6 @@ class Trainer(abc.ABC):
             "settings": resume.plain_data(self.settings.plain()),
             "config": resume.plain_data(consistency.plain(self.config)),
             "monitor": self.tracker.state_dict() if self.tracker is not None else None,
-            **({"fault_tolerance": self.replicas.checkpoint()} if self.replicas is not None else {}),
         }
 
     def save(self) -> Path:
@@ -489,8 +477,7 @@ class Trainer(abc.ABC):
         Settings given now win over the checkpoint's for hyperparameters (learning rate, weight decay,
         ...); every difference is printed once. A changed model still fails, clearly.
         """
-        info = (self.replicas.latest(self.settings.verify_checksums) if self.replicas is not None
-                else self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums))
+        info = self.replicas.latest(self.settings.verify_checksums)  # with replica groups: the newest of any group
         if info is None:
             return False
         wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)
@@ -529,7 +516,5 @@ class Trainer(abc.ABC):
                                                              self.settings.batch_size * self.run.dp_size)
         if state.get("rank_state") is not None:
             self.load_rank_state(move_to(state["rank_state"], self.device, non_blocking=False))
-        if self.replicas is not None:
-            self.replicas.restore(state)
 
 __all__ = ["Trainer"]

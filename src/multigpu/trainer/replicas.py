@@ -1,8 +1,9 @@
 """The Trainer in a job of replica groups (``multigpu run --replica-groups R``, strategy ``ft-ddp``).
 
 Why a module apart from the loop: the loop stays the same loop; what differs when a group can die and
-come back is said here, in one place, and called from the loop at four points (join before the first
-batch, after each optimizer step, the checkpoint's extra state, the end of fit).
+come back is said here, in one place. The loop calls it at five points - which checkpoint to resume,
+join before the first batch, after each optimizer step, the end of fit, and where the files go - always:
+without replica groups :class:`NoReplicas` answers as the loop did before.
 
 The semantics (docs/fault-tolerance.md):
 
@@ -15,6 +16,8 @@ The semantics (docs/fault-tolerance.md):
 - **Coming back**: a restarted group loads the newest checkpoint of any group, then heals from a live
   peer at the first quorum - weights, optimizer, scheduler, scaler, best-metric tracker and the counters
   (epoch, batch, step) - and continues at the same step as the others, at the same place in the data.
+  torchft's own counters (``Manager.state_dict()``) are saved in every checkpoint with the optimizer's
+  state (ft-ddp's optimizer holds them) and loaded with it; its step is the Trainer's step.
 - **Files**: each group writes its own ``out_dir/replica-group-<g>/`` (checkpoints, logs, metrics); the
   checkpoints of every group hold the same training, so a resume takes the newest of them all.
 - **Finished**: the first group to finish writes ``out_dir/replica-groups-finished.json``. A group that
@@ -29,13 +32,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 
 from multigpu.checkpoint import files
-from multigpu.distributed.world import World
-from multigpu.errors import ConfigError, DesyncError, MultiGPUError
+from multigpu.errors import DesyncError, MultiGPUError
 from multigpu.fileio import Folder
 from multigpu.guards import consistency
 from multigpu.trainer import resume
@@ -54,22 +56,6 @@ def group_folder(out_dir: Path, group: int) -> Path:
     return out_dir / f"replica-group-{group}"
 
 
-def require_launch(fault_tolerance: Optional[Mapping[str, int]], world: World) -> None:
-    """The Trainer's ``fault_tolerance`` setting, when given, against how the job was launched."""
-    if fault_tolerance is None:
-        return
-    wanted, least = fault_tolerance["replica_groups"], fault_tolerance["min_replicas"]
-    flags = f"--replica-groups {wanted}" + (f" --min-replicas {least}" if least != 1 else "")
-    if world.lighthouse is None:
-        raise ConfigError(f"this recipe asks for fault_tolerance with {wanted} replica groups, but the job was not "
-                          "launched with replica groups.", f"launch it with `multigpu run {flags} ...`, or remove "
-                          "fault_tolerance from the settings.")
-    if (world.replica_groups, world.min_replicas) != (wanted, least):
-        raise ConfigError(f"fault_tolerance asks for {wanted} replica group(s), at least {least} per step, but the job "
-                          f"was launched with {world.replica_groups}, at least {world.min_replicas}.",
-                          f"launch with `multigpu run {flags} ...`, or change fault_tolerance to match.")
-
-
 class FinishedElsewhere(SystemExit):
     """This group was restarted after the job had finished in another group: leave (status 0) without
     training or saving - its own state is behind the finished one."""
@@ -80,6 +66,33 @@ class FinishedElsewhere(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def attach(trainer: "Trainer", out_dir: Path) -> tuple[Union["ReplicaGroups", "NoReplicas"], Path]:
+    """The Trainer's replica-group side and its own folder: each group writes in ``out_dir/replica-group-<g>``."""
+    if not getattr(trainer.strategy, "fault_tolerant", False):
+        return NoReplicas(trainer), out_dir
+    replicas = ReplicaGroups(trainer, out_dir)
+    return replicas, replicas.folder
+
+
+class NoReplicas:
+    """A job without replica groups: each point of the loop does what it did before."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def latest(self, checksums: bool) -> Optional[files.CheckpointInfo]:
+        return self.trainer.run.latest_checkpoint(self.trainer.checkpoint_dir, checksums=checksums)
+
+    def join(self, epochs: int) -> tuple[int, int]:
+        return self.trainer.state.epoch, self.trainer.state.batch_in_epoch
+
+    def after_step(self, stepped: bool) -> None:
+        """Nothing to do."""
+
+    def finished(self) -> None:
+        """Nothing to do."""
 
 
 class ReplicaGroups:
@@ -124,22 +137,15 @@ class ReplicaGroups:
         dist.broadcast_object_list(box, src=0, group=run.control_group)
         return None if box[0] is None else files.CheckpointInfo(Path(box[0][0]), box[0][1], box[0][2])
 
-    def checkpoint(self) -> dict:
-        """torchft's counters, saved with the Trainer's."""
-        return self.strategy.manager_state()
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """After a checkpoint was loaded: the quorum learns this group's true step from it."""
-        saved = state.get("fault_tolerance")
-        self.strategy.load_manager_state(saved if isinstance(saved, Mapping)
-                                         else {"step": self.trainer.state.global_step})
-
     # ------------------------------------------------------------------ the loop's four points
-    def join(self, epochs: int) -> None:
-        """The first quorum, before the first batch: heal from a live peer if the others are ahead."""
+    def join(self, epochs: int) -> tuple[int, int]:
+        """The first quorum, before the first batch: heal from a live peer if the others are ahead. Returns
+        where in the data to start (the epoch and batch of the step the live groups are at)."""
         t = self.trainer
         if t.state.epoch >= epochs or (t.settings.max_steps is not None and t.state.global_step >= t.settings.max_steps):
-            return  # nothing left to train (the job had finished): no quorum to join, nobody to wait for
+            return t.state.epoch, t.state.batch_in_epoch  # nothing left to train (the job had finished): no quorum
+        if self.strategy.committed_step() != t.state.global_step:  # resumed from a checkpoint written without ft-ddp
+            self.strategy.load_manager_state({"step": t.state.global_step})
         self._joining = True
         try:
             self.strategy.join(EVERYONE_WITHIN_S)
@@ -150,6 +156,7 @@ class ReplicaGroups:
             t.run.print(f"multigpu: replica group {self.group}: starting at step {t.state.global_step} with "
                         f"{self._describe(self._participants)}")
             self._stop_if_finished_elsewhere(t.state.global_step)
+        return t.state.epoch, t.state.batch_in_epoch
 
     def after_step(self, stepped: bool) -> None:
         """After the optimizer step (before logging and checkpoints): the quorum's count of live groups."""
