@@ -107,6 +107,7 @@ trainer = ReplicaTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), ep
                          checkpoint_every_epochs=1000 if args.final_checkpoint_only else 1, keep_last=2,
                          out_dir=str(out / "run"), progress=False, log_every_n_steps=1, stop_check_every=1, plot=False)
 trainer.fit(train, valid)
+(out / f"digest-g{group}-r{run.rank}").write_text(digest(trainer.strategy.unwrap(trainer.model)))
 if run.rank == 0:
     torch.save(trainer.strategy.unwrap(trainer.model).state_dict(), out / f"final-g{group}.pt")
     (out / f"done-g{group}").write_text(json.dumps({"step": trainer.state.global_step, "t": time.time(),
