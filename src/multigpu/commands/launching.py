@@ -320,12 +320,12 @@ def _quiet_agent_logs() -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if not args.verbose:
-        _quiet_agent_logs()
     if args.replica_groups is not None or args.replica_group is not None or args.lighthouse is not None:
         from multigpu.commands.replica_groups import run_replica_groups
 
-        return run_replica_groups(args)
+        return run_replica_groups(args, quiet=lambda: None if args.verbose else _quiet_agent_logs())
+    if not args.verbose:
+        _quiet_agent_logs()
     if args.simulate_nodes is not None:
         from multigpu.launch.devices import visible_gpus
         from multigpu.launch.local import split_command

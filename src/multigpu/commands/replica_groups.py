@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from multigpu import validate
 from multigpu.commands.launching import _check_run_flags, fold_torchrun_flags, plan_run, resolve_nproc, spellings
@@ -39,8 +39,10 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
                    "several machines (python -m multigpu.launch.replicas --bind HOST:PORT hosts one)")
 
 
-def run_replica_groups(args: argparse.Namespace) -> int:
-    """``--replica-groups R``: the lighthouse and R groups here; with ``--replica-group G``: one group."""
+def run_replica_groups(args: argparse.Namespace, quiet: Callable[[], None] = lambda: None) -> int:
+    """``--replica-groups R``: the lighthouse and R groups here; with ``--replica-group G``: one group.
+    ``quiet``: run once the flags are checked, before torch loads (a bad flag is one line in well under a
+    second, without importing torch)."""
     import dataclasses
 
     from multigpu.launch import replicas
@@ -60,16 +62,17 @@ def run_replica_groups(args: argparse.Namespace) -> int:
         from multigpu.launch.local import launch
 
         request = plan_run(args)
+        quiet()
         env = replicas.group_env(args.replica_group, settings, args.lighthouse,
                                  loopback=request.rendezvous.endpoint.startswith(("localhost", "127.0.0.1"))
                                  and (args.local_addr or "127.0.0.1") == "127.0.0.1", verbose=args.verbose)
         note = (f"replica group {args.replica_group} heals from a live group while the others keep training")
         return launch(dataclasses.replace(request, extra_env={**request.extra_env, **env}, restart_note=note,
                                           role=f"replica-group-{args.replica_group}"))
-    return _run_all_groups(args, settings)
+    return _run_all_groups(args, settings, quiet)
 
 
-def _run_all_groups(args: argparse.Namespace, settings: "ReplicaSettings") -> int:
+def _run_all_groups(args: argparse.Namespace, settings: "ReplicaSettings", quiet: Callable[[], None]) -> int:
     """Every group on this machine: each a ``multigpu run --replica-group g`` with its share of the GPUs."""
     from multigpu.launch import replicas
     from multigpu.launch.devices import parse_gpu_ids, visible_gpus
@@ -100,6 +103,7 @@ def _run_all_groups(args: argparse.Namespace, settings: "ReplicaSettings") -> in
         validate.count(nproc * settings.groups, f"--replica-groups {settings.groups} x --nproc", LaunchError,
                        hint=f"every group runs on this machine: keep the total at most {validate.MAX_PROCS_PER_NODE}.")
     threads = max(1, usable_cores() // (settings.groups * (nproc or per_group or 1)))
+    quiet()
     commands, envs = [], []
     with replicas.Lighthouse("127.0.0.1", 0, settings, verbose=args.verbose) as lighthouse:
         for group in range(settings.groups):
