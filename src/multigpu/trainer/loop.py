@@ -93,7 +93,7 @@ class Trainer(abc.ABC):
         if s.compile:
             self.model = torch.compile(self.model, **(s.compile if isinstance(s.compile, dict) else {}))
         if (scheduler is not None and not callable(scheduler) and isinstance(optimizer, torch.optim.Optimizer)
-                and self.optimizer is not optimizer):
+                and getattr(self.optimizer, "optim", self.optimizer) is not optimizer):  # ft-ddp wraps, keeps it
             raise ConfigError(f"strategy {self.strategy.name!r} rebuilt the optimizer on its sharded parameters, so "
                               "the scheduler given still drives the old one.",
                               "pass a scheduler factory: scheduler=lambda optimizer: CosineAnnealingLR(optimizer, ...).")
