@@ -37,7 +37,7 @@ from multigpu.data.adapt import adapt
 from multigpu.data.samplers import describe_batch
 from multigpu.distributed import rank_zero
 from multigpu.distributed.agreement import Pending
-from multigpu.distributed.parallel import Parallelism
+from multigpu.distributed.parallel import Parallelism, check_replica_groups
 from multigpu.distributed.session import DistSession, GroupSettings, choose_devices
 from multigpu.distributed.world import World, detect_world
 from multigpu.errors import ConfigError, visible
@@ -114,13 +114,15 @@ class Run:
 
     @property
     def dp_rank(self) -> int:
-        """Which data shard this rank reads (ranks of one tensor-parallel group read the same)."""
-        return self.parallelism.dp_rank(self.rank)
+        """Which data shard this rank reads (ranks of one tensor-parallel group read the same); with replica
+        groups, numbered across every group."""
+        return self.world.replica_group * self.parallelism.dp_size + self.parallelism.dp_rank(self.rank)
 
     @property
     def dp_size(self) -> int:
-        """How many different shards the data is split into: the global batch is batch x dp_size."""
-        return self.parallelism.dp_size
+        """How many different shards the data is split into: the global batch is batch x dp_size (with
+        replica groups: while every group is alive)."""
+        return self.parallelism.dp_size * self.world.replica_groups
 
     @property
     def control_group(self) -> Any:
@@ -128,8 +130,11 @@ class Run:
         return self.session.control
 
     # ------------------------------------------------------------------ parallelism
-    def configure_parallelism(self, *, tp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None) -> Parallelism:
-        """Set the degrees (before ``setup`` and before any loader): their product is the world size."""
+    def configure_parallelism(self, *, tp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None,
+                              fault_tolerance: Optional[Mapping[str, int]] = None) -> Parallelism:
+        """Set the degrees (before ``setup`` and before any loader): their product is the world size.
+        ``fault_tolerance`` (replica groups, the Trainer's setting) is checked against the launch."""
+        check_replica_groups(fault_tolerance, self.world)
         wanted = Parallelism.from_degrees(self.world_size, self.world.local_world_size, dp_replicate=dp_replicate,
                                           dp_shard=dp_shard, tp=tp)
         if wanted == self.parallelism:
@@ -184,7 +189,7 @@ class Run:
         self._make_dp_groups()
         self.probe.attach(self, wrapped[0], self.strategy.unwrap(wrapped[0]), wrapped[1])
         if self.seed is not None and not self.same_random_streams:
-            seed_everything(rank_seed(self.seed, self.rank))
+            seed_everything(rank_seed(self.seed, self.world.global_rank))
         return wrapped
 
     def _need_strategy(self) -> Strategy:
@@ -216,7 +221,11 @@ class Run:
             raise ConfigError("a loader needs batch_size (per data-parallel rank).", "e.g. run.loader(data, 32).")
         self._loaders_dp = self.dp_size
         scale = self.probe.batch_scale(evaluation)
-        loader = adapt(data, dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=batch_size or 1,
+        # Evaluation stays inside a replica group: each group evaluates every sample with the same weights
+        # (identical metrics in every group, no collective across groups that a dead group could stall).
+        dp_rank, dp_size = ((self.parallelism.dp_rank(self.rank), self.parallelism.dp_size) if evaluation
+                            else (self.dp_rank, self.dp_size))
+        loader = adapt(data, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size or 1,
                        evaluation=evaluation, batch_scale=scale, pin_memory=self.device.type == "cuda",
                        rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
         return self.probe.loader(loader, evaluation)
@@ -228,6 +237,9 @@ class Run:
         return Pending("min", self.control_group, before=lambda: self._ensure_usable("agreeing on the end of a stream"))
 
     def describe_batch(self, batch_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:
+        if self.world.lighthouse is not None:  # replica groups: the global batch while every group is live
+            return (describe_batch(batch_size, self.dp_size, accumulation, length)
+                    + f" while all {self.world.replica_groups} replica groups of {self.parallelism.dp_size} are live")
         if self.parallelism.is_plain:
             return describe_batch(batch_size, self.dp_size, accumulation, length)
         return (describe_batch(batch_size, self.dp_size, accumulation, length, unit="data-parallel rank")

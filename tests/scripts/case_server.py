@@ -32,6 +32,9 @@ def run_case(request: dict) -> int:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(request["env"])
+            # What a fresh `python -m` would have on its path: the current folder, then PYTHONPATH.
+            extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+            sys.path[:0] = [os.getcwd(), *extra]
             for fd, path in ((1, request["out"]), (2, request["err"])):
                 target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(target, fd)

@@ -39,6 +39,9 @@ examples:
   rehearse a 2-node job (2 processes each) on this machine before using the cluster:
   multigpu run --simulate-nodes 2 --nproc 2 train.py
 
+  2 replica groups that keep training when one dies (torchft; a dead group restarts and heals):
+  multigpu run --replica-groups 2 --max-restarts 3 train.py
+
 Inside the script, `run = mg.init()` finds all of this; the same script also runs under torchrun
 and srun unchanged. Batch sizes are per process: the global batch is batch x processes.
 """
@@ -49,6 +52,7 @@ examples:
   multigpu slurm --nodes 1 --gres gpu:a100:8 --partition gpu --account proj --qos high train.py
   multigpu slurm --sbatch-arg=--gpus=8 --nodes 2 train.py          GPUs as sbatch takes them (4 per node)
   multigpu slurm --dry-run --nodes 2 --gpus-per-node 4 train.py     write and show the script only
+  multigpu slurm --nodes 4 --replica-groups 4 --max-restarts 3 train.py   a node dies, the others keep training
   multigpu slurm status                your multigpu jobs of the last 7 days, ended ones too
   multigpu slurm status 12345          state (pending: why), exit code, elapsed, restarts, log path
   multigpu slurm logs 12345            the end of the job's log
@@ -180,6 +184,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         epilog=RUN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from multigpu.commands.replica_groups import add_replica_flags
+
     add_launch_flags(p)
     misc = p.add_argument_group("failures and logs")
     misc.add_argument(*spellings("--max-restarts"), dest="max_restarts", type=int, default=0, metavar="K",
@@ -199,6 +205,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     misc.add_argument("--profile", action="store_true",
                       help="the Trainer traces steps 3-5 with torch.profiler: one trace per rank in out_dir/profile, "
                       "rank 0's top operators printed (the trainer setting profile: tunes it)")
+    add_replica_flags(p)
     add_torchrun_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
@@ -317,6 +324,10 @@ def _quiet_agent_logs() -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.replica_groups is not None or args.replica_group is not None or args.lighthouse is not None:
+        from multigpu.commands.replica_groups import run_replica_groups
+
+        return run_replica_groups(args, quiet=lambda: None if args.verbose else _quiet_agent_logs())
     if not args.verbose:
         _quiet_agent_logs()
     if args.simulate_nodes is not None:
@@ -384,6 +395,8 @@ def slurm_options_from_args(args: argparse.Namespace):
         nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, account=args.account,
         qos=args.qos, constraint=args.constraint, cpus_per_task=args.cpus_per_task, mem=args.mem,
         job_name=args.job_name, max_restarts=getattr(args, "max_restarts", 0) or 0, extra=tuple(args.sbatch_arg),
+        replica_groups=getattr(args, "replica_groups", None), min_replicas=getattr(args, "min_replicas", 1),
+        heartbeat_timeout=getattr(args, "heartbeat_timeout", 5.0),
     )
 
 
@@ -400,6 +413,14 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("--run-dir", metavar="DIR",
                         help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
     submit.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restarts of the workers inside the job")
+    replica = submit.add_argument_group("replica groups (torchft; docs/fault-tolerance.md)")
+    replica.add_argument("--replica-groups", type=int, metavar="R", help="one replica group per node (R = --nodes): "
+                         "a node that fails is restarted by its own agent (--max-restarts) and heals while the others "
+                         "keep training; the lighthouse runs on the first node")
+    replica.add_argument("--min-replicas", type=int, default=1, metavar="M", help="the fewest live groups a step "
+                         "needs (default 1)")
+    replica.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S", help="seconds a silent group is "
+                         "waited for before the others go on without it (default 5)")
     submit.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     submit.add_argument("script", help="training script (or module with -m)")
     submit.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

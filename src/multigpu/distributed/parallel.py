@@ -19,9 +19,12 @@ group and pays nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from multigpu.errors import ConfigError
+
+if TYPE_CHECKING:
+    from multigpu.distributed.world import World
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 
@@ -105,3 +108,20 @@ class Parallelism:
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)
+
+
+def check_replica_groups(fault_tolerance: Optional[Mapping[str, int]], world: "World") -> None:
+    """The Trainer's ``fault_tolerance`` setting (replica groups: a dimension across torch.distributed
+    worlds), when given, against how the job was launched - before any model is wrapped."""
+    if fault_tolerance is None:
+        return
+    wanted, least = fault_tolerance["replica_groups"], fault_tolerance["min_replicas"]
+    flags = f"--replica-groups {wanted}" + (f" --min-replicas {least}" if least != 1 else "")
+    if world.lighthouse is None:
+        raise ConfigError(f"this recipe asks for fault_tolerance with {wanted} replica groups, but the job was not "
+                          "launched with replica groups.", f"launch it with `multigpu run {flags} ...`, or remove "
+                          "fault_tolerance from the settings.")
+    if (world.replica_groups, world.min_replicas) != (wanted, least):
+        raise ConfigError(f"fault_tolerance asks for {wanted} replica group(s), at least {least} per step, but the job "
+                          f"was launched with {world.replica_groups}, at least {world.min_replicas}.",
+                          f"launch with `multigpu run {flags} ...`, or change fault_tolerance to match.")

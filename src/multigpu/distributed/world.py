@@ -45,6 +45,15 @@ TRIAL_DIR_VAR = "MULTIGPU_TRIAL_DIR"
 TRIAL_SETTINGS_FILE = "trial.json"
 TRIAL_REPORTS_FILE = "reports.csv"
 TRIAL_VERDICT_FILE = "verdict.json"
+#: Set by ``multigpu run --replica-groups R`` for each group (torchft's own names for the first three, so
+#: a job launched the torchft way is read the same): which group this process belongs to, how many there
+#: are, where the lighthouse that holds the per-step quorum listens, and the fewest groups a step needs.
+REPLICA_GROUP_VAR = "REPLICA_GROUP_ID"
+REPLICA_GROUPS_VAR = "NUM_REPLICA_GROUPS"
+LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
+MIN_REPLICAS_VAR = "MULTIGPU_MIN_REPLICAS"
+#: More replica groups than this is a typo (each is a whole data-parallel replica of the model).
+MAX_REPLICA_GROUPS = 1024
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,13 @@ class World:
     profile: bool = False
     #: A queue trial's channel to its sweep or search (None: not a trial; see TRIAL_DIR_VAR).
     trial_dir: Optional[str] = None
+    #: Replica groups (``multigpu run --replica-groups R``): this process's group, how many there are,
+    #: the lighthouse's address (None: not a fault-tolerant job) and the fewest groups a step needs.
+    #: ``rank``/``world_size`` stay the group's own: torch.distributed's world is one group.
+    replica_group: int = 0
+    replica_groups: int = 1
+    lighthouse: Optional[str] = None
+    min_replicas: int = 1
 
     @property
     def is_distributed(self) -> bool:
@@ -101,10 +117,16 @@ class World:
         """Local rank 0: the one process per node for node-local work (caches, downloads)."""
         return self.local_rank == 0
 
+    @property
+    def global_rank(self) -> int:
+        """This process's number across every replica group (``rank`` when there are none)."""
+        return self.replica_group * self.world_size + self.rank
+
     def describe(self) -> str:
+        group = f", replica group {self.replica_group}/{self.replica_groups}" if self.lighthouse else ""
         return (
             f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
-            f"node {self.node_rank}/{self.num_nodes}) from {self.source}"
+            f"node {self.node_rank}/{self.num_nodes}{group}) from {self.source}"
         )
 
 
@@ -165,7 +187,30 @@ def _common(env: Env) -> dict:
             "devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
             "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "run_dir": env.get(RUN_DIR_VAR) or None,
-            "trial_dir": env.get(TRIAL_DIR_VAR) or None}
+            "trial_dir": env.get(TRIAL_DIR_VAR) or None,
+            **_replica_groups(env)}
+
+
+def _replica_groups(env: Env) -> dict:
+    """The replica-group variables, all or none: a group id without a lighthouse (or the reverse) is a
+    half-configured fault-tolerant job, which would train alone without anyone noticing."""
+    lighthouse = env.get(LIGHTHOUSE_VAR) or None
+    if lighthouse is None:
+        if env.get(REPLICA_GROUP_VAR) or env.get(REPLICA_GROUPS_VAR):
+            raise WorldError(f"{REPLICA_GROUP_VAR}/{REPLICA_GROUPS_VAR} are set but {LIGHTHOUSE_VAR} is not.",
+                             "launch with `multigpu run --replica-groups R`, which sets all of them, or unset them.")
+        return {}
+    hint = "these are set by `multigpu run --replica-groups R`; unset them when running by hand."
+    if len(lighthouse) > 300 or not re.fullmatch(r"https?://[\w.\-\[\]:%]+:[0-9]{1,5}", lighthouse):
+        raise WorldError(f"{LIGHTHOUSE_VAR}={lighthouse[:60]!r} is not http://HOST:PORT.", hint)
+    groups = _int(env, REPLICA_GROUPS_VAR, hint=hint)
+    group = _int(env, REPLICA_GROUP_VAR, hint=hint)
+    least = _int(env, MIN_REPLICAS_VAR, 1, hint)
+    if not 1 <= groups <= MAX_REPLICA_GROUPS or not 0 <= group < groups or not 1 <= least <= groups:
+        raise WorldError(f"replica group {group} of {groups} with {least} needed per step is not possible "
+                         f"(need 0 <= {REPLICA_GROUP_VAR} < {REPLICA_GROUPS_VAR} <= {MAX_REPLICA_GROUPS} and "
+                         f"1 <= {MIN_REPLICAS_VAR} <= {REPLICA_GROUPS_VAR}).", hint)
+    return {"replica_group": group, "replica_groups": groups, "lighthouse": lighthouse, "min_replicas": least}
 
 
 def read_torchrun(env: Env) -> Optional[World]:

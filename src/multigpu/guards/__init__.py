@@ -82,7 +82,8 @@ class Guards:
         stop = self._stop
         reason = stop.describe() if stop is not None else "a stop request"
         job = self.session.world.slurm_job_id
-        if self.session.world.is_main and stop is not None and stop.received is not None:
+        # One requeue per job: global rank 0 (with replica groups, the first group's).
+        if self.session.world.global_rank == 0 and stop is not None and stop.received is not None:
             if requeue_slurm_job(job, stop.received):
                 say(f"multigpu: requeued Slurm job {job}")
         where = f"; checkpoint {checkpoint_path} - run the same command again to resume" if checkpoint_path else ""

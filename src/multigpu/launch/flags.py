@@ -20,13 +20,17 @@ _VALUED = (("nnodes", "--nnodes"), ("node_rank", "--node-rank"), ("master_addr",
            ("rdzv_timeout", "--rdzv-timeout"), ("nproc", "--nproc"), ("gpus", "--gpus"),
            ("gpus_per_proc", "--gpus-per-proc"), ("procs_per_gpu", "--procs-per-gpu"),
            ("simulate_nodes", "--simulate-nodes"), ("max_restarts", "--max-restarts"),
-           ("stop_timeout", "--stop-timeout"), ("log_dir", "--log-dir"), ("tee_prefix", "--tee-prefix"))
+           ("stop_timeout", "--stop-timeout"), ("log_dir", "--log-dir"), ("tee_prefix", "--tee-prefix"),
+           ("local_addr", "--local-addr"), ("replica_groups", "--replica-groups"), ("replica_group", "--replica-group"),
+           ("min_replicas", "--min-replicas"), ("lighthouse", "--lighthouse"),
+           ("heartbeat_timeout", "--heartbeat-timeout"))
 _SWITCHES = (("cpu", "--cpu"), ("debug", "--debug"), ("verbose", "--verbose"), ("profile", "--profile"))
 #: The device and node flags that ``run`` and ``doctor`` share (``doctor`` hands them on to ``run``).
 LAUNCH_FIELDS = ("gpus", "nproc", "gpus_per_proc", "procs_per_gpu", "cpu", "nnodes", "node_rank", "master_addr",
                  "master_port", "rdzv_endpoint", "rdzv_id", "rdzv_timeout", "simulate_nodes")
 #: What the launcher does when a flag is not given: such values are not written.
-_DEFAULTS = {"nnodes": "1", "node_rank": 0, "gpus_per_proc": 1, "procs_per_gpu": 1, "max_restarts": 0}
+_DEFAULTS = {"nnodes": "1", "node_rank": 0, "gpus_per_proc": 1, "procs_per_gpu": 1, "max_restarts": 0,
+             "min_replicas": 1, "heartbeat_timeout": 5.0}
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,13 @@ class RunFlags:
     stop_timeout: Union[int, str, None] = None
     log_dir: Optional[str] = None
     tee_prefix: Optional[str] = None
+    local_addr: Optional[str] = None
+    #: Replica groups (``--replica-groups R``; one group of them: ``--replica-group G --lighthouse HOST:PORT``).
+    replica_groups: Union[int, str, None] = None
+    replica_group: Union[int, str, None] = None
+    min_replicas: Union[int, str, None] = None
+    lighthouse: Optional[str] = None
+    heartbeat_timeout: Union[float, str, None] = None
     debug: bool = False
     verbose: bool = False
     profile: bool = False

@@ -75,6 +75,8 @@ class LaunchRequest:
     local_addr: Optional[str] = None
     #: ``--profile``: the workers' Trainers trace a few steps (``MULTIGPU_PROFILE=1``).
     profile: bool = False
+    #: What the restart line says happens next (replica groups heal from a live group instead).
+    restart_note: str = "they resume from the last checkpoint"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -231,9 +233,9 @@ class RestartReporter(logging.Handler):
 
     MESSAGE = "will restart worker group"
 
-    def __init__(self, log_dir: str, first_rank: int) -> None:
+    def __init__(self, log_dir: str, first_rank: int, note: str = LaunchRequest.restart_note) -> None:
         super().__init__(logging.INFO)
-        self.log_dir, self.first_rank, self.restarts = log_dir, first_rank, 0
+        self.log_dir, self.first_rank, self.restarts, self.note = log_dir, first_rank, 0, note
 
     @override
     def emit(self, record: logging.LogRecord) -> None:
@@ -247,15 +249,16 @@ class RestartReporter(logging.Handler):
         why = "; ".join(w.describe() for w in found[:3]) or "a worker failed on another node"
         counted = f"restart {most - left + 1} of {most}" if isinstance(left, int) and isinstance(most, int) else "a restart"
         self.restarts += 1
-        _say(f"{why}. Restarting every worker ({counted}): they resume from the last checkpoint.")
+        _say(f"{why}. Restarting every worker ({counted}): {self.note}.")
 
 
 @contextlib.contextmanager
-def reporting_restarts(log_dir: str, first_rank: int, verbose: bool) -> Iterator[None]:
+def reporting_restarts(log_dir: str, first_rank: int, verbose: bool,
+                       note: str = LaunchRequest.restart_note) -> Iterator[None]:
     """Attach a :class:`RestartReporter` to torch's agent logger for the launch (quiet otherwise)."""
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     saved = (agent_log.level, agent_log.propagate)
-    reporter = RestartReporter(log_dir, first_rank)
+    reporter = RestartReporter(log_dir, first_rank, note)
     if not verbose:  # only our line: torch's own INFO records stay quiet
         agent_log.propagate = False
     agent_log.setLevel(logging.INFO)
@@ -345,7 +348,7 @@ def launch(request: LaunchRequest) -> int:
     failed = False
     first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
     try:
-        with reporting_restarts(log_dir, first_rank, request.verbose):
+        with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note):
             elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as failure:
         failed = True

@@ -134,6 +134,42 @@ def _launcher(o: SlurmOptions, python: str) -> str:
     return " ".join(f'"{part}"' if part.startswith("$") else shlex.quote(part) for part in launcher)
 
 
+#: The lighthouse's port, like MASTER_PORT from the job id, in a range of its own (never another job's
+#: MASTER_PORT on the same first node).
+LIGHTHOUSE_PORT_BASE = SLURM_PORT_BASE + SLURM_PORT_SPAN
+
+
+def _replica_lines(o: SlurmOptions, python: str, target: str) -> list[str]:
+    """Replica groups: the lighthouse in the batch script itself - which Slurm runs on the first node -
+    bound to that node's address, and one group per node. A group that fails is restarted by its own
+    agent while the others keep training, so srun must not kill the job for one task's failure."""
+    q = shlex.quote
+    groups = f"--replica-groups {o.replica_groups} --min-replicas {o.min_replicas} --heartbeat-timeout {o.heartbeat_timeout:g}"
+    launcher = [python, "-m", "multigpu", "run", *groups.split(), "--lighthouse", "$MASTER_ADDR:$LIGHTHOUSE_PORT",
+                "--nproc", str(o.processes)]
+    if not o.gpus:
+        launcher.append("--cpu")
+    if o.max_restarts:
+        launcher += ["--max-restarts", str(o.max_restarts)]
+    words = " ".join(f'"{part}"' if part.startswith("$") else q(part) for part in launcher[4:])  # after "run"
+    per_node = ('addr=$(scontrol show node "$SLURMD_NODENAME" 2>/dev/null | grep -o "NodeAddr=[^ ]*" | cut -d= -f2 '
+                '|| true); exec "$1" -m multigpu run --replica-group "$SLURM_NODEID" --local-addr "${addr:-$(hostname)}" '
+                '"${@:2}"')
+    return [
+        "# Replica groups (torchft): the lighthouse holds the quorum of every step. It runs here, in the batch",
+        "# script, which Slurm starts on the first node, and ends with it.",
+        f"LIGHTHOUSE_PORT=$(( {LIGHTHOUSE_PORT_BASE} + ${{SLURM_JOB_ID%%[!0-9]*}} % {SLURM_PORT_SPAN} ))",
+        f'{q(python)} -m multigpu.launch.replicas --bind "$MASTER_ADDR:$LIGHTHOUSE_PORT" {groups} &',
+        "lighthouse=$!",
+        """trap 'kill "$lighthouse" 2>/dev/null || true' EXIT""",
+        'echo "multigpu: lighthouse $MASTER_ADDR:$LIGHTHOUSE_PORT"',
+        "",
+        "# One replica group per node (its number: the node's index in the job). A group that fails is restarted",
+        "# by its own agent and heals from a live one; the others keep training, so no --kill-on-bad-exit.",
+        f"srun --kill-on-bad-exit=0 bash -c {q(per_node)} multigpu {q(python)} {words} {target}",
+    ]
+
+
 def _target(command: Sequence[str]) -> list[str]:
     """The script (after ``--``: never read as a launcher flag) or ``-m module``, and its arguments."""
     return list(command) if command and command[0] == "-m" else ["--", *command]
@@ -183,9 +219,15 @@ def render(job: SlurmJob) -> str:
         lines += [f"unset {' '.join(job.unset)}  # credentials stay out: this run's env names an endpoint"
                   ] if job.unset else []
         lines += [""]
+    target = " ".join(q(part) for part in _target(job.command))
+    if o.replica_groups is not None:
+        if job.status_file is not None:
+            raise LaunchError("replica groups are not run from a runs file.", "submit them with `multigpu slurm "
+                              "--replica-groups R`.")
+        return "\n".join([*lines, *_replica_lines(o, job.python, target), ""])
     lines += ["# One task per node; each starts this node's workers. USR1 (time nearly up) reaches every task:",
               "# the workers checkpoint and rank 0 requeues the job, which then resumes from that checkpoint."]
-    rendered = _launcher(o, job.python) + " " + " ".join(q(part) for part in _target(job.command))
+    rendered = _launcher(o, job.python) + " " + target
     if job.status_file is None:
         return "\n".join([*lines, f"srun --kill-on-bad-exit=1 {rendered}", ""])
     return "\n".join([*lines, "code=0", f"srun --kill-on-bad-exit=1 {rendered} || code=$?",

@@ -70,6 +70,10 @@ class SlurmOptions:
     signal_seconds: int = 90
     requeue: bool = True
     extra: tuple[str, ...] = ()  # further #SBATCH lines, e.g. ("--qos=high",)
+    #: Replica groups (torchft): one group per node, the lighthouse on the first node (None: none).
+    replica_groups: Optional[int] = None
+    min_replicas: int = 1
+    heartbeat_timeout: float = 5.0
 
     def validate(self) -> None:
         """Every value that reaches the script: numbers as numbers in bounds, names as names, no
@@ -100,6 +104,14 @@ class SlurmOptions:
                                 pattern=r"--[A-Za-z][A-Za-z0-9-]*(=\S*)?", example="--qos=high (the long form)")
         self.extra_options()
         self.gpu_request()
+        if self.replica_groups is not None:
+            from multigpu.launch.replicas import ReplicaSettings
+
+            ReplicaSettings(self.replica_groups, self.min_replicas, self.heartbeat_timeout).check()
+            if self.replica_groups != self.nodes:
+                raise LaunchError(f"--replica-groups {self.replica_groups} with --nodes {self.nodes}: under Slurm each "
+                                  "node runs one replica group.", f"use --nodes {self.replica_groups} (and "
+                                  "--gpus-per-node for the processes of each group).")
 
     def extra_options(self) -> dict[str, str]:
         """The --sbatch-arg options by their full name (sbatch accepts unique abbreviations: they count

@@ -84,7 +84,8 @@ def _tee_stderr() -> None:
                 pass
         else:
             reader, writer = os.pipe()
-        prefix = f"[rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" else ""
+        group = f"group{os.environ['REPLICA_GROUP_ID']} " if os.environ.get("REPLICA_GROUP_ID") else ""
+        prefix = f"[{group}rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" else ""
         terminal = os.dup(2)
         global _TEE
         _TEE = subprocess.Popen([sys.executable, "-m", "multigpu.launch.tee", str(reader), path,

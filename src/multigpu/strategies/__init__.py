@@ -7,7 +7,9 @@ every entry: unknown names and options are errors with the nearest name, and str
 replicas in sync are refused in a multi-process job. No strategy imports ``launch``: who starts the
 processes is not their business. Learned from Lightning Fabric's strategy registry.
 
-``auto`` is a rule, not a strategy: **ddp when the job has several processes, single otherwise.**
+``auto`` is a rule, not a strategy: **ddp when the job has several processes, single otherwise** - and
+in a job of replica groups (``multigpu run --replica-groups R``) ``auto`` and ``ddp`` mean **ft-ddp**,
+the only strategy that keeps stepping when a group dies.
 
 To add a strategy: write a module with a class following :class:`Strategy` and a ``STRATEGIES``
 tuple, and add its names to :data:`MODULES` below.
@@ -40,6 +42,7 @@ MODULES = {
     "fsdp+tp": "multigpu.strategies.fsdp",
     "pipeline": "multigpu.strategies.pipeline",
     "ddp+pipeline": "multigpu.strategies.pipeline",
+    "ft-ddp": "multigpu.strategies.fault_tolerant",
 }
 NAMES = ("auto", *MODULES)
 
@@ -47,6 +50,8 @@ NAMES = ("auto", *MODULES)
 def resolve_name(name: Optional[str], world: World) -> str:
     """The documented ``auto`` rule, and names in lower case."""
     name = (name or "auto").lower()
+    if world.lighthouse is not None and name in ("auto", "ddp"):
+        return "ft-ddp"
     if name == "auto":
         return "ddp" if world.is_distributed else "single"
     return name
@@ -75,6 +80,10 @@ def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.dev
     """The strategy called ``name`` for this process (``auto``: ddp with several processes, else single).
     ``activation_checkpointing``: the validated setting, applied by the strategy's ``setup``."""
     entry = spec(resolve_name(name, world))
+    if world.lighthouse is not None and not entry.fault_tolerant:
+        raise ConfigError(f"strategy {entry.name!r} cannot run in replica groups: one dead group would stop the "
+                          "others, and its gradients would not be averaged across groups.",
+                          "use strategy ft-ddp (or leave strategy unset), or launch without --replica-groups.")
     if world.is_distributed and not entry.in_sync:
         raise ConfigError(
             f"strategy {entry.name!r} keeps no replicas in sync, but this job has {world.world_size} processes: each "

@@ -54,6 +54,8 @@ class StrategySpec:
     #: What to use instead when the strategy is refused for several processes.
     instead: str = ""
     summary: str = ""
+    #: Keeps stepping when a replica group dies (torchft): the only kind a job with replica groups takes.
+    fault_tolerant: bool = False
 
 
 @runtime_checkable

@@ -48,7 +48,7 @@ from multigpu.trainer.progress import ProgressLine, format_metrics, show_progres
 from multigpu.trainer.extras import StepExtras
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.runtime import Run
-from multigpu.trainer import resume
+from multigpu.trainer import replicas, resume
 from multigpu.trainer.settings import TrainerSettings, TrainState
 from multigpu.strategies.base import OptimizerLike
 
@@ -76,7 +76,7 @@ class Trainer(abc.ABC):
         self.settings = s = run.probe.trainer_settings(s)  # `multigpu check`: its own folder, never the user's
         self.run = run
         self.config = config
-        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate)
+        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate, fault_tolerance=s.fault_tolerance)
         self.device = run.device
         self.precision = Precision(s.precision, self.device)
         if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
@@ -92,14 +92,14 @@ class Trainer(abc.ABC):
         if s.compile:
             self.model = torch.compile(self.model, **(s.compile if isinstance(s.compile, dict) else {}))
         if (scheduler is not None and not callable(scheduler) and isinstance(optimizer, torch.optim.Optimizer)
-                and self.optimizer is not optimizer):
+                and getattr(self.optimizer, "optim", self.optimizer) is not optimizer):  # ft-ddp wraps, keeps it
             raise ConfigError(f"strategy {self.strategy.name!r} rebuilt the optimizer on its sharded parameters, so "
                               "the scheduler given still drives the old one.",
                               "pass a scheduler factory: scheduler=lambda optimizer: CosineAnnealingLR(optimizer, ...).")
         self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler  # a factory or an instance
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
-        self.out_dir = run.check_writable(s.out_dir, "the Trainer's out_dir")
+        self.replicas, self.out_dir = replicas.attach(self, run.check_writable(s.out_dir, "the Trainer's out_dir"))
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.best_dir = self.checkpoint_dir / "best"
         if not Folder(self.out_dir).only_folders_at(OWNED):
@@ -182,7 +182,7 @@ class Trainer(abc.ABC):
         elif self.run.latest_checkpoint(self.checkpoint_dir, checksums=False) is not None:
             raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
                               "set resume: true to continue that run, or choose a new out_dir.")
-        train_loader.resume_at(self.state.epoch, self.state.batch_in_epoch)
+        train_loader.resume_at(*self.replicas.join(epochs))  # replica groups: a group that comes back heals here
         self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, report_dir=str(self.out_dir / "hang"),
                                   preemption=s.preemption, stop_check_every=s.stop_check_every)
         # With resume on, the files continue from this run's step - 0 when no checkpoint was found, so a
@@ -209,6 +209,7 @@ class Trainer(abc.ABC):
         finally:
             self.run.release_guards(clean=clean)
             self.loggers.close()
+        self.replicas.finished()
         self.on_fit_end()
         if s.plot and self.run.is_main:
             from multigpu.plots import write_curves
@@ -298,10 +299,12 @@ class Trainer(abc.ABC):
                     self._grad_norm = strategy.clip_grad_norm(model, s.clip_grad_norm or float("inf"))
                 dropped = guard.check(loss_sum, index % s.accumulate + 1, self._grad_norm, self.state) if guard else 0
                 stepped = precision.step(optimizer) if not dropped else precision.skip()
+                committed = stepped or bool(dropped)  # False: replica groups dropped it (a guard's skip counts)
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and self.scheduler is not None and s.scheduler_interval == "step":
                     self.scheduler.step()
-                self.state.global_step += 1
+                self.state.global_step += int(committed)
+                self.replicas.after_step(committed)
                 if after_step is not None:  # averaging, profiling
                     after_step(stepped, self.state.global_step)
                 batches, window_batches = batches - dropped, window_batches - dropped  # a skipped step's batches
@@ -310,7 +313,7 @@ class Trainer(abc.ABC):
             self.on_train_batch_end(self.state.global_step, detached)
             if self.progress.wants_update():
                 show_progress(self, epoch, epochs, index + 1, total, loss_sum / batches, samples, batches, started)
-            if not boundary:
+            if not boundary or not committed:
                 continue
             step = self.state.global_step
             if s.log_every_n_steps and step % s.log_every_n_steps == 0:
@@ -472,7 +475,7 @@ class Trainer(abc.ABC):
         Settings given now win over the checkpoint's for hyperparameters (learning rate, weight decay,
         ...); every difference is printed once. A changed model still fails, clearly.
         """
-        info = self.run.latest_checkpoint(self.checkpoint_dir, checksums=self.settings.verify_checksums)
+        info = self.replicas.latest(self.settings.verify_checksums)  # with replica groups: the newest of any group
         if info is None:
             return False
         wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)

@@ -50,16 +50,16 @@ class Precision:
             self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Optimizer step (skipped by the fp16 scaler on inf/nan gradients). Returns True: whether the
-        scaler skipped it is only known by reading its scale, a host synchronisation on every step, so
-        the scheduler advances on a skipped step too (as in Lightning) - a handful of steps at the start
-        of an fp16 run."""
+        """Optimizer step (skipped by the fp16 scaler on inf/nan gradients). Returns True unless the
+        optimizer itself says it did not step (``ft-ddp``'s returns False for a step the replica groups did
+        not commit). Whether the scaler skipped it is only known by reading its scale, a host
+        synchronisation on every step, so the scheduler advances on a skipped step too (as in Lightning) -
+        a handful of steps at the start of an fp16 run."""
         if self.scaler is None:
-            optimizer.step()
-            return True
-        self.scaler.step(optimizer)
+            return optimizer.step() is not False
+        stepped = self.scaler.step(optimizer)
         self.scaler.update()
-        return True
+        return stepped is not False
 
     def skip(self) -> bool:
         """No optimizer step this time (the step guard skipped it). After ``unscale`` the fp16 scaler still

@@ -118,6 +118,10 @@ class TrainerSettings:
     skip_grad_norm_above: Optional[float] = None
     skip_loss_above: Optional[float] = None
     max_skipped_in_a_row: int = 20
+    #: Replica groups that keep training when one dies (torchft): ``{replica_groups: R, min_replicas: M}``.
+    #: The launch decides (``multigpu run --replica-groups R --min-replicas M``); set here, it must match
+    #: it, so a recipe meant for replica groups is not run without them by mistake.
+    fault_tolerance: Optional[dict] = None
 
     def __post_init__(self) -> None:
         """The settings door: every setting typed and bounded, on every path (YAML, KEY=VALUE overrides, a
@@ -134,6 +138,7 @@ class TrainerSettings:
                               "use a mapping of the strategy's options (see docs/strategies.md).")
         for logger in self.loggers:
             checked("trainer", "loggers", logger, Rule(str, choices=LOGGERS), ConfigError)
+        self.fault_tolerance = fault_tolerance_settings(self.fault_tolerance)
         relations = [
             (self.collate_fn is None or callable(self.collate_fn), "collate_fn", "a function (set it in code)"),
             (self.patience is None or self.monitor is not None, "patience", "null unless monitor is set"),
@@ -152,6 +157,31 @@ class TrainerSettings:
     def plain(self) -> dict[str, Any]:
         """The settings as data (for hashing, logging, checkpoints): no functions."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "collate_fn"}
+
+
+#: ``fault_tolerance``'s keys, typed and bounded like every other setting.
+FAULT_TOLERANCE_RULES = {"replica_groups": Rule(int, 1, 1024), "min_replicas": Rule(int, 1, 1024)}
+
+
+def fault_tolerance_settings(value: Any) -> Optional[dict]:
+    """``fault_tolerance``: null, or a mapping of replica_groups (required) and min_replicas (default 1,
+    at most replica_groups)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or "replica_groups" not in value:
+        raise ConfigError(f"trainer setting fault_tolerance={shown(value)} is invalid.",
+                          "use null, or e.g. {replica_groups: 2, min_replicas: 1}.")
+    for key in value:
+        if key not in FAULT_TOLERANCE_RULES:
+            raise ConfigError(f"fault_tolerance has no setting {shown(key)}.",
+                              f"choose from {', '.join(FAULT_TOLERANCE_RULES)}.")
+    plain = {"min_replicas": 1, **dict(value)}
+    for key, rule in FAULT_TOLERANCE_RULES.items():
+        checked("fault_tolerance", key, plain[key], rule, ConfigError)
+    if plain["min_replicas"] > plain["replica_groups"]:
+        raise ConfigError(f"fault_tolerance: min_replicas {plain['min_replicas']} is more than replica_groups "
+                          f"{plain['replica_groups']}.", "use a min_replicas from 1 to replica_groups.")
+    return plain
 
 
 @dataclass
