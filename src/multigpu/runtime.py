@@ -336,7 +336,8 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
     def save_checkpoint(self, directory: str | Path, step: int, state: dict, keep_last: Optional[int] = None,
-                        meta: Optional[dict] = None, rank_state: Optional[dict] = None) -> Path:
+                        meta: Optional[dict] = None, rank_state: Optional[dict] = None,
+                        asynchronous: bool = False) -> Path:
         """Write ``state`` as an atomic, verified checkpoint; every rank calls this and returns after it exists.
 
         Put the model under ``"model"`` and the optimizer under ``"optimizer"``. Replicated strategies
@@ -348,10 +349,25 @@ class Run:
         Every rank's random-generator states are saved too (and restored by ``load_checkpoint``), so a
         loop with dropout resumes exactly; ``rank_state``: this rank's own state (tensors to the CPU),
         given back to the same rank by ``load_checkpoint`` as ``state["rank_state"]``.
+
+        ``asynchronous=True``: return as soon as the state is copied to CPU memory; a background thread
+        writes it (the returned path exists after ``wait_for_checkpoint``). At most one is in flight: the
+        next save, ``latest_checkpoint`` and ``close`` wait for it.
         """
         self._ensure_usable("saving a checkpoint")
         meta = {"world_size": self.world_size, "strategy": self._need_strategy().name, **(meta or {})}
-        return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state)
+        return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state,
+                                      asynchronous=asynchronous)
+
+    def wait_for_checkpoint(self, agree: bool = True) -> Optional[Path]:
+        """Wait for the asynchronous checkpoint in flight (every rank calls it); its path, or None when none
+        was. A write that failed on any rank raises a CheckpointError on every rank. ``agree=False``
+        (leaving on Ctrl-C or an error): wait for this rank's own write only, talking to nobody."""
+        if not agree:
+            self._checkpoints.wait_quietly()
+            return None
+        self._ensure_usable("waiting for a checkpoint")
+        return self._checkpoints.wait()
 
     def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint_files.CheckpointInfo]:
         """The newest checkpoint that verifies, chosen by rank 0 and the same on every rank.
@@ -399,6 +415,7 @@ class Run:
             return
         self._closed = True
         atexit.unregister(self.close)
+        self._checkpoints.wait_quietly()  # an asynchronous checkpoint finishes before its process group goes
         self.guards.release(clean=False)
         interrupt.remove(self.guards)
         self.session.close(goodbye=getattr(sys, "last_value", None) is None and not self.guards.interrupted_by)

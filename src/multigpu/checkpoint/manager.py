@@ -96,6 +96,14 @@ class CheckpointManager:
                                   "the folder, then resume.")
         return pending.path
 
+    def wait_quietly(self) -> None:
+        """Wait for this rank's own write and talk to nobody (Ctrl-C, an exception, teardown); a failed
+        write is reported, not raised (the run is already leaving for another reason)."""
+        try:
+            self.wait(agree=False)
+        except CheckpointError as exc:
+            warnings.warn(f"multigpu: {exc.message}", stacklevel=2)
+
     @property
     def in_flight(self) -> bool:
         return self._pending is not None and not self._pending.done()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -29,7 +30,7 @@ from multigpu.checkpoint.files import (
     verify,
     write_checkpoint_folder,
 )
-from multigpu.checkpoint.place import CHECKSUM, Hasher, Place, step_name
+from multigpu.checkpoint.place import CHECKSUM, HashingWriter, Place, step_name
 from multigpu.errors import CheckpointError, visible
 
 EXTRA_FILE = "extra.pt"
@@ -68,8 +69,9 @@ def _hashing_file_system() -> Any:
                 if "w" not in mode:
                     yield stream
                     return
-                hashed = _HashedStream(stream)
-                yield hashed
+                with ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-hash") as pool:
+                    hashed = HashingWriter(stream, pool)
+                    yield _Stream(hashed, stream)
             self.digests[Path(path).name] = (hashed.hasher.size, hashed.hasher.digest())
 
         def rename(self, path: Any, new_path: Any) -> None:
@@ -80,20 +82,18 @@ def _hashing_file_system() -> Any:
     return HashingFileSystem()
 
 
-class _HashedStream:
-    """The stream DCP writes into: writes are hashed, everything else is the file's."""
+class _Stream:
+    """The stream DCP writes into: writes go through the hashing writer, everything else (tell, fileno for
+    its fsync, close) is the file's."""
 
-    def __init__(self, stream: Any) -> None:
-        self.stream, self.hasher = stream, Hasher()
+    def __init__(self, hashed: HashingWriter, stream: Any) -> None:
+        self._hashed, self._stream = hashed, stream
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.hasher.update(view)
-        self.hasher.size += view.nbytes
-        return self.stream.write(view)
+        return self._hashed.write(data)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.stream, name)
+        return getattr(self._stream, name)
 
 
 def _record(draft: Draft, digests: dict[str, tuple[int, str]]) -> None:

@@ -16,7 +16,8 @@ Hooks, in the order they are called (epochs count from 1, as in the progress lin
         [every eval_every_steps steps: on_evaluate_start(), on_validation_end(metrics)]
       on_evaluate_start(); on_validation_end(metrics)      after the epoch, when there is valid data
       on_epoch_end(epoch, metrics)
-      on_checkpoint(path)                        after each checkpoint written (also the best one)
+      on_checkpoint(path)                        after each checkpoint written (also the best one; an
+                                                 asynchronous one: once written, at the next save or fit's end)
     on_fit_end()
 
 The loop is written so a reader can check it against a hand-written DDP loop line by line;
@@ -184,11 +185,13 @@ class Trainer(abc.ABC):
         try:
             self.on_fit_start()
             self._fit_epochs(train_loader, epochs)
+            self._checkpoint_written()  # the last asynchronous checkpoint, on every rank
             clean = True
         except Preempted:
             clean = True
             raise
         except BaseException as exc:  # the other ranks may be anywhere: never wait for them from here on
+            self.run.wait_for_checkpoint(agree=False)  # but this rank's own checkpoint write finishes
             self.run.interrupted(type(exc).__name__)
             for loader in (train_loader, self._valid):
                 if loader is not None:
@@ -349,7 +352,7 @@ class Trainer(abc.ABC):
 
     def _preempt(self) -> None:
         """Every rank agreed to stop at this step: checkpoint it, requeue under Slurm on USR1, exit 75."""
-        path = self._save()
+        path = self._save(blocking=True)
         self.run.exit_preempted(path, self.state.global_step)
 
     # ------------------------------------------------------------------ validation, best, early stop
@@ -440,16 +443,29 @@ class Trainer(abc.ABC):
 
     def save(self) -> Path:
         """Write a checkpoint of the current state (every rank calls it; returns once it exists)."""
-        return self._save()
+        return self._save(blocking=True)
 
-    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None) -> Path:
+    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None,
+              blocking: bool = False) -> Path:
+        """``async_checkpoint``: returns once the state is staged; ``on_checkpoint`` follows when it is written."""
+        self._checkpoint_written()
         state = self.checkpoint_state()
+        asynchronous = self.settings.async_checkpoint and not blocking
         path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, state,
                                         keep_last=keep_last or self.settings.keep_last,
-                                        meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state())
-        with self.run.paused_watchdog():
-            self.on_checkpoint(path)
+                                        meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state(),
+                                        asynchronous=asynchronous)
+        if not asynchronous:
+            with self.run.paused_watchdog():
+                self.on_checkpoint(path)
         return path
+
+    def _checkpoint_written(self) -> None:
+        """Wait for the asynchronous checkpoint in flight (every rank), then its ``on_checkpoint``."""
+        path = self.run.wait_for_checkpoint()
+        if path is not None:
+            with self.run.paused_watchdog():
+                self.on_checkpoint(path)
 
     def _save_best(self) -> Path:
         """The best checkpoint so far, in checkpoints/best (its own folder: never pruned with the others)."""

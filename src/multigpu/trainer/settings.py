@@ -44,6 +44,9 @@ class TrainerSettings:
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: Optional[int] = None
     keep_last: int = 2
+    #: Write checkpoints in the background: training waits only while the state is copied to CPU memory
+    #: (one more copy of it held there). At most one in flight; preemption checkpoints are synchronous.
+    async_checkpoint: bool = True
     resume: bool = True
     verify_checksums: bool = True
     #: Where the numbers go besides metrics.csv/steps.csv: tensorboard, wandb, mlflow.
