@@ -74,20 +74,20 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(f"{self.source} refers to {module}.{name}, which is not checkpoint metadata: the file "
+        raise CheckpointError(f"{visible(str(self.source))} refers to {visible(f'{module}.{name}'[:120])}, which is not checkpoint metadata: the file "
                               "would run code when loaded, and was refused.",
                               "do not use checkpoints from sources you do not trust; delete this one.")
 
     @override
     def persistent_load(self, pid: Any) -> Any:
-        raise CheckpointError(f"{self.source} uses pickle persistent ids, which DCP metadata never does.",
+        raise CheckpointError(f"{visible(str(self.source))} uses pickle persistent ids, which DCP metadata never does.",
                               "do not use checkpoints from sources you do not trust; delete this one.")
 
     @override
     def load_build(self) -> None:
         target = self.stack[-2] if len(self.stack) >= 2 else None
         if isinstance(target, type) or type(target) not in self.instance_types:
-            raise CheckpointError(f"{self.source} sets attributes of {type(target).__name__ if not isinstance(target, type) else target.__name__}"
+            raise CheckpointError(f"{visible(str(self.source))} sets attributes of {type(target).__name__ if not isinstance(target, type) else target.__name__}"
                                   ", which DCP metadata never does: refused.",
                                   "do not use checkpoints from sources you do not trust; delete this one.")
         pickle._Unpickler.load_build(self)
@@ -104,6 +104,12 @@ def read_metadata_file(path: Path) -> Metadata:
         data = Folder(path.parent).read_bytes(path.name, METADATA_LIMITS.max_bytes)
     except OSError as exc:
         raise CheckpointError(f"{shown} is unreadable ({exc.strerror or exc}).", "the checkpoint is corrupt; delete it.") from None
+    return parse_metadata(data, path)
+
+
+def parse_metadata(data: bytes, path: Path) -> Metadata:
+    """DCP metadata from bytes: scanned with limits, then unpickled admitting DCP's classes only."""
+    shown = visible(str(path))
     scan_pickle(data, shown, METADATA_LIMITS)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), path).load()

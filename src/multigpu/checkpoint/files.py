@@ -120,8 +120,10 @@ def torch_save(obj: Any, writer: Any) -> None:
     except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch
         torch.save(obj, writer)
         return
-    _save(obj, zip_file, pickle, DEFAULT_PROTOCOL, False)
-    zip_file.write_end_of_file()
+    try:
+        _save(obj, zip_file, pickle, DEFAULT_PROTOCOL, False)
+    finally:  # as torch.save does: ended while the file is open (its destructor would write to a closed one)
+        zip_file.write_end_of_file()
     writer.flush()
 
 

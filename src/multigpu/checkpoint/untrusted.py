@@ -55,14 +55,17 @@ _TUPLE = 2
 
 
 class _Node:
-    """One simulated object: its nesting depth and expanded size, and whether a GET shared it."""
+    """One simulated object: its nesting depth and expanded size, whether a GET shared it, where it sits
+    on the stack, and the objects still on the stack (still being built) that it refers to."""
 
-    __slots__ = ("depth", "size", "kind", "shared", "on_stack")
+    __slots__ = ("depth", "size", "kind", "shared", "on_stack", "pos", "refs")
 
     def __init__(self, depth: int, size: int, kind: int) -> None:
         self.depth, self.size, self.kind = depth, size, kind
         self.shared = False
         self.on_stack = 0
+        self.pos = 0
+        self.refs: tuple = ()
 
 
 class _Refused(Exception):
@@ -87,6 +90,8 @@ class _Simulator:
             raise _Refused(f"nests deeper than {self.limits.max_depth} levels")
         if node.size > self.limits.max_expanded:
             raise _Refused(f"expands to more than {self.limits.max_expanded:,} units (shared references repeated)")
+        if not node.on_stack:
+            node.pos = len(self.stack)
         node.on_stack += 1
         self.stack.append(node)
 
@@ -113,13 +118,26 @@ class _Simulator:
         return self.stack[-1]
 
     @staticmethod
-    def combine(items: list[_Node], kind: int) -> _Node:
-        return _Node(1 + max((n.depth for n in items), default=0), 1 + sum(n.size for n in items), kind)
+    def _open_refs(items: list[_Node]) -> tuple:
+        """The objects still on the stack (being built) that ``items`` are or refer to."""
+        found = {id(n): n for item in items for n in (item, *item.refs) if n.on_stack}
+        return tuple(found.values())
+
+    def combine(self, items: list[_Node], kind: int) -> _Node:
+        node = _Node(1 + max((n.depth for n in items), default=0), 1 + sum(n.size for n in items), kind)
+        node.refs = self._open_refs(items)
+        return node
 
     def mutate(self, target: _Node, items: list[_Node]) -> None:
-        """Items added to ``target`` (APPEND, SETITEM, BUILD): refused if ``target`` was shared before."""
+        """Items added to ``target`` (APPEND, SETITEM, BUILD). Refused: a target shared before (its depth
+        would be hidden in every place that shares it), and items that are or contain an object still
+        being built at or below the target (a cycle: infinite depth)."""
         if target.shared:
             raise _Refused("changes an object after sharing it (a way to hide its depth)")
+        refs = self._open_refs(items)
+        if any(n.pos <= target.pos for n in refs):
+            raise _Refused("makes an object contain itself (a cycle)")
+        target.refs = tuple({id(n): n for n in (*target.refs, *refs)}.values())
         target.depth = max(target.depth, 1 + max((n.depth for n in items), default=0))
         target.size += sum(n.size for n in items)
         if target.depth > self.limits.max_depth:
@@ -172,7 +190,7 @@ class _Simulator:
             self.push(self.combine(self.pop_mark(), _MUTABLE))
         elif name in ("PERSID", "BINPERSID"):
             pid = self.pop() if name == "BINPERSID" else _Node(0, 1 + len(arg or ""), _LEAF)
-            self.push(_Node(pid.depth + 1, pid.size + 1, _LEAF))
+            self.push(self.combine([pid], _LEAF))
         elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
             self.memo[arg] = self.top()
         elif name == "MEMOIZE":
@@ -181,8 +199,6 @@ class _Simulator:
             node = self.memo.get(arg)
             if node is None:
                 raise _Refused("refers to a memo entry that was never stored")
-            if node.kind == _MUTABLE and node.on_stack:
-                raise _Refused("refers to an object still being built (a cycle)")
             node.shared = True
             self.push(node)
         elif name == "POP":
