@@ -101,7 +101,8 @@ def read_metadata_file(path: Path) -> Metadata:
     path = Path(path)
     shown = visible(str(path))
     try:
-        data = Folder(path.parent).read_bytes(path.name, METADATA_LIMITS.max_bytes)
+        with Folder(path.parent).open_read(path.name) as handle:
+            data = handle.read(METADATA_LIMITS.max_bytes + 1)
     except OSError as exc:
         raise CheckpointError(f"{shown} is unreadable ({exc.strerror or exc}).", "the checkpoint is corrupt; delete it.") from None
     return parse_metadata(data, path)

@@ -46,7 +46,8 @@ def read_manifest(path: PathLike) -> dict:
     folder, name = split(path)
     shown = visible(str(Path(path) / MANIFEST))
     try:
-        raw = folder.read_bytes(f"{name}/{MANIFEST}", MAX_MANIFEST_BYTES)
+        with folder.open_read(f"{name}/{MANIFEST}") as handle:
+            raw = handle.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointError(f"{visible(str(path))} has no {MANIFEST}: it was not written completely.",
                               "delete the folder; an earlier checkpoint is used instead.") from None

@@ -72,12 +72,9 @@ def _hashing_file_system() -> Any:
                 with ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-hash") as pool:
                     hashed = HashingWriter(stream, pool)
                     yield _Stream(hashed, stream)
-            self.digests[Path(path).name] = (hashed.hasher.size, hashed.hasher.digest())
-
-        def rename(self, path: Any, new_path: Any) -> None:
-            super().rename(path, new_path)
-            if Path(path).name in self.digests:
-                self.digests[Path(new_path).name] = self.digests.pop(Path(path).name)
+            name = Path(path).name  # DCP writes ".metadata.tmp" and renames it to ".metadata" (its own rename)
+            self.digests[name[:-len(".tmp")] if name.endswith(".metadata.tmp") else name] = (
+                hashed.hasher.size, hashed.hasher.digest())
 
     return HashingFileSystem()
 
