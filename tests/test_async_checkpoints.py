@@ -155,3 +155,23 @@ def test_a_killed_rank_with_async_checkpoints_resumes_bitwise(tmp_path, referenc
     step = int(resumed.stdout.split("resumed from")[1].split("step ")[1].split(")")[0])
     assert step in (8, 9)
     assert _equal(_final(tmp_path), reference)
+
+
+def test_the_trainer_reports_each_async_checkpoint_once_it_is_written(tmp_path):
+    class Fit(mg.Trainer):
+        seen: list = []
+
+        def compute_loss(self, batch):
+            return nn.functional.mse_loss(self.model(batch[0]), batch[1])
+
+        def on_checkpoint(self, path):
+            self.seen.append((path.name, (path / "manifest.json").exists()))
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
+    with mg.init(env={}) as run:
+        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
+                      checkpoint_every_steps=3, out_dir=str(tmp_path), progress=False, plot=False)
+        assert trainer.settings.async_checkpoint  # the default
+        trainer.fit(data)
+    assert [name for name, _ in trainer.seen] == ["step-00000003", "step-00000004", "step-00000006", "step-00000008"]
+    assert all(exists for _, exists in trainer.seen)

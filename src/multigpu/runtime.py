@@ -328,7 +328,9 @@ class Run:
         self.guards.release(clean)
 
     def interrupted(self, reason: str) -> None:
-        """Mark this rank as having left the lockstep (Ctrl-C, an exception out of ``fit``)."""
+        """Mark this rank as having left the lockstep (Ctrl-C, an exception out of ``fit``); this rank's own
+        asynchronous checkpoint write finishes first (no other rank is asked)."""
+        self._checkpoints.wait_quietly()
         self.guards.interrupt(reason)
 
     def _ensure_usable(self, doing: str = "a collective") -> None:
@@ -359,15 +361,16 @@ class Run:
         return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state,
                                       asynchronous=asynchronous)
 
-    def wait_for_checkpoint(self, agree: bool = True) -> Optional[Path]:
+    def wait_for_checkpoint(self, then: Optional[Callable[[Path], Any]] = None) -> Optional[Path]:
         """Wait for the asynchronous checkpoint in flight (every rank calls it); its path, or None when none
-        was. A write that failed on any rank raises a CheckpointError on every rank. ``agree=False``
-        (leaving on Ctrl-C or an error): wait for this rank's own write only, talking to nobody."""
-        if not agree:
-            self._checkpoints.wait_quietly()
-            return None
+        was (``then(path)`` is called once it is written, with the hang watchdog paused). A write that
+        failed on any rank raises a CheckpointError on every rank."""
         self._ensure_usable("waiting for a checkpoint")
-        return self._checkpoints.wait()
+        path = self._checkpoints.wait()
+        if path is not None and then is not None:
+            with self.guards.paused():
+                then(path)
+        return path
 
     def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint_files.CheckpointInfo]:
         """The newest checkpoint that verifies, chosen by rank 0 and the same on every rank.

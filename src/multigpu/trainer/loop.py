@@ -16,8 +16,7 @@ Hooks, in the order they are called (epochs count from 1, as in the progress lin
         [every eval_every_steps steps: on_evaluate_start(), on_validation_end(metrics)]
       on_evaluate_start(); on_validation_end(metrics)      after the epoch, when there is valid data
       on_epoch_end(epoch, metrics)
-      on_checkpoint(path)                        after each checkpoint written (also the best one; an
-                                                 asynchronous one: once written, at the next save or fit's end)
+      on_checkpoint(path)                        after each checkpoint is written (also the best one)
     on_fit_end()
 
 The loop is written so a reader can check it against a hand-written DDP loop line by line;
@@ -185,13 +184,12 @@ class Trainer(abc.ABC):
         try:
             self.on_fit_start()
             self._fit_epochs(train_loader, epochs)
-            self._checkpoint_written()  # the last asynchronous checkpoint, on every rank
+            self.run.wait_for_checkpoint(then=self.on_checkpoint)  # the last asynchronous checkpoint, every rank
             clean = True
         except Preempted:
             clean = True
             raise
         except BaseException as exc:  # the other ranks may be anywhere: never wait for them from here on
-            self.run.wait_for_checkpoint(agree=False)  # but this rank's own checkpoint write finishes
             self.run.interrupted(type(exc).__name__)
             for loader in (train_loader, self._valid):
                 if loader is not None:
@@ -447,25 +445,15 @@ class Trainer(abc.ABC):
 
     def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None,
               blocking: bool = False) -> Path:
-        """``async_checkpoint``: returns once the state is staged; ``on_checkpoint`` follows when it is written."""
-        self._checkpoint_written()
-        state = self.checkpoint_state()
+        self.run.wait_for_checkpoint(then=self.on_checkpoint)  # async_checkpoint: on_checkpoint once written
         asynchronous = self.settings.async_checkpoint and not blocking
-        path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, state,
-                                        keep_last=keep_last or self.settings.keep_last,
-                                        meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state(),
-                                        asynchronous=asynchronous)
+        path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, self.checkpoint_state(),
+                                        keep_last=keep_last or self.settings.keep_last, asynchronous=asynchronous,
+                                        meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state())
         if not asynchronous:
             with self.run.paused_watchdog():
                 self.on_checkpoint(path)
         return path
-
-    def _checkpoint_written(self) -> None:
-        """Wait for the asynchronous checkpoint in flight (every rank), then its ``on_checkpoint``."""
-        path = self.run.wait_for_checkpoint()
-        if path is not None:
-            with self.run.paused_watchdog():
-                self.on_checkpoint(path)
 
     def _save_best(self) -> Path:
         """The best checkpoint so far, in checkpoints/best (its own folder: never pruned with the others)."""
