@@ -170,8 +170,13 @@ def test_the_trainer_reports_each_async_checkpoint_once_it_is_written(tmp_path):
     data = torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
     with mg.init(env={}) as run:
         trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
-                      checkpoint_every_steps=3, out_dir=str(tmp_path), progress=False, plot=False)
-        assert trainer.settings.async_checkpoint  # the default
+                      checkpoint_every_steps=3, out_dir=str(tmp_path), progress=False, plot=False,
+                      async_checkpoint=True)
+        assert trainer.settings.background_checkpoints(run.device)
         trainer.fit(data)
+    from multigpu.trainer.settings import TrainerSettings
+
+    default = TrainerSettings()  # null: in the background on accelerators, synchronous on the CPU
+    assert default.background_checkpoints(torch.device("cuda", 0)) and not default.background_checkpoints(run.device)
     assert [name for name, _ in trainer.seen] == ["step-00000003", "step-00000004", "step-00000006", "step-00000008"]
     assert all(exists for _, exists in trainer.seen)

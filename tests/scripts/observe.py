@@ -67,8 +67,7 @@ model = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 2))
 trainer = Observed(run, model, lambda p: torch.optim.Adam(p, lr=0.05), batch_size=args.batch, epochs=args.epochs,
                    out_dir=args.out, progress=False, monitor="valid_loss", mode="min", patience=args.patience,
                    eval_every_steps=2, log_every_n_steps=1, shuffle=False, keep_last=2,
-                   loggers=[n for n in args.loggers.split(",") if n],
-                   async_checkpoint=False)  # the documented hook order; an async on_checkpoint comes at the next save
+                   loggers=[n for n in args.loggers.split(",") if n])
 trainer.fit(TensorDataset(x, y), TensorDataset(vx, vy))
 if run.is_main:
     Path(args.out, "result.json").write_text(json.dumps({

@@ -97,8 +97,7 @@ dataset = TensorDataset(data[:, :-1], data[:, 1:])
 trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
              max_steps=args.steps, strategy=args.strategy, tp=args.tp, dp_replicate=args.dp_replicate,
              out_dir=str(out), checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
-             clip_grad_norm=args.clip, log_every_n_steps=0, plot=False,
-             async_checkpoint=False)  # the kill test names the step resumed from: each checkpoint done before the next step
+             clip_grad_norm=args.clip, log_every_n_steps=0, plot=False)
 trainer.fit(dataset)
 weights = run.state_dict(trainer.state_model)
 if run.is_main:

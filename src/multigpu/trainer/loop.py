@@ -446,7 +446,7 @@ class Trainer(abc.ABC):
     def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None,
               blocking: bool = False) -> Path:
         self.run.wait_for_checkpoint(then=self.on_checkpoint)  # async_checkpoint: on_checkpoint once written
-        asynchronous = self.settings.async_checkpoint and not blocking
+        asynchronous = not blocking and self.settings.background_checkpoints(self.device)
         path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, self.checkpoint_state(),
                                         keep_last=keep_last or self.settings.keep_last, asynchronous=asynchronous,
                                         meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state())

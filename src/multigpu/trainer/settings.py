@@ -46,7 +46,9 @@ class TrainerSettings:
     keep_last: int = 2
     #: Write checkpoints in the background: training waits only while the state is copied to CPU memory
     #: (one more copy of it held there). At most one in flight; preemption checkpoints are synchronous.
-    async_checkpoint: bool = True
+    #: null: in the background when training on an accelerator (on CPU the writer competes with training
+    #: for the same cores: benchmarks/checkpoint_save.py measured no gain there).
+    async_checkpoint: Optional[bool] = None
     resume: bool = True
     verify_checksums: bool = True
     #: Where the numbers go besides metrics.csv/steps.csv: tensorboard, wandb, mlflow.
@@ -97,6 +99,7 @@ class TrainerSettings:
             (self.mode in ("min", "max"), "mode", "'min' or 'max'"),
             (self.patience is None or self.monitor is not None, "patience", "null unless monitor is set"),
             (self.eval_batch_size is None or self.eval_batch_size >= 1, "eval_batch_size", "1 or more, or null"),
+            (self.async_checkpoint in (None, True, False), "async_checkpoint", "true, false, or null (on for GPUs)"),
         ]
         for ok, name, wanted in checks:
             if not ok:
@@ -106,6 +109,10 @@ class TrainerSettings:
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainerSettings":
         check_keys(cls, values, owner="the Trainer", noun="setting")
         return cls(**dict(values))
+
+    def background_checkpoints(self, device: Any) -> bool:
+        """``async_checkpoint``; null means on when the model trains on an accelerator, off on the CPU."""
+        return self.async_checkpoint if self.async_checkpoint is not None else getattr(device, "type", "cpu") != "cpu"
 
     def plain(self) -> dict[str, Any]:
         """The settings as data (for hashing, logging, checkpoints): no functions."""
