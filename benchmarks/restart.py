@@ -8,7 +8,8 @@ median and range, and where the time goes (medians, from the restarted rank 0):
 
 - agent: noticing the death, stopping the survivor, a new rendezvous, starting the new processes;
 - interpreter: the new process until the script's first line (Python itself);
-- import torch: torch's own start-up;
+- import torch, import torch._dynamo: torch's own start-up (torch imports dynamo when the first
+  optimizer is constructed: every script that builds one pays it);
 - import multigpu, mg.init (joining the process group), building the Trainer (model, optimizer, DDP);
 - resume: choosing, verifying and loading the checkpoint; first step: one training step.
 
@@ -26,7 +27,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PHASES = [("agent", "killed_at", "process_start"), ("interpreter", "process_start", "first_line"),
-          ("import torch", "first_line", "torch_imported"), ("import multigpu", "torch_imported", "multigpu_imported"),
+          ("import torch", "first_line", "torch_imported"), ("import torch._dynamo", "torch_imported", "dynamo_imported"),
+          ("import multigpu", "dynamo_imported", "multigpu_imported"),
           ("mg.init", "multigpu_imported", "init_done"), ("Trainer built", "init_done", "trainer_built"),
           ("resume", "trainer_built", "resumed"), ("first step", "resumed", "first_step")]
 
