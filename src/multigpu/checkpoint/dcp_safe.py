@@ -159,7 +159,7 @@ def _check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> 
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(name, str) or "/" in name or name not in files or not name.endswith(".distcp"):
-            raise _refuse(folder, f"points to {visible(str(name)[:80]) if isinstance(name, str) else type(name).__name__!r}, "
+            raise _refuse(folder, f"points to '{visible(str(name)[:80]) if isinstance(name, str) else type(name).__name__}', "
                                   "which is not a shard of this checkpoint.")
         if (not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0
                 or offset + length > files[name]):

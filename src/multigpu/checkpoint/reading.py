@@ -84,7 +84,7 @@ def check_manifest(manifest: Any, where: PathLike) -> None:
         safe_member_name(name, where)
         if not isinstance(entry, dict) or isinstance(entry.get("size"), bool) or not isinstance(entry.get("size"), int) \
                 or entry["size"] < 0 or _checksum(entry) is None:
-            raise bad(f"the entry of {visible(name)!r} needs an integer 'size' and one checksum: a "
+            raise bad(f"the entry of '{visible(name)}' needs an integer 'size' and one checksum: a "
                       "16-digit hex 'xxh3' or an 8-digit hex 'crc32'")
     missing = [name for name in REQUIRED[manifest.get("sharded", False)] if name not in manifest["files"]]
     if missing:
@@ -111,7 +111,7 @@ def safe_member_name(name: Any, where: PathLike) -> str:
             pure = None
     if (pure is None or not name or len(name) > 1024 or pure.is_absolute() or "\\" in name
             or any(part in ("", ".", "..") for part in name.split("/")) or re.search(r"[\x00-\x1f\x7f-\x9f]", name)):
-        raise CheckpointError(f"{visible(str(where))} names the file {visible(str(name)[:80])!r}, which is not inside the "
+        raise CheckpointError(f"{visible(str(where))} names the file '{visible(str(name)[:80])}', which is not inside the "
                               "checkpoint folder (or not a plain name).",
                               "the manifest is corrupt or was tampered with; delete the folder.")
     return name
