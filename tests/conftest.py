@@ -34,7 +34,11 @@ def child_env(extra: Optional[dict] = None) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
     if "SLURM_CONF" not in env:  # not the test cluster: Slurm's tools answer "no cluster" (see fakebin/)
-        env["PATH"] = os.pathsep.join([str(REPO / "tests" / "fakebin"), env.get("PATH", "")])
+        # after a test's own stand-ins (a PATH it gave), before the machine's
+        inherited, fakebin = os.environ.get("PATH", ""), str(REPO / "tests" / "fakebin")
+        path = env.get("PATH", "")
+        env["PATH"] = (path[:-len(inherited)] + os.pathsep.join([fakebin, inherited]) if inherited and path.endswith(inherited)
+                       else os.pathsep.join([fakebin, path]))
     return env
 
 

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from multigpu import checkpoint
-from multigpu.checkpoint.files import MANIFEST, STATE_FILE, file_digest, step_name
+from multigpu.checkpoint.files import MANIFEST, STATE_FILE, step_name
+from multigpu.checkpoint.place import CHECKSUM, digest_of
 from multigpu.errors import CheckpointError
+from multigpu.fileio import Folder
 from multigpu.strategies import clean_state_dict, unwrap_module
 
 
@@ -22,8 +24,9 @@ def test_save_writes_a_folder_with_a_matching_manifest(tmp_path):
     assert path == tmp_path / "step-00000012"
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["step"] == 12 and manifest["epoch"] == 1
-    size, sha = file_digest(path / STATE_FILE)
-    assert manifest["files"][STATE_FILE] == {"size": size, "crc32": sha}
+    size, digest = digest_of(Folder(path), STATE_FILE, CHECKSUM)
+    assert manifest["files"][STATE_FILE] == {"size": size, CHECKSUM: digest}
+    assert CHECKSUM == "xxh3"  # xxhash is a dependency: the fast checksum is the one written
     loaded = checkpoint.load_state(path)
     assert torch.equal(loaded["model"]["w"], torch.ones(4)) and loaded["lr"] == [0.1, 0.2]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -44,7 +47,7 @@ def test_latest_is_the_newest_good_one_and_skips_corrupt_and_truncated(tmp_path)
     assert info.step == 1
     assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.ones(4))
     assert len(reports) == 3
-    assert "does not match its CRC-32 checksum" in reports[0]
+    assert "does not match its checksum" in reports[0]
     assert "manifest says" in reports[1] and "truncated" in reports[1]
     assert "no manifest.json" in reports[2]
 

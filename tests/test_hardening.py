@@ -40,19 +40,21 @@ def test_a_crash_between_the_two_renames_of_a_replacement_is_recovered(tmp_path,
     """Saving step 5 again moves the old folder aside, then renames the new one in. A crash between
     the two used to leave the only copy as .old-step-*, which the next prune deleted."""
     save_state(tmp_path, 5, _state(1.0))
-    real_rename = Path.rename
+    from multigpu.fileio import Folder
+
+    real_rename = Folder.move
     calls = []
 
-    def crash_on_second(self, target):
+    def crash_on_second(self, source, target):
         calls.append(Path(target).name)
         if len(calls) == 2:
             raise KeyboardInterrupt("power cut")
-        return real_rename(self, target)
+        return real_rename(self, source, target)
 
-    monkeypatch.setattr(Path, "rename", crash_on_second)
+    monkeypatch.setattr(Folder, "move", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         save_state(tmp_path, 5, _state(2.0))
-    monkeypatch.setattr(Path, "rename", real_rename)
+    monkeypatch.setattr(Folder, "move", real_rename)
     assert not (tmp_path / step_name(5)).exists() and any(p.name.startswith(".old-step-") for p in tmp_path.iterdir())
     checkpoint.prune(tmp_path, keep_last=1, newest=5)  # what the next save does first
     info = checkpoint.latest(tmp_path)
@@ -66,6 +68,7 @@ def test_a_crash_after_the_replacement_leaves_no_stale_copy(tmp_path):
     (aside).mkdir()
     (aside / "state.pt").write_bytes(b"old")
     reports = []
+    checkpoint.files.recover(tmp_path)  # what a resume does first (checkpoint.latest itself only reads)
     info = checkpoint.latest(tmp_path, report=reports.append)
     assert info.step == 5 and not aside.exists() and not reports
     assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.full((3,), 2.0))
@@ -73,7 +76,7 @@ def test_a_crash_after_the_replacement_leaves_no_stale_copy(tmp_path):
 
 @pytest.mark.parametrize("change, why", [
     (lambda m: m.__setitem__("files", ["state.pt"]), "no 'files' mapping"),
-    (lambda m: m["files"]["state.pt"].pop("crc32"), "8-digit hex 'crc32'"),
+    (lambda m: m["files"]["state.pt"].pop("xxh3"), "8-digit hex 'crc32'"),
     (lambda m: m.__setitem__("files", {}), "does not list state.pt"),
     (lambda m: m["files"].__setitem__("../../x", {"size": 1, "crc32": "00000000"}), "not inside the checkpoint"),
 ])

@@ -140,5 +140,5 @@ def test_every_new_input_has_cases():
 
 @pytest.mark.timeout(60)  # each case must end in 30 s, as in test_hostile_inputs.py
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_hostile_ft_input(case: Case, tmp_path, case_server):
+def test_hostile_ft_input(case: Case, tmp_path, case_server):  # noqa: F811 - the imported fixture
     run_case(case, tmp_path, case_server)

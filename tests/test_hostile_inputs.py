@@ -410,7 +410,7 @@ CASES = [
     Case("ckpt-manifest-files-list", ["checkpoint", "verify", STEP], "no 'files' mapping",
          manifest_case(lambda m: m.__setitem__("files", ["state.pt"]))),
     Case("ckpt-manifest-no-crc", ["checkpoint", "verify", STEP], "8-digit hex 'crc32'",
-         manifest_case(lambda m: m["files"]["state.pt"].pop("crc32"))),
+         manifest_case(lambda m: m["files"]["state.pt"].pop("xxh3"))),
     Case("ckpt-manifest-empty-files", ["checkpoint", "verify", STEP], "does not list state.pt",
          manifest_case(lambda m: m.__setitem__("files", {}))),
     Case("ckpt-manifest-not-json", ["checkpoint", "verify", STEP], "is not valid JSON",
@@ -432,11 +432,11 @@ CASES = [
     Case("ckpt-resume-planted-metadata", ["-c", "import multigpu as mg, torch; from torch import nn; "
                                           "run = mg.init(strategy='fsdp'); m, o = run.setup(nn.Sequential("
                                           "nn.Linear(3, 4), nn.Linear(4, 2)), lambda p: torch.optim.AdamW(p)); "
-                                          "run.load_checkpoint('ckpt', m, o)"],
+                                          "run.load_checkpoint('ckpt/step-00000003', m, o)"],
          "posix.system, which is not checkpoint metadata", planted_metadata, python=True),
     Case("ckpt-replicated-resume-ignores-metadata", ["-c", "import multigpu as mg, torch; from torch import nn; "
                                                      "run = mg.init(); m, o = run.setup(nn.Linear(3, 4), "
-                                                     "lambda p: torch.optim.AdamW(p)); run.load_checkpoint('ckpt', m, o)"],
+                                                     "lambda p: torch.optim.AdamW(p)); run.load_checkpoint('ckpt/step-00000003', m, o)"],
          "is a sharded (DCP) checkpoint", planted_metadata, python=True),
     Case("ckpt-consolidate-into-its-parent", ["checkpoint", "consolidate", STEP, "--out", "ckpt"], "already exists",
          lambda f: sharded_ckpt(f) and None),

@@ -345,7 +345,9 @@ class Run:
         self.guards.release(clean)
 
     def interrupted(self, reason: str) -> None:
-        """Mark this rank as having left the lockstep (Ctrl-C, an exception out of ``fit``)."""
+        """Mark this rank as having left the lockstep (Ctrl-C, an exception out of ``fit``); this rank's own
+        asynchronous checkpoint write finishes first (no other rank is asked)."""
+        self._checkpoints.wait_quietly()
         self.guards.interrupt(reason)
 
     def _ensure_usable(self, doing: str = "a collective") -> None:
@@ -353,7 +355,8 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
     def save_checkpoint(self, directory: str | Path, step: int, state: dict, keep_last: Optional[int] = None,
-                        meta: Optional[dict] = None, rank_state: Optional[dict] = None) -> Path:
+                        meta: Optional[dict] = None, rank_state: Optional[dict] = None,
+                        asynchronous: bool = False) -> Path:
         """Write ``state`` as an atomic, verified checkpoint; every rank calls this and returns after it exists.
 
         Put the model under ``"model"`` and the optimizer under ``"optimizer"``. Replicated strategies
@@ -365,11 +368,27 @@ class Run:
         Every rank's random-generator states are saved too (and restored by ``load_checkpoint``), so a
         loop with dropout resumes exactly; ``rank_state``: this rank's own state (tensors to the CPU),
         given back to the same rank by ``load_checkpoint`` as ``state["rank_state"]``.
+
+        ``asynchronous=True``: return as soon as the state is copied to CPU memory; a background thread
+        writes it (the returned path exists after ``wait_for_checkpoint``). At most one is in flight: the
+        next save, ``latest_checkpoint`` and ``close`` wait for it.
         """
         self._ensure_usable("saving a checkpoint")
         self.check_writable(directory, "the checkpoint folder")
         meta = {"world_size": self.world_size, "strategy": self._need_strategy().name, **(meta or {})}
-        return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state)
+        return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state,
+                                      asynchronous=asynchronous)
+
+    def wait_for_checkpoint(self, then: Optional[Callable[[Path], Any]] = None) -> Optional[Path]:
+        """Wait for the asynchronous checkpoint in flight (every rank calls it); its path, or None when none
+        was (``then(path)`` is called once it is written, with the hang watchdog paused). A write that
+        failed on any rank raises a CheckpointError on every rank."""
+        self._ensure_usable("waiting for a checkpoint")
+        path = self._checkpoints.wait()
+        if path is not None and then is not None:
+            with self.guards.paused():
+                then(path)
+        return path
 
     def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint_files.CheckpointInfo]:
         """The newest checkpoint that verifies, chosen by rank 0 and the same on every rank.
@@ -427,6 +446,7 @@ class Run:
             return
         self._closed = True
         atexit.unregister(self.close)
+        self._checkpoints.wait_quietly()  # an asynchronous checkpoint finishes before its process group goes
         self.guards.release(clean=False)
         interrupt.remove(self.guards)
         self.session.close(goodbye=getattr(sys, "last_value", None) is None and not self.guards.interrupted_by)

@@ -9,6 +9,7 @@ Saves a checkpoint every step and, at the end, the final parameters to OUT_DIR/f
 --desync            rank 1 builds a wider model than rank 0
 --ballast MB        add MB of data to each checkpoint (slow writes, to kill one mid-write)
 --hang-timeout S    the watchdog's timeout
+--async-checkpoint  write checkpoints in the background (off here: these tests name the step resumed from)
 """
 
 import argparse
@@ -35,6 +36,7 @@ parser.add_argument("--ballast", type=int, default=0)
 parser.add_argument("--hang-timeout", type=float, default=60.0)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--async-checkpoint", action="store_true")
 parser.add_argument("--stop-check-every", type=int, default=1)  # these runs are short: agree every step
 args = parser.parse_args()
 
@@ -85,7 +87,7 @@ data = Data()
 trainer = FaultTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs, batch_size=8,
                        checkpoint_every_steps=1, keep_last=3, out_dir=str(out), progress=False,
                        accumulate=args.accumulate, stop_check_every=args.stop_check_every,
-                       hang_timeout_s=args.hang_timeout)
+                       hang_timeout_s=args.hang_timeout, async_checkpoint=args.async_checkpoint)
 data.trainer = trainer
 trainer.fit(data)
 if run.is_main:

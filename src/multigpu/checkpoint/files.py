@@ -3,326 +3,251 @@
 Why: a checkpoint cut short by a crash, a preemption or a full disk must never be loaded, and a
 corrupt one must be noticed and skipped rather than crash the resume (or worse, load garbage). Each
 checkpoint is a folder ``step-<N>/`` written under a temporary name, every file fsynced, with a
-``manifest.json`` (size and CRC-32 of every file) written last; then the folder is renamed into
+``manifest.json`` (size and checksum of every file) written last; then the folder is renamed into
 place in one atomic step. Loading walks from the newest folder back to the first one whose manifest
-matches its files. Standard library plus ``torch.save``/``torch.load(weights_only=True)``.
+matches its files and whose contents pass the checks of :mod:`multigpu.checkpoint.untrusted`.
 
-Why CRC-32 and not SHA-256: the checksum guards against torn writes and bit rot, not against an
-attacker (``weights_only=True`` does that), and zlib's CRC-32 runs at ~6 GB/s here against ~2 GB/s
-for SHA-256 - measured in benchmarks/checkpoint_save.py, the hash was most of the save overhead.
+Every path goes through the file door (:class:`multigpu.fileio.Folder`): the folder you name and the
+folders we own above it (``checkpoints``, ``best``) are real folders, never links; nothing below them is
+reached through a link; reads are capped. Reading (``list``, ``verify``, ``latest``, loading) changes
+nothing; only the write paths (saving, pruning, :func:`recover` on resume) rename or delete.
+
+Why xxHash (XXH3-64, the ``xxhash`` package) and not CRC-32: the checksum guards against torn writes
+and bit rot, not against an attacker (the content checks and ``weights_only=True`` do that). zlib's
+CRC-32 runs at ~0.9 GB/s here, XXH3 at ~6 GB/s, and it is computed while ``torch.save`` writes, on a
+second thread during the write system call - so the save costs what ``torch.save`` + ``fsync`` costs
+(benchmarks/checkpoint_save.py). Manifests with ``crc32`` entries (older checkpoints) still verify.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
+import pickle
 import time
 import uuid
-import warnings
-import zlib
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Optional, Union
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu.errors import CheckpointError
-from multigpu.fileio import read_regular
+from multigpu.checkpoint.place import (  # noqa: F401 - the names this module has always offered
+    CHECKSUM,
+    MANIFEST,
+    OLD,
+    STATE_FILE,
+    CheckpointInfo,
+    HashingWriter,
+    Place,
+    digest_of,
+    manifest_entry,
+    file_digest,
+    split,
+    step_name,
+)
+from multigpu.checkpoint.reading import (  # noqa: F401
+    MAX_MANIFEST_BYTES,
+    REQUIRED,
+    check_contents,
+    check_manifest,
+    is_checkpoint,
+    latest,
+    list_checkpoints,
+    load_state,
+    read_manifest,
+    safe_member_name,
+    verify,
+)
+from multigpu.errors import CheckpointError, visible
+from multigpu.fileio import Folder, PathLike
 
-MANIFEST = "manifest.json"
-STATE_FILE = "state.pt"
 FORMAT = 1
-_NAME = re.compile(r"^step-(\d{8,})$")
-PathLike = Union[str, os.PathLike]
 
 
-@dataclass(frozen=True)
-class CheckpointInfo:
-    path: Path
-    step: int
-    meta: dict
+# ---------------------------------------------------------------------------------------- writing
+
+class Draft:
+    """A checkpoint being written: a fresh real folder ``.tmp-step-N-*`` beside the finished ones.
+
+    Files go in through :meth:`save` (hashed while written, fsynced); third-party writers (DCP) get
+    :attr:`path` and :meth:`record` their checksums, or leave them to :func:`finalize`.
+    """
+
+    def __init__(self, place: Place, name: str) -> None:
+        self.place, self.name = place, name
+        self.entries: dict[str, dict] = {}
+
+    @classmethod
+    def sharded(cls, directory: PathLike, step: int) -> "Draft":
+        """The draft every rank of a sharded save writes into (its name needs no talking)."""
+        return cls(Place.of(directory), f".tmp-{step_name(step)}-sharded")
+
+    @property
+    def rel(self) -> str:
+        return self.place.sub(self.name)
+
+    @property
+    def path(self) -> Path:
+        return self.place.path / self.name
+
+    def save(self, name: str, obj: Any) -> None:
+        """``torch.save(obj)`` into ``name``, through the door, hashed while written, fsynced."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-hash") as pool:
+            with self.place.root.open_new(f"{self.rel}/{name}", fsync=True) as handle:
+                writer = HashingWriter(handle, pool)
+                torch_save(obj, writer)
+        self.entries[name] = manifest_entry(writer.hasher.size, writer.hasher.kind, writer.hasher.digest())
+
+    def record(self, name: str, size: int, kind: str, digest: str) -> None:
+        self.entries[name] = manifest_entry(size, kind, digest)
+
+    def discard(self) -> None:
+        self.place.root.remove_tree(self.rel)
 
 
-class _CrcWriter:
-    """A file wrapper that checksums and counts what ``torch.save`` writes, so nothing is read back."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle, self.crc, self.size = handle, 0, 0
-
-    def write(self, data: bytes) -> int:
-        self.crc = zlib.crc32(data, self.crc)
-        self.size += len(data)
-        return self.handle.write(data)
-
-    def digest(self) -> str:
-        return f"{self.crc:08x}"
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def torch_save(obj: Any, writer: Any) -> None:
+    """``torch.save(obj, writer)`` without torch's own CRC-32 of each zip record: the manifest's checksum
+    already covers every byte, and that second checksum (zlib's, ~0.9 GB/s) was a third of the save.
+    ``torch.load`` reads such files as it reads any (``torch.serialization.set_crc32_options(False)``
+    writes the same format); zip tools that check record CRCs would complain. Through torch's own
+    ``_save`` with a writer made for this call - no process-wide setting is touched, so another
+    thread's ``torch.save`` keeps its CRCs; if that private function ever changes, plain ``torch.save``."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        from torch.serialization import DEFAULT_PROTOCOL, _get_storage_alignment, _save
 
-
-def file_digest(path: Path) -> tuple[int, str]:
-    """Size and CRC-32 (hex) of a file, read in 4 MiB blocks."""
-    crc = 0
-    size = 0
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-    return size, f"{crc:08x}"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Path], dict[str, tuple[int, str]]],
-                            meta: Optional[dict] = None, overwrite: bool = True) -> Path:
-    """Create ``directory/step-<N>`` atomically. ``fill(tmp)`` writes the files into ``tmp`` and returns
-    ``{relative name: (size, crc32)}`` for those it already checksummed; the rest are done here.
-    ``overwrite=False``: an existing ``step-<N>`` is an error, checked before anything is written."""
-    if not overwrite and (Path(directory) / step_name(step)).exists():
-        raise CheckpointError(f"{Path(directory) / step_name(step)} already exists.",
-                              "choose another output folder; an existing checkpoint is never replaced.")
-    tmp = temporary_folder(directory, step, unique=True)
+        zip_file = torch._C.PyTorchFileWriter(writer, False, _get_storage_alignment())
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch
+        torch.save(obj, writer)
+        return
     try:
-        digests = dict(fill(tmp))
-        return finalize_folder(tmp, step, digests, meta, overwrite=overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _save(obj, zip_file, pickle, DEFAULT_PROTOCOL, False)
+    finally:  # as torch.save does: ended while the file is open (its destructor would write to a closed one)
+        zip_file.write_end_of_file()
+    writer.flush()
+
+
+def start_draft(directory: PathLike, step: int, unique: bool = True) -> Draft:
+    """A fresh folder to write step ``step`` into. Sharded saves (every rank writes into it) pass
+    ``unique=False`` so all ranks agree on the name without talking; a leftover of that name (an
+    interrupted save) is removed first - by descriptors, a planted link as a link."""
+    place = Place.of(directory)
+    place.require(create=True)
+    draft = Draft(place, f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}") if unique else Draft.sharded(directory, step)
+    if not unique:
+        place.root.remove_tree(draft.rel)
+    place.root.child(draft.rel)
+    return draft
 
 
 def temporary_folder(directory: PathLike, step: int, unique: bool = True) -> Path:
-    """Where a checkpoint is written before it is renamed into place. Sharded saves (every rank writes
-    into it) pass ``unique=False`` so all ranks agree on the name without talking."""
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    suffix = uuid.uuid4().hex[:8] if unique else "sharded"
-    tmp = root / f".tmp-{step_name(step)}-{suffix}"
-    if not unique and tmp.exists():
-        shutil.rmtree(tmp)  # left by an interrupted save of the same step
-    tmp.mkdir(exist_ok=not unique)
-    return tmp
+    """The path of a fresh :func:`start_draft` folder (for writers that take a path)."""
+    return start_draft(directory, step, unique).path
 
 
-def finalize_folder(tmp: Path, step: int, digests: Optional[dict[str, tuple[int, str]]] = None,
-                    meta: Optional[dict] = None, overwrite: bool = True) -> Path:
-    """Checksum what is not yet, fsync everything, write the manifest last, rename into place.
+def _files_of(root: Folder, rel: str, prefix: str = "") -> list[str]:
+    found = []
+    for name, kind in root.entries(rel):
+        if kind == "folder":
+            found += _files_of(root, f"{rel}/{name}", f"{prefix}{name}/")
+        elif kind == "file":
+            found.append(prefix + name)
+        else:
+            raise CheckpointError(f"{visible(str(root.path / rel / name))} is a {kind}, not a file of a checkpoint.",
+                                  "a checkpoint holds plain files only.")
+    return found
+
+
+def finalize(draft: Draft, step: int, meta: Optional[dict] = None, overwrite: bool = True) -> Path:
+    """Checksum (and fsync) what is not yet, write the manifest last, rename into place.
 
     Replacing an existing step takes two renames (old aside to ``.old-step-N-*``, new into place); a
     crash between them leaves the only copy aside, and :func:`recover` puts it back before anyone
-    prunes or chooses a checkpoint.
+    prunes or chooses a checkpoint (readers meanwhile take the aside copy as that step).
     """
-    digests = dict(digests or {})
-    root = tmp.parent
-    final = root / step_name(step)
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        rel = path.relative_to(tmp).as_posix()
-        if rel not in digests:
-            digests[rel] = file_digest(path)
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
+    root, place = draft.place.root, draft.place
+    entries = dict(draft.entries)
+    kind = CHECKSUM
+    for name in sorted(_files_of(root, draft.rel)):
+        if name not in entries and name != MANIFEST:
+            size, digest = digest_of(root, f"{draft.rel}/{name}", kind)
+            _fsync_file(root, f"{draft.rel}/{name}")
+            entries[name] = manifest_entry(size, kind, digest)
     manifest = {"format": FORMAT, "step": step, "created": time.time(), **(meta or {}),
-                "files": {name: {"size": size, "crc32": crc} for name, (size, crc) in sorted(digests.items())}}
-    with open(tmp / MANIFEST, "w") as handle:
-        json.dump(manifest, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    _fsync_dir(tmp)
-    if final.exists() and not overwrite:
-        raise CheckpointError(f"{final} already exists.", "choose another output folder; it is never replaced.")
-    if final.exists():  # the same step saved again (a resumed run): replace it, never half of it
-        old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+                "files": dict(sorted(entries.items()))}
+    root.write_atomic(f"{draft.rel}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), fsync=True)
+    root.fsync(draft.rel)
+    final = place.sub(step_name(step))
+    exists = root.kind(final) is not None
+    if exists and not overwrite:
+        raise CheckpointError(f"{visible(str(root.path / final))} already exists.",
+                              "choose another output folder; it is never replaced.")
+    if exists:  # the same step saved again (a resumed run): replace it, never half of it
+        old = place.sub(f".old-{step_name(step)}-{uuid.uuid4().hex[:8]}")
+        root.move(final, old)
+        root.move(draft.rel, final)
+        root.remove_tree(old)
     else:
-        tmp.rename(final)
-    _fsync_dir(root)
-    return final
+        root.move(draft.rel, final)
+    root.fsync(place.rel)
+    return root.path / final
+
+
+def _fsync_file(root: Folder, rel: str) -> None:
+    with root.open_read(rel) as handle:
+        os.fsync(handle.fileno())
+
+
+def finalize_folder(tmp: PathLike, step: int, digests: Optional[dict[str, tuple[int, str]]] = None,
+                    meta: Optional[dict] = None, overwrite: bool = True) -> Path:
+    """:func:`finalize` for a temporary folder given by path (``digests``: name -> (size, crc32))."""
+    tmp = Path(tmp)
+    draft = Draft(Place.of(tmp.parent), tmp.name)
+    for name, (size, crc) in (digests or {}).items():
+        draft.record(name, size, "crc32", crc)
+    return finalize(draft, step, meta, overwrite)
+
+
+def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Draft], Any],
+                            meta: Optional[dict] = None, overwrite: bool = True) -> Path:
+    """Create ``directory/step-<N>`` atomically: ``fill(draft)`` writes the files (``draft.save``).
+    ``overwrite=False``: an existing ``step-<N>`` is an error, checked before anything is written."""
+    place = Place.of(directory)
+    if not overwrite and place.require(create=False) and place.root.kind(place.sub(step_name(step))) is not None:
+        raise CheckpointError(f"{visible(str(place.path / step_name(step)))} already exists.",
+                              "choose another output folder; an existing checkpoint is never replaced.")
+    draft = start_draft(directory, step, unique=True)
+    try:
+        fill(draft)
+        return finalize(draft, step, meta, overwrite=overwrite)
+    except BaseException:
+        draft.discard()
+        raise
 
 
 def save_state(directory: PathLike, step: int, state: dict, meta: Optional[dict] = None) -> Path:
     """Save one ``state.pt`` (for replicated strategies: called on one rank only)."""
-
-    def fill(tmp: Path) -> dict[str, tuple[int, str]]:
-        with open(tmp / STATE_FILE, "wb") as handle:
-            writer = _CrcWriter(handle)
-            torch.save(state, writer)
-            handle.flush()
-        return {STATE_FILE: (writer.size, writer.digest())}
-
-    return write_checkpoint_folder(directory, step, fill, meta)
-
-
-#: A manifest lists a few files; anything bigger is not one of ours.
-MAX_MANIFEST_BYTES = 16 << 20
-_CRC = re.compile(r"[0-9a-f]{8}")
-#: The files a checkpoint of each kind cannot be loaded without.
-REQUIRED = {False: (STATE_FILE,), True: (".metadata", "extra.pt")}
-
-
-def read_manifest(path: Path) -> dict:
-    """The manifest of checkpoint folder ``path``, its structure checked (a CheckpointError otherwise)."""
-    file = Path(path) / MANIFEST
-    try:
-        raw = read_regular(file, MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no {MANIFEST}: it was not written completely.",
-                              "delete the folder; an earlier checkpoint is used instead.") from None
-    except OSError as exc:
-        raise CheckpointError(f"{file} is unreadable ({exc.strerror or exc}).", "delete the folder.") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{file} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a multigpu manifest.",
-                              "delete the folder.")
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{file} is not valid JSON ({' '.join(str(exc).split())[:100]}).", "delete the folder.") from None
-    check_manifest(manifest, file)
-    return manifest
-
-
-def check_manifest(manifest: Any, where: Path) -> None:
-    """Every entry a plain relative name inside the folder with an integer size and a CRC-32; the
-    state files of its kind present. A manifest is data from disk: nothing in it is trusted further."""
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{where} is not a valid multigpu manifest: {why}.", "delete the folder.")
-
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise bad("it has no 'files' mapping")
-    for key in ("step", "world_size", "epoch"):
-        if key in manifest and (isinstance(manifest[key], bool) or not isinstance(manifest[key], int)):
-            raise bad(f"{key!r} is not an integer")
-    if not isinstance(manifest.get("sharded", False), bool):
-        raise bad("'sharded' is not true or false")
-    for name, entry in manifest["files"].items():
-        safe_member_name(name, where)
-        if (not isinstance(entry, dict) or isinstance(entry.get("size"), bool) or not isinstance(entry.get("size"), int)
-                or entry["size"] < 0 or not isinstance(entry.get("crc32"), str) or not _CRC.fullmatch(entry["crc32"])):
-            raise bad(f"the entry of {name!r} needs an integer 'size' and an 8-digit hex 'crc32'")
-    missing = [name for name in REQUIRED[manifest.get("sharded", False)] if name not in manifest["files"]]
-    if missing:
-        raise bad(f"it does not list {missing[0]}, without which the checkpoint cannot load")
-    if manifest.get("sharded") and not any(n.endswith(".distcp") for n in manifest["files"]):
-        raise bad("a sharded checkpoint lists no .distcp shard")
-
-
-def safe_member_name(name: Any, where: Path) -> str:
-    """A file name inside a checkpoint folder: relative, no ``..``, no control characters."""
-    pure = PurePosixPath(name) if isinstance(name, str) else None
-    if pure is not None:
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            pure = None
-    if (pure is None or not name or len(name) > 1024 or pure.is_absolute() or "\\" in name
-            or any(part in ("", ".", "..") for part in name.split("/")) or re.search(r"[\x00-\x1f\x7f]", name)):
-        raise CheckpointError(f"{where} names the file {str(name)[:80]!r}, which is not inside the checkpoint folder.",
-                              "the manifest is corrupt or was tampered with; delete the folder.")
-    return name
-
-
-def verify(path: PathLike, checksums: bool = True) -> dict:
-    """Raise :class:`CheckpointError` unless every file listed in the manifest is there, whole and unchanged."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint folder at {path}.", "`multigpu checkpoint list DIR` shows the checkpoints in DIR.")
-    if path.is_symlink():
-        raise CheckpointError(f"checkpoint {path} is a symbolic link.", "a checkpoint is a folder of its own; copy it.")
-    manifest = read_manifest(path)
-    for name, expected in manifest["files"].items():
-        file = path / name
-        if file.is_symlink() or any(p.is_symlink() for p in file.parents if path in p.parents):
-            raise CheckpointError(f"checkpoint {path}: {name} is a symbolic link.",
-                                  "a checkpoint holds plain files only; delete it.")
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} lacks {name}.", "it is incomplete; delete it.")
-        size = file.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(
-                f"checkpoint {path}: {name} has {size} bytes, the manifest says {expected['size']} (truncated?).",
-                "it is corrupt; delete it.",
-            )
-        if checksums and file_digest(file)[1] != expected["crc32"]:
-            raise CheckpointError(f"checkpoint {path}: {name} does not match its CRC-32 checksum.",
-                                  "it is corrupt; delete it.")
-    return manifest
-
-
-def list_checkpoints(directory: PathLike) -> list[CheckpointInfo]:
-    """Completed checkpoint folders (renamed into place), newest first; not yet verified."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _NAME.match(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink():  # a linked step would be read from elsewhere
-            found.append(CheckpointInfo(entry, int(match.group(1)), {}))
-    return sorted(found, key=lambda info: info.step, reverse=True)
-
-
-_OLD = re.compile(r"^\.old-(step-\d{8,})-[0-9a-f]+$")
+    return write_checkpoint_folder(directory, step, lambda draft: draft.save(STATE_FILE, state), meta)
 
 
 def recover(directory: PathLike) -> list[Path]:
-    """Finish replacements a crash interrupted: ``.old-step-N-*`` is put back as ``step-N`` when no
-    ``step-N`` exists (it is then the only copy), and removed when the new ``step-N`` is in place."""
-    root = Path(directory)
-    restored = []
-    if not root.is_dir():
+    """Finish replacements a crash interrupted (write/resume paths only): ``.old-step-N-*`` is put back as
+    ``step-N`` when no ``step-N`` exists (it is then the only copy), and removed when the new one is there."""
+    place = Place.of(directory)
+    restored: list[Path] = []
+    if not place.require(create=False):
         return restored
-    for entry in sorted(root.iterdir()):
-        match = _OLD.match(entry.name)
-        if not match or not entry.is_dir() or entry.is_symlink():
+    for entry, kind in place.root.entries(place.rel):
+        match = OLD.match(entry)
+        if not match or kind != "folder":
             continue
-        final = root / match.group(1)
-        if final.exists():
-            shutil.rmtree(entry, ignore_errors=True)
+        final = place.sub(match.group(1))
+        if place.root.kind(final) is not None:
+            place.root.remove_tree(place.sub(entry))
         else:
-            entry.rename(final)
-            restored.append(final)
+            place.root.move(place.sub(entry), final)
+            restored.append(place.root.path / final)
     return restored
-
-
-def latest(directory: PathLike, checksums: bool = True,
-           report: Callable[[str], None] = lambda msg: warnings.warn(msg, stacklevel=3)) -> Optional[CheckpointInfo]:
-    """The newest checkpoint that verifies; each one skipped is reported with the reason."""
-    for path in recover(directory):
-        report(f"multigpu: restored {path.name}, left aside by a save that was interrupted")
-    for info in list_checkpoints(directory):
-        try:
-            manifest = verify(info.path, checksums)
-        except CheckpointError as exc:
-            report(f"multigpu: skipping checkpoint {info.path.name}: {exc.message}")
-            continue
-        return CheckpointInfo(info.path, info.step, manifest)
-    return None
-
-
-def load_state(path: PathLike, map_location: Union[str, torch.device, None] = "cpu") -> dict:
-    """Load ``state.pt`` of a checkpoint folder (or a plain file) safely: tensors and plain types only."""
-    path = Path(path)
-    file = path / STATE_FILE if path.is_dir() else path
-    if not file.exists():
-        raise CheckpointError(f"no checkpoint at {file}.", "check the path; `multigpu checkpoint list DIR` shows them.")
-    try:
-        return torch.load(file, map_location=map_location, weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"cannot load {file}: {' '.join(str(exc).split())[:300]}",
-                              "the file is corrupt or not a torch checkpoint; use an earlier one.") from None
 
 
 def prune(directory: PathLike, keep_last: Optional[int], newest: Optional[int] = None) -> list[Path]:
@@ -332,24 +257,24 @@ def prune(directory: PathLike, keep_last: Optional[int], newest: Optional[int] =
     (the resume skipped them as corrupt): they are renamed ``abandoned-step-N`` - out of the way,
     never deleted - so retention cannot remove the checkpoint that was just written.
     """
-    root = Path(directory)
+    place = Place.of(directory)
     removed: list[Path] = []
-    if not root.is_dir():
+    if not place.require(create=False):
         return removed
-    recover(root)
-    for entry in root.iterdir():
-        if entry.name.startswith(".tmp-step-") and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    found = list_checkpoints(root)
+    recover(directory)
+    for entry, _kind in place.root.entries(place.rel):
+        if entry.startswith(".tmp-step-"):
+            place.root.remove_tree(place.sub(entry))
+            removed.append(place.path / entry)
+    found = list_checkpoints(directory)
     if newest is not None:
         for info in [i for i in found if i.step > newest]:
-            target = root / f"abandoned-{info.path.name}-{uuid.uuid4().hex[:6]}"
-            info.path.rename(target)
-            removed.append(target)
+            target = f"abandoned-{info.path.name}-{uuid.uuid4().hex[:6]}"
+            place.root.move(place.sub(info.path.name), place.sub(target))
+            removed.append(place.path / target)
         found = [i for i in found if i.step <= newest]
     if keep_last is not None and keep_last > 0:
         for info in found[keep_last:]:
-            shutil.rmtree(info.path, ignore_errors=True)
+            place.root.remove_tree(place.sub(info.path.name))
             removed.append(info.path)
     return removed

@@ -12,15 +12,19 @@ reads DCP shards through :mod:`multigpu.checkpoint.dcp_safe`, and also takes a r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
 from torch import nn
 
 from multigpu.checkpoint import files
+from multigpu.checkpoint.background import Finished, PendingSave, Stager
 from multigpu.checkpoint.names import clean_state_dict
 from multigpu.errors import CheckpointError
 
 Unwrap = Callable[[nn.Module], nn.Module]
+#: Collects one object from every rank on rank 0 (a list there, None elsewhere).
+Gather = Callable[[Any], Optional[list]]
+Pending = Union[PendingSave, Finished]
 
 
 class CheckpointIO(Protocol):
@@ -28,8 +32,13 @@ class CheckpointIO(Protocol):
     kind: str
 
     def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-             meta: dict) -> Path:
+             meta: dict, gather: Optional[Gather] = None) -> Path:
         """Every rank calls this; returns once ``directory/step-N`` exists."""
+
+    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
+                   meta: dict, stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+        """Every rank calls this; returns once the state is staged, the write goes on in the background
+        (then ``after`` runs on rank 0: pruning)."""
 
     def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
              map_location: Any) -> dict:
@@ -56,16 +65,33 @@ class ReplicatedIO:
     def model_state(self, model: nn.Module) -> dict:
         return clean_state_dict(self.unwrap(model).state_dict())
 
+    def _plain(self, model: Optional[nn.Module], optimizer: Any, rest: dict) -> dict:
+        plain = dict(rest)
+        if isinstance(model, nn.Module):
+            plain["model"] = self.model_state(model)
+        if optimizer is not None:
+            plain["optimizer"] = optimizer.state_dict()
+        return plain
+
     def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-             meta: dict) -> Path:
+             meta: dict, gather: Optional[Gather] = None) -> Path:
         if self.is_main:
-            plain = dict(rest)
-            if isinstance(model, nn.Module):
-                plain["model"] = self.model_state(model)
-            if optimizer is not None:
-                plain["optimizer"] = optimizer.state_dict()
-            return files.save_state(directory, step, plain, meta=meta)
+            return files.save_state(directory, step, self._plain(model, optimizer, rest), meta=meta)
         return Path(directory) / files.step_name(step)
+
+    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
+                   meta: dict, stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+        final = Path(directory) / files.step_name(step)
+        if not self.is_main:
+            return Finished(final)
+        files.Place.of(directory).require(create=True)  # a linked folder fails here, in the caller's thread
+        staged = stager.stage(self._plain(model, optimizer, rest))
+
+        def write() -> None:
+            files.save_state(directory, step, staged, meta=meta)
+            after()
+
+        return PendingSave(final, write)
 
     def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
              map_location: Any) -> dict:
@@ -102,14 +128,24 @@ class ShardedIO:
         return clean_state_dict(get_model_state_dict(model, options=options))
 
     def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-             meta: dict) -> Path:
+             meta: dict, gather: Optional[Gather] = None) -> Path:
         if not isinstance(model, nn.Module):
             raise CheckpointError("a sharded checkpoint needs the model under state['model'].",
                                   "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
         from multigpu.checkpoint import sharded  # DCP and DTensor: ~0.8 s to import, only for sharded runs
 
         return sharded.save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
-                            barrier=self.barrier, meta=meta)
+                            barrier=self.barrier, meta=meta, gather=gather)
+
+    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
+                   meta: dict, stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+        if not isinstance(model, nn.Module):
+            raise CheckpointError("a sharded checkpoint needs the model under state['model'].",
+                                  "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
+        from multigpu.checkpoint import sharded
+
+        return sharded.start_save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
+                                  barrier=self.barrier, meta=meta, stager=stager, group=group, after=after)
 
     def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
              map_location: Any) -> dict:

@@ -10,9 +10,11 @@ finished writing. ``consolidate`` turns one into a single plain ``state.pt``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -20,15 +22,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from multigpu.checkpoint.files import (
     STATE_FILE,
-    finalize_folder,
+    Draft,
+    finalize,
     load_state,
     read_manifest,
-    step_name,
-    temporary_folder,
+    start_draft,
     verify,
     write_checkpoint_folder,
 )
-from multigpu.errors import CheckpointError
+from multigpu.checkpoint.place import CHECKSUM, HashingWriter, Place, step_name
+from multigpu.errors import CheckpointError, visible
 
 EXTRA_FILE = "extra.pt"
 METADATA = ".metadata"
@@ -39,26 +42,87 @@ def is_sharded(path: Path) -> bool:
     return bool(read_manifest(Path(path)).get("sharded"))
 
 
+def writer(path: Path) -> Any:
+    """DCP's file writer into ``path`` (a draft folder the door created and checked), every file hashed
+    while DCP writes it: ``writer.fs.digests`` holds ``{name: (size, digest)}`` afterwards."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    storage = FileSystemWriter(str(path), sync_files=True)
+    storage.fs = _hashing_file_system()
+    return storage
+
+
+def _hashing_file_system() -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        """DCP's FileSystem whose write streams hash what goes through them (the manifest's checksums
+        without reading the shards back)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.digests: dict[str, tuple[int, str]] = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                with ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-hash") as pool:
+                    hashed = HashingWriter(stream, pool)
+                    yield _Stream(hashed, stream)
+            name = Path(path).name  # DCP writes ".metadata.tmp" and renames it to ".metadata" (its own rename)
+            self.digests[name[:-len(".tmp")] if name.endswith(".metadata.tmp") else name] = (
+                hashed.hasher.size, hashed.hasher.digest())
+
+    return HashingFileSystem()
+
+
+class _Stream:
+    """The stream DCP writes into: writes go through the hashing writer, everything else (tell, fileno for
+    its fsync, close) is the file's."""
+
+    def __init__(self, hashed: HashingWriter, stream: Any) -> None:
+        self._hashed, self._stream = hashed, stream
+
+    def write(self, data: Any) -> int:
+        return self._hashed.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _record(draft: Draft, digests: dict[str, tuple[int, str]]) -> None:
+    for name, (size, digest) in digests.items():
+        if name.endswith(".distcp") or name == METADATA:
+            draft.record(name, size, CHECKSUM, digest)
+
+
 def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict,
-         *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict] = None) -> Path:
-    """Every rank calls this. Shards go through DCP; ``extra`` (counters, RNG, scheduler) is written by rank 0."""
+         *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict] = None,
+         gather: Optional[Callable[[Any], Optional[list]]] = None) -> Path:
+    """Every rank calls this. Shards go through DCP; ``extra`` (counters, RNG, scheduler) is written by rank 0.
+    ``gather``: collects each rank's checksums on rank 0 (None in a single process)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
-    tmp = Path(directory) / f".tmp-{step_name(step)}-sharded"  # the same on every rank, without talking
     if is_main:
-        temporary_folder(directory, step, unique=False)
+        start_draft(directory, step, unique=False)  # the same name on every rank, without talking
     barrier()
+    draft = Draft.sharded(directory, step)
+    storage = writer(draft.path)
     with warnings.catch_warnings():  # a world of one saves "in a single process": what we mean
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-    if is_main:
-        torch.save(extra, tmp / EXTRA_FILE)
-    barrier()
+        dcp.save({"model": model_state, "optimizer": optim_state}, storage_writer=storage)
+    everyone = gather(storage.fs.digests) if gather is not None else [storage.fs.digests]
     final = Path(directory) / step_name(step)
     if is_main:
-        final = finalize_folder(tmp, step, meta={**(meta or {}), "sharded": True})
+        for digests in everyone or []:
+            _record(draft, digests)
+        draft.save(EXTRA_FILE, extra)
+        final = finalize(draft, step, meta={**(meta or {}), "sharded": True})
     barrier()
     return final
 
@@ -90,7 +154,7 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         if planner.refusal is not None:
             raise planner.refusal from None
-        raise CheckpointError(f"cannot load the sharded checkpoint {path}: {last_line(exc)}",
+        raise CheckpointError(f"cannot load the sharded checkpoint {visible(str(path))}: {visible(last_line(exc))}",
                               "it was saved from a different model; resume with the same model configuration.") from None
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return load_state(Path(path) / EXTRA_FILE, map_location=map_location)
@@ -110,21 +174,20 @@ def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
     a sharded one, in one process, without a process group. Never replaces an existing checkpoint and
     never writes into the source."""
     path = Path(path)
-    manifest = verify(path)
+    manifest = verify(path)  # reads only: nothing of the source is moved, fixed or deleted
     if not manifest.get("sharded"):
-        raise CheckpointError(f"{path} is not a sharded (DCP) checkpoint.", "it already is a single state.pt.")
+        raise CheckpointError(f"{visible(str(path))} is not a sharded (DCP) checkpoint.", "it already is a single state.pt.")
     step = manifest.get("step")
     if not isinstance(step, int):
-        raise CheckpointError(f"the manifest of {path} has no step number.", "the checkpoint is corrupt.")
+        raise CheckpointError(f"the manifest of {visible(str(path))} has no step number.", "the checkpoint is corrupt.")
     target = Path(out_directory) if out_directory else path.parent / "consolidated"
-    if target.is_symlink():
-        raise CheckpointError(f"{target} is a symbolic link.", "give --out a real folder.")
+    place = Place.of(target)
     source, out = path.resolve(), target.resolve()
     if out == source or source in out.parents:
-        raise CheckpointError(f"--out {target} is inside the checkpoint being consolidated.",
+        raise CheckpointError(f"--out {visible(str(target))} is inside the checkpoint being consolidated.",
                               "write the consolidated checkpoint to another folder.")
-    if (target / step_name(step)).exists():
-        raise CheckpointError(f"{target / step_name(step)} already exists.",
+    if place.require(create=False) and place.root.kind(place.sub(step_name(step))) is not None:
+        raise CheckpointError(f"{visible(str(target / step_name(step)))} already exists.",
                               "choose another --out; an existing checkpoint is never replaced.")
     try:
         model_state = _read_model_tensors(path, manifest)
@@ -133,18 +196,15 @@ def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
     except (Exception, CheckpointException) as exc:
         from multigpu.checkpoint.dcp_safe import last_line
 
-        raise CheckpointError(f"cannot read the shards of {path}: {last_line(exc)}",
+        raise CheckpointError(f"cannot read the shards of {visible(str(path))}: {visible(last_line(exc))}",
                               "the checkpoint is corrupt; use an earlier one.") from None
     if not model_state:
-        raise CheckpointError(f"{path} holds no model state.", "it was not written by multigpu.")
+        raise CheckpointError(f"{visible(str(path))} holds no model state.", "it was not written by multigpu.")
     extra = load_state(path / EXTRA_FILE)
     state = {"model": model_state, **{k: v for k, v in extra.items() if k not in ("rng", "ranks")}}
 
-    def fill(tmp: Path) -> dict:
-        torch.save(state, tmp / STATE_FILE)
-        return {}
-
-    return write_checkpoint_folder(target, step, fill, meta={"consolidated_from": str(path)}, overwrite=False)
+    return write_checkpoint_folder(target, step, lambda draft: draft.save(STATE_FILE, state),
+                                   meta={"consolidated_from": str(path)}, overwrite=False)
 
 
 def _read_model_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
@@ -167,3 +227,37 @@ def _read_model_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(target, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner(), no_dist=True)
     return {names[fqn]: tensor for fqn, tensor in target.items()}
+
+
+def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict,
+               *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict], stager: Any, group: Any,
+               after: Callable[[], None]) -> Any:
+    """Every rank calls this: DCP's ``async_save`` stages the shards to CPU memory and writes them on a
+    thread (its collectives on ``group``, a gloo group of its own, never the training's); rank 0 then
+    writes ``extra``, the manifest, renames the folder into place and runs ``after``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from multigpu.checkpoint.background import PendingSave
+
+    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    if is_main:
+        start_draft(directory, step, unique=False)
+    barrier()
+    draft = Draft.sharded(directory, step)
+    storage = writer(draft.path)
+    staged_extra = stager.stage(extra) if is_main else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        future = dcp.async_save({"model": model_state, "optimizer": optim_state}, storage_writer=storage,
+                                process_group=group)
+
+    def finish() -> None:
+        future.result()  # every rank's shards and the global .metadata are written (DCP's own barrier)
+        if is_main:
+            _record(draft, storage.fs.digests)  # the other ranks' shards are summed by finalize, reading them
+            draft.save(EXTRA_FILE, staged_extra)
+            finalize(draft, step, meta={**(meta or {}), "sharded": True})
+            after()
+
+    return PendingSave(Path(directory) / step_name(step), finish)

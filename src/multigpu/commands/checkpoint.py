@@ -20,38 +20,43 @@ def add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    """Every action only reads its input: a crashed save's leftovers are reported, never fixed here
+    (a resume fixes them), and a consolidated copy is written to a new folder."""
     from pathlib import Path
 
     from multigpu import checkpoint
     from multigpu.checkpoint import sharded
-    from multigpu.errors import CheckpointError
+    from multigpu.errors import CheckpointError, visible
 
     if args.action == "list":
         if not Path(args.directory).is_dir():
-            raise CheckpointError(f"{args.directory} is not a folder.", "give the folder holding step-N checkpoints.")
+            raise CheckpointError(f"{visible(args.directory)} is not a folder.",
+                                  "give the folder holding step-N checkpoints.")
         found = checkpoint.list_checkpoints(args.directory)
         if not found:
-            print(f"no checkpoints in {args.directory}")
+            print(f"no checkpoints in {visible(args.directory)}")
             return 1
         for info in found:
             try:
                 manifest = checkpoint.verify(info.path)
                 kind = "sharded" if manifest.get("sharded") else "replicated"
-                print(f"{info.path}  step {info.step}  epoch {manifest.get('epoch', '?')}  "
+                print(f"{visible(str(info.path))}  step {info.step}  epoch {manifest.get('epoch', '?')}  "
                       f"{kind}, world size {manifest.get('world_size', '?')}  ok")
             except CheckpointError as exc:
-                print(f"{info.path}  step {info.step}  CORRUPT: {exc.message}")
+                print(f"{visible(str(info.path))}  step {info.step}  CORRUPT: {visible(exc.message)}")
         return 0
     if args.action == "verify":
         manifest = checkpoint.verify(args.path)
-        print(f"{args.path}: ok ({len(manifest['files'])} file(s) match the manifest)")
+        print(f"{visible(args.path)}: ok ({len(manifest['files'])} file(s) match the manifest)")
         return 0
     path = Path(args.path)
-    if not (path / checkpoint.files.MANIFEST).exists():
-        info = checkpoint.latest(path)
+    if not checkpoint.files.is_checkpoint(path):
+        info = checkpoint.latest(path, report=lambda line: print(line))
         if info is None:
-            raise CheckpointError(f"no checkpoint at {path}.", "give a step-N folder or the folder holding them.")
+            raise CheckpointError(f"no checkpoint at {visible(str(path))}.",
+                                  "give a step-N folder or the folder holding them.")
         path = info.path
     out = sharded.consolidate(path, Path(args.out) if args.out else None)
-    print(f"consolidated {path} -> {out / 'state.pt'} (load with torch.load(..., weights_only=True)['model'])")
+    print(f"consolidated {visible(str(path))} -> {visible(str(out / 'state.pt'))} "
+          "(load with torch.load(..., weights_only=True)['model'])")
     return 0

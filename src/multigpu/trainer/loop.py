@@ -16,7 +16,7 @@ Hooks, in the order they are called (epochs count from 1, as in the progress lin
         [every eval_every_steps steps: on_evaluate_start(), on_validation_end(metrics)]
       on_evaluate_start(); on_validation_end(metrics)      after the epoch, when there is valid data
       on_epoch_end(epoch, metrics)
-      on_checkpoint(path)                        after each checkpoint written (also the best one)
+      on_checkpoint(path)                        after each checkpoint is written (also the best one)
     on_fit_end()
 
 The loop is written so a reader can check it against a hand-written DDP loop line by line;
@@ -196,6 +196,7 @@ class Trainer(abc.ABC):
             self.on_fit_start()
             with self.extras.fitting(self.state.global_step):
                 self._fit_epochs(train_loader, epochs)
+            self.run.wait_for_checkpoint(then=self.on_checkpoint)  # the last asynchronous checkpoint, every rank
             clean = True
         except Preempted:
             clean = True
@@ -357,7 +358,7 @@ class Trainer(abc.ABC):
 
     def _preempt(self) -> None:
         """Every rank agreed to stop at this step: checkpoint it, requeue under Slurm on USR1, exit 75."""
-        path = self._save()
+        path = self._save(blocking=True)
         self.run.exit_preempted(path, self.state.global_step)
 
     # ------------------------------------------------------------------ validation, best, early stop
@@ -450,15 +451,18 @@ class Trainer(abc.ABC):
 
     def save(self) -> Path:
         """Write a checkpoint of the current state (every rank calls it; returns once it exists)."""
-        return self._save()
+        return self._save(blocking=True)
 
-    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None) -> Path:
-        state = self.checkpoint_state()
-        path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, state,
-                                        keep_last=keep_last or self.settings.keep_last,
+    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None,
+              blocking: bool = False) -> Path:
+        self.run.wait_for_checkpoint(then=self.on_checkpoint)  # async_checkpoint: on_checkpoint once written
+        asynchronous = not blocking and self.settings.background_checkpoints(self.device)
+        path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, self.checkpoint_state(),
+                                        keep_last=keep_last or self.settings.keep_last, asynchronous=asynchronous,
                                         meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state())
-        with self.run.paused_watchdog():
-            self.on_checkpoint(path)
+        if not asynchronous:
+            with self.run.paused_watchdog():
+                self.on_checkpoint(path)
         return path
 
     def _save_best(self) -> Path:
@@ -471,10 +475,8 @@ class Trainer(abc.ABC):
 
     def resume(self) -> bool:
         """Load the newest checkpoint that verifies, if any; corrupt ones are reported and skipped.
-
         Settings given now win over the checkpoint's for hyperparameters (learning rate, weight decay,
-        ...); every difference is printed once. A changed model still fails, clearly.
-        """
+        ...); every difference is printed once. A changed model still fails, clearly."""
         info = self.replicas.latest(self.settings.verify_checksums)  # with replica groups: the newest of any group
         if info is None:
             return False
@@ -494,10 +496,8 @@ class Trainer(abc.ABC):
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Restore the rest of ``checkpoint_state()`` (the run already restored model and optimizer).
-
         A checkpoint is data from disk: counters of the wrong type or sign, or states that do not fit,
-        are a CheckpointError naming what is wrong, never a traceback or an endless loop.
-        """
+        are a CheckpointError naming what is wrong, never a traceback or an endless loop."""
         self.state = resume.checked_counters(state.get("trainer"))
         data = resume.checked_data_layout(state.get("data"))
         try:

@@ -36,6 +36,7 @@ SETTING_RULES = {
     "patience": Rule(int, 0, 10**9, optional=True), "min_delta": Rule(float, 0, 1e30), "plot": Rule(bool),
     "preemption": Rule(bool), "stop_check_every": Rule(int, 1, 10**9, optional=True),
     "hang_timeout_s": Rule(float, 0, 1e9, optional=True, positive=True), "check_consistency": Rule(bool),
+    "async_checkpoint": Rule(bool, optional=True),
     "ema": Rule(float, 0, 1, optional=True, positive=True), "swa_start": Rule(int, 1, _BIG, optional=True),
     "skip_nonfinite": Rule(bool), "skip_grad_norm_above": Rule(float, 0, 1e12, optional=True, positive=True),
     "skip_loss_above": Rule(float, -1e12, 1e12, optional=True), "max_skipped_in_a_row": Rule(int, 1, 10**9),
@@ -73,6 +74,11 @@ class TrainerSettings:
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: Optional[int] = None
     keep_last: int = 2
+    #: Write checkpoints in the background: training waits only while the state is copied to CPU memory
+    #: (one more copy of it held there). At most one in flight; preemption checkpoints are synchronous.
+    #: null: in the background when training on an accelerator (on CPU the writer competes with training
+    #: for the same cores: benchmarks/checkpoint_save.py measured no gain there).
+    async_checkpoint: Optional[bool] = None
     resume: bool = True
     verify_checksums: bool = True
     #: Where the numbers go besides metrics.csv/steps.csv: tensorboard, wandb, mlflow.
@@ -153,6 +159,10 @@ class TrainerSettings:
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainerSettings":
         check_keys(cls, values, owner="the Trainer", noun="setting")
         return cls(**dict(values))
+
+    def background_checkpoints(self, device: Any) -> bool:
+        """``async_checkpoint``; null means on when the model trains on an accelerator, off on the CPU."""
+        return self.async_checkpoint if self.async_checkpoint is not None else getattr(device, "type", "cpu") != "cpu"
 
     def plain(self) -> dict[str, Any]:
         """The settings as data (for hashing, logging, checkpoints): no functions."""
