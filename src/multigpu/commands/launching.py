@@ -8,8 +8,9 @@ command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from multigpu import validate
 from multigpu.errors import LaunchError
@@ -290,32 +291,37 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
     )
 
 
-def _quiet_agent_logs() -> None:
-    """The launcher's own process (not the workers) loads torch with its C++ log level at FATAL.
+@contextlib.contextmanager
+def _quiet_agent_logs(verbose: bool) -> Iterator[None]:
+    """Check the command line, then load torch in the launcher's own process (not the workers) with its
+    C++ log level at FATAL.
 
     Why: when a node cannot reach the rendezvous, c10d's TCPStore client logs every retry with a C++
     stack trace (dozens of lines) before the launcher prints its one line with a HINT. The level is read
-    once, when torch loads, so it is set just for that import and removed again: the workers inherit
-    the user's environment unchanged. ``--verbose`` or a TORCH_CPP_LOG_LEVEL of your own keeps them."""
+    once, when torch loads - inside this block (where finding the GPUs may load it too), or at its end -
+    so it is set just for the block and removed again: the workers inherit the user's environment
+    unchanged. ``--verbose`` or a TORCH_CPP_LOG_LEVEL of your own keeps them. A refused flag raises
+    inside the block, before torch is loaded: the one line comes in a tenth of a second, not two."""
     import os
 
-    if "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
+    if verbose or "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
+        yield
         return
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
+        yield
         import torch  # noqa: F401
     finally:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if not args.verbose:
-        _quiet_agent_logs()
     if args.simulate_nodes is not None:
         from multigpu.launch.devices import visible_gpus
         from multigpu.launch.local import split_command
         from multigpu.launch.simulate import simulate
 
+        # No torch here: the simulated nodes are `multigpu run` processes of their own.
         fold_torchrun_flags(args)
         _check_run_flags(args)
         command = split_command(None if args.module else args.script, args.script if args.module else None,
@@ -331,7 +337,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
     from multigpu.launch.local import launch
 
-    return launch(plan_run(args))
+    with _quiet_agent_logs(args.verbose):
+        request = plan_run(args)
+    return launch(request)
 
 
 def add_slurm_job_options(p: argparse.ArgumentParser) -> None:
