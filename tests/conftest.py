@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import pytest
 
@@ -80,14 +81,24 @@ def kill_all(pids: Iterable[int]) -> None:
             pass
 
 
+@contextlib.contextmanager
+def leftovers_checked() -> Iterator[str]:
+    """Yields a unique token to pass to the processes started inside; afterwards no process carrying it may
+    remain (they are killed if so). For a module fixture's shared launch; tests use ``no_leftovers``."""
+    token = f"mgtest-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        yield token
+    finally:
+        left = wait_until_gone(token, timeout=15)
+        kill_all(left)
+    assert not left, f"processes left behind: {left}"
+
+
 @pytest.fixture
 def no_leftovers():
     """Yields a unique token; after the test, no process carrying it may remain (they are killed if so)."""
-    token = f"mgtest-{os.getpid()}-{time.monotonic_ns()}"
-    yield token
-    left = wait_until_gone(token, timeout=15)
-    kill_all(left)
-    assert not left, f"processes left behind: {left}"
+    with leftovers_checked() as token:
+        yield token
 
 
 def wait_for_files(folder: Path, names: Iterable[str], timeout: float = 60.0) -> None:
