@@ -15,11 +15,11 @@ run = mg.init(timeout_s=2)  # preparation below takes longer than this on purpos
 
 def prepare(folder):
     with open(os.path.join(folder, "prepared.txt"), "a") as handle:
-        handle.write(f"prepared by rank {mg.helpers.rank()}\n")
+        handle.write(f"prepared by rank {run.rank}\n")
     time.sleep(4)
     if fail:
         raise RuntimeError("the dataset is broken")
-    return {"items": 101, "by": mg.helpers.rank()}
+    return {"items": 101, "by": run.rank}
 
 
 result = mg.run_on_main(prepare, out)
