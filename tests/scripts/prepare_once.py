@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+import torch.distributed as dist
+
 import multigpu as mg
 
 out = sys.argv[1]
@@ -15,11 +17,11 @@ run = mg.init(timeout_s=2)  # preparation below takes longer than this on purpos
 
 def prepare(folder):
     with open(os.path.join(folder, "prepared.txt"), "a") as handle:
-        handle.write(f"prepared by rank {run.rank}\n")
+        handle.write(f"prepared by rank {dist.get_rank()}\n")
     time.sleep(4)
     if fail:
         raise RuntimeError("the dataset is broken")
-    return {"items": 101, "by": run.rank}
+    return {"items": 101, "by": dist.get_rank()}
 
 
 result = mg.run_on_main(prepare, out)
