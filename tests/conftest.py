@@ -13,6 +13,11 @@ from typing import Iterable, Iterator, Optional
 
 import pytest
 
+# One CPU thread for torch in this process too (before any test module imports torch), as child_env gives
+# the processes the tests start: results computed here do not depend on how many cores the machine has,
+# and a test's own thread pool does not compete with the processes it launches on a 2-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 PY = sys.executable
