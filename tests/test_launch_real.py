@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import PY, SCRIPTS, child_env, multigpu, wait_for_files, wait_until_gone
 
+# A test here launches one or two short 2-process runs (each up to ~1 min on 2 busy cores, capped at 60-180 s
+# by its own subprocess timeout); a hang ends here.
 pytestmark = pytest.mark.timeout(240)
 ALLREDUCE = str(SCRIPTS / "allreduce.py")
 
