@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import pytest
+
+# One CPU thread for torch in this process too (before any test module imports torch), as child_env gives
+# the processes the tests start: results computed here do not depend on how many cores the machine has,
+# and a test's own thread pool does not compete with the processes it launches on a 2-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -86,14 +92,24 @@ def kill_all(pids: Iterable[int]) -> None:
             pass
 
 
+@contextlib.contextmanager
+def leftovers_checked() -> Iterator[str]:
+    """Yields a unique token to pass to the processes started inside; afterwards no process carrying it may
+    remain (they are killed if so). For a module fixture's shared launch; tests use ``no_leftovers``."""
+    token = f"mgtest-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        yield token
+    finally:
+        left = wait_until_gone(token, timeout=15)
+        kill_all(left)
+    assert not left, f"processes left behind: {left}"
+
+
 @pytest.fixture
 def no_leftovers():
     """Yields a unique token; after the test, no process carrying it may remain (they are killed if so)."""
-    token = f"mgtest-{os.getpid()}-{time.monotonic_ns()}"
-    yield token
-    left = wait_until_gone(token, timeout=15)
-    kill_all(left)
-    assert not left, f"processes left behind: {left}"
+    with leftovers_checked() as token:
+        yield token
 
 
 def wait_for_files(folder: Path, names: Iterable[str], timeout: float = 60.0) -> None:

@@ -63,12 +63,13 @@ def _mutate(seed: str, data: st.DataObject) -> str:
 
 
 def _bounded(call) -> None:
-    started = time.monotonic()
+    """Refused or read, within 2 s of this process's CPU time: other jobs on the machine do not count."""
+    started = time.process_time()
     try:
         call()
     except ConfigError as exc:
         assert "\n" not in exc.one_line()
-    assert time.monotonic() - started < 2.0
+    assert time.process_time() - started < 2.0
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +121,7 @@ def test_alias_bombs_are_refused_in_milliseconds(tmp_path, depth):
     lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, depth)]
     path = tmp_path / "bomb.yaml"
     path.write_text("\n".join(lines) + "\n")
-    started = time.monotonic()
+    started = time.process_time()  # this process's CPU time: other jobs on the machine do not count
     with pytest.raises(ConfigError, match="expands to more than"):
         load_runs(path)
-    assert time.monotonic() - started < 0.5
+    assert time.process_time() - started < 0.5

@@ -8,7 +8,6 @@ import os
 import re
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files
 from multigpu import checkpoint
 from multigpu.checkpoint.files import MANIFEST, finalize_folder, save_state, step_name
 from multigpu.errors import ConfigError, LaunchError
@@ -25,6 +24,7 @@ from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import QueueEntry
 from multigpu.queue.scheduler import EntryState, decide
 
+# Queues of short runs and small subprocesses (each under a minute on 2 busy cores); a stuck one ends here.
 pytestmark = pytest.mark.timeout(180)
 SLEEP = str(SCRIPTS / "sleep_run.py")
 
@@ -180,20 +180,23 @@ def test_the_lock_dies_with_its_holder(tmp_path):
 
 
 def test_two_queues_on_one_out_never_run_a_run_twice(tmp_path):
+    """The run waits for a file the test writes after the second queue has answered (sleep_run.py until=):
+    the second queue meets it running however long it takes to start, not within a sleep of 4 s."""
+    release = tmp_path / "release"
     runs = tmp_path / "runs.yaml"
-    runs.write_text(f"slow:\n  script: {SLEEP}\n  args: ['4']\n  out_dir_key: out_dir\n")
+    runs.write_text(f"slow:\n  script: {SLEEP}\n  args: ['0', 'until={release}']\n  out_dir_key: out_dir\n")
     out = tmp_path / "q"
     first = subprocess.Popen([PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out), "--no-live"],
                              env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not (out / "slow" / "status.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_files(out / "slow", ["env.json"], timeout=120)  # the run itself has started
         second = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live")
         assert second.returncode == 0, second.stdout + second.stderr
         assert "running in another queue" in second.stdout
-        stdout, _ = first.communicate(timeout=60)
+        release.write_text("")
+        stdout, _ = first.communicate(timeout=120)
     finally:
+        release.write_text("")
         first.kill()
     assert first.returncode == 0, stdout
     log = (out / "slow" / "log.txt").read_text()

@@ -11,9 +11,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import PY, SCRIPTS, child_env, multigpu, wait_for_files, wait_until_gone
 
+# A test here launches one or two short 2-process runs (each up to ~1 min on 2 busy cores, capped at 60-180 s
+# by its own subprocess timeout); a hang ends here.
 pytestmark = pytest.mark.timeout(240)
 ALLREDUCE = str(SCRIPTS / "allreduce.py")
 
@@ -57,12 +58,21 @@ def test_module_target(no_leftovers):
     assert lines == [f"module rank {r} of 2 args ['--flag', '{no_leftovers}'] name __main__" for r in (0, 1)]
 
 
+#: Launches in the shutdown test. A bare destroy_process_group aborted 19 of 40 two-process launches here
+#: (worker.py): a launch survives that bug with probability 21/40 = 0.525, so 12 launches all pass by luck
+#: with probability 0.525**12 = 4.4e-4 (under 1 in 2000). 30 launches (4e-9) cost ~130 s of a 2-core
+#: machine, 12 cost ~50 s; the rarer abort seen with barrier + destroy alone (2 in ~130) is beyond what
+#: any count affordable here can show, for 30 as for 12.
+SHUTDOWN_LAUNCHES = 12
+
+
 @pytest.mark.slow
+# 12 launches of ~5 s each, up to ~15 s each on a loaded machine; a hung shutdown still ends here.
 @pytest.mark.timeout(600)
-def test_thirty_launches_never_abort_at_shutdown(no_leftovers):
-    """A bare destroy_process_group aborts in a fraction of runs; ours must not, over 30 launches."""
+def test_repeated_launches_never_abort_at_shutdown(no_leftovers):
+    """A bare destroy_process_group aborts in a fraction of runs; ours must not, over SHUTDOWN_LAUNCHES launches."""
     failures = []
-    for attempt in range(30):
+    for attempt in range(SHUTDOWN_LAUNCHES):
         proc = multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers)
         if proc.returncode != 0 or "terminate called" in proc.stderr or len(_records(proc.stdout)) != 2:
             failures.append((attempt, proc.returncode, proc.stderr[-500:]))

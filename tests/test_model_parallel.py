@@ -123,6 +123,7 @@ def test_fsdp_finds_repeated_blocks():
 
 # ------------------------------------------------------------------ sharded checkpoints, real processes
 
+# Four launches of 1-3 processes plus two checkpoint commands (a few minutes on 2 busy cores).
 @pytest.mark.timeout(300)
 def test_sharded_checkpoint_reshards_2_to_1_and_3_and_consolidates(tmp_path, no_leftovers):
     script = str(SCRIPTS / "reshard.py")

@@ -20,6 +20,7 @@ import torch
 
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu
 
+# Two launchers (one per node) per test, each within --rdzv-timeout of the other; 300 s for a busy machine.
 pytestmark = [pytest.mark.infra, pytest.mark.timeout(300)]
 
 if os.geteuid() != 0 or not sys.platform.startswith("linux"):
@@ -62,17 +63,23 @@ def _rendezvous(kind: str, nodes, nproc: int = 1) -> dict:
     return {"a": common, "b": common}
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """equivalence.py on one process with the global batch: the reference of both rendezvous kinds (one launch)."""
+    single = tmp_path_factory.mktemp("single") / "one.pt"
+    multigpu("run", "--nproc", "1", str(SCRIPTS / "equivalence.py"), str(single), "--batch", "8", "--global-batch", "8",
+             check=True)
+    return torch.load(single, weights_only=True)
+
+
 @pytest.mark.parametrize("kind", ["static", "c10d"])
-def test_two_nodes_train_like_one_node(nodes, tmp_path, kind):
+def test_two_nodes_train_like_one_node(nodes, tmp_path, kind, one_process):
     out = tmp_path / "two.pt"
     results = _launch(nodes, _rendezvous(kind, nodes, nproc=2),
                       [str(SCRIPTS / "equivalence.py"), str(out), "--batch", "2", "--global-batch", "8"])
     for node, result in results.items():
         assert result.returncode == 0, f"node {node}:\n{result.stderr[-3000:]}"
-    single = tmp_path / "one.pt"
-    multigpu("run", "--nproc", "1", str(SCRIPTS / "equivalence.py"), str(single), "--batch", "8", "--global-batch", "8",
-             check=True)
-    a, b = torch.load(out, weights_only=True), torch.load(single, weights_only=True)
+    a, b = torch.load(out, weights_only=True), one_process
     # float64: only the order of float sums differs (the bound: tests/scripts/equivalence.py)
     assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < 1e-7
     assert (a["losses"] - b["losses"]).abs().max().item() < 1e-7
@@ -118,8 +125,8 @@ def _doctor(nodes, per_node: dict, env_b: dict | None = None, timeout: float = 1
     return results
 
 
-def _doctor_flags(nodes, out_a, out_b=None, port_b: int = 29500) -> dict:
-    common = ["--nnodes", "2", "--master-addr", nodes.addr_a, "--rdzv-timeout", "20"]
+def _doctor_flags(nodes, out_a, out_b=None, port_b: int = 29500, rdzv_timeout: int = 20) -> dict:
+    common = ["--nnodes", "2", "--master-addr", nodes.addr_a, "--rdzv-timeout", str(rdzv_timeout)]
     return {"a": [*common, "--master-port", "29500", "--node-rank", "0", "--out", str(out_a)],
             "b": [*common, "--master-port", str(port_b), "--node-rank", "1", "--out", str(out_b or out_a)]}
 
@@ -150,8 +157,11 @@ def test_doctor_finds_an_output_folder_that_is_not_shared(nodes, tmp_path):
 
 
 def test_doctor_with_an_unreachable_port_fails_in_seconds_with_one_line(nodes, tmp_path):
+    """Both nodes fail whatever the timing (node b's port has no listener, so node a never sees it join): each
+    waits out --rdzv-timeout, 5 s here (20 s cost ~40 s of this test), then says so in one line. 90 s is
+    far below doctor's own 300 s limit and above two launcher starts plus 5 s on 2 busy cores (~30 s)."""
     started = time.monotonic()
-    results = _doctor(nodes, _doctor_flags(nodes, tmp_path, port_b=29511))
+    results = _doctor(nodes, _doctor_flags(nodes, tmp_path, port_b=29511, rdzv_timeout=5))
     assert time.monotonic() - started < 90
     for node in ("a", "b"):
         assert results[node].returncode != 0

@@ -18,6 +18,7 @@ import multigpu as mg
 from conftest import SCRIPTS, multigpu
 from multigpu.loggers import read_csv
 
+# A test here launches at most two short runs (up to ~1 min each on 2 busy cores).
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -142,33 +143,40 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ hooks, best, early stopping
 
 
-def test_hooks_are_called_in_the_documented_order_with_epochs_from_one(tmp_path):
-    out = tmp_path / "one"
-    multigpu("run", "--nproc", "1", str(SCRIPTS / "observe.py"), str(out), "--batch", "16", "--epochs", "2",
-             "--patience", "50", check=True)
-    calls = json.loads((out / "result.json").read_text())["calls"]
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory) -> dict:
+    """observe.py on 1 process (batch 16) and on 2 (batch 8): one launch each, shared by the hook test and the
+    best-checkpoint test."""
+    root = tmp_path_factory.mktemp("observe")
+    results = {}
+    for nproc, batch in ((1, "16"), (2, "8")):
+        out = root / f"p{nproc}"
+        proc = multigpu("run", "--nproc", str(nproc), str(SCRIPTS / "observe.py"), str(out), "--batch", batch,
+                        timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        results[nproc] = {"out": out, "stdout": proc.stdout, **json.loads((out / "result.json").read_text())}
+    return results
+
+
+def test_hooks_are_called_in_the_documented_order_with_epochs_from_one(observed):
+    calls = observed[1]["calls"]
     assert calls[:2] == ["fit_start", "epoch_start 1"]
     first_epoch = calls[calls.index("epoch_start 1"):calls.index("epoch_start 2")]
     assert first_epoch.index("evaluate_start") < first_epoch.index("validation_end") < first_epoch.index("epoch_end 1")
     assert first_epoch[-1] == "checkpoint checkpoints" and "checkpoint best" in first_epoch
-    assert calls[-1] == "fit_end"
+    assert calls[-1] == "fit_end"  # after an early stop too
 
 
-def test_best_checkpoint_and_early_stopping_agree_on_two_processes_and_one(tmp_path):
-    results = {}
-    for nproc, batch in ((1, "16"), (2, "8")):
-        out = tmp_path / f"p{nproc}"
-        proc = multigpu("run", "--nproc", str(nproc), str(SCRIPTS / "observe.py"), str(out), "--batch", batch,
-                        timeout=240)
-        assert proc.returncode == 0, proc.stderr
-        assert "early stop: valid_loss did not improve" in proc.stdout
-        results[nproc] = json.loads((out / "result.json").read_text())
+def test_best_checkpoint_and_early_stopping_agree_on_two_processes_and_one(observed):
+    for nproc in (1, 2):
+        out = observed[nproc]["out"]
+        assert "early stop: valid_loss did not improve" in observed[nproc]["stdout"]
         (best,) = (out / "checkpoints" / "best").glob("step-*")
         manifest = json.loads((best / "manifest.json").read_text())
-        assert manifest["monitor"] == "valid_loss" and manifest["step"] == results[nproc]["best_step"]
+        assert manifest["monitor"] == "valid_loss" and manifest["step"] == observed[nproc]["best_step"]
         listing = multigpu("checkpoint", "verify", str(best), check=True)
         assert "ok" in listing.stdout
-    one, two = results[1], results[2]
+    one, two = observed[1], observed[2]
     assert one["best_step"] == two["best_step"] and one["stopped_at"] == two["stopped_at"] < 80
     assert abs(one["best"] - two["best"]) < 1e-5
 

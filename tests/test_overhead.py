@@ -11,6 +11,7 @@ import pytest
 
 from conftest import SCRIPTS, multigpu
 
+# One 2-process launch of a small run per test (under a minute on 2 busy cores).
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -31,7 +32,11 @@ def test_one_agreement_per_stop_check_every_steps_and_nothing_else(tmp_path, eve
 
 
 def test_the_default_agreement_is_spaced_by_time_not_steps(tmp_path):
-    for record in _counts(tmp_path):
+    """The agreement's clock reads 0.05 s per step (collectives.py --seconds-per-step): its ~2 s spacing is
+    then 40 steps whatever the machine's load, where the wall clock made the count depend on it."""
+    for record in _counts(tmp_path, "--seconds-per-step", "0.05"):
         issued = record["counts"][-1] - record["counts"][0]
+        assert record["seconds"] == pytest.approx(80 * 0.05)  # epoch 2's 80 steps, on that clock
         assert issued <= 2 + math.ceil(record["seconds"] / 1.0), record
         assert issued < len(record["steps"]) / 4
+        assert issued == 2  # 80 steps at one agreement per 2 s / 0.05 s = 40 steps

@@ -114,6 +114,7 @@ def _max_difference(a: dict, b: dict, losses: bool = True) -> float:
     return max(weights, (a["losses"] - b["losses"]).abs().max().item())
 
 
+# The first user of `runs` pays its three launches (two of 4 processes on 2 cores: minutes when busy).
 @pytest.mark.timeout(600)
 def test_fsdp_plus_tensor_parallel_2x2_equals_one_process(runs):
     single = _train(runs["root"] / "single-clip", 1, "--strategy", "single", "--batch", "4", "--clip", "0.5")
@@ -122,12 +123,14 @@ def test_fsdp_plus_tensor_parallel_2x2_equals_one_process(runs):
     assert _max_difference(runs["2d"], single) < TOLERANCE
 
 
+# Uses `runs` (its launches are paid by whichever test comes first).
 @pytest.mark.timeout(600)
 def test_hsdp_2x2_equals_one_process(runs):
     assert "done strategy=hsdp world=4 dp=4 step=6" in runs["hsdp"]["stdout"]
     assert _max_difference(runs["hsdp"], runs["single"]) < TOLERANCE
 
 
+# Two more launches, one of 4 processes on 2 cores.
 @pytest.mark.timeout(600)
 def test_2x2_checkpoints_reshard_to_one_process_and_to_4x1(runs):
     """The step-3 checkpoint of the 2x2 run, continued by 1 process and by 4 (plain fsdp), ends where the
@@ -142,6 +145,7 @@ def test_2x2_checkpoints_reshard_to_one_process_and_to_4x1(runs):
         assert _max_difference(result, runs["2d"], losses=False) < TOLERANCE
 
 
+# A 4-process launch that restarts once: two rounds of 4 workers on 2 cores.
 @pytest.mark.timeout(600)
 def test_2x2_resumes_bitwise_after_a_kill(runs):
     """Rank 1 is SIGKILLed in step 5; the agent restarts all four, which resume from step 4's shards."""

@@ -94,7 +94,7 @@ def test_job_names_fit_squeue_and_differ():
 
 
 def test_two_submissions_in_one_second_get_their_own_folder_and_name(tmp_path, monkeypatch):
-    from multigpu.commands.launching import _new_run_dir
+    from multigpu.commands.slurm import _new_run_dir
 
     monkeypatch.chdir(tmp_path)
     first, second = _new_run_dir("train", 1_800_000_000), _new_run_dir("train", 1_800_000_000)

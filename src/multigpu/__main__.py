@@ -1,7 +1,5 @@
 """``python -m multigpu`` is the ``multigpu`` command."""
 
-import sys
+from multigpu.cli import entry
 
-from multigpu.cli import main
-
-sys.exit(main())
+entry()

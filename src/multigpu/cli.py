@@ -9,13 +9,18 @@ failed run returns the failing worker's status. Commands import what they use wh
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
+import os
 import sys
+import threading
 from typing import Any, NoReturn, Optional, Sequence
 from typing_extensions import override
 
 from multigpu.commands.checkpoint import add_checkpoint_parser
 from multigpu.commands.diagnostics import add_check_parser, add_doctor_parser, add_env_parser, add_plot_parser
-from multigpu.commands.launching import SLURM_ACTIONS, add_run_parser, add_slurm_parser
+from multigpu.commands.launching import add_run_parser
+from multigpu.commands.slurm import SLURM_ACTIONS, add_slurm_parser
 from multigpu.commands.queue import add_queue_parser
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_REFUSED, MultiGPUError
 
@@ -94,5 +99,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def entry() -> NoReturn:
+    """The ``multigpu`` command's process: :func:`main`, then leave with its status without the
+    interpreter freeing every module. Why: after ``multigpu run`` has imported torch that teardown is
+    0.5-1 s of CPU spent after the workers have finished (``multigpu run --nproc 2`` of a script that only
+    calls ``mg.init()``: 4.9 s of CPU in all before, 4.2 s after, medians of 5 interleaved runs on 2
+    cores). Files left open are closed (a garbage collection), atexit handlers run and the streams are
+    flushed; while another non-daemon thread is alive Python would wait for it, and so this exits the
+    ordinary way then."""
+    code = main()
+    if not any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        try:
+            gc.collect()
+            atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,11 +1,14 @@
 """Counts the collectives the Trainer issues from Python during training steps (DDP's gradient
 all-reduces run inside its C++ reducer and are not counted: they are the work, not our overhead).
 
-    multigpu run --nproc 2 collectives.py OUT [--every K]
+    multigpu run --nproc 2 collectives.py OUT [--every K] [--seconds-per-step S]
 
 Every torch.distributed collective is wrapped with a counter before multigpu is imported; a hook
 records the count after each optimizer step of the second epoch (no checkpoint or validation inside
 it). Writes OUT/counts-rank<r>.json: {"steps": [...], "counts": [...], "seconds": elapsed}.
+--seconds-per-step S: the preemption agreement's clock reads S seconds per optimizer step instead of the
+wall clock, so its time-based spacing does not depend on how busy the machine is ("seconds" is then
+that clock's too).
 """
 
 import argparse
@@ -41,8 +44,21 @@ import multigpu as mg  # noqa: E402  (after the wrapping: every module reads dis
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--every", type=int)
+parser.add_argument("--seconds-per-step", type=float)
 args = parser.parse_args()
 out = Path(args.out)
+
+
+def now() -> float:
+    return trainer.state.global_step * args.seconds_per_step if args.seconds_per_step else time.monotonic()
+
+
+if args.seconds_per_step:
+    from types import SimpleNamespace
+
+    from multigpu.guards import preemption
+
+    preemption.time = SimpleNamespace(monotonic=now)  # the one clock the agreement reads
 
 
 class Counted(mg.Trainer):
@@ -57,7 +73,7 @@ class Counted(mg.Trainer):
     def on_epoch_start(self, epoch):
         self.epoch_now = epoch
         if epoch == 2:
-            self.started = time.monotonic()
+            self.started = now()
 
     def on_train_batch_end(self, step, loss):
         if self.epoch_now == 2:
@@ -72,6 +88,6 @@ trainer = Counted(run, nn.Linear(8, 3), lambda p: torch.optim.SGD(p, lr=0.1), ba
                   out_dir=str(out / "run"), progress=True, progress_every_s=0.01, log_every_n_steps=1,
                   stop_check_every=args.every, plot=False)
 trainer.fit(data)
-seconds = time.monotonic() - trainer.started
+seconds = now() - trainer.started
 (out / f"counts-rank{run.rank}.json").write_text(json.dumps({"steps": trainer.steps, "counts": trainer.counts,
                                                              "seconds": seconds}))

@@ -7,7 +7,10 @@ Saves a checkpoint every step and, at the end, the final parameters to OUT_DIR/f
 --sleep S           sleep S seconds in every step (gives a test time to send signals)
 --hang-at STEP      rank --kill-rank blocks forever in its data loader at that step
 --desync            rank 1 builds a wider model than rank 0
---ballast MB        add MB of data to each checkpoint (slow writes, to kill one mid-write)
+--ballast MB        add MB of data to each checkpoint
+--hold-at STEP      every rank waits at that step until a stop signal reached it or another rank (hold.py)
+--block-save-at STEP  the checkpoint of that step never finishes: its writer blocks inside the write, after
+                    writing OUT/saving (a test kills the job there, mid-write, every time)
 --hang-timeout S    the watchdog's timeout
 --async-checkpoint  write checkpoints in the background (off here: these tests name the step resumed from)
 """
@@ -24,6 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import multigpu as mg
+from hold import hold, released
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -33,12 +37,14 @@ parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--hang-at", type=int)
 parser.add_argument("--desync", action="store_true")
 parser.add_argument("--ballast", type=int, default=0)
+parser.add_argument("--hold-at", type=int)
+parser.add_argument("--block-save-at", type=int)
 parser.add_argument("--hang-timeout", type=float, default=60.0)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--async-checkpoint", action="store_true")
 parser.add_argument("--stop-check-every", type=int, default=1)  # these runs are short: agree every step
-args = parser.parse_args()
+args, _unknown = parser.parse_known_args()  # a test may append a token to find leftover processes
 
 run = mg.init(seed=0, timeout_s=60)
 out = Path(args.out)
@@ -62,9 +68,20 @@ class Data(Dataset):
         return self.x[index], self.y[index]
 
 
+class Blocker:
+    """Pickled inside a checkpoint write: says so, then never returns."""
+
+    def __reduce__(self):
+        (out / "saving").write_text(str(run.rank))
+        while True:
+            time.sleep(1)
+
+
 class FaultTrainer(mg.Trainer):
     def compute_loss(self, batch):
         step = self.state.global_step
+        if args.hold_at is not None and step == args.hold_at and not released(out):
+            hold(out, run)
         if (args.kill_at is not None and step == args.kill_at and run.rank == args.kill_rank
                 and run.world.restart_count == 0 and not (out / "resumed-once").exists()):
             (out / "resumed-once").write_text("killed")  # the next attempt must not kill itself again
@@ -78,6 +95,8 @@ class FaultTrainer(mg.Trainer):
         state = super().checkpoint_state()
         if args.ballast:
             state["ballast"] = torch.ones(args.ballast * 2**18)  # MB of float32
+        if args.block_save_at is not None and self.state.global_step == args.block_save_at:
+            state["blocker"] = Blocker()
         return state
 
 

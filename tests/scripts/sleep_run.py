@@ -1,6 +1,8 @@
 """A run of fixed length for the queue tests: sleeps, writes metrics.csv into its out dir.
 
-    sleep_run.py SECONDS out_dir=DIR [fail=1]
+    sleep_run.py SECONDS out_dir=DIR [fail=1] [until=PATH]
+
+until=PATH: first wait until PATH exists (a test releases the run when it has seen it running).
 
 Writes env.json (CUDA_VISIBLE_DEVICES, MULTIGPU_GPU_MEMORY_FRACTION, OMP_NUM_THREADS as it saw them) too.
 """
@@ -16,6 +18,8 @@ os.makedirs(out, exist_ok=True)
 names = ("CUDA_VISIBLE_DEVICES", "MULTIGPU_GPU_MEMORY_FRACTION", "OMP_NUM_THREADS")
 with open(os.path.join(out, "env.json"), "w") as handle:
     json.dump({name: os.environ.get(name) for name in names}, handle)
+while "until" in args and not os.path.exists(args["until"]):
+    time.sleep(0.02)
 time.sleep(float(sys.argv[1]))
 if args.get("fail") == "1":
     print("this run fails on purpose", file=sys.stderr)

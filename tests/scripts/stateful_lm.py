@@ -2,16 +2,18 @@
 token stream, the hidden state carried from batch to batch. Each rank reads its own columns of the
 stream (``split_by_node``), in time order; its hidden state is per-rank state in every checkpoint.
 
-    multigpu run --nproc 2 stateful_lm.py OUT [--sleep S]
+    multigpu run --nproc 2 stateful_lm.py OUT [--sleep S] [--hold-at STEP]
+
+--hold-at: every rank waits at that step until a stop signal arrives (hold.py).
 """
 
 import argparse
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from hold import hold, released
 from torch import nn
 from torch.utils.data import IterableDataset
 
@@ -20,7 +22,8 @@ import multigpu as mg
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--sleep", type=float, default=0.0)
-args = parser.parse_args()
+parser.add_argument("--hold-at", type=int)
+args, _unknown = parser.parse_known_args()  # a test may append a token to find leftover processes
 VOCAB, BPTT, COLUMNS = 20, 5, 4  # columns per rank
 run = mg.init(seed=0, timeout_s=60)
 stream = torch.randint(0, VOCAB, (3000,), generator=torch.Generator().manual_seed(9))
@@ -59,6 +62,8 @@ class Trainer(mg.Trainer):
 
     def compute_loss(self, batch):
         time.sleep(args.sleep)
+        if self.state.global_step == args.hold_at and not released(Path(args.out)):
+            hold(Path(args.out), run)
         inputs, targets = batch[0][0], batch[1][0]  # batch_size 1: one time chunk (BPTT x columns)
         hidden = self.hidden if self.hidden is not None else (torch.zeros(1, COLUMNS, 16), torch.zeros(1, COLUMNS, 16))
         logits, hidden = self.model(inputs, hidden)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from multigpu import validate
-from multigpu.commands.launching import add_slurm_job_options, slurm_options_from_args
+from multigpu.commands.slurm import add_slurm_job_options, slurm_options_from_args
 from multigpu.errors import ConfigError
 
 QUEUE_EXAMPLES = """\
