@@ -32,6 +32,16 @@ from multigpu.errors import CheckpointError
 
 EXTRA_FILE = "extra.pt"
 METADATA = ".metadata"
+#: The manifest says so when the optimizer's state is flattened (per-parameter hyperparameters): written
+#: since pipeline stages, whose ranks hold different parameters - one group list would keep only one
+#: stage's (torchtitan saves it flattened for the same reason). Folders without it load as before.
+FLAT_OPTIMIZER = "optimizer_flat"
+
+
+def _options(flat: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
 
 
 def is_sharded(path: Path) -> bool:
@@ -45,7 +55,7 @@ def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [], options=_options(True))
     tmp = Path(directory) / f".tmp-{step_name(step)}-sharded"  # the same on every rank, without talking
     if is_main:
         temporary_folder(directory, step, unique=False)
@@ -58,7 +68,7 @@ def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch
     barrier()
     final = Path(directory) / step_name(step)
     if is_main:
-        final = finalize_folder(tmp, step, meta={**(meta or {}), "sharded": True})
+        final = finalize_folder(tmp, step, meta={**(meta or {}), "sharded": True, FLAT_OPTIMIZER: True})
     barrier()
     return final
 
@@ -78,7 +88,8 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     manifest = manifest if manifest is not None else read_manifest(Path(path))
     metadata = read_checked_metadata(path, manifest)  # before DCP sees the folder: a planted object stops here
     optimizers = [optimizer] if optimizer is not None else []
-    model_state, optim_state = get_state_dict(model, optimizers)
+    options = _options(bool(manifest.get(FLAT_OPTIMIZER)))
+    model_state, optim_state = get_state_dict(model, optimizers, options=options)
     state = {"model": model_state, "optimizer": optim_state}
     planner = SafeLoadPlanner()
     try:
@@ -92,7 +103,8 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
             raise planner.refusal from None
         raise CheckpointError(f"cannot load the sharded checkpoint {path}: {last_line(exc)}",
                               "it was saved from a different model; resume with the same model configuration.") from None
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
     return load_state(Path(path) / EXTRA_FILE, map_location=map_location)
 
 

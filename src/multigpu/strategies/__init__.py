@@ -8,6 +8,8 @@ replicas in sync are refused in a multi-process job. No strategy imports ``launc
 processes is not their business. Learned from Lightning Fabric's strategy registry.
 
 ``auto`` is a rule, not a strategy: **ddp when the job has several processes, single otherwise.**
+With ``pp`` > 1 the name says how each pipeline stage is wrapped within its ranks: ``ddp`` (and
+``auto``), ``fsdp``, ``hsdp``, ``fsdp+tp`` become ``pp+ddp``, ``pp+fsdp``, ... (strategies/pipeline_parallel.py).
 
 To add a strategy: write a module with a class following :class:`Strategy` and a ``STRATEGIES``
 tuple, and add its names to :data:`MODULES` below.
@@ -40,15 +42,24 @@ MODULES = {
     "fsdp+tp": "multigpu.strategies.fsdp",
     "pipeline": "multigpu.strategies.pipeline",
     "ddp+pipeline": "multigpu.strategies.pipeline",
+    "pp+ddp": "multigpu.strategies.pipeline_parallel",
+    "pp+fsdp": "multigpu.strategies.pipeline_parallel",
+    "pp+hsdp": "multigpu.strategies.pipeline_parallel",
+    "pp+fsdp+tp": "multigpu.strategies.pipeline_parallel",
 }
 NAMES = ("auto", *MODULES)
 
 
-def resolve_name(name: Optional[str], world: World) -> str:
-    """The documented ``auto`` rule, and names in lower case."""
+def resolve_name(name: Optional[str], world: World, pp: int = 1) -> str:
+    """The documented ``auto`` rule, and names in lower case; with ``pp`` > 1 the pipelined entry."""
     name = (name or "auto").lower()
     if name == "auto":
-        return "ddp" if world.is_distributed else "single"
+        name = "ddp" if world.is_distributed else "single"
+    if pp > 1 and not name.startswith("pp+") and "pp+" + name in MODULES:
+        return "pp+" + name
+    if pp > 1 and not name.startswith("pp+") and name in MODULES:
+        raise ConfigError(f"strategy {name!r} does not run pipeline stages across processes (pp={pp}).",
+                          "use strategy ddp, fsdp, hsdp or fsdp+tp with pp (each stage wrapped that way), or pp: 1.")
     return name
 
 
@@ -73,7 +84,7 @@ def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.dev
                   parallelism: Optional[Parallelism] = None, mesh: Optional[Callable[[], Any]] = None,
                   **options: Any) -> Strategy:
     """The strategy called ``name`` for this process (``auto``: ddp with several processes, else single)."""
-    entry = spec(resolve_name(name, world))
+    entry = spec(resolve_name(name, world, parallelism.pp if parallelism is not None else 1))
     if world.is_distributed and not entry.in_sync:
         raise ConfigError(
             f"strategy {entry.name!r} keeps no replicas in sync, but this job has {world.world_size} processes: each "
