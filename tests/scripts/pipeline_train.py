@@ -39,6 +39,7 @@ parser.add_argument("--batch", type=int, required=True)
 parser.add_argument("--kill-at", type=int)
 parser.add_argument("--clip", type=float)
 parser.add_argument("--layers", type=int, default=2)
+parser.add_argument("--hang", type=float, default=120.0)
 args = parser.parse_args()
 
 VOCAB, WIDTH, HEADS, T = 32, 16, 4, 8
@@ -115,7 +116,7 @@ for schedule in args.schedules.split(","):
     trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
                  max_steps=args.steps, strategy=args.strategy, tp=args.tp, pp=args.pp, out_dir=str(out),
                  checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False, clip_grad_norm=args.clip,
-                 log_every_n_steps=0, plot=False, eval_batch_size=4, **pipeline)
+                 log_every_n_steps=0, plot=False, eval_batch_size=4, hang_timeout_s=args.hang, **pipeline)
     trainer.losses = []
     trainer.fit(train_set)
     valid = trainer.evaluate(valid_set)

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import Any, ContextManager, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, ContextManager, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -36,15 +36,10 @@ from torch import nn
 from multigpu.checkpoint.names import strip_name
 from multigpu.errors import ConfigError, MultiGPUError
 from multigpu.strategies.base import BuildContext, OptimizerLike, StrategySpec, build_optimizer
-from multigpu.strategies.ddp import DDPOptions
 from multigpu.strategies.fsdp import (FSDPOptions, FSDPTPOptions, _dtype, _same_weights_as_rank0,
                                       _sum_reductions_over_gloo, find_blocks)
 from multigpu.strategies.pipeline import balanced_split_points
-from multigpu.strategies.schedules import SCHEDULES, PipelineParts, StageRunner
-
-#: What wraps each stage within its ranks.
-WRAPS = ("ddp", "fsdp", "hsdp", "fsdp+tp")
-
+from multigpu.strategies.schedules import SCHEDULES, PipelineParts, StageRunner, check_micro_batches
 
 @dataclass(frozen=True)
 class ScheduleOptions:
@@ -56,11 +51,6 @@ class ScheduleOptions:
     micro_batches: Optional[int] = None
     #: Names (or indexes) of the Sequential's children where a new stage begins; None: balanced by parameters.
     split_points: Optional[Sequence[Union[int, str]]] = None
-
-
-@dataclass(frozen=True)
-class PPDDPOptions(DDPOptions, ScheduleOptions):
-    pass
 
 
 @dataclass(frozen=True)
@@ -145,6 +135,7 @@ class PipelineParallel:
         self.micro_batches = options.micro_batches or self.stages
         if not 1 <= self.micro_batches <= 4096:
             raise ConfigError(f"micro_batches={self.micro_batches} must be from 1 to 4096.", "e.g. micro_batches: 8.")
+        check_micro_batches(options.schedule, self.micro_batches, par.pp)
         self.device = context.device
         self.mesh: Any = None
         self.parts: Optional[PipelineParts] = None
@@ -170,8 +161,10 @@ class PipelineParallel:
             part = OrderedDict(list(children.items())[bounds[index][0]:bounds[index][1]])
             layers.update(part)
             wrapped.append(self._wrap(nn.Sequential(part), plan))
+        replicas = self.wrap == "ddp" and par.dp_size > 1  # their gradients averaged after each step
         runner = StageRunner(wrapped, mine, self.stages, self.device, self.mesh["pp"].get_group(), self.options.schedule,
-                             self.micro_batches, order=list(children), stage_size=par.stage_size, rank=rank)
+                             self.micro_batches, order=list(children), stage_size=par.stage_size, rank=rank,
+                             average_over=self.mesh["dp_shard"].get_group() if replicas else None)
         self.parts = parts = PipelineParts(layers, runner)
         if isinstance(optimizer, torch.optim.Optimizer):
             return parts, _local_optimizer(optimizer, names, parts)
@@ -186,15 +179,8 @@ class PipelineParallel:
         return resolve_plan(model, getattr(self.options, "tp_plan", None))  # checked against the whole model
 
     def _wrap(self, stage: nn.Sequential, plan: dict[str, str]) -> nn.Module:
-        if self.wrap == "ddp":
-            if self.context.parallelism.dp_size == 1:
-                return stage  # nothing to replicate: the stage alone
-            from torch.nn.parallel import DistributedDataParallel
-
-            kwargs = {k: v for k, v in asdict(self.options).items() if v is not None and k in DDPOptions.__dataclass_fields__}
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(stage, device_ids=device_ids, process_group=self.mesh["dp_shard"].get_group(),
-                                           **kwargs)
+        if self.wrap == "ddp":  # replicas, equal from rank 0's weights; the runner averages their gradients
+            return stage
         return self._shard(stage, plan)
 
     def _shard(self, stage: nn.Sequential, plan: dict[str, str]) -> nn.Module:
@@ -225,7 +211,9 @@ class PipelineParallel:
                             "call backward on.", "use the Trainer, or model.train_step(batch, loss_of) in your loop.")
 
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return contextlib.nullcontext()  # the schedule syncs gradients after its last micro-batch
+        """pp+ddp: no gradient averaging until the accumulation boundary (FSDP's reduce-scatter runs
+        inside the schedule's step, as torch's pipelining drives it)."""
+        return _no_averaging(model.runner) if isinstance(model, PipelineParts) else contextlib.nullcontext()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -249,6 +237,15 @@ class PipelineParallel:
         for params in groups.values():
             nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+
+@contextlib.contextmanager
+def _no_averaging(runner: StageRunner) -> Iterator[None]:
+    runner.sync = False
+    try:
+        yield
+    finally:
+        runner.sync = True
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str], parts: nn.Module) -> torch.optim.Optimizer:
@@ -282,8 +279,8 @@ def _build(wrap: str) -> Any:
 
 
 STRATEGIES = (
-    StrategySpec("pp+ddp", PPDDPOptions, _build("ddp"), sharded=True,
-                 summary="pipeline stages on groups of ranks (pp), DDP over each stage's data-parallel ranks"),
+    StrategySpec("pp+ddp", ScheduleOptions, _build("ddp"), sharded=True,
+                 summary="pipeline stages on groups of ranks (pp), replicated over each stage's data-parallel ranks"),
     StrategySpec("pp+fsdp", PPFSDPOptions, _build("fsdp"), sharded=True,
                  summary="pipeline stages on groups of ranks (pp), FSDP2 over each stage's data-parallel ranks"),
     StrategySpec("pp+hsdp", PPFSDPOptions, _build("hsdp"), sharded=True,

@@ -43,7 +43,6 @@ from multigpu.loggers import Loggers, hparams_of
 from multigpu.trainer.monitor import BestTracker
 from multigpu.trainer.precision import Precision
 from multigpu.guards.preemption import Preempted
-from multigpu.trainer.evaluation import evaluate_shard
 from multigpu.trainer.progress import ProgressLine, format_metrics, start_report
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.runtime import Run
@@ -284,7 +283,7 @@ class Trainer(abc.ABC):
             boundary = ((index + 1) % s.accumulate == 0 or (total is not None and index + 1 == total)
                         or (total is None and s.accumulate > 1 and loader.ends_after_current()))
             with (contextlib.nullcontext() if boundary else strategy.no_sync(model)):
-                detached = self._step.train(batch).detach()
+                detached = self._step.train(batch, loader.batch_size).detach()
             loss_sum += detached
             batches += 1
             window_batches += 1
@@ -405,9 +404,7 @@ class Trainer(abc.ABC):
         self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
         try:
-            return self._step.shared(evaluate_shard(loader, self._step.evaluator(self.evaluate_batch), run=self.run,
-                                     device=self.device, autocast=self.precision.autocast, sharded_model=sharded_model,
-                                     heartbeat=lambda: self.run.step_done(self.state.global_step)))
+            return self._step.evaluate(loader, sharded_model)  # evaluation.evaluate_shard (pp: through the pipeline)
         finally:
             self.model = wrapped
             self.model.train()
