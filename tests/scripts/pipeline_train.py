@@ -1,13 +1,17 @@
-"""A tiny GPT trained by the Trainer with pipeline stages across processes (pp), once per schedule in turn;
-each run saves its full final weights, every step's global loss and an exact validation.
+"""A tiny GPT trained by the Trainer with pipeline stages across processes (pp), once per configuration in
+turn (one launch, several runs); each saves its full final weights, every step's global loss and an
+exact validation loss in OUT/STRATEGY-SCHEDULE/final.pt.
 
-    multigpu run --nproc 2 pipeline_train.py OUT --pp 2 --batch 8 --schedules gpipe,1f1b,interleaved_1f1b
-    multigpu run --nproc 4 pipeline_train.py OUT --pp 2 --strategy fsdp --batch 4 --schedules 1f1b
-    multigpu run --nproc 1 pipeline_train.py OUT --strategy single --batch 8          # the reference
+    multigpu run --nproc 2 pipeline_train.py OUT --pp 2 --batch 8 --runs ddp:gpipe,ddp:1f1b,ddp:interleaved_1f1b
+    multigpu run --nproc 4 pipeline_train.py OUT --pp 2 --batch 4 --runs ddp:1f1b,fsdp:1f1b
+    multigpu run --nproc 8 pipeline_train.py OUT --pp 2 --tp 2 --batch 4 --runs fsdp+tp:1f1b
+    multigpu run --nproc 1 pipeline_train.py OUT --batch 8 --runs single:-     # the reference, in OUT/single
 
 The global batch is batch x data-parallel ranks (world / (pp x tp)): keep it equal across runs to compare.
---kill-at S   rank 1 SIGKILLs itself after step S+1 (first attempt only, before that step's checkpoint)
---clip C      clip the gradient norm (across stages and meshes) at C
+--kill-at S     rank 1 SIGKILLs itself after step S+1 (first attempt only, before that step's checkpoint)
+--preempt-at S  the last rank sends itself SIGUSR1 after step S (first launch only): every rank stops at
+                the same step, checkpoints and exits 75; launched again, the run resumes
+--clip C        clip the gradient norm (across stages and meshes) at C
 
 float64 throughout: runs that differ only in the order of float sums (micro-batches, reductions) stay
 within ~1e-9 of each other after 6 AdamW steps (tests/scripts/parallel2d.py gives the arithmetic).
@@ -28,18 +32,19 @@ import multigpu as mg
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("--strategy", default="auto")
+parser.add_argument("--runs", default="auto:1f1b")
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--tp", type=int, default=1)
-parser.add_argument("--schedules", default="1f1b")
 parser.add_argument("--micro-batches", type=int)
 parser.add_argument("--split-points", default="")
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--batch", type=int, required=True)
 parser.add_argument("--kill-at", type=int)
+parser.add_argument("--preempt-at", type=int)
 parser.add_argument("--clip", type=float)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--hang", type=float, default=120.0)
+parser.add_argument("--token")  # a marker in the command line: the test finds leftover processes by it
 args = parser.parse_args()
 
 VOCAB, WIDTH, HEADS, T = 32, 16, 4, 8
@@ -101,6 +106,10 @@ class LM(mg.Trainer):
     def on_train_batch_end(self, step, loss):  # every rank's loss (equal batches): the global mean
         if args.kill_at is not None and step == args.kill_at + 1 and run.rank == 1 and run.world.restart_count == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        if (args.preempt_at is not None and step == args.preempt_at and run.rank == run.world_size - 1
+                and not (Path(self.settings.out_dir) / "preempted").exists()):
+            (Path(self.settings.out_dir) / "preempted").write_text(str(step))
+            os.kill(os.getpid(), signal.SIGUSR1)
         self.losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])
 
 
@@ -109,14 +118,16 @@ data = torch.randint(0, VOCAB, (64 + 13, T + 1), generator=g)
 train_set = TensorDataset(data[:64, :-1], data[:64, 1:])
 valid_set = TensorDataset(data[64:, :-1], data[64:, 1:])
 points = [p if not p.isdigit() else int(p) for p in args.split_points.split(",") if p]
-for schedule in args.schedules.split(","):
-    out = Path(args.out) / schedule
+for configuration in args.runs.split(","):
+    strategy, schedule = configuration.split(":")
+    out = Path(args.out) / (strategy if schedule == "-" else f"{strategy}-{schedule}")
     pipeline = {"pipeline_schedule": schedule, "micro_batches": args.micro_batches,
                 "split_points": points or None} if args.pp > 1 else {}
     trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
-                 max_steps=args.steps, strategy=args.strategy, tp=args.tp, pp=args.pp, out_dir=str(out),
-                 checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False, clip_grad_norm=args.clip,
-                 log_every_n_steps=0, plot=False, eval_batch_size=4, hang_timeout_s=args.hang, **pipeline)
+                 max_steps=args.steps, strategy=strategy, tp=args.tp, pp=args.pp, out_dir=str(out),
+                 stop_check_every=1, checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
+                 clip_grad_norm=args.clip, log_every_n_steps=0, plot=False, eval_batch_size=4,
+                 hang_timeout_s=args.hang, **pipeline)
     trainer.losses = []
     trainer.fit(train_set)
     valid = trainer.evaluate(valid_set)
@@ -124,5 +135,5 @@ for schedule in args.schedules.split(","):
     if run.is_main:
         torch.save({"weights": weights, "losses": torch.tensor(trainer.losses), "valid": valid["loss"]},
                    out / "final.pt")
-        print(f"done {schedule} strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
+        print(f"done {configuration} strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
               f"step={trainer.state.global_step} valid={valid['loss']!r}", flush=True)
