@@ -24,6 +24,7 @@ from multigpu.errors import ConfigError
 from multigpu.strategies import make_strategy, resolve_name
 from multigpu.strategies.pipeline_parallel import stage_bounds, stages_per_rank
 from multigpu.strategies.schedules import check_micro_batches, take
+from multigpu.checkpoint.sharded import consolidate
 
 SCRIPT = str(SCRIPTS / "pipeline_train.py")
 #: float64 runs that differ only in the order of float sums (micro-batches, reductions) stay within ~1e-9
@@ -121,26 +122,31 @@ def _max_difference(a: dict, b: dict, losses: bool = True) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process; pp 2 (2 processes) with each schedule; pp 2 x dp 2 (4) with ddp and fsdp."""
+    """Four launches: pp 2 x dp 2 (4 processes) with ddp and with fsdp; one process - the reference, then
+    the fsdp run's step-3 checkpoint continued; pp 2 (2 processes) with each schedule, then a run killed
+    (one restart) and preempted (exit 75); that launch again, which only finishes the interrupted run."""
     root = tmp_path_factory.mktemp("pp")
-    token = f"mgtest-pp-{os.getpid()}-{time.monotonic_ns()}"  # module-wide no_leftovers
+    token = f"mgtest-pp-{os.getpid()}-{time.monotonic_ns()}"  # the module's no_leftovers
     started = time.monotonic()
     try:
-        stdout = {
-            "single": _train(root / "single", 1, token, "--batch", "8", "--runs", "single:-", *CLIP),
-            "pp2": _train(root / "pp2", 2, token, "--pp", "2", "--batch", "8", *CLIP,
-                          "--runs", "ddp:gpipe,ddp:1f1b,ddp:interleaved_1f1b"),
-            "pp2dp2": _train(root / "pp2dp2", 4, token, "--pp", "2", "--batch", "4", *CLIP,
-                             "--runs", "ddp:1f1b,fsdp:1f1b"),
-        }
-        yield {"root": root, "token": token, "stdout": stdout, "seconds": time.monotonic() - started}
+        stdout = {"pp2dp2": _train(root / "pp2dp2", 4, token, "--pp", "2", "--batch", "4", *CLIP,
+                                   "--runs", "ddp:1f1b,fsdp:1f1b")}
+        step3 = root / "single" / "continued" / "checkpoints" / "step-00000003"
+        shutil.copytree(root / "pp2dp2" / "fsdp-1f1b" / "checkpoints" / step3.name, step3)
+        stdout["single"] = _train(root / "single", 1, token, "--batch", "8", *CLIP, "--runs",
+                                  "single:-,fsdp:1f1b:continued")
+        pp2 = (root / "pp2", 2, token, "--pp", "2", "--batch", "8", *CLIP, "--kill-at", "1", "--preempt-at", "4",
+               "--runs", "ddp:gpipe,ddp:1f1b,ddp:interleaved_1f1b,ddp:1f1b:interrupted")
+        stdout["pp2"] = _train(*pp2, restarts=1, status=75)
+        stdout["again"] = _train(*pp2)
+        yield {"root": root, "stdout": stdout, "seconds": time.monotonic() - started}
     finally:
         left = wait_until_gone(token, timeout=15)
         kill_all(left)
         assert not left, f"processes left behind: {left}"
 
 
-@pytest.mark.timeout(900)  # three launches (1, 2 and 4 processes, ~2 min together on 2 busy cores) on first use
+@pytest.mark.timeout(900)  # on first use, four launches of 1 to 4 processes: ~2-4 min on 2 busy cores
 def test_pp2_equals_one_process_with_every_schedule(runs):
     single = _result(runs["root"] / "single" / "single")
     assert "(2 processes: pp 2 x dp 1)" in runs["stdout"]["pp2"]
@@ -158,44 +164,38 @@ def test_pp2_x_dp2_with_ddp_and_with_fsdp_equals_one_process(runs):
         assert _max_difference(_result(runs["root"] / "pp2dp2" / f"{strategy}-1f1b"), single) < TOLERANCE
 
 
-@pytest.mark.timeout(900)  # one 1-process launch, after the shared ones
-def test_a_pp2_x_dp2_checkpoint_continues_in_one_process_and_consolidates(runs, no_leftovers):
+@pytest.mark.timeout(900)  # shares the launches above
+def test_a_pp2_x_dp2_checkpoint_continues_in_one_process_and_consolidates(runs, tmp_path):
     """Step 3 of the pp 2 x dp 2 fsdp run (DCP shards written per stage) continued by one plain fsdp
-    process ends where the 4 processes ended; the last step consolidates to a plain state.pt."""
-    source = runs["root"] / "pp2dp2" / "fsdp-1f1b"
-    folder = runs["root"] / "continued"
-    (folder / "fsdp-1f1b" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(source / "checkpoints" / "step-00000003", folder / "fsdp-1f1b" / "checkpoints" / "step-00000003")
-    stdout = _train(folder, 1, no_leftovers, "--batch", "8", "--runs", "fsdp:1f1b", *CLIP)
-    assert "resumed from" in stdout and "step 3)" in stdout
-    assert _max_difference(_result(folder / "fsdp-1f1b"), _result(source), losses=False) < TOLERANCE
-    proc = multigpu("checkpoint", "consolidate", str(source / "checkpoints" / "step-00000006"), "--out",
-                    str(folder / "plain"), timeout=120, check=True)
-    assert "state.pt" in proc.stdout
-    plain = torch.load(folder / "plain" / "step-00000006" / "state.pt", weights_only=True)["model"]
-    final = _result(source)["weights"]
-    assert sorted(plain) == sorted(final) and all(torch.equal(plain[k], final[k]) for k in final)
-    assert {k.split(".")[0] for k in plain} == {"0", "1", "2", "3", "4"}  # the unsplit Sequential's names
+    process ends where the 4 processes ended; its last step consolidates to a plain state.pt."""
+    source = _result(runs["root"] / "pp2dp2" / "fsdp-1f1b")
+    assert "resumed from" in runs["stdout"]["single"] and "step 3)" in runs["stdout"]["single"]
+    assert "done fsdp:1f1b:continued strategy=fsdp world=1 dp=1 step=6" in runs["stdout"]["single"]
+    assert _max_difference(_result(runs["root"] / "single" / "continued"), source, losses=False) < TOLERANCE
+    plain = consolidate(runs["root"] / "pp2dp2" / "fsdp-1f1b" / "checkpoints" / "step-00000006", tmp_path)
+    weights = torch.load(plain / "state.pt", weights_only=True)["model"]
+    assert sorted(weights) == sorted(source["weights"])
+    assert all(torch.equal(weights[k], source["weights"][k]) for k in weights)
+    assert {k.split(".")[0] for k in weights} == {"0", "1", "2", "3", "4"}  # the unsplit Sequential's names
 
 
-@pytest.mark.timeout(900)  # a launch with one restart, and a second launch (2 processes each)
-def test_pp2_killed_then_preempted_resumes_bitwise(runs, no_leftovers):
-    """Rank 1 (the last stage) is SIGKILLed after step 2 before its checkpoint: the agent restarts both,
+@pytest.mark.timeout(900)  # shares the launches above
+def test_pp2_killed_then_preempted_resumes_bitwise(runs):
+    """Rank 1 (the last stage) is SIGKILLed after step 2, before its checkpoint: the agent restarts both,
     which resume from step 1. The last rank then gets SIGUSR1 at step 4: every rank stops at one step,
     checkpoints, exits 75. Launched again, the run ends bitwise where the uninterrupted run ended."""
-    out = runs["root"] / "interrupted"
-    args = ("--pp", "2", "--batch", "8", *CLIP, "--runs", "ddp:1f1b", "--kill-at", "1", "--preempt-at", "4")
-    first = _train(out, 2, no_leftovers, *args, restarts=1, status=75)
-    assert "resumed from" in first and "step 1)" in first
-    second = _train(out, 2, no_leftovers, *args)
-    assert "resumed from" in second and "done ddp:1f1b" in second
-    final, expected = _result(out / "ddp-1f1b")["weights"], _result(runs["root"] / "pp2" / "ddp-1f1b")["weights"]
+    first, again = runs["stdout"]["pp2"], runs["stdout"]["again"]
+    assert "resumed from" in first and "step 1)" in first and "multigpu: stopped by" in first
+    assert "resumed from" in again and "done ddp:1f1b:interrupted" in again and "done ddp:gpipe" not in again
+    final = _result(runs["root"] / "pp2" / "interrupted")["weights"]
+    expected = _result(runs["root"] / "pp2" / "ddp-1f1b")["weights"]
     assert all(torch.equal(final[k], expected[k]) for k in expected)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # 8 processes on 2 cores: ~1 min here
 def test_3d_pp2_x_dp_shard2_x_tp2_equals_one_process(runs, no_leftovers):
+    """pp 2 x dp_shard 2 x tp 2: FSDP2 and tensor parallelism inside each of two stages."""
     out = runs["root"] / "3d"
     stdout = _train(out, 8, no_leftovers, "--pp", "2", "--tp", "2", "--batch", "4", *CLIP,
                     "--runs", "fsdp+tp:1f1b")

@@ -1,6 +1,7 @@
 """A tiny GPT trained by the Trainer with pipeline stages across processes (pp), once per configuration in
-turn (one launch, several runs); each saves its full final weights, every step's global loss and an
-exact validation loss in OUT/STRATEGY-SCHEDULE/final.pt.
+turn (one launch, several runs: STRATEGY:SCHEDULE[:FOLDER]); each saves its full final weights, every
+step's global loss and an exact validation loss in OUT/STRATEGY-SCHEDULE/final.pt (or OUT/FOLDER). A
+configuration whose final.pt exists is skipped: a restarted or relaunched job goes on where it was.
 
     multigpu run --nproc 2 pipeline_train.py OUT --pp 2 --batch 8 --runs ddp:gpipe,ddp:1f1b,ddp:interleaved_1f1b
     multigpu run --nproc 4 pipeline_train.py OUT --pp 2 --batch 4 --runs ddp:1f1b,fsdp:1f1b
@@ -8,9 +9,10 @@ exact validation loss in OUT/STRATEGY-SCHEDULE/final.pt.
     multigpu run --nproc 1 pipeline_train.py OUT --batch 8 --runs single:-     # the reference, in OUT/single
 
 The global batch is batch x data-parallel ranks (world / (pp x tp)): keep it equal across runs to compare.
---kill-at S     rank 1 SIGKILLs itself after step S+1 (first attempt only, before that step's checkpoint)
---preempt-at S  the last rank sends itself SIGUSR1 after step S (first launch only): every rank stops at
-                the same step, checkpoints and exits 75; launched again, the run resumes
+--kill-at S     rank 1 SIGKILLs itself after step S+1 of the last configuration (first attempt only, before
+                that step's checkpoint)
+--preempt-at S  the last rank sends itself SIGUSR1 after step S of the last configuration (once): every rank
+                stops at the same step, checkpoints and exits 75; launched again, the run resumes
 --clip C        clip the gradient norm (across stages and meshes) at C
 
 float64 throughout: runs that differ only in the order of float sums (micro-batches, reductions) stay
@@ -103,11 +105,14 @@ class LM(mg.Trainer):
         return {"loss": (F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum"),
                          targets.numel())}
 
+    interrupted = False
+
     def on_train_batch_end(self, step, loss):  # every rank's loss (equal batches): the global mean
-        if args.kill_at is not None and step == args.kill_at + 1 and run.rank == 1 and run.world.restart_count == 0:
+        if (self.interrupted and args.kill_at is not None and step == args.kill_at + 1 and run.rank == 1
+                and run.world.restart_count == 0):
             os.kill(os.getpid(), signal.SIGKILL)
-        if (args.preempt_at is not None and step == args.preempt_at and run.rank == run.world_size - 1
-                and not (Path(self.settings.out_dir) / "preempted").exists()):
+        if (self.interrupted and args.preempt_at is not None and step == args.preempt_at
+                and run.rank == run.world_size - 1 and not (Path(self.settings.out_dir) / "preempted").exists()):
             (Path(self.settings.out_dir) / "preempted").write_text(str(step))
             os.kill(os.getpid(), signal.SIGUSR1)
         self.losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])
@@ -118,9 +123,12 @@ data = torch.randint(0, VOCAB, (64 + 13, T + 1), generator=g)
 train_set = TensorDataset(data[:64, :-1], data[:64, 1:])
 valid_set = TensorDataset(data[64:, :-1], data[64:, 1:])
 points = [p if not p.isdigit() else int(p) for p in args.split_points.split(",") if p]
-for configuration in args.runs.split(","):
-    strategy, schedule = configuration.split(":")
-    out = Path(args.out) / (strategy if schedule == "-" else f"{strategy}-{schedule}")
+configurations = args.runs.split(",")
+for configuration in configurations:
+    strategy, schedule, *folder = configuration.split(":")
+    out = Path(args.out) / (folder[0] if folder else strategy if schedule == "-" else f"{strategy}-{schedule}")
+    if (out / "final.pt").exists():
+        continue
     pipeline = {"pipeline_schedule": schedule, "micro_batches": args.micro_batches,
                 "split_points": points or None} if args.pp > 1 else {}
     trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
@@ -128,7 +136,7 @@ for configuration in args.runs.split(","):
                  stop_check_every=1, checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
                  clip_grad_norm=args.clip, log_every_n_steps=0, plot=False, eval_batch_size=4,
                  hang_timeout_s=args.hang, **pipeline)
-    trainer.losses = []
+    trainer.losses, trainer.interrupted = [], configuration == configurations[-1]
     trainer.fit(train_set)
     valid = trainer.evaluate(valid_set)
     weights = run.state_dict(trainer.state_model)
