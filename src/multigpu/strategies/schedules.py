@@ -191,6 +191,11 @@ class PipelineParts(nn.Module):
             self.add_module(name, layer)
         self.runner = runner
         self._answer: Optional[list] = None
+        counts = torch.tensor([sum(p.numel() for p in self.parameters()),
+                               sum(p.numel() for p in self.parameters() if p.requires_grad)], device=runner.device)
+        dist.all_reduce(counts, group=runner.group)  # one rank per stage: every stage once
+        #: (parameters, trainable) of the whole model, for the report before the first step.
+        self.whole_model_parameters = (int(counts[0]), int(counts[1]))
 
     def forward(self, inputs: Any) -> Any:
         if self._answer is None:
