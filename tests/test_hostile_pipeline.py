@@ -72,6 +72,7 @@ DOOR = [
     ({"pp": 2, "split_points": ["a\x07"]}, "trainer setting split_points="),
     ({"pp": 2, "split_points": [None]}, "trainer setting split_points=None is invalid"),
     ({"pp": 2, "compile": True}, "trainer setting compile=True is invalid"),
+    ({"pp": 2, "precision": "16-mixed"}, "trainer setting precision='16-mixed' is invalid"),
     ({"pp": 2, "strategy_options": {"schedule": "gpipe"}}, "trainer setting strategy_options="),
     ({"micro_batches": 2}, "trainer setting pp=1 is invalid"),
 ]

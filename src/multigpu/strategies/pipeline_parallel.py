@@ -19,7 +19,9 @@ children where a new stage begins) or balanced by parameter count (the exact spl
 ``pipeline``). Each stage is an ``nn.Sequential`` of the original children under their original names,
 and the model handed back (:class:`~multigpu.strategies.schedules.PipelineParts`) holds this rank's
 children under those names: checkpoint keys are the unsplit model's, so DCP shards written per stage
-load at any layout and ``multigpu checkpoint consolidate`` gives the plain ``state.pt``.
+load at any layout and ``multigpu checkpoint consolidate`` gives the plain ``state.pt``. Every rank
+builds the whole model (on the CPU); only its own stages move to its device, where the ranks of a stage
+take its first rank's weights (as DDP's replicas take rank 0's).
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ from torch import nn
 from multigpu.checkpoint.names import strip_name
 from multigpu.errors import ConfigError, MultiGPUError
 from multigpu.strategies.base import BuildContext, OptimizerLike, StrategySpec, build_optimizer
-from multigpu.strategies.fsdp import (FSDPOptions, FSDPTPOptions, _dtype, _same_weights_as_rank0,
-                                      _sum_reductions_over_gloo, find_blocks)
+from multigpu.strategies.fsdp import FSDPOptions, FSDPTPOptions, _dtype, _sum_reductions_over_gloo, find_blocks
 from multigpu.strategies.pipeline import balanced_split_points
 from multigpu.strategies.schedules import SCHEDULES, PipelineParts, StageRunner, check_micro_batches
 
@@ -147,9 +148,7 @@ class PipelineParallel:
         par, rank = self.context.parallelism, self.context.world.rank
         self.mesh = self.context.mesh()
         names = {id(p): n for n, p in model.named_parameters()}
-        if not getattr(self.options, "cpu_offload", False):
-            model = model.to(self.device)
-            _same_weights_as_rank0(model)  # every rank starts from rank 0's model, as DDP would
+        blocks = [dist.new_group([s * par.stage_size + r for r in range(par.stage_size)]) for s in range(par.pp)]
         children = OrderedDict(model.named_children())
         bounds = stage_bounds(list(children), [sum(p.numel() for p in c.parameters()) for c in children.values()],
                               self.stages, self.options.split_points)
@@ -160,7 +159,12 @@ class PipelineParallel:
         for index in mine:
             part = OrderedDict(list(children.items())[bounds[index][0]:bounds[index][1]])
             layers.update(part)
-            wrapped.append(self._wrap(nn.Sequential(part), plan))
+            stage = nn.Sequential(part)
+            if not getattr(self.options, "cpu_offload", False):
+                stage.to(self.device)  # only this rank's stages reach its device
+                if par.stage_size > 1:  # replicas (and tensor-parallel slices) start from one copy, as DDP's do
+                    _same_weights_as_first(stage, blocks[par.pp_rank(rank)])
+            wrapped.append(self._wrap(stage, plan))
         replicas = self.wrap == "ddp" and par.dp_size > 1  # their gradients averaged after each step
         runner = StageRunner(wrapped, mine, self.stages, self.device, self.mesh["pp"].get_group(), self.options.schedule,
                              self.micro_batches, order=list(children), stage_size=par.stage_size, rank=rank,
@@ -237,6 +241,23 @@ class PipelineParallel:
         for params in groups.values():
             nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+
+def _same_weights_as_first(module: nn.Module, group: Any) -> None:
+    """Every rank of ``group`` takes its first rank's parameters and buffers: a stage built differently on
+    one rank (another seed) would otherwise train a mixture under FSDP, or diverging replicas."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.numel():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor.data)
+    with torch.no_grad():
+        for tensors in by_dtype.values():
+            flat = _flatten_dense_tensors(tensors)
+            dist.broadcast(flat, group=group, group_src=0)
+            for tensor, value in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+                tensor.copy_(value)
 
 
 @contextlib.contextmanager

@@ -132,6 +132,8 @@ class TrainerSettings:
             (pipelined, "pp", "2 or more with pipeline_schedule, micro_batches or split_points (the in-process "
                               "pipeline strategy takes its own in strategy_options)"),
             (self.pp == 1 or not self.compile, "compile", "false with pp (the pipeline runs each stage itself)"),
+            (self.pp == 1 or PRECISIONS[str(self.precision).lower()] != "fp16", "precision",
+             "32 or bf16 with pp (fp16's loss scaler would skip steps on some stages and not others)"),
             (self.micro_batches is None or self.batch_size % self.micro_batches == 0, "micro_batches",
              f"a divisor of batch_size {self.batch_size} (micro-batches are equal)"),
             (self.pp == 1 or not {"schedule", "micro_batches", "split_points"} & set(self.strategy_options),
