@@ -84,7 +84,7 @@ def main() -> None:
         parts, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=1e-3), schedule=schedule,
                                      micro_batches=micro)
 
-        def step() -> None:
+        def step(parts=parts, optimizer=optimizer) -> None:
             parts.train_step(batch, lambda m: F.mse_loss(parts(m[0]), m[1]))
             optimizer.zero_grad(set_to_none=True)
 

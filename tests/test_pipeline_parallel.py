@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, kill_all, multigpu, wait_until_gone
+from multigpu.checkpoint.sharded import consolidate
 from multigpu.distributed.parallel import Parallelism
 from multigpu.distributed.world import World
 from multigpu.errors import ConfigError
 from multigpu.strategies import make_strategy, resolve_name
 from multigpu.strategies.pipeline_parallel import stage_bounds, stages_per_rank
 from multigpu.strategies.schedules import check_micro_batches, take
-from multigpu.checkpoint.sharded import consolidate
 
 SCRIPT = str(SCRIPTS / "pipeline_train.py")
 #: float64 runs that differ only in the order of float sums (micro-batches, reductions) stay within ~1e-9

@@ -42,6 +42,7 @@ from multigpu.strategies.fsdp import FSDPOptions, FSDPTPOptions, _dtype, _sum_re
 from multigpu.strategies.pipeline import balanced_split_points
 from multigpu.strategies.schedules import SCHEDULES, PipelineParts, StageRunner, check_micro_batches
 
+
 @dataclass(frozen=True)
 class ScheduleOptions:
     """Given by the Trainer settings ``pipeline_schedule``, ``micro_batches``, ``split_points``."""
@@ -233,7 +234,7 @@ class PipelineParallel:
                 groups[getattr(p.grad, "device_mesh", None)].append(p)
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for params in groups.values():
-            norm = nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             squares += norm.to(squares.device, torch.float64) ** 2
         dist.all_reduce(squares, group=self.mesh["pp"].get_group())

@@ -135,7 +135,7 @@ class StageRunner:
         def cut(output: Any, index: torch.Tensor) -> torch.Tensor:
             start, stop = int(index[0]), int(index[-1]) + 1
             if start >= rows:  # all padding: nothing to learn from, but a graph to run backward through
-                return sum(t.sum() for t in _tensors(output)) * 0.0 if training else torch.zeros(())
+                return torch.stack([t.sum() for t in _tensors(output)]).sum() * 0.0 if training else torch.zeros(())
             return loss(output if stop <= rows else _rows(output, rows - start), start, min(stop, rows))
 
         self._loss = cut
@@ -277,7 +277,7 @@ class PipelineParts(nn.Module):
 
     def shared(self, metrics: dict[str, float]) -> dict[str, float]:
         """The last stage's metrics on every rank of the pipeline (the others computed none)."""
-        box = [metrics if self.runner.has_last else None]
+        box: list[Any] = [metrics if self.runner.has_last else None]
         dist.broadcast_object_list(box, group_src=self.runner.pp - 1, group=self.runner.group)
         return box[0]
 
