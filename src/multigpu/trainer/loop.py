@@ -283,8 +283,10 @@ class Trainer(abc.ABC):
             boundary = ((index + 1) % s.accumulate == 0 or (total is not None and index + 1 == total)
                         or (total is None and s.accumulate > 1 and loader.ends_after_current()))
             with (contextlib.nullcontext() if boundary else strategy.no_sync(model)):
-                detached = self._step.train(batch, loader.batch_size).detach()
+                detached = self._step.train(batch, loader.batch_size).detach()  # pp: the schedule's step
             loss_sum += detached
+            if run.probe is not None:  # `multigpu check`: the value backpropagated (before precision scaling);
+                run.probe.record_loss(detached / s.accumulate)  # a step's loss is their sum, the mean of the batches
             batches += 1
             window_batches += 1
             n = batch_length(batch)

@@ -31,12 +31,6 @@ class ForwardBackward:
         with t.precision.autocast():
             loss = t.compute_loss(batch)
         t.strategy.backward(t.precision.scale(loss / accumulate if accumulate > 1 else loss))
-        return self._recorded(loss)
-
-    def _recorded(self, loss: torch.Tensor) -> torch.Tensor:
-        t = self.trainer
-        if t.run.probe is not None:  # `multigpu check`: the value backpropagated (before precision scaling);
-            t.run.probe.record_loss(loss.detach() / t.settings.accumulate)  # a step's loss is their sum
         return loss
 
     def evaluate(self, loader: Any, sharded_model: bool) -> dict[str, float]:
@@ -65,7 +59,7 @@ class PipelineStep(ForwardBackward):
         with t.precision.autocast():  # around the schedule: it runs each micro-batch's backward right after
             loss = t.state_model.train_step(batch, t.compute_loss, t.model_inputs, divide=t.settings.accumulate,
                                             scale=t.precision.scale, pad_to=batch_size)
-        return self._recorded(loss)
+        return loss
 
     def evaluator(self, evaluate_batch: Callable[[Any], Mapping], batch_size: int) -> Callable[[Any], Mapping]:
         parts, inputs_of = self.trainer.state_model, self.trainer.model_inputs
