@@ -122,7 +122,8 @@ def _max_difference(a: dict, b: dict, losses: bool = True) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Four launches: pp 2 x dp 2 (4 processes) with ddp and with fsdp; one process - the reference, then
+    """Four launches: pp 2 x dp 2 (4 processes) with ddp, with fsdp, and with ddp accumulating 2 micro-steps
+    of batch 2 per step; one process - the reference, then
     the fsdp run's step-3 checkpoint continued; pp 2 (2 processes) with each schedule, then a run killed
     (one restart) and preempted (exit 75); that launch again, which only finishes the interrupted run."""
     root = tmp_path_factory.mktemp("pp")
@@ -130,7 +131,7 @@ def runs(tmp_path_factory):
     started = time.monotonic()
     try:
         stdout = {"pp2dp2": _train(root / "pp2dp2", 4, token, "--pp", "2", "--batch", "4", *CLIP,
-                                   "--runs", "ddp:1f1b,fsdp:1f1b")}
+                                   "--runs", "ddp:1f1b,fsdp:1f1b,ddp:1f1b:accumulated:2")}
         step3 = root / "single" / "continued" / "checkpoints" / "step-00000003"
         shutil.copytree(root / "pp2dp2" / "fsdp-1f1b" / "checkpoints" / step3.name, step3)
         stdout["single"] = _train(root / "single", 1, token, "--batch", "8", *CLIP, "--runs",
@@ -158,7 +159,7 @@ def test_pp2_equals_one_process_with_every_schedule(runs):
 
 
 @pytest.mark.timeout(900)  # shares the launches above
-def test_pp2_x_dp2_with_ddp_and_with_fsdp_equals_one_process(runs):
+def test_pp2_x_dp2_with_ddp_and_with_fsdp_and_accumulating_equals_one_process(runs):
     single = _result(runs["root"] / "single" / "single")
     assert "(4 processes: pp 2 x dp 2)" in runs["stdout"]["pp2dp2"]
     for strategy in ("ddp", "fsdp"):
@@ -166,6 +167,12 @@ def test_pp2_x_dp2_with_ddp_and_with_fsdp_equals_one_process(runs):
         difference = _max_difference(_result(runs["root"] / "pp2dp2" / f"{strategy}-1f1b"), single)
         print(f"pp 2 x dp 2, {strategy}: {difference:.1e}")
         assert difference < TOLERANCE
+    # accumulation: gradients averaged over the stage's replicas only at the boundary (no_sync before it)
+    accumulated = _result(runs["root"] / "pp2dp2" / "accumulated")
+    assert len(accumulated["losses"]) == 12  # a loss per micro-step
+    difference = _max_difference(accumulated, single, losses=False)
+    print(f"pp 2 x dp 2, ddp, accumulate 2: {difference:.1e}")
+    assert difference < TOLERANCE
 
 
 @pytest.mark.timeout(900)  # shares the launches above

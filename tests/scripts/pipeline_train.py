@@ -1,5 +1,6 @@
 """A tiny GPT trained by the Trainer with pipeline stages across processes (pp), once per configuration in
-turn (one launch, several runs: STRATEGY:SCHEDULE[:FOLDER]); each saves its full final weights, every
+turn (one launch, several runs: STRATEGY:SCHEDULE[:FOLDER[:ACCUMULATE]], the batch then split into
+ACCUMULATE micro-steps of batch / ACCUMULATE); each saves its full final weights, every
 step's global loss and an exact validation loss in OUT/STRATEGY-SCHEDULE/final.pt (or OUT/FOLDER). A
 configuration whose final.pt exists is skipped: a restarted or relaunched job goes on where it was.
 
@@ -127,12 +128,13 @@ configurations = args.runs.split(",")
 for configuration in configurations:
     strategy, schedule, *folder = configuration.split(":")
     out = Path(args.out) / (folder[0] if folder else strategy if schedule == "-" else f"{strategy}-{schedule}")
+    accumulate = int(folder[1]) if len(folder) > 1 else 1
     if (out / "final.pt").exists():
         continue
     pipeline = {"pipeline_schedule": schedule, "micro_batches": args.micro_batches,
                 "split_points": points or None} if args.pp > 1 else {}
-    trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
-                 max_steps=args.steps, strategy=strategy, tp=args.tp, pp=args.pp, out_dir=str(out),
+    trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch // accumulate,
+                 accumulate=accumulate, epochs=100, max_steps=args.steps, strategy=strategy, tp=args.tp, pp=args.pp, out_dir=str(out),
                  stop_check_every=1, checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
                  clip_grad_norm=args.clip, log_every_n_steps=0, plot=False, eval_batch_size=4,
                  hang_timeout_s=args.hang, **pipeline)
