@@ -50,7 +50,7 @@ CASES = [
          write("s.py", "import multigpu as mg\nmg.init(pp=2)\n"), python=True),
     # layouts the world or the model refute: every rank refuses before the first step
     Case("pp-does-not-divide", ["run", "--nproc", "2", "s.py"], "pp=3 x dp_replicate=1 x tp=1 = 3 does not divide",
-         trainer(pp=3)),
+         trainer(pp=3, micro_batches=1)),
     Case("pp-not-sequential", ["run", "--nproc", "2", "s.py"], "pp splits an nn.Sequential into stages, not Linear",
          trainer(model="nn.Linear(2, 1)")),
     Case("pp-split-point-unknown", ["run", "--nproc", "2", "s.py"], "split point 'head' is not a child",
@@ -75,6 +75,7 @@ DOOR = [
     ({"pp": 2, "precision": "16-mixed"}, "trainer setting precision='16-mixed' is invalid"),
     ({"pp": 2, "strategy_options": {"schedule": "gpipe"}}, "trainer setting strategy_options="),
     ({"micro_batches": 2}, "trainer setting pp=1 is invalid"),
+    ({"pp": 2, "batch_size": 3}, "trainer setting micro_batches=None is invalid"),  # the default: 2, one per stage
 ]
 
 

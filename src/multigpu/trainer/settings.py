@@ -134,8 +134,8 @@ class TrainerSettings:
             (self.pp == 1 or not self.compile, "compile", "false with pp (the pipeline runs each stage itself)"),
             (self.pp == 1 or PRECISIONS[str(self.precision).lower()] != "fp16", "precision",
              "32 or bf16 with pp (fp16's loss scaler would skip steps on some stages and not others)"),
-            (self.micro_batches is None or self.batch_size % self.micro_batches == 0, "micro_batches",
-             f"a divisor of batch_size {self.batch_size} (micro-batches are equal)"),
+            (self.pp == 1 or self.batch_size % self._micro_batches() == 0, "micro_batches",
+             f"a divisor of batch_size {self.batch_size} (micro-batches are equal; the default is one per stage)"),
             (self.pp == 1 or not {"schedule", "micro_batches", "split_points"} & set(self.strategy_options),
              "strategy_options", "the strategy's own options; with pp set pipeline_schedule, micro_batches and "
                                  "split_points as trainer settings"),
@@ -148,6 +148,12 @@ class TrainerSettings:
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainerSettings":
         check_keys(cls, values, owner="the Trainer", noun="setting")
         return cls(**dict(values))
+
+    def _micro_batches(self) -> int:
+        """Micro-batches per batch with pp: as set, or one per stage (strategies.pipeline_parallel's default)."""
+        stages = len(self.split_points) + 1 if self.split_points else self.pp * (
+            2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+        return self.micro_batches or stages
 
     def setup_options(self) -> dict[str, Any]:
         """The strategy's options for ``run.setup``; with pp > 1 the pipeline's too."""
