@@ -40,7 +40,7 @@ def test_degrees_multiply_to_the_world_and_tp_stays_in_a_node():
     assert Parallelism.from_degrees(4, 4).is_plain and Parallelism.from_degrees(4, 4).dp_size == 4
     for kwargs, needle in (({"tp": 3}, "does not divide the world size 8"),
                            ({"tp": 2, "dp_replicate": 2, "dp_shard": 3}, "but the world has 8"),
-                           ({"tp": 0}, "tp=0 must be"), ({"pp": 2}, "pipeline stages across processes")):
+                           ({"tp": 0}, "tp=0 must be"), ({"pp": 3}, "pp=3 x .* does not divide")):
         with pytest.raises(ConfigError, match=needle):
             Parallelism.from_degrees(8, 4, **kwargs)
     with pytest.raises(ConfigError, match="tp=4 would span nodes"):
@@ -48,7 +48,8 @@ def test_degrees_multiply_to_the_world_and_tp_stays_in_a_node():
 
 
 def test_every_name_is_in_the_table_with_options_and_auto_is_a_rule():
-    assert set(NAMES) == {"auto", "single", "dp", "ddp", "fsdp", "hsdp", "fsdp+tp", "pipeline", "ddp+pipeline"}
+    assert set(NAMES) == {"auto", "single", "dp", "ddp", "fsdp", "hsdp", "fsdp+tp", "pipeline", "ddp+pipeline",
+                          "pp+ddp", "pp+fsdp", "pp+hsdp", "pp+fsdp+tp", "ft-ddp"}
     for name in NAMES[1:]:
         entry = spec(name)
         assert entry.name == name and entry.summary

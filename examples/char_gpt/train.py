@@ -11,6 +11,8 @@ switch with one setting:
     multigpu run --gpus 0 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.precision=bf16
     multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=fsdp+tp trainer.tp=2
     multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=hsdp trainer.dp_replicate=2
+    multigpu run --nproc 2 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.pp=2                  # 2 stages, 2 processes
+    multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.pp=2 trainer.strategy=fsdp trainer.pipeline_schedule=interleaved_1f1b
 
 At the end rank 0 prints a sample of generated text and the training throughput in tokens/s.
 """
@@ -174,7 +176,7 @@ def main(argv: list[str]) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     run.print(f"char_gpt: {n_params / 1e6:.2f}M parameters, vocabulary {len(chars)}, strategy {cfg.trainer.strategy}")
     settings = cfg.trainer
-    data_ranks = run.world_size // settings.tp  # tensor-parallel ranks share a batch
+    data_ranks = run.world_size // (settings.tp * settings.pp)  # tensor-parallel ranks and pipeline stages share a batch
     total_steps = settings.max_steps or settings.epochs * math.ceil(len(train_set) / (settings.batch_size * data_ranks))
 
     def schedule(optimizer):
@@ -188,9 +190,10 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     history = trainer.fit(train_set, valid_set)
     elapsed = time.perf_counter() - started
-    if history:
-        tokens = sum(row["samples_per_s"] * row["epoch_s"] for row in history) * cfg.model.block_size
-        run.print(f"char_gpt: {tokens / max(sum(r['epoch_s'] for r in history), 1e-9):,.0f} tokens/s in training "
+    epochs = [row for row in history if "epoch_s" in row]  # not the rows of eval_every_steps
+    if epochs:
+        tokens = sum(row["samples_per_s"] * row["epoch_s"] for row in epochs) * cfg.model.block_size
+        run.print(f"char_gpt: {tokens / max(sum(r['epoch_s'] for r in epochs), 1e-9):,.0f} tokens/s in training "
                   f"({elapsed:.0f} s with evaluation and checkpoints)")
     if cfg.sample_chars and trainer.strategy.name in ("single", "ddp"):
         plain = trainer.strategy.unwrap(trainer.model).eval()

@@ -131,20 +131,20 @@ class Run:
 
     # ------------------------------------------------------------------ parallelism
     def configure_parallelism(self, *, tp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None,
-                              fault_tolerance: Optional[Mapping[str, int]] = None) -> Parallelism:
+                              pp: int = 1, fault_tolerance: Optional[Mapping[str, int]] = None) -> Parallelism:
         """Set the degrees (before ``setup`` and before any loader): their product is the world size.
         ``fault_tolerance`` (replica groups, the Trainer's setting) is checked against the launch."""
         check_replica_groups(fault_tolerance, self.world)
         wanted = Parallelism.from_degrees(self.world_size, self.world.local_world_size, dp_replicate=dp_replicate,
-                                          dp_shard=dp_shard, tp=tp)
+                                          dp_shard=dp_shard, tp=tp, pp=pp)
         if wanted == self.parallelism:
             return wanted
         if self.strategy is not None or self._mesh is not None:
             raise ConfigError("the parallelism degrees changed after the model was set up.",
-                              "give tp/dp_replicate to mg.init() or before run.setup().")
+                              "give tp/dp_replicate/pp to mg.init() or before run.setup().")
         if self._loaders_dp is not None and self._loaders_dp != wanted.dp_size:
             raise ConfigError(f"loaders were built for {self._loaders_dp} data shards, but tp={tp}, "
-                              f"dp_replicate={dp_replicate} make {wanted.dp_size}.",
+                              f"dp_replicate={dp_replicate}, pp={pp} make {wanted.dp_size}.",
                               "set the degrees (mg.init(tp=...) or the Trainer settings) before building loaders.")
         self.parallelism = wanted
         return wanted
@@ -163,12 +163,12 @@ class Run:
         return self._dp_group
 
     def _make_dp_groups(self) -> None:
-        """With tensor parallelism, metrics reduce over the ranks holding different data only. Every rank
-        creates every group, in the same order (torch's rule for new_group)."""
-        if self.parallelism.tp == 1 or self._dp_group is not None or not self.session.active:
+        """With tensor or pipeline parallelism, metrics reduce over the ranks holding different data only (of
+        one stage). Every rank creates every group, in the same order (torch's rule for new_group)."""
+        par = self.parallelism
+        if (par.tp == 1 and par.pp == 1) or self._dp_group is not None or not self.session.active:
             return
-        for tp_rank in range(self.parallelism.tp):
-            ranks = [r for r in range(self.world_size) if r % self.parallelism.tp == tp_rank]
+        for ranks in par.dp_groups():
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 self._dp_group = group
@@ -481,6 +481,7 @@ def init(
     same_random_streams: bool = False,
     tp: int = 1,
     dp_replicate: int = 1,
+    pp: int = 1,
     env: Optional[Mapping[str, str]] = None,
 ) -> Run:
     """Find where this process stands and join the others.
@@ -491,8 +492,8 @@ def init(
     with several processes, single otherwise). ``seed``: seed python, numpy and torch the same on every
     rank now - models built before ``run.setup`` are identical - and per rank after it, so dropout and
     augmentation differ between ranks as they differ between samples of one process
-    (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``: parallelism degrees
-    (the rest of the world shards data). ``env``: read this mapping instead of the environment (tests).
+    (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``, ``pp``: parallelism degrees
+    (the rest of the world shards data; ``pp``: pipeline stages on consecutive groups of ranks). ``env``: read this mapping instead of the environment (tests).
     """
     world = detect_world(env)
     cuda_count = torch.cuda.device_count() if accelerator != "cpu" else 0
@@ -500,7 +501,8 @@ def init(
     if world.memory_fraction is not None and devices[0].type == "cuda":
         for device in devices:  # a packed queue run: an allocation beyond its share fails here, not in a neighbour
             torch.cuda.set_per_process_memory_fraction(allocator_fraction(world.memory_fraction, device), device)
-    parallelism = Parallelism.from_degrees(world.world_size, world.local_world_size, dp_replicate=dp_replicate, tp=tp)
+    parallelism = Parallelism.from_degrees(world.world_size, world.local_world_size, dp_replicate=dp_replicate, tp=tp,
+                                           pp=pp)
     settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
     session = DistSession(world, devices[0], settings).start()
     run = Run(world=world, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,

@@ -124,6 +124,9 @@ class ShardedIO:
     def model_state(self, model: nn.Module) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        gathered = getattr(model, "full_state_dict", None)  # pipeline stages: the other stages live on other ranks
+        if callable(gathered):
+            return gathered()
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return clean_state_dict(get_model_state_dict(model, options=options))
 

@@ -35,6 +35,16 @@ from multigpu.errors import CheckpointError, visible
 
 EXTRA_FILE = "extra.pt"
 METADATA = ".metadata"
+#: The manifest says so when the optimizer's state is flattened (per-parameter hyperparameters): written
+#: since pipeline stages, whose ranks hold different parameters - one group list would keep only one
+#: stage's (torchtitan saves it flattened for the same reason). Folders without it load as before.
+FLAT_OPTIMIZER = "optimizer_flat"
+
+
+def _options(flat: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
 
 
 def is_sharded(path: Path) -> bool:
@@ -107,7 +117,7 @@ def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [], options=_options(True))
     if is_main:
         start_draft(directory, step, unique=False)  # the same name on every rank, without talking
     barrier()
@@ -122,7 +132,7 @@ def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch
         for digests in everyone or []:
             _record(draft, digests)
         draft.save(EXTRA_FILE, extra)
-        final = finalize(draft, step, meta={**(meta or {}), "sharded": True})
+        final = finalize(draft, step, meta={**(meta or {}), "sharded": True, FLAT_OPTIMIZER: True})
     barrier()
     return final
 
@@ -142,7 +152,8 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     manifest = manifest if manifest is not None else read_manifest(Path(path))
     metadata = read_checked_metadata(path, manifest)  # before DCP sees the folder: a planted object stops here
     optimizers = [optimizer] if optimizer is not None else []
-    model_state, optim_state = get_state_dict(model, optimizers)
+    options = _options(bool(manifest.get(FLAT_OPTIMIZER)))
+    model_state, optim_state = get_state_dict(model, optimizers, options=options)
     state = {"model": model_state, "optimizer": optim_state}
     planner = SafeLoadPlanner()
     try:
@@ -156,7 +167,8 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
             raise planner.refusal from None
         raise CheckpointError(f"cannot load the sharded checkpoint {visible(str(path))}: {visible(last_line(exc))}",
                               "it was saved from a different model; resume with the same model configuration.") from None
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
     return load_state(Path(path) / EXTRA_FILE, map_location=map_location)
 
 
@@ -240,7 +252,7 @@ def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional
 
     from multigpu.checkpoint.background import PendingSave
 
-    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [])
+    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [], options=_options(True))
     if is_main:
         start_draft(directory, step, unique=False)
     barrier()
@@ -257,7 +269,7 @@ def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional
         if is_main:
             _record(draft, storage.fs.digests)  # the other ranks' shards are summed by finalize, reading them
             draft.save(EXTRA_FILE, staged_extra)
-            finalize(draft, step, meta={**(meta or {}), "sharded": True})
+            finalize(draft, step, meta={**(meta or {}), "sharded": True, FLAT_OPTIMIZER: True})
             after()
 
     return PendingSave(Path(directory) / step_name(step), finish)

@@ -8,12 +8,15 @@ world size": the sampler shards by :attr:`dp_rank` / :attr:`dp_size`, the global
 Learned from torchtitan's ``ParallelDims`` (degrees validated once, one mesh, everyone asks it for a
 dimension) and Lightning Fabric's ``distributed_sampler_kwargs``.
 
-Rank layout: ``rank = (replicate * dp_shard + shard) * tp + tp_rank`` - tensor parallelism innermost,
-so a tp group is consecutive ranks of one node (its collectives run every layer and must not cross
-the network); data-parallel groups are strided.
+Rank layout: ``rank = ((stage * dp_replicate + replicate) * dp_shard + shard) * tp + tp_rank`` -
+tensor parallelism innermost, so a tp group is consecutive ranks of one node (its collectives run
+every layer and must not cross the network); data-parallel groups are strided; pipeline parallelism
+(``pp``) outermost, so pipeline stage s is the consecutive block of ranks ``s * world/pp`` to
+``(s + 1) * world/pp - 1`` - whole nodes when a stage fills them, and only the stage-to-stage
+activations (point to point, once per micro-batch) cross between them (torchtitan's order).
 
-The mesh is built only when a strategy needs one (fsdp, hsdp, fsdp+tp): plain DDP uses the default
-group and pays nothing.
+The mesh is built only when a strategy needs one (fsdp, hsdp, fsdp+tp, pp): plain DDP uses the default
+group and pays nothing. Its dimensions are (dp_replicate, dp_shard, tp), with ``pp`` first when pp > 1.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class Parallelism:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    #: Pipeline stages: ranks s * world/pp .. (s + 1) * world/pp - 1 hold stage s.
+    pp: int = 1
 
     @classmethod
     def plain(cls, world_size: int) -> "Parallelism":
@@ -49,28 +54,25 @@ class Parallelism:
         for name, value in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.", f"use {name}: 1 or more.")
-        if pp != 1:
-            raise ConfigError(f"pp={pp}: pipeline stages across processes are not supported.",
-                              "use strategy pipeline (or ddp+pipeline) - its stages run in one process over "
-                              "--gpus-per-proc GPUs - and leave pp at 1.")
-        rest = dp_replicate * tp
+        staged = f"pp={pp} x " if pp > 1 else ""
+        rest = dp_replicate * tp * pp
         if dp_shard is None or dp_shard == -1:
             if world_size % rest:
-                raise ConfigError(f"dp_replicate={dp_replicate} x tp={tp} = {rest} does not divide the world size "
-                                  f"{world_size}.", f"choose degrees whose product divides {world_size}.")
+                raise ConfigError(f"{staged}dp_replicate={dp_replicate} x tp={tp} = {rest} does not divide the world "
+                                  f"size {world_size}.", f"choose degrees whose product divides {world_size}.")
             dp_shard = world_size // rest
         if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1:
             raise ConfigError(f"dp_shard={dp_shard!r} must be a whole number of at least 1 (or -1: the rest).",
                               "leave dp_shard out to use the rest of the world.")
-        if dp_replicate * dp_shard * tp != world_size:
-            raise ConfigError(f"dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} = "
-                              f"{dp_replicate * dp_shard * tp}, but the world has {world_size} processes.",
+        if dp_replicate * dp_shard * tp * pp != world_size:
+            raise ConfigError(f"{staged}dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} = "
+                              f"{dp_replicate * dp_shard * tp * pp}, but the world has {world_size} processes.",
                               f"choose degrees whose product is {world_size} (dp_shard -1 takes the rest).")
         if tp > 1 and local_world_size % tp:
             raise ConfigError(f"tp={tp} would span nodes: each node runs {local_world_size} process(es).",
                               f"tensor parallelism talks every layer; keep it within a node: tp must divide "
                               f"{local_world_size}.")
-        return cls(world_size, dp_replicate, dp_shard, tp)
+        return cls(world_size, dp_replicate, dp_shard, tp, pp)
 
     # ---------------------------------------------------------------- who am I in each dimension
     @property
@@ -78,23 +80,47 @@ class Parallelism:
         """Ranks that see different data: the sampler's number of shards, the global batch's factor."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage (the whole world without pp)."""
+        return self.world_size // self.pp
+
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage (group of consecutive ranks) this rank belongs to."""
+        return rank // self.stage_size
+
     def dp_rank(self, rank: int) -> int:
-        """This rank's data shard: ranks of one tensor-parallel group read the same batch."""
-        return rank // self.tp
+        """This rank's data shard: ranks of one tensor-parallel group (and of one pipeline) read the same batch."""
+        return (rank % self.stage_size) // self.tp
 
     def dp_group_ranks(self, rank: int) -> list[int]:
-        """The ranks that hold the same tensor-parallel slice and different data (metrics reduce here)."""
-        return [r for r in range(self.world_size) if r % self.tp == rank % self.tp]
+        """The ranks that hold the same tensor-parallel slice of the same stage and different data (metrics
+        reduce here)."""
+        return [r for r in range(self.world_size)
+                if r % self.tp == rank % self.tp and self.pp_rank(r) == self.pp_rank(rank)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Every data-parallel group, in rank order (each rank creates each group, torch's rule)."""
+        groups: list[list[int]] = []
+        for rank in range(self.world_size):
+            ranks = self.dp_group_ranks(rank)
+            if ranks not in groups:
+                groups.append(ranks)
+        return groups
+
+    def pp_group_ranks(self, rank: int) -> list[int]:
+        """The ranks of this rank's pipeline: one per stage, at the same place in each stage's block."""
+        return [stage * self.stage_size + rank % self.stage_size for stage in range(self.pp)]
 
     @property
     def is_plain(self) -> bool:
-        return self.tp == 1 and self.dp_replicate == 1
+        return self.tp == 1 and self.dp_replicate == 1 and self.pp == 1
 
     def describe(self) -> str:
-        parts = []
+        parts = [f"pp {self.pp}"] if self.pp > 1 else []
         if self.dp_replicate > 1:
             parts.append(f"dp_replicate {self.dp_replicate}")
         parts.append(f"dp_shard {self.dp_shard}" if (self.dp_replicate > 1 or self.tp > 1) else f"dp {self.dp_shard}")
@@ -104,10 +130,13 @@ class Parallelism:
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str) -> Any:
-        """``init_device_mesh`` over (dp_replicate, dp_shard, tp): a collective, every rank calls it once."""
+        """``init_device_mesh`` over (dp_replicate, dp_shard, tp), with ``pp`` first when pp > 1: a collective,
+        every rank calls it once."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)
+        staged = self.pp > 1
+        shape = ((self.pp,) if staged else ()) + (self.dp_replicate, self.dp_shard, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=(("pp",) if staged else ()) + DIM_NAMES)
 
 
 def check_replica_groups(fault_tolerance: Optional[Mapping[str, int]], world: "World") -> None:

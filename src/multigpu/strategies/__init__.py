@@ -10,6 +10,8 @@ processes is not their business. Learned from Lightning Fabric's strategy regist
 ``auto`` is a rule, not a strategy: **ddp when the job has several processes, single otherwise** - and
 in a job of replica groups (``multigpu run --replica-groups R``) ``auto`` and ``ddp`` mean **ft-ddp**,
 the only strategy that keeps stepping when a group dies.
+With ``pp`` > 1 the name says how each pipeline stage is wrapped within its ranks: ``ddp`` (and
+``auto``), ``fsdp``, ``hsdp``, ``fsdp+tp`` become ``pp+ddp``, ``pp+fsdp``, ... (strategies/pipeline_parallel.py).
 
 To add a strategy: write a module with a class following :class:`Strategy` and a ``STRATEGIES``
 tuple, and add its names to :data:`MODULES` below.
@@ -43,17 +45,26 @@ MODULES = {
     "pipeline": "multigpu.strategies.pipeline",
     "ddp+pipeline": "multigpu.strategies.pipeline",
     "ft-ddp": "multigpu.strategies.fault_tolerant",
+    "pp+ddp": "multigpu.strategies.pipeline_parallel",
+    "pp+fsdp": "multigpu.strategies.pipeline_parallel",
+    "pp+hsdp": "multigpu.strategies.pipeline_parallel",
+    "pp+fsdp+tp": "multigpu.strategies.pipeline_parallel",
 }
 NAMES = ("auto", *MODULES)
 
 
-def resolve_name(name: Optional[str], world: World) -> str:
-    """The documented ``auto`` rule, and names in lower case."""
+def resolve_name(name: Optional[str], world: World, pp: int = 1) -> str:
+    """The documented ``auto`` rule, and names in lower case; with ``pp`` > 1 the pipelined entry."""
     name = (name or "auto").lower()
     if world.lighthouse is not None and name in ("auto", "ddp"):
         return "ft-ddp"
     if name == "auto":
-        return "ddp" if world.is_distributed else "single"
+        name = "ddp" if world.is_distributed else "single"
+    if pp > 1 and not name.startswith("pp+") and "pp+" + name in MODULES:
+        return "pp+" + name
+    if pp > 1 and not name.startswith("pp+") and name in MODULES:
+        raise ConfigError(f"strategy {name!r} does not run pipeline stages across processes (pp={pp}).",
+                          "use strategy ddp, fsdp, hsdp or fsdp+tp with pp (each stage wrapped that way), or pp: 1.")
     return name
 
 
@@ -79,7 +90,7 @@ def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.dev
                   activation_checkpointing: Any = None, **options: Any) -> Strategy:
     """The strategy called ``name`` for this process (``auto``: ddp with several processes, else single).
     ``activation_checkpointing``: the validated setting, applied by the strategy's ``setup``."""
-    entry = spec(resolve_name(name, world))
+    entry = spec(resolve_name(name, world, parallelism.pp if parallelism is not None else 1))
     if world.lighthouse is not None and not entry.fault_tolerant:
         raise ConfigError(f"strategy {entry.name!r} cannot run in replica groups: one dead group would stop the "
                           "others, and its gradients would not be averaged across groups.",
@@ -96,6 +107,10 @@ def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.dev
     strategy = entry.build(context, parse_options(entry, options))
     if activation_checkpointing:
         from multigpu.validate import activation_checkpointing_settings
+
+        if not hasattr(strategy, "checkpoint_activations"):
+            raise ConfigError(f"strategy {entry.name!r} does not apply activation_checkpointing yet.",
+                              "leave activation_checkpointing off with it (see docs/strategies.md).")
 
         strategy.activation_checkpointing = activation_checkpointing_settings(activation_checkpointing, ConfigError)
     return strategy

@@ -43,13 +43,13 @@ from multigpu.loggers import Loggers, hparams_of
 from multigpu.trainer.monitor import BestTracker
 from multigpu.trainer.precision import Precision
 from multigpu.guards.preemption import Preempted
-from multigpu.trainer.evaluation import evaluate_shard
 from multigpu.trainer.progress import ProgressLine, format_metrics, show_progress, start_report
 from multigpu.trainer.extras import StepExtras
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.runtime import Run
 from multigpu.trainer import replicas, resume
 from multigpu.trainer.settings import TrainerSettings, TrainState
+from multigpu.trainer.step import make_step
 from multigpu.strategies.base import OptimizerLike
 
 SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
@@ -76,13 +76,13 @@ class Trainer(abc.ABC):
         self.settings = s = run.probe.trainer_settings(s)  # `multigpu check`: its own folder, never the user's
         self.run = run
         self.config = config
-        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate, fault_tolerance=s.fault_tolerance)
+        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate, pp=s.pp, fault_tolerance=s.fault_tolerance)
         self.device = run.device
         self.precision = Precision(s.precision, self.device)
         if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
             run.check_consistency(model, config, trainer_settings=s.plain())
         self.model, self.optimizer = run.setup(model, optimizer, strategy=s.strategy or run.strategy_name,
-                                               activation_checkpointing=s.activation_checkpointing, **s.strategy_options)
+                                               activation_checkpointing=s.activation_checkpointing, **s.setup_options())
         if self.optimizer is None:
             raise ConfigError("the Trainer needs an optimizer.", "pass one, or a factory like "
                               "`lambda params: torch.optim.AdamW(params, lr=1e-3)`.")
@@ -97,6 +97,7 @@ class Trainer(abc.ABC):
                               "the scheduler given still drives the old one.",
                               "pass a scheduler factory: scheduler=lambda optimizer: CosineAnnealingLR(optimizer, ...).")
         self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler  # a factory or an instance
+        self._step = make_step(self)  # forward + backward, or (pp) the pipeline schedule's step
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
         self.replicas, self.out_dir = replicas.attach(self, run.check_writable(s.out_dir, "the Trainer's out_dir"))
@@ -128,6 +129,10 @@ class Trainer(abc.ABC):
         """
         n = batch_length(batch)
         return {"loss": (self.compute_loss(batch).detach() * n, n)}
+
+    def model_inputs(self, batch: Any) -> Any:
+        """What ``compute_loss`` passes to ``self.model`` (with pp: the first stage's input): ``batch[0]``."""
+        return batch[0] if isinstance(batch, (tuple, list)) else batch
 
     # hooks (all optional; called on every rank; see the module docstring for the order)
     def on_fit_start(self) -> None:  # noqa: B027
@@ -283,10 +288,7 @@ class Trainer(abc.ABC):
             boundary = ((index + 1) % s.accumulate == 0 or (total is not None and index + 1 == total)
                         or (total is None and s.accumulate > 1 and loader.ends_after_current()))
             with (contextlib.nullcontext() if boundary else strategy.no_sync(model)):
-                with precision.autocast():
-                    loss = self.compute_loss(batch)
-                strategy.backward(precision.scale(loss / s.accumulate if s.accumulate > 1 else loss))
-            detached = loss.detach()
+                detached = self._step.train(batch, loader.batch_size).detach()  # pp: the schedule's step
             loss_sum += detached
             run.probe.record_loss(detached, s.accumulate)  # `multigpu check` (a no-op otherwise)
             batches += 1
@@ -404,9 +406,7 @@ class Trainer(abc.ABC):
         self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
         try:
-            return evaluate_shard(loader, self.evaluate_batch, run=self.run, device=self.device,
-                                  autocast=self.precision.autocast, sharded_model=sharded_model,
-                                  heartbeat=lambda: self.run.step_done(self.state.global_step))
+            return self._step.evaluate(loader, sharded_model)  # evaluation.evaluate_shard (pp: through the pipeline)
         finally:
             self.model = wrapped
             self.model.train()

@@ -98,8 +98,8 @@ def start_report(run: Any, settings: Any, model: Any, loader: Any, strategy: str
     """The two lines rank 0 prints before the first step: the global batch, and what trains on what."""
     params = list(model.parameters())
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
-    total = sum(p.numel() for p in params)
-    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total, trainable = getattr(model, "whole_model_parameters", None) or (  # pp: every stage's, counted at setup
+        sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
     shard = f", {local:,} on this rank" if local != total else ""
     length = loader.length
     per_epoch = (f"{-(-length // settings.accumulate):,} optimizer steps per epoch" if length

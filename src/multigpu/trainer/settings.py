@@ -18,13 +18,17 @@ from multigpu.validate import Rule, activation_checkpointing_settings, checked, 
 #: The loggers a settings file may name (multigpu.loggers.BACKENDS, spelled here to keep torch out).
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 _BIG = 10**15
+#: torch.distributed.pipelining's schedules a run may choose (multigpu.strategies.schedules.SCHEDULES).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 #: Each setting's type and bounds: the door every value passes (docs/security.md).
 SETTING_RULES = {
     "epochs": Rule(int, 0, 10**9), "max_steps": Rule(int, 0, _BIG, optional=True),
     "batch_size": Rule(int, 1, 2**31), "eval_batch_size": Rule(int, 1, 2**31, optional=True),
     "accumulate": Rule(int, 1, 10**6), "clip_grad_norm": Rule(float, 0, 1e12, optional=True, positive=True),
     "precision": Rule(str, choices=tuple(PRECISIONS)), "strategy": Rule(str, optional=True),
-    "tp": Rule(int, 1, 4096), "dp_replicate": Rule(int, 1, 65536),
+    "tp": Rule(int, 1, 4096), "dp_replicate": Rule(int, 1, 65536), "pp": Rule(int, 1, 4096),
+    "pipeline_schedule": Rule(str, choices=PIPELINE_SCHEDULES), "micro_batches": Rule(int, 1, 4096, optional=True),
+    "split_points": Rule(list, optional=True),
     "scheduler_interval": Rule(str, choices=("step", "epoch")), "seed": Rule(int, 0, 2**63 - 1),
     "shuffle": Rule(bool), "drop_last": Rule(bool), "num_workers": Rule(int, 0, 256),
     "out_dir": Rule(str), "checkpoint_every_epochs": Rule(int, 1, 10**9),
@@ -61,6 +65,13 @@ class TrainerSettings:
     #: Tensor-parallel ranks per model replica (strategy fsdp+tp) and replica groups (hsdp).
     tp: int = 1
     dp_replicate: int = 1
+    #: Pipeline stages on consecutive groups of ranks (each stage wrapped by the strategy: ddp, fsdp,
+    #: hsdp, fsdp+tp); its schedule, micro-batches per batch (None: one per stage) and where stages begin
+    #: (names or indexes of the model's children; None: balanced by parameters). docs/strategies.md.
+    pp: int = 1
+    pipeline_schedule: str = "1f1b"
+    micro_batches: Optional[int] = None
+    split_points: Optional[list] = None
     #: torch.compile the model after wrapping: true, or a mapping of torch.compile's options.
     compile: Any = False
     scheduler_interval: str = "step"  # or "epoch"
@@ -145,11 +156,26 @@ class TrainerSettings:
         for logger in self.loggers:
             checked("trainer", "loggers", logger, Rule(str, choices=LOGGERS), ConfigError)
         self.fault_tolerance = fault_tolerance_settings(self.fault_tolerance)
+        for point in self.split_points or []:  # a child's name, or its index
+            checked("trainer", "split_points", point, Rule(str) if isinstance(point, str) else Rule(int, 0, 4096),
+                    ConfigError)
+        pipelined = self.pp > 1 or (self.pipeline_schedule == "1f1b" and self.micro_batches is None
+                                    and self.split_points is None)
         relations = [
             (self.collate_fn is None or callable(self.collate_fn), "collate_fn", "a function (set it in code)"),
             (self.patience is None or self.monitor is not None, "patience", "null unless monitor is set"),
             (self.ema is None or self.ema < 1, "ema", "a decay below 1, e.g. 0.999"),
             (self.ema is None or self.swa_start is None, "swa_start", "null when ema is set (one average at a time)"),
+            (pipelined, "pp", "2 or more with pipeline_schedule, micro_batches or split_points (the in-process "
+                              "pipeline strategy takes its own in strategy_options)"),
+            (self.pp == 1 or not self.compile, "compile", "false with pp (the pipeline runs each stage itself)"),
+            (self.pp == 1 or PRECISIONS[str(self.precision).lower()] != "fp16", "precision",
+             "32 or bf16 with pp (fp16's loss scaler would skip steps on some stages and not others)"),
+            (self.pp == 1 or self.batch_size % self._micro_batches() == 0, "micro_batches",
+             f"a divisor of batch_size {self.batch_size} (micro-batches are equal; the default is one per stage)"),
+            (self.pp == 1 or not {"schedule", "micro_batches", "split_points"} & set(self.strategy_options),
+             "strategy_options", "the strategy's own options; with pp set pipeline_schedule, micro_batches and "
+                                 "split_points as trainer settings"),
         ]
         for ok, name, wanted in relations:
             if not ok:
@@ -163,6 +189,19 @@ class TrainerSettings:
     def background_checkpoints(self, device: Any) -> bool:
         """``async_checkpoint``; null means on when the model trains on an accelerator, off on the CPU."""
         return self.async_checkpoint if self.async_checkpoint is not None else getattr(device, "type", "cpu") != "cpu"
+
+    def _micro_batches(self) -> int:
+        """Micro-batches per batch with pp: as set, or one per stage (strategies.pipeline_parallel's default)."""
+        stages = len(self.split_points) + 1 if self.split_points else self.pp * (
+            2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+        return self.micro_batches or stages
+
+    def setup_options(self) -> dict[str, Any]:
+        """The strategy's options for ``run.setup``; with pp > 1 the pipeline's too."""
+        if self.pp == 1:
+            return dict(self.strategy_options)
+        return {**self.strategy_options, "schedule": self.pipeline_schedule, "micro_batches": self.micro_batches,
+                "split_points": self.split_points}
 
     def plain(self) -> dict[str, Any]:
         """The settings as data (for hashing, logging, checkpoints): no functions."""
