@@ -81,11 +81,14 @@ def test_a_killed_group_is_left_out_then_heals_while_the_other_keeps_stepping(tm
     assert "step 6 was not committed by every live group" in said
     # ... and it went on alone, with half the global batch, until group 1 was back.
     alone = [r["step"] for r in survivor if r["live"] == 1]
-    assert min(alone) == 6 and max(alone) >= 20 and "1 of 2 replica group(s) live, global batch 8 of 16" in said
+    # (How many steps it trained alone depends on how fast group 1 restarts; --wait-restart-at only makes sure
+    # group 1 comes back before the end.)
+    assert min(alone) == 6 and alone == list(range(6, max(alone) + 1))
+    assert "1 of 2 replica group(s) live, global batch 8 of 16" in said
     assert survivor[-1]["live"] == 2
     # Group 1: restarted by its agent with nothing on disk, it healed from group 0 and continued at its step.
     back = [r for r in killed if r["attempt"] == 1]
-    assert back and back[0]["step"] > 20
+    assert back and back[0]["step"] > max(alone)
     assert "replica group 1 healed from a live peer" in said
     weights = {r["step"]: r["digest"] for r in survivor}
     assert all(weights[r["step"]] == r["digest"] for r in back)

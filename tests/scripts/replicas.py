@@ -66,8 +66,8 @@ class ReplicaTrainer(mg.Trainer):
         if args.sleep:
             time.sleep(args.sleep)
         alone = self.strategy.participants() < run.world.replica_groups and (out / f"killed-g{args.kill_group}").exists()
-        if alone and args.hold:
-            time.sleep(args.hold)
+        if alone and args.hold:  # 5x longer once the killed group is restarting: it joins while steps are left
+            time.sleep(args.hold * (5 if (out / f"restarted-g{args.kill_group}").exists() else 1))
         if alone and args.wait_restart_at is not None and step == args.wait_restart_at:
             while not (out / f"restarted-g{args.kill_group}").exists():
                 time.sleep(0.05)
