@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 SRC = REPO / "src" / "multigpu"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PY, SCRIPTS, child_env, multigpu, wait_until_gone
 from torch import nn
 
 import multigpu as mg
-from conftest import PY, SCRIPTS, child_env, multigpu, wait_until_gone
 from multigpu import checkpoint
 from multigpu.errors import CheckpointError
 

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, REPO, SCRIPTS, child_env, kill_all, multigpu, wait_until_gone
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,10 +8,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
-import docs_runner
 import docs_checks
+import docs_runner
+import pytest
 from docs_runner import REPO, blocks, pages
 
 PAGES_THAT_RUN = [p for p in pages() if any(docs_runner.runnable(b) for b in blocks(p))]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SCRIPTS, leftovers_checked, multigpu
 
 # The first test of each strategy pays its shared launch, the very first the references' launch too (each

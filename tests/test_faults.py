@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files, wait_until_gone
+
 from multigpu import checkpoint
 
 # A test here launches two or three 2-process runs (up to ~1 min each on 2 busy cores); a hang ends here.

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files
 from rich.console import Console
 from torch import nn
 
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files
 from multigpu import checkpoint
 from multigpu.checkpoint.files import MANIFEST, finalize_folder, save_state, step_name
 from multigpu.errors import ConfigError, LaunchError

@@ -23,9 +23,8 @@ from typing import Callable
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import PY, child_env
+from torch import nn
 
 pytestmark = pytest.mark.timeout(300)
 STEP = "ckpt/step-00000003"

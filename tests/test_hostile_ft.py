@@ -12,10 +12,14 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from conftest import REPO, SCRIPTS
-from test_hostile_inputs import DIGITS, PWNED, Case, write
-from test_hostile_inputs import case_server  # noqa: F401 - the fixture, shared
+from test_hostile_inputs import (
+    DIGITS,
+    PWNED,
+    Case,
+    case_server,  # noqa: F401 - the fixture, shared
+    write,
+)
 from test_hostile_inputs import test_hostile_input as run_case
 
 pytestmark = pytest.mark.timeout(120)

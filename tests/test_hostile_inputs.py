@@ -26,9 +26,8 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import PY, REPO, SCRIPTS, child_env, processes_with
+from torch import nn
 
 pytestmark = pytest.mark.timeout(120)
 SLEEP = str(SCRIPTS / "sleep_run.py")

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 from test_hostile_inputs import Case, CaseServer, case_server, write  # noqa: F401  (case_server: the fixture)
 from test_hostile_inputs import test_hostile_input as check_case

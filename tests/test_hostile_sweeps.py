@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, SCRIPTS, child_env
+
 from multigpu.errors import MAX_LINE, ConfigError
 from multigpu.guards.trial import TrialChannel
 from multigpu.queue.plan import load_plan

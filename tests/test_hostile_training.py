@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import PY, REPO, child_env
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from conftest import PY, REPO, child_env
 
 pytestmark = pytest.mark.timeout(120)
 DIGITS = str(REPO / "examples" / "digits" / "train.py")

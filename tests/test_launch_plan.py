@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from multigpu.distributed.session import choose_backend, choose_devices
+from multigpu.distributed.world import World
 from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
 from multigpu.launch.local import LaunchRequest, parse_nnodes, plan_rendezvous, worker_env
 from multigpu.launch.ports import free_port, port_is_free, require_free_port
-from multigpu.distributed.world import World
 
 FOUR = ["0", "1", "2", "3"]
 

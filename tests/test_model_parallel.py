@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import SCRIPTS, multigpu
 from torch import nn
 
-from conftest import SCRIPTS, multigpu
+from multigpu.distributed.world import World
 from multigpu.errors import ConfigError
 from multigpu.strategies import make_strategy
 from multigpu.strategies.fsdp import find_blocks
 from multigpu.strategies.pipeline import Pipeline, PipelineModule, PipelineOptions, balanced_split_points, split_model
-from multigpu.distributed.world import World
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu
 
 # Two launchers (one per node) per test, each within --rdzv-timeout of the other; 300 s for a busy machine.

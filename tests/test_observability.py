@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import SCRIPTS, multigpu
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
-from conftest import SCRIPTS, multigpu
 from multigpu.loggers import read_csv
 
 # A test here launches at most two short runs (up to ~1 min each on 2 busy cores).

@@ -8,7 +8,6 @@ import json
 import math
 
 import pytest
-
 from conftest import SCRIPTS, multigpu
 
 # One 2-process launch of a small run per test (under a minute on 2 busy cores).

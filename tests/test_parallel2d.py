@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SCRIPTS, multigpu
 from torch import nn
 
-from conftest import SCRIPTS, multigpu
-from multigpu.errors import ConfigError
 from multigpu.distributed.parallel import Parallelism
+from multigpu.distributed.world import World
+from multigpu.errors import ConfigError
 from multigpu.strategies import NAMES, make_strategy, spec
 from multigpu.strategies.tensor_parallel import resolve_plan
-from multigpu.distributed.world import World
 
 SCRIPT = str(SCRIPTS / "parallel2d.py")
 CPU = [torch.device("cpu")]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SCRIPTS, kill_all, multigpu, wait_until_gone
+
 from multigpu.checkpoint.sharded import consolidate
 from multigpu.distributed.parallel import Parallelism
 from multigpu.distributed.world import World

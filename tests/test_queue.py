@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import signal
-from fractions import Fraction
 import subprocess
 import time
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files
+
 from multigpu.config import resolve_inheritance
 from multigpu.errors import ConfigError
 from multigpu.queue.runs import QueueEntry, load_runs

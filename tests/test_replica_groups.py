@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PY, SCRIPTS, child_env
 
 pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'multigpu[ft]'; the test extra has it)")

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import PY, child_env
+
 from multigpu.distributed.world import World, detect_world
 from multigpu.errors import ConfigError, LaunchError, WorldError
 from multigpu.launch import replicas

@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import PY, REPO, SCRIPTS, child_env
 
 pytestmark = [pytest.mark.infra, pytest.mark.timeout(600)]

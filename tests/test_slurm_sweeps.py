@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import PY, REPO, SCRIPTS, child_env
 
 pytestmark = [pytest.mark.infra, pytest.mark.timeout(600)]

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import multigpu as mg
-from multigpu.errors import ConfigError
-from multigpu.trainer.precision import Precision
-from multigpu.strategies import DataParallelStrategy, SingleDevice, make_strategy
 from multigpu.distributed.world import World
+from multigpu.errors import ConfigError
+from multigpu.strategies import DataParallelStrategy, SingleDevice, make_strategy
+from multigpu.trainer.precision import Precision
 
 CPU = [torch.device("cpu")]
 

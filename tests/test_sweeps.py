@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu
+
 from multigpu.loggers import read_csv
 from multigpu.queue.plan import load_plan
 from multigpu.queue.space import parse_cli

@@ -8,9 +8,8 @@ import shutil
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import REPO, SCRIPTS, multigpu
+from torch import nn
 
 # Each test launches the recipe or a small script once or twice (up to ~1 min each on 2 busy cores).
 pytestmark = pytest.mark.timeout(300)

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import PY, REPO, SCRIPTS, child_env, kill_all, wait_until_gone
 from torch import nn
 from torch.utils.data import TensorDataset
-
-from conftest import PY, REPO, SCRIPTS, child_env, kill_all, wait_until_gone
 
 pytestmark = pytest.mark.timeout(240)
 N, D, BLOCKS = 256, 32, 8  # activations of one block's hidden layer: N x 4D float64 = 256 KiB

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import PY, REPO, SCRIPTS, child_env, leftovers_checked, multigpu, wait_for_files, wait_until_gone
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset, WeightedRandomSampler
 
 import multigpu as mg
-from conftest import PY, REPO, SCRIPTS, child_env, leftovers_checked, multigpu, wait_for_files, wait_until_gone
 from multigpu.data.adapt import RankShare, StreamLoader, adapt
 from multigpu.errors import ConfigError
 

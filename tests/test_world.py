@@ -2,7 +2,6 @@
 
 import pytest
 
-from multigpu.errors import WorldError
 from multigpu.distributed.world import (
     World,
     detect_world,
@@ -10,6 +9,7 @@ from multigpu.distributed.world import (
     expand_tasks_per_node,
     slurm_port,
 )
+from multigpu.errors import WorldError
 
 TORCHRUN = {
     "RANK": "3",

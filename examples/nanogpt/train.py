@@ -31,12 +31,12 @@ import time
 
 import numpy as np
 import torch
+from model import GPT, GPTConfig
+from prepare import prepare
 from torch.utils.data import Dataset, Subset
 
 import multigpu as mg
 from multigpu.errors import ConfigError
-from model import GPT, GPTConfig
-from prepare import prepare
 
 # -----------------------------------------------------------------------------
 # default settings: a ~0.1M-parameter model that learns the corpus in a few minutes on 2 CPU cores

@@ -47,12 +47,12 @@ __all__ = ["Loader", "MetricSums", "MultiGPUError", "Run", "Stages", "Trainer", 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first use
     from multigpu.data.samplers import Loader
     from multigpu.distributed.rank_zero import get_logger, is_main, rank_zero_only, rank_zero_print, run_on_main
+    from multigpu.distributed.world import World, detect_world
     from multigpu.metrics import MetricSums
     from multigpu.runtime import Run, init
     from multigpu.strategies.stages import Stages
-    from multigpu.trainer.settings import TrainerSettings
     from multigpu.trainer import Trainer
-    from multigpu.distributed.world import World, detect_world
+    from multigpu.trainer.settings import TrainerSettings
 
 
 def __getattr__(name: str) -> Any:

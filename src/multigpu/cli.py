@@ -15,13 +15,14 @@ import os
 import sys
 import threading
 from typing import Any, NoReturn, Optional, Sequence
+
 from typing_extensions import override
 
 from multigpu.commands.checkpoint import add_checkpoint_parser
 from multigpu.commands.diagnostics import add_check_parser, add_doctor_parser, add_env_parser, add_plot_parser
 from multigpu.commands.launching import add_run_parser
-from multigpu.commands.slurm import SLURM_ACTIONS, add_slurm_parser
 from multigpu.commands.queue import add_queue_parser
+from multigpu.commands.slurm import SLURM_ACTIONS, add_slurm_parser
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_REFUSED, MultiGPUError
 
 

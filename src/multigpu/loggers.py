@@ -285,9 +285,9 @@ class MLflowLogger:
         return self._logged[key]
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
-        from mlflow.entities import Metric
-
         import time as _time
+
+        from mlflow.entities import Metric
 
         now = int(_time.time() * 1000)
         metrics = []

@@ -42,7 +42,7 @@ from multigpu.distributed.session import DistSession, GroupSettings, choose_devi
 from multigpu.distributed.world import World, detect_world
 from multigpu.errors import ConfigError, visible
 from multigpu.fileio import inside
-from multigpu.guards import GuardSettings, Guards, consistency, interrupt
+from multigpu.guards import Guards, GuardSettings, consistency, interrupt
 from multigpu.guards import probe as check_probe
 from multigpu.strategies import Strategy, make_strategy
 from multigpu.strategies.base import OptimizerLike

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from hold import hold, released
 from torch import nn
 from torch.utils.data import Dataset
 
 import multigpu as mg
-from hold import hold, released
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

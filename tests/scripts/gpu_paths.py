@@ -18,8 +18,8 @@ from torch.utils.data import TensorDataset
 
 import multigpu as mg
 from multigpu.checkpoint import files
-from multigpu.trainer.precision import Precision
 from multigpu.trainer import move_to
+from multigpu.trainer.precision import Precision
 
 check, out = sys.argv[1], Path(sys.argv[2])
 run = mg.init(seed=0, timeout_s=120)

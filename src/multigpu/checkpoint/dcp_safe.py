@@ -16,12 +16,12 @@ import math
 import pickle
 from pathlib import Path
 from typing import Any, Optional
-from typing_extensions import override
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from typing_extensions import override
 
 from multigpu.checkpoint.untrusted import METADATA_LIMITS, load_checked, scan_pickle
 from multigpu.errors import CheckpointError, visible

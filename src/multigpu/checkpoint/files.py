@@ -41,8 +41,8 @@ from multigpu.checkpoint.place import (  # noqa: F401 - the names this module ha
     HashingWriter,
     Place,
     digest_of,
-    manifest_entry,
     file_digest,
+    manifest_entry,
     split,
     step_name,
 )

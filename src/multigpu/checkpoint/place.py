@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, Optional
 
 from multigpu.errors import CheckpointError, visible

@@ -31,7 +31,6 @@ from multigpu.checkpoint.untrusted import check_zip, load_checked
 from multigpu.errors import CheckpointError, visible
 from multigpu.fileio import PathLike
 
-
 # ---------------------------------------------------------------------------------------- reading
 
 #: A manifest lists a few files; anything bigger is not one of ours.

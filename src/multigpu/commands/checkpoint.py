@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+
 def add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("checkpoint", help="list, verify or consolidate checkpoints",
                        description="Inspect checkpoint folders written by multigpu (replicated or sharded).")

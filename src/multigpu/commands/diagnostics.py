@@ -121,11 +121,10 @@ def _stop_group(proc) -> None:
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import json
+    import math
     import subprocess
 
     from multigpu.diagnostics.doctor import MARKER
-
-    import math
 
     validate.positive_seconds(args.timeout, "--timeout", LaunchError)
     for flag, value in (("--checkpoint-gb", args.checkpoint_gb), ("--max-clock-skew", args.max_clock_skew),

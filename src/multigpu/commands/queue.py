@@ -114,11 +114,10 @@ def _cmd_queue(args: argparse.Namespace) -> int:
         code = submit_runs(specs, out, options, dry_run=args.dry_run, array=args.array,
                            max_parallel=args.max_parallel) if specs else 0
         if plan.searches:
-            from multigpu.queue.search import Search
-            from multigpu.queue.search_slurm import follow_searches
-
             from rich.console import Console
 
+            from multigpu.queue.search import Search
+            from multigpu.queue.search_slurm import follow_searches
             from multigpu.queue.trials import summarize
 
             followed, runs = follow_searches([Search(f.entry, f.space, out) for f in plan.searches], out, options,

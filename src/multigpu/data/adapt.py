@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 from typing import Any, Callable, Iterator, Optional
-from typing_extensions import override
 
 import torch
 from torch.utils.data import (
@@ -35,6 +34,7 @@ from torch.utils.data import (
     SequentialSampler,
     get_worker_info,
 )
+from typing_extensions import override
 
 from multigpu.data.samplers import Loader, epoch_generator_seed, make_loader
 from multigpu.distributed.agreement import Pending

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 from typing import Any, Iterator, Optional, Sized
-from typing_extensions import override
 
 import torch
 from torch.utils.data import DataLoader, Sampler
+from typing_extensions import override
 
 from multigpu.errors import ConfigError
 

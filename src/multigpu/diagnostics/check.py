@@ -38,8 +38,17 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from multigpu import validate
-from multigpu.diagnostics.causes import (BLOCKING, WRONG, Outcome, batch_shape,
-                                         diagnose, finite_or_inf, tolerance_for, unverified, weight_differences)
+from multigpu.diagnostics.causes import (
+    BLOCKING,
+    WRONG,
+    Outcome,
+    batch_shape,
+    diagnose,
+    finite_or_inf,
+    tolerance_for,
+    unverified,
+    weight_differences,
+)
 from multigpu.distributed.world import CHECK_DIR_VAR, CHECK_SCALE_VAR, CHECK_STEPS_VAR
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder

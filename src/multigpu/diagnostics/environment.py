@@ -14,9 +14,9 @@ import subprocess
 import sys
 from typing import Optional
 
+from multigpu.distributed.world import detect_world
 from multigpu.errors import MultiGPUError
 from multigpu.fileio import read_regular
-from multigpu.distributed.world import detect_world
 
 
 def report() -> str:
@@ -112,7 +112,6 @@ def check(nproc: Optional[int], gpus: Optional[str], cpu: bool, sizes_mib: tuple
     a failure here is the failure the job would meet, in seconds instead of at step one of a queue slot.
     """
     from multigpu.errors import LaunchError
-
     from multigpu.launch.flags import RunFlags
 
     command = RunFlags(nproc=nproc, gpus=gpus, cpu=cpu, tee_prefix="never").to_argv(

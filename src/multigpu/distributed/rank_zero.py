@@ -13,12 +13,12 @@ import sys
 import time
 import weakref
 from typing import Any, Callable, Optional, TypeVar
-from typing_extensions import override
 
 import torch.distributed as dist
+from typing_extensions import override
 
-from multigpu.errors import MultiGPUError
 from multigpu.distributed.world import detect_world
+from multigpu.errors import MultiGPUError
 
 T = TypeVar("T")
 

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from multigpu.errors import LaunchError, WorldError
 from multigpu.distributed.world import World
+from multigpu.errors import LaunchError, WorldError
 
 BACKENDS = ("nccl", "gloo", "mpi", "xccl")
 

@@ -27,6 +27,7 @@ import threading
 import time
 import warnings
 from typing import Any, Optional, Sequence
+
 from typing_extensions import override
 
 from multigpu.distributed.agreement import Pending

@@ -22,7 +22,7 @@ import operator
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from multigpu.distributed.world import TRIAL_REPORTS_FILE, TRIAL_SETTINGS_FILE, TRIAL_VERDICT_FILE, TRIAL_DIR_VAR
+from multigpu.distributed.world import TRIAL_DIR_VAR, TRIAL_REPORTS_FILE, TRIAL_SETTINGS_FILE, TRIAL_VERDICT_FILE
 from multigpu.errors import ConfigError, shown
 from multigpu.fileio import Folder
 

@@ -19,7 +19,6 @@ from typing import Optional
 from multigpu.errors import EXIT_PREEMPTED, visible
 from multigpu.fileio import Folder
 
-
 #: The names workers leave in the log folder; anything else there (a stray "rank0.attempt0 (copy).stderr")
 #: is not ours and is ignored.
 _NAME = re.compile(r"^rank(\d{1,7})\.attempt(\d{1,7})\.(stderr|pid|exit)$")

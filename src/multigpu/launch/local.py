@@ -25,13 +25,13 @@ from typing import Any, Iterator, Optional, Sequence
 from typing_extensions import override
 
 from multigpu import validate
+from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
+from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer
 from multigpu.launch.devices import DevicePlan
-from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.ports import require_free_port
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
-from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
 STDERR_TAIL_LINES = 20

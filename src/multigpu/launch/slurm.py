@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from multigpu import validate
-from multigpu.errors import LaunchError
 from multigpu.distributed.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
+from multigpu.errors import LaunchError
 from multigpu.fileio import atomic_write_text, ensure_real_folder
 from multigpu.launch.slurm_options import (  # noqa: F401 - re-exported for the commands
     CPUS_PER_GPU_PROCESS,

@@ -26,10 +26,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from multigpu.errors import LaunchError
-from multigpu.fileio import tail_lines
-from multigpu.fileio import Folder
-from multigpu.launch.slurm import (ACTIVE_STATES, SCRIPT_NAME, TASKS_FILE, call, check_job_id, job_infos,
-                                   slurm_tool)
+from multigpu.fileio import Folder, tail_lines
+from multigpu.launch.slurm import ACTIVE_STATES, SCRIPT_NAME, TASKS_FILE, call, check_job_id, job_infos, slurm_tool
 
 #: sacct fields read (SubmitLine last: it is the one that may hold a ``|``).
 SACCT_FIELDS = ("JobID", "JobIDRaw", "JobName", "State", "Reason", "ExitCode", "Elapsed", "NodeList", "Submit",

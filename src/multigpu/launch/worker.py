@@ -27,10 +27,8 @@ import subprocess
 import sys
 import time
 import traceback
-
-from typing import Optional
-
 from pathlib import Path
+from typing import Optional
 
 from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.attempts import lost_a_peer, write_record
@@ -199,8 +197,8 @@ def out_of_memory_line(exc: BaseException) -> str:
         exc = exc.__cause__ or exc.__context__
     if exc is None or type(exc).__name__ != "OutOfMemoryError":
         return ""
-    from multigpu.errors import MultiGPUError
     from multigpu.distributed.world import MEMORY_FRACTION_VAR
+    from multigpu.errors import MultiGPUError
 
     share = os.environ.get(MEMORY_FRACTION_VAR)
     if share:  # the same words on every rank: the launcher prints them once

@@ -20,7 +20,7 @@ from rich.text import Text
 from multigpu.errors import MultiGPUError, visible
 from multigpu.fileio import Folder
 from multigpu.loggers import read_csv
-from multigpu.queue.scheduler import Queue, EntryState, log_tail
+from multigpu.queue.scheduler import EntryState, Queue, log_tail
 
 STYLE = {"queued": "dim", "running": "bold cyan", "done": "green", "skipped": "green", "failed": "bold red",
          "interrupted": "yellow"}

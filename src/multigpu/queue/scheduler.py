@@ -28,13 +28,13 @@ from typing import IO, Any, Callable, Optional, Sequence
 import yaml
 
 from multigpu import validate
+from multigpu.distributed.world import MEMORY_FRACTION_VAR, RUN_DIR_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, visible
+from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
 from multigpu.launch.local import usable_cores
 from multigpu.launch.process import die_with_parent
-from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import MAX_RUNS_PER_GPU, QueueEntry
-from multigpu.distributed.world import MEMORY_FRACTION_VAR, RUN_DIR_VAR
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"

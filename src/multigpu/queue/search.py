@@ -29,14 +29,23 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from multigpu.distributed.world import TRIAL_REPORTS_FILE
 from multigpu.errors import ConfigError
 from multigpu.fileio import Folder
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import QueueEntry
 from multigpu.queue.space import Param, SearchSettings, Space, _labels, trial_name
-from multigpu.distributed.world import TRIAL_REPORTS_FILE
-from multigpu.queue.trials import (SWEEPS_FOLDER, TRIAL_FOLDER, VERDICT_WAIT_S, Trial, make_trial, read_reports,
-                                   read_verdict, result, write_verdict)
+from multigpu.queue.trials import (
+    SWEEPS_FOLDER,
+    TRIAL_FOLDER,
+    VERDICT_WAIT_S,
+    Trial,
+    make_trial,
+    read_reports,
+    read_verdict,
+    result,
+    write_verdict,
+)
 
 INSTALL_HINT = "pip install 'multigpu[sweep]' (or pip install 'optuna>=4')."
 

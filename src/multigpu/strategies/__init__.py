@@ -24,15 +24,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from multigpu.config import check_keys
-from multigpu.errors import ConfigError
-from multigpu.distributed.parallel import Parallelism
 from multigpu.checkpoint.names import clean_state_dict
+from multigpu.config import check_keys
+from multigpu.distributed.parallel import Parallelism
+from multigpu.distributed.world import World
+from multigpu.errors import ConfigError
 from multigpu.strategies.base import BuildContext, Strategy, StrategySpec, unwrap_module
 from multigpu.strategies.ddp import DDP, DDPOptions
 from multigpu.strategies.dp import DataParallelStrategy, split_sizes
 from multigpu.strategies.single import SingleDevice
-from multigpu.distributed.world import World
 
 #: Where each strategy is defined (imported on first use).
 MODULES = {

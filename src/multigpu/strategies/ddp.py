@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import ContextManager, Optional
-from typing_extensions import override
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from multigpu.errors import ConfigError
 from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer

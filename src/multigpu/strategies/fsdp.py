@@ -15,10 +15,10 @@ import contextlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
-from typing_extensions import override
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from multigpu.errors import ConfigError
 from multigpu.strategies.base import (

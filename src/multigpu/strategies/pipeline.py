@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ContextManager, Optional, Sequence
-from typing_extensions import override
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from multigpu.errors import ConfigError
 from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer

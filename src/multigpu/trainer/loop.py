@@ -39,18 +39,18 @@ from multigpu.data import LoaderLike
 from multigpu.errors import CheckpointError, ConfigError, visible
 from multigpu.fileio import Folder
 from multigpu.guards import consistency
+from multigpu.guards.preemption import Preempted
 from multigpu.loggers import Loggers, hparams_of
+from multigpu.runtime import Run
+from multigpu.strategies.base import OptimizerLike
+from multigpu.trainer import replicas, resume
+from multigpu.trainer.batches import batch_length, move_to
+from multigpu.trainer.extras import StepExtras
 from multigpu.trainer.monitor import BestTracker
 from multigpu.trainer.precision import Precision
-from multigpu.guards.preemption import Preempted
 from multigpu.trainer.progress import ProgressLine, format_metrics, show_progress, start_report
-from multigpu.trainer.extras import StepExtras
-from multigpu.trainer.batches import batch_length, move_to
-from multigpu.runtime import Run
-from multigpu.trainer import replicas, resume
 from multigpu.trainer.settings import TrainerSettings, TrainState
 from multigpu.trainer.step import make_step
-from multigpu.strategies.base import OptimizerLike
 
 SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
 
