@@ -2,14 +2,14 @@
 # torch is pinned to 2.13.0: on this platform that installs a local CPU wheel in ~20 s, while an
 # unpinned install would pull a multi-GB CUDA build. The package itself only requires torch>=2.6.
 # `make demo` installs only what the demo needs (torch, numpy, the package, scikit-learn for its data);
-# `make test` adds the test tools and the optional loggers the tests read back.
+# `make test` adds the test tools and the optional loggers the tests read back, lints, then runs the suite.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast venv clean gpu-check gpu-bench
+.PHONY: demo test test-fast lint venv clean gpu-check gpu-bench
 
 venv: $(VENV)/.demo-installed
 
@@ -28,7 +28,11 @@ demo: $(VENV)/.demo-installed
 	@echo
 	@echo "multigpu is installed in $(VENV). To use the command: source $(VENV)/bin/activate  (or call $(VENV)/bin/multigpu)"
 
-test: $(VENV)/.test-installed
+# Lint first (a second): ruff with the rules in pyproject.toml.
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.test-installed
