@@ -7,8 +7,8 @@ the suite's budget, so docs/testing.md quotes it from here.
 """
 
 import os
-import re
 import resource
+import re
 import subprocess
 import sys
 import time

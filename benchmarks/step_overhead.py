@@ -17,11 +17,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from record import record
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import multigpu as mg
+from record import record
 
 
 def build(width: int):
