@@ -124,3 +124,12 @@ def test_abbreviations_are_never_read_as_another_flag(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit):
         _parse("torchrun --tee-pre always train.py", tmp_path, monkeypatch)
     assert "unrecognized arguments: --tee-pre" in capsys.readouterr().err
+
+
+def test_a_refused_torchrun_flag_is_a_refusal_exit_2(capsys):
+    """Through the command's own entry point: the status of every refused input (docs/fault-tolerance.md)."""
+    from multigpu import cli
+
+    assert cli.main(["run", "--tee", "3", "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multigpu: error: torchrun's --tee") and "HINT:" in err and "\n" not in err

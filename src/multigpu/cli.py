@@ -82,8 +82,8 @@ def _os_error_line(exc: OSError) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = _with_default_actions(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # inside: a flag's own check (a refused torchrun flag) is a refusal too
         return args.handler(args)
     except MultiGPUError as exc:
         print(exc.one_line(), file=sys.stderr)
