@@ -32,7 +32,8 @@ def main() -> None:
     # CPU time of every process the tests started and waited for: what the wall time would shrink to
     # on idle cores (divided by their number), independent of the machine's load.
     figures = {"total_s": total, "cpu_s": used.ru_utime + used.ru_stime}
-    for seconds, page in re.findall(r"^([\d.]+)s call\s+tests/test_docs.py::test_every_block_of_the_page_runs_as_written\[(.+?)\]",
+    for seconds, page in re.findall(r"^([\d.]+)s call\s+"
+                                    r"tests/test_docs.py::test_every_block_of_the_page_runs_as_written\[(.+?)\]",
                                     proc.stdout, re.M):
         figures[Path(page).stem.lower().replace("-", "_") + "_s"] = float(seconds)
     figures["passed"] = int(re.search(r"(\d+) passed", proc.stdout).group(1))

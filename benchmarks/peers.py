@@ -63,7 +63,7 @@ def one(job: str, nproc: int, width: int, batch: int, steps: int, epochs: int, f
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                str(WORKER), "--job", job, "--width", str(width), "--batch", str(batch), "--steps", str(steps),
                "--epochs", str(epochs), "--out", str(out)]
-    for attempt in range(3):
+    for _attempt in range(3):
         done = subprocess.run(command, capture_output=True, text=True, cwd=folder, timeout=900,
                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if done.returncode != 0:
