@@ -170,7 +170,8 @@ def main() -> None:
     trainer_model = build(recipe, cfg, vocab, tie=args.shape == "gpt2")
     scratch = tempfile.TemporaryDirectory(prefix="gpu_speed-")  # its final checkpoint is not a figure
     trainer = Timed(run, trainer_model, lambda p: torch.optim.AdamW(p, lr=3e-4, weight_decay=0.1, fused=True),
-                    epochs=args.repeats + 1 + bool(args.profile), batch_size=batch, precision="bf16", compile=compiled, drop_last=True,
+                    epochs=args.repeats + 1 + bool(args.profile), batch_size=batch, precision="bf16", compile=compiled,
+                    drop_last=True,
                     out_dir=scratch.name, resume=False, checkpoint_every_epochs=10**6, plot=False,
                     progress_every_s=3600)
     wall = time.perf_counter()

@@ -210,7 +210,7 @@ def update_figures(pages: Iterable[Path]) -> list[str]:
     for page in pages:
         text = page.read_text()
 
-        def replace(match: re.Match) -> str:
+        def replace(match: re.Match, page: Path = page) -> str:
             name, key, printed = match.groups()
             try:
                 value = results(name)["figures"][key]

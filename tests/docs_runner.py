@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
         return 0
     worst = 0
     for name in argv or [str(p.relative_to(REPO)) for p in pages()]:
-        for block, status, _, _ in run_page(REPO / name, echo=True):
+        for _block, status, _, _ in run_page(REPO / name, echo=True):
             worst = worst or status
     return worst
 

@@ -33,7 +33,8 @@ def test_fences_name_a_known_language_and_markers_sit_on_code():
         for block in blocks(page):
             assert block.lang in docs_runner.KNOWN, (
                 f"{block.where}: ```{block.lang} - use ```bash for commands to run, ```text or a plain fence for output")
-            assert block.skip is None or block.lang in docs_runner.RUN, f"{block.where}: a not-run marker on a {block.lang or 'plain'} block"
+            assert block.skip is None or block.lang in docs_runner.RUN, (
+                f"{block.where}: a not-run marker on a {block.lang or 'plain'} block")
 
 
 #: A line of an output sample that is really a command: it belongs in a ```bash block (or after "$ ").

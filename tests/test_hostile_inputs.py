@@ -435,7 +435,8 @@ CASES = [
          "posix.system, which is not checkpoint metadata", planted_metadata, python=True),
     Case("ckpt-replicated-resume-ignores-metadata", ["-c", "import multigpu as mg, torch; from torch import nn; "
                                                      "run = mg.init(); m, o = run.setup(nn.Linear(3, 4), "
-                                                     "lambda p: torch.optim.AdamW(p)); run.load_checkpoint('ckpt/step-00000003', m, o)"],
+                                                     "lambda p: torch.optim.AdamW(p)); "
+                                                     "run.load_checkpoint('ckpt/step-00000003', m, o)"],
          "is a sharded (DCP) checkpoint", planted_metadata, python=True),
     Case("ckpt-consolidate-into-its-parent", ["checkpoint", "consolidate", STEP, "--out", "ckpt"], "already exists",
          lambda f: sharded_ckpt(f) and None),

@@ -182,7 +182,8 @@ def test_the_queue_reads_hostile_channel_files_as_nothing(tmp_path):
     trial = tmp_path / "run" / "trial"
     trial.mkdir(parents=True)
     (trial / "reports.csv").write_text("step,value\n1,0.5\nx,1\n2,nan\n2,0.1\n-3,1\n1,0.2\n4,inf\n5,1e400\n6,0.3\n7,")
-    assert read_reports(tmp_path / "run")[:3] == [(1, 0.5), (2, pytest.approx(float("nan"), nan_ok=True)), (4, pytest.approx(float("nan"), nan_ok=True))]
+    assert read_reports(tmp_path / "run")[:3] == [(1, 0.5), (2, pytest.approx(float("nan"), nan_ok=True)),
+                                                  (4, pytest.approx(float("nan"), nan_ok=True))]
     assert [s for s, _ in read_reports(tmp_path / "run")] == [1, 2, 4, 5, 6]  # the torn last row is left out
     for text in ("", "{", '{"step": "1", "prune": true}', '{"step": 1, "prune": 1}', "[1, true]", "x" * 10_000):
         (trial / "verdict.json").write_text(text)

@@ -71,7 +71,7 @@ def test_checkpointing_gives_the_same_gradients_with_less_memory():
         if on:
             assert len(apply(model, {"blocks": None, "every": 1})) == BLOCKS
             assert all(is_checkpointed(b) for b in model) and type(model[0]).__name__ == "Block"
-        peak = peak_cpu_bytes(lambda: model(x).square().sum().backward())
+        peak = peak_cpu_bytes(lambda model=model: model(x).square().sum().backward())
         results[on] = (peak, [p.grad for p in model.parameters()], names, list(model.state_dict()))
     (plain_peak, plain_grads, plain_names, plain_keys), (ac_peak, ac_grads, ac_names, ac_keys) = results[False], results[True]
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, ac_grads, strict=True))

@@ -1,4 +1,4 @@
-"""A small GPT on characters (minGPT-like), trained on the Python documentation that ships with Python
+r"""A small GPT on characters (minGPT-like), trained on the Python documentation that ships with Python
 (``pydoc_data.topics``: ~465k characters of English and code, no download).
 
 The model is an ``nn.Sequential`` of embedding, transformer blocks and head, so every strategy applies;
@@ -11,8 +11,9 @@ switch with one setting:
     multigpu run --gpus 0 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.precision=bf16
     multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=fsdp+tp trainer.tp=2
     multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.strategy=hsdp trainer.dp_replicate=2
-    multigpu run --nproc 2 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.pp=2                  # 2 stages, 2 processes
-    multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.pp=2 trainer.strategy=fsdp trainer.pipeline_schedule=interleaved_1f1b
+    multigpu run --nproc 2 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.pp=2  # 2 stages, 2 processes
+    multigpu run --nproc 4 examples/char_gpt/train.py examples/char_gpt/hparams.yaml trainer.pp=2 trainer.strategy=fsdp \
+        trainer.pipeline_schedule=interleaved_1f1b
 
 At the end rank 0 prints a sample of generated text and the training throughput in tokens/s.
 """

@@ -179,7 +179,8 @@ def set_dotted(data: dict, dotted: str, value: Any) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted}: {part!r} is a value, not a group of keys.", f"use {'.'.join(parts[:-1])}=VALUE.")
+            raise ConfigError(f"override {dotted}: {part!r} is a value, not a group of keys.",
+                              f"use {'.'.join(parts[:-1])}=VALUE.")
         node = child
     node[parts[-1]] = value
 
@@ -424,7 +425,8 @@ def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>", lines: 
                               "shorten the chain of `child < parent` entries.")
         if name in chain:
             cycle = " < ".join((*chain[chain.index(name):], name))
-            raise ConfigError(f"{defined_at[name]}: inheritance cycle {cycle}.", "break the cycle: a run cannot inherit from itself.")
+            raise ConfigError(f"{defined_at[name]}: inheritance cycle {cycle}.",
+                              "break the cycle: a run cannot inherit from itself.")
         if name not in resolved:
             parent = parents[name]
             base = resolve(parent, (*chain, name)) if parent is not None else {}

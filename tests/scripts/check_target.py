@@ -68,7 +68,7 @@ else:
 if plant == "same_seed":
     torch.manual_seed(1234)  # after mg.init: every rank now draws the same noise
 step = 0
-for epoch in range(3):
+for _epoch in range(3):
     for inputs, labels in loader:
         if plant == "same_seed":
             inputs = inputs + 0.1 * torch.randn_like(inputs)

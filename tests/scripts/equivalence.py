@@ -10,9 +10,10 @@ The dataset holds exactly S x A x global-batch samples, so both runs see the sam
 
 trains several configurations one after the other in one launch (the tests' way: a launch costs ~5 s,
 a configuration a fraction of a second): PLAN.json is a list of argument lists, each the arguments of
-one run above (OUT first); arguments after PLAN.json are ignored (the tests' marker for leftovers). Before each, every random stream is seeded as ``mg.init(seed=1234)`` seeds a
-fresh process, and each builds its own data, model, optimizer and Trainer, so it ends with the
-parameters a launch of its own would end with.
+one run above (OUT first); arguments after PLAN.json are ignored (the tests' marker for leftovers).
+Before each, every random stream is seeded as ``mg.init(seed=1234)`` seeds a fresh process, and each
+builds its own data, model, optimizer and Trainer, so it ends with the parameters a launch of its own
+would end with.
 
 Everything is float64, so the bound of a comparison follows from the arithmetic rather than from luck:
 two runs differ only in the order of float sums (relative error ~1e-15 of a gradient), and AdamW

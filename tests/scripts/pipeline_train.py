@@ -134,7 +134,8 @@ for configuration in configurations:
     pipeline = {"pipeline_schedule": schedule, "micro_batches": args.micro_batches,
                 "split_points": points or None} if args.pp > 1 else {}
     trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch // accumulate,
-                 accumulate=accumulate, epochs=100, max_steps=args.steps, strategy=strategy, tp=args.tp, pp=args.pp, out_dir=str(out),
+                 accumulate=accumulate, epochs=100, max_steps=args.steps, strategy=strategy, tp=args.tp, pp=args.pp,
+                 out_dir=str(out),
                  stop_check_every=1, checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
                  clip_grad_norm=args.clip, log_every_n_steps=0, plot=False, eval_batch_size=4,
                  hang_timeout_s=args.hang, **pipeline)

@@ -74,8 +74,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(f"{visible(str(self.source))} refers to {visible(f'{module}.{name}'[:120])}, which is not checkpoint metadata: the file "
-                              "would run code when loaded, and was refused.",
+        raise CheckpointError(f"{visible(str(self.source))} refers to {visible(f'{module}.{name}'[:120])}, "
+                              "which is not checkpoint metadata: the file would run code when loaded, and was refused.",
                               "do not use checkpoints from sources you do not trust; delete this one.")
 
     @override
@@ -87,7 +87,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
     def load_build(self) -> None:
         target = self.stack[-2] if len(self.stack) >= 2 else None
         if isinstance(target, type) or type(target) not in self.instance_types:
-            raise CheckpointError(f"{visible(str(self.source))} sets attributes of {type(target).__name__ if not isinstance(target, type) else target.__name__}"
+            raise CheckpointError(f"{visible(str(self.source))} sets attributes of "
+                                  f"{type(target).__name__ if not isinstance(target, type) else target.__name__}"
                                   ", which DCP metadata never does: refused.",
                                   "do not use checkpoints from sources you do not trust; delete this one.")
         pickle._Unpickler.load_build(self)
@@ -104,7 +105,8 @@ def read_metadata_file(path: Path) -> Metadata:
         with Folder(path.parent).open_read(path.name) as handle:
             data = handle.read(METADATA_LIMITS.max_bytes + 1)
     except OSError as exc:
-        raise CheckpointError(f"{shown} is unreadable ({exc.strerror or exc}).", "the checkpoint is corrupt; delete it.") from None
+        raise CheckpointError(f"{shown} is unreadable ({exc.strerror or exc}).",
+                              "the checkpoint is corrupt; delete it.") from None
     return parse_metadata(data, path)
 
 

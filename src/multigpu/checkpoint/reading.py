@@ -231,7 +231,8 @@ def load_state(path: PathLike, map_location: Union[str, torch.device, None] = "c
     except CheckpointError:
         raise
     except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint at {shown}.", "check the path; `multigpu checkpoint list DIR` shows them.") from None
+        raise CheckpointError(f"no checkpoint at {shown}.",
+                              "check the path; `multigpu checkpoint list DIR` shows them.") from None
     except Exception as exc:
         raise CheckpointError(f"cannot load {shown}: {visible(' '.join(str(exc).split())[:300])}",
                               "the file is corrupt or not a torch checkpoint; use an earlier one.") from None

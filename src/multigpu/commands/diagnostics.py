@@ -40,7 +40,8 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
                        "times the batch, compare every step's loss and the weights, and say why they differ.",
                        epilog="examples:\n  multigpu check --nproc 2 --steps 5 train.py hparams.yaml\n"
                        "  multigpu check --nproc 4 -m mypkg.train --lr 3e-4\n"
-                       "  multigpu check --nproc 2 --procs-per-gpu 2 train.py   (one GPU: two processes share it)\n\nExit 0: equal within a tolerance "
+                       "  multigpu check --nproc 2 --procs-per-gpu 2 train.py   (one GPU: two processes share it)\n\n"
+                       "Exit 0: equal within a tolerance "
                        "scaled to the dtype; 1: different, or equal numbers but a mistake found (the causes are "
                        "printed); 2: the script did not run; 3: unverified (the numbers agree, but what the runs "
                        "trained on could not be seen).",

@@ -180,8 +180,8 @@ def _rank_steps(many: Outcome) -> list[Cause]:
     return [Cause(BLOCKING, f"rank(s) {', '.join(map(str, behind))} stepped the optimizer "
                   f"{', '.join(str(counts[r]) for r in behind)} time(s) while rank(s) {', '.join(map(str, ahead))} "
                   f"stepped it {most} time(s) over the same forward and backward passes: an optimizer step that "
-                  "only some ranks take (e.g. `if rank == 0: optimizer.step()`). Every rank must step, or the replicas drift apart "
-                  "and the next all-reduce waits for ranks that are gone.")]
+                  "only some ranks take (e.g. `if rank == 0: optimizer.step()`). Every rank must step, or the replicas "
+                  "drift apart and the next all-reduce waits for ranks that are gone.")]
 
 
 def _identical_inputs(many: Outcome) -> list[Cause]:

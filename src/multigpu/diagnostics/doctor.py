@@ -52,7 +52,8 @@ def local_facts(out: Path) -> dict[str, Any]:
     import multigpu
 
     facts: dict[str, Any] = {
-        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "python": platform.python_version(),
+        "torch": torch.__version__,
         "cuda": torch.version.cuda or "none", "multigpu": multigpu.__version__, "nccl": "none",
     }
     if torch.cuda.is_available() and dist.is_nccl_available():
@@ -158,7 +159,7 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
                           "read by every rank on resume)."))
             break
     if args.checkpoint_gb:
-        for rank, fact in enumerate(facts):
+        for _rank, fact in enumerate(facts):
             if fact.get("free_gb") is not None and fact["free_gb"] < args.checkpoint_gb:
                 found.append((f"{fact['free_gb']:.1f} GB free at {args.out} on {fact['host']}, the checkpoints "
                               f"need {args.checkpoint_gb:g} GB", "free space, or lower keep_last."))

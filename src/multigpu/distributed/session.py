@@ -42,9 +42,11 @@ def choose_devices(world: World, cuda_count: int, accelerator: str = "auto") -> 
     if last >= cuda_count:
         visible = f" (CUDA_VISIBLE_DEVICES={world.visible_devices})" if world.visible_devices is not None else ""
         if sharing > 1:
-            needed = f"{world.local_world_size} process(es) per node at {sharing} per GPU = {-(-world.local_world_size // sharing)}"
+            needed = (f"{world.local_world_size} process(es) per node at {sharing} per GPU = "
+                      f"{-(-world.local_world_size // sharing)}")
         else:
-            needed = f"{world.local_world_size} process(es) per node x {per_proc} GPU(s) each = {world.local_world_size * per_proc}"
+            needed = (f"{world.local_world_size} process(es) per node x {per_proc} GPU(s) each = "
+                      f"{world.local_world_size * per_proc}")
         raise WorldError(
             f"local rank {world.local_rank} needs GPU {first}"
             + (f"-{last}" if per_proc > 1 else "")

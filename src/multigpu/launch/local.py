@@ -500,7 +500,8 @@ def _say(message: str) -> None:
 
 def split_command(script: Optional[str], module: Optional[str], args: Sequence[str]) -> tuple[str, ...]:
     if (script is None) == (module is None):
-        raise LaunchError("give a script or -m MODULE (not both).", "write `multigpu run train.py ...` or `multigpu run -m pkg.train ...`.")
+        raise LaunchError("give a script or -m MODULE (not both).",
+                          "write `multigpu run train.py ...` or `multigpu run -m pkg.train ...`.")
     if module is not None:
         return ("-m", module, *args)
     if not Path(script).is_file():

@@ -1,6 +1,6 @@
 """``dp``: torch.nn.DataParallel over the GPUs of one process. Deprecated upstream; kept for recipes
-written for it (SpeechBrain's multi-GPU guide still shows it). The batch from the loader is split across the GPUs (``batch / n_gpus`` each), the
-opposite of ddp, where the batch is per process.
+written for it (SpeechBrain's multi-GPU guide still shows it). The batch from the loader is split
+across the GPUs (``batch / n_gpus`` each), the opposite of ddp, where the batch is per process.
 """
 
 from __future__ import annotations

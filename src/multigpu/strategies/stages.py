@@ -1,8 +1,9 @@
 """Recipe stages (prepare -> train -> evaluate ...) run from ``start_stage`` to ``end_stage``.
 
-Why: the multi-GPU guide of ASDF (an audio anti-spoofing framework) runs recipes in numbered stages so that a family of runs can share data
-preparation, or re-evaluate without retraining. A recipe lists its stages once; the config picks the
-range by name or by number (1-based, as in that guide), and a wrong name is an error, not a silent no-op.
+Why: the multi-GPU guide of ASDF (an audio anti-spoofing framework) runs recipes in numbered stages so
+that a family of runs can share data preparation, or re-evaluate without retraining. A recipe lists its
+stages once; the config picks the range by name or by number (1-based, as in that guide), and a wrong
+name is an error, not a silent no-op.
 """
 
 from __future__ import annotations
