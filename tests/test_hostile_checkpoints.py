@@ -277,6 +277,51 @@ def test_the_limits_admit_every_checkpoint_we_write(tmp_path):
         files.verify(step)  # contents=True: .metadata, extra.pt and state.pt scanned
 
 
+def _shared_and_cyclic() -> dict:
+    """Pickles of plain containers: the ones that share finished objects must pass, the cycles must not."""
+    name = "".join(["valid", "_loss"])  # one str object, memoised once and fetched again
+    inner: list = []
+    looped: list = []
+    looped.append(looped)
+    outer: dict = {}
+    outer["again"] = [outer]
+    through: list = []
+    through.append({"back": (through,)})
+    return {
+        # The tracker's state: a string shared between an outer dict still open and an inner one (the
+        # CI failure of 2026-11-24: every checkpoint with a monitor was refused as "a cycle").
+        "shared string": ({"monitor": name, "tracker": {"monitor": name, "best": 1.0}}, None),
+        "shared list": ({"a": inner, "b": {"c": inner}, "d": [inner, inner]}, None),
+        "list in itself": (looped, "make a cycle"),
+        "dict in itself through a list": (outer, "make a cycle"),
+        "list in itself through a dict and a tuple": (through, "make a cycle"),
+    }
+
+
+def test_a_list_appended_to_itself_by_dup_is_refused():
+    """No pickler writes it (pickle writes GET): ``]`` empty list, ``2`` DUP, ``a`` APPEND, ``.`` STOP."""
+    from multigpu.checkpoint.untrusted import scan_pickle
+    from multigpu.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="make a cycle"):
+        scan_pickle(b"]2a.", "dup")
+
+
+@pytest.mark.parametrize("case", list(_shared_and_cyclic()))
+def test_shared_objects_pass_and_cycles_are_refused(case):
+    from multigpu.checkpoint.untrusted import scan_pickle
+    from multigpu.errors import CheckpointError
+
+    value, refused = _shared_and_cyclic()[case]
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        data = pickle.dumps(value, protocol=protocol)
+        if refused is None:
+            scan_pickle(data, case)
+        else:
+            with pytest.raises(CheckpointError, match=refused):
+                scan_pickle(data, case)
+
+
 # ----------------------------------------------------------------------------------------- read-only commands
 
 def _fingerprint(root: Path) -> dict:

@@ -242,7 +242,8 @@ def test_run_debug_with_ddp_on_cpu_processes_works_and_says_what_it_turned_on(tm
     script.write_text("import os, json, torch, multigpu as mg\nrun = mg.init()\n"
                       "model, opt = run.setup(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))\n"
                       "for _ in range(3):\n    run.backward(model(torch.randn(2, 4)).sum()); opt.step(); opt.zero_grad()\n"
-                      "print(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', 'NCCL_DEBUG', "
+                      "if run.is_main:  # one line: two ranks' prints share one stdout and may interleave\n"
+                      "    print(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', 'NCCL_DEBUG', "
                       "'TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE')}))\n")
     proc = multigpu("run", "--debug", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), str(script), check=True)
     shown = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -55,17 +55,13 @@ _TUPLE = 2
 
 
 class _Node:
-    """One simulated object: its nesting depth and expanded size, whether a GET shared it, where it sits
-    on the stack, and the objects still on the stack (still being built) that it refers to."""
+    """One simulated object: its nesting depth and expanded size, and whether a GET or DUP shared it."""
 
-    __slots__ = ("depth", "size", "kind", "shared", "on_stack", "pos", "refs")
+    __slots__ = ("depth", "size", "kind", "shared")
 
     def __init__(self, depth: int, size: int, kind: int) -> None:
         self.depth, self.size, self.kind = depth, size, kind
         self.shared = False
-        self.on_stack = 0
-        self.pos = 0
-        self.refs: tuple = ()
 
 
 class _Refused(Exception):
@@ -90,17 +86,12 @@ class _Simulator:
             raise _Refused(f"nests deeper than {self.limits.max_depth} levels")
         if node.size > self.limits.max_expanded:
             raise _Refused(f"expands to more than {self.limits.max_expanded:,} units (shared references repeated)")
-        if not node.on_stack:
-            node.pos = len(self.stack)
-        node.on_stack += 1
         self.stack.append(node)
 
     def pop(self) -> _Node:
         if not self.stack or (self.marks and len(self.stack) <= self.marks[-1]):
             raise _Refused("pops an empty stack")
-        node = self.stack.pop()
-        node.on_stack -= 1
-        return node
+        return self.stack.pop()
 
     def pop_mark(self) -> list[_Node]:
         if not self.marks:
@@ -108,8 +99,6 @@ class _Simulator:
         start = self.marks.pop()
         items = self.stack[start:]
         del self.stack[start:]
-        for node in items:
-            node.on_stack -= 1
         return items
 
     def top(self) -> _Node:
@@ -117,27 +106,16 @@ class _Simulator:
             raise _Refused("reads an empty stack")
         return self.stack[-1]
 
-    @staticmethod
-    def _open_refs(items: list[_Node]) -> tuple:
-        """The objects still on the stack (being built) that ``items`` are or refer to."""
-        found = {id(n): n for item in items for n in (item, *item.refs) if n.on_stack}
-        return tuple(found.values())
-
     def combine(self, items: list[_Node], kind: int) -> _Node:
-        node = _Node(1 + max((n.depth for n in items), default=0), 1 + sum(n.size for n in items), kind)
-        node.refs = self._open_refs(items)
-        return node
+        return _Node(1 + max((n.depth for n in items), default=0), 1 + sum(n.size for n in items), kind)
 
     def mutate(self, target: _Node, items: list[_Node]) -> None:
-        """Items added to ``target`` (APPEND, SETITEM, BUILD). Refused: a target shared before (its depth
-        would be hidden in every place that shares it), and items that are or contain an object still
-        being built at or below the target (a cycle: infinite depth)."""
+        """Items added to ``target`` (APPEND, SETITEM, BUILD). A target shared before is refused: its
+        depth would be hidden in every place that shares it, and it is the only way to a cycle (an
+        object can be among its own items only if a GET or DUP pushed it again). Python's pickler
+        shares an object only once it is complete, so our files never do it."""
         if target.shared:
-            raise _Refused("changes an object after sharing it (a way to hide its depth)")
-        refs = self._open_refs(items)
-        if any(n.pos <= target.pos for n in refs):
-            raise _Refused("makes an object contain itself (a cycle)")
-        target.refs = tuple({id(n): n for n in (*target.refs, *refs)}.values())
+            raise _Refused("changes an object after sharing it (a way to hide its depth or make a cycle)")
         target.depth = max(target.depth, 1 + max((n.depth for n in items), default=0))
         target.size += sum(n.size for n in items)
         if target.depth > self.limits.max_depth:
