@@ -402,7 +402,7 @@ class Trainer(abc.ABC):
         """
         loader = self._loader(data, evaluation=True)
         wrapped = self.model
-        sharded_model = self.strategy.sharded or self.run.parallelism.tp > 1
+        sharded_model = self.strategy.sharded or self.run.degrees.tp > 1
         self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
         try:

@@ -219,7 +219,7 @@ class ReplicaGroups:
 
     # ------------------------------------------------------------------ helpers
     def _describe(self, participants: int) -> str:
-        batch = self.trainer.settings.batch_size * self.trainer.run.parallelism.dp_size
+        batch = self.trainer.settings.batch_size * self.trainer.run.degrees.dp_size
         return (f"{participants} of {self.groups} replica group(s) live, global batch {batch * participants} "
                 f"of {batch * self.groups}")
 
