@@ -315,7 +315,7 @@ class Queue:
     def _stop_all(self) -> None:
         """Graceful: SIGTERM to every running run (its workers checkpoint and stop), then wait."""
         running = [(r, r.proc) for r in self.runs if r.state == "running" and r.proc is not None]
-        for run, proc in running:
+        for _, proc in running:
             try:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
