@@ -313,7 +313,8 @@ class MLflowLogger:
         self.client.set_terminated(self.run_id)
 
 
-BACKENDS: dict[str, Callable[[Path, Optional[int]], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
+BACKENDS: dict[str, Callable[[Path, Optional[int]], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger,
+                                                                 "wandb": WandbLogger, "mlflow": MLflowLogger}
 
 
 class Loggers:
