@@ -48,4 +48,4 @@ gpu-bench:
 	bash .ci/gpu-check bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache
