@@ -28,9 +28,10 @@ demo: $(VENV)/.demo-installed
 	@echo
 	@echo "multigpu is installed in $(VENV). To use the command: source $(VENV)/bin/activate  (or call $(VENV)/bin/multigpu)"
 
-# Lint first (a second): ruff with the rules in pyproject.toml.
+# Lint first: ruff with the rules in pyproject.toml (a second), then mypy with its settings there.
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -47,4 +48,4 @@ gpu-bench:
 	bash .ci/gpu-check bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache

@@ -15,7 +15,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, TypeVar, Union
 
 import yaml
 
@@ -23,7 +23,10 @@ from multigpu.errors import ConfigError, shown
 from multigpu.fileio import read_regular
 from multigpu.validate import MAX_ITEMS, MAX_TEXT
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")  # config classes are dataclasses
 #: The line of each key in its file - or, for a key given on the command line, where it came from.
 Lines = dict[tuple[str, ...], Union[int, str]]
 
@@ -229,7 +232,7 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
             except ConfigError as exc:
                 errors.append(exc)
         raise errors[0] if errors else ConfigError(f"{where(source, lines, path)}: {key} cannot be null.", "give a value.")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where(source, lines, path)}: {key} must be a group of keys, not {value!r}.",
                               f"indent its settings under `{path[-1]}:`.")
@@ -379,7 +382,8 @@ def _bound_expansion(own: Mapping[str, dict], parents: Mapping[str, Optional[str
     sizes = {name: _values(settings) for name, settings in own.items()}
     total = 0
     for name in own:
-        seen, current = set(), name
+        seen: set[str] = set()
+        current: Optional[str] = name
         while current is not None and current not in seen and current in own and len(seen) <= MAX_INHERITANCE:
             seen.add(current)
             total += sizes[current]

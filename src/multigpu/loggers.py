@@ -21,7 +21,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from multigpu.errors import ConfigError, shown, visible
 from multigpu.fileio import Folder, UnsafePath
@@ -313,7 +313,8 @@ class MLflowLogger:
         self.client.set_terminated(self.run_id)
 
 
-BACKENDS = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLflowLogger}
+BACKENDS: dict[str, Callable[[Path, Optional[int]], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger,
+                                                                 "wandb": WandbLogger, "mlflow": MLflowLogger}
 
 
 class Loggers:

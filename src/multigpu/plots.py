@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from multigpu.errors import ConfigError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.loggers import CSV_FILES, read_csv
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 SIZE_IN = (11.0, 4.0)
 DPI = 100
@@ -267,7 +270,7 @@ def plot_sweep(record: Path, out: Path, top: int = 5) -> Path:
     return out
 
 
-def _value_panel(panel: object, key: str, space: dict, trials: list[dict], metric: str) -> None:
+def _value_panel(panel: Axes, key: str, space: dict, trials: list[dict], metric: str) -> None:
     """``metric`` against one swept override: a list of values (grid, choice) or text on evenly spaced
     ticks in their order; a range on its own axis (log for loguniform)."""
     values = [t["values"].get(key) for t in trials]

@@ -83,8 +83,7 @@ class Run:
         if self.parallelism is None:
             self.parallelism = Parallelism.plain(self.world.world_size)
         self.guards = Guards(self.session)
-        self._checkpoints = CheckpointManager(self.session, lambda: self.checkpoint_io, self.guards.paused,
-                                              self.print)
+        self._checkpoints = CheckpointManager(self.session, lambda: self.checkpoint_io, self.guards.paused, self.print)
 
     # ------------------------------------------------------------------ where am I
     @property
@@ -116,13 +115,13 @@ class Run:
     def dp_rank(self) -> int:
         """Which data shard this rank reads (ranks of one tensor-parallel group read the same); with replica
         groups, numbered across every group."""
-        return self.world.replica_group * self.parallelism.dp_size + self.parallelism.dp_rank(self.rank)
+        return self.world.replica_group * self.degrees.dp_size + self.degrees.dp_rank(self.rank)
 
     @property
     def dp_size(self) -> int:
         """How many different shards the data is split into: the global batch is batch x dp_size (with
         replica groups: while every group is alive)."""
-        return self.parallelism.dp_size * self.world.replica_groups
+        return self.degrees.dp_size * self.world.replica_groups
 
     @property
     def control_group(self) -> Any:
@@ -150,11 +149,18 @@ class Run:
         return wanted
 
     @property
+    def degrees(self) -> Parallelism:
+        """``parallelism``, never None once constructed (plain data parallelism unless given)."""
+        if self.parallelism is None:
+            raise RuntimeError("Run.parallelism is None: it is set at construction and by configure_parallelism")
+        return self.parallelism
+
+    @property
     def mesh(self) -> Any:
         """The job's DeviceMesh over (dp_replicate, dp_shard, tp), built on first use (a collective)."""
         if self._mesh is None:
             self._ensure_usable("building the device mesh")
-            self._mesh = self.parallelism.build_mesh(self.device.type)
+            self._mesh = self.degrees.build_mesh(self.device.type)
         return self._mesh
 
     @property
@@ -165,7 +171,7 @@ class Run:
     def _make_dp_groups(self) -> None:
         """With tensor or pipeline parallelism, metrics reduce over the ranks holding different data only (of
         one stage). Every rank creates every group, in the same order (torch's rule for new_group)."""
-        par = self.parallelism
+        par = self.degrees
         if (par.tp == 1 and par.pp == 1) or self._dp_group is not None or not self.session.active:
             return
         for ranks in par.dp_groups():
@@ -223,7 +229,7 @@ class Run:
         scale = self.probe.batch_scale(evaluation)
         # Evaluation stays inside a replica group: each group evaluates every sample with the same weights
         # (identical metrics in every group, no collective across groups that a dead group could stall).
-        dp_rank, dp_size = ((self.parallelism.dp_rank(self.rank), self.parallelism.dp_size) if evaluation
+        dp_rank, dp_size = ((self.degrees.dp_rank(self.rank), self.degrees.dp_size) if evaluation
                             else (self.dp_rank, self.dp_size))
         loader = adapt(data, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size or 1,
                        evaluation=evaluation, batch_scale=scale, pin_memory=self.device.type == "cuda",
@@ -239,11 +245,11 @@ class Run:
     def describe_batch(self, batch_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:
         if self.world.lighthouse is not None:  # replica groups: the global batch while every group is live
             return (describe_batch(batch_size, self.dp_size, accumulation, length)
-                    + f" while all {self.world.replica_groups} replica groups of {self.parallelism.dp_size} are live")
-        if self.parallelism.is_plain:
+                    + f" while all {self.world.replica_groups} replica groups of {self.degrees.dp_size} are live")
+        if self.degrees.is_plain:
             return describe_batch(batch_size, self.dp_size, accumulation, length)
         return (describe_batch(batch_size, self.dp_size, accumulation, length, unit="data-parallel rank")
-                + f" ({self.world_size} processes: {self.parallelism.describe()})")
+                + f" ({self.world_size} processes: {self.degrees.describe()})")
 
     def backward(self, loss: torch.Tensor) -> None:
         self.probe.record_loss(loss)

@@ -81,13 +81,14 @@ class PendingSave:
     def __init__(self, path: Path, work: Callable[[], Any]) -> None:
         self.path = path
         self.error: Optional[BaseException] = None
-        self._work = work
+        self._work: Optional[Callable[[], Any]] = work  # None once done
         self._thread = threading.Thread(target=self._run, name=f"multigpu-checkpoint-{path.name}", daemon=False)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self._work()
+            if self._work is not None:  # runs once
+                self._work()
         except BaseException as exc:  # kept for the training thread, which raises it where it waits
             self.error = exc
         finally:

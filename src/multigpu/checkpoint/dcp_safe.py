@@ -15,7 +15,7 @@ import io
 import math
 import pickle
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -61,7 +61,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
     attributes only on DCP's metadata records - otherwise BUILD on an admitted class (``PosixPath``)
     would rewrite that class for the rest of the process."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # pickle's own, set by load()
 
     def __init__(self, file: Any, source: Path) -> None:
         super().__init__(file)
@@ -84,14 +85,14 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
                               "do not use checkpoints from sources you do not trust; delete this one.")
 
     @override
-    def load_build(self) -> None:
+    def load_build(self) -> None:  # type: ignore[misc]  # typeshed's pickle._Unpickler omits its opcodes' methods
         target = self.stack[-2] if len(self.stack) >= 2 else None
         if isinstance(target, type) or type(target) not in self.instance_types:
             raise CheckpointError(f"{visible(str(self.source))} sets attributes of "
                                   f"{type(target).__name__ if not isinstance(target, type) else target.__name__}"
                                   ", which DCP metadata never does: refused.",
                                   "do not use checkpoints from sources you do not trust; delete this one.")
-        pickle._Unpickler.load_build(self)
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # (not in typeshed, as above)
 
     dispatch[pickle.BUILD[0]] = load_build
 
@@ -232,10 +233,11 @@ class SafeReader(FileSystemReader):
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._metadata
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        storage_meta = getattr(metadata, "storage_meta", None)  # absent from older metadata
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
         if hasattr(self, "load_id"):
-            metadata.storage_meta.load_id = self.load_id
+            storage_meta.load_id = self.load_id
         return metadata
 
 

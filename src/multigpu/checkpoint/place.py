@@ -12,11 +12,13 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any, Optional
 
 from multigpu.errors import CheckpointError, visible
 from multigpu.fileio import Folder, PathLike
 
+xxhash: Optional[ModuleType]
 try:  # a declared dependency; without it new checkpoints fall back to CRC-32 (slower, same promises)
     import xxhash
 except ImportError:  # pragma: no cover

@@ -149,7 +149,11 @@ def verify(path: PathLike, checksums: bool = True, contents: bool = True) -> dic
                 f"checkpoint {shown}: {visible(member)} has {size} bytes, the manifest says {expected['size']} "
                 "(truncated?).", "it is corrupt; delete it.")
         if checksums:
-            kind_, digest = _checksum(expected)
+            checksum = _checksum(expected)
+            if checksum is None:  # read_manifest refuses such an entry
+                raise CheckpointError(f"checkpoint {shown}: {visible(member)} has no valid checksum.",
+                                      "it is corrupt; delete it.")
+            kind_, digest = checksum
             if digest_of(folder, rel, kind_)[1] != digest:
                 raise CheckpointError(f"checkpoint {shown}: {visible(member)} does not match its checksum "
                                       f"({'CRC-32' if kind_ == 'crc32' else 'XXH3'}).", "it is corrupt; delete it.")

@@ -7,10 +7,12 @@ where they were; numpy's own state object is not a safe type for ``torch.load``.
 from __future__ import annotations
 
 import random
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional
 
 import torch
 
+np: Optional[ModuleType]
 try:  # numpy is optional for the package; it is there whenever torch's numpy bridge is.
     import numpy as np
 except ImportError:  # pragma: no cover

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -80,7 +80,7 @@ def _hashing_file_system() -> Any:
                     yield stream
                     return
                 with ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-hash") as pool:
-                    hashed = HashingWriter(stream, pool)
+                    hashed = HashingWriter(stream, pool)  # type: ignore[arg-type]  # torch types it IOBase: a binary file
                     yield _Stream(hashed, stream)
             name = Path(path).name  # DCP writes ".metadata.tmp" and renames it to ".metadata" (its own rename)
             self.digests[name[:-len(".tmp")] if name.endswith(".metadata.tmp") else name] = (
@@ -154,7 +154,7 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     optimizers = [optimizer] if optimizer is not None else []
     options = _options(bool(manifest.get(FLAT_OPTIMIZER)))
     model_state, optim_state = get_state_dict(model, optimizers, options=options)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}  # DCP's STATE_DICT_TYPE, loaded in place
     planner = SafeLoadPlanner()
     try:
         with warnings.catch_warnings():  # "loading in a single process" is what we mean to do
@@ -263,6 +263,8 @@ def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         future = dcp.async_save({"model": model_state, "optimizer": optim_state}, storage_writer=storage,
                                 process_group=group)
+    if not isinstance(future, Future):  # an AsyncSaveResponse comes only with an async_stager, never given here
+        raise TypeError(f"dcp.async_save returned a {type(future).__name__}, not a Future")
 
     def finish() -> None:
         future.result()  # every rank's shards and the global .metadata are written (DCP's own barrier)

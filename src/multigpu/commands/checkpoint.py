@@ -52,11 +52,11 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
         return 0
     path = Path(args.path)
     if not checkpoint.files.is_checkpoint(path):
-        info = checkpoint.latest(path, report=lambda line: print(line))
-        if info is None:
+        newest = checkpoint.latest(path, report=lambda line: print(line))
+        if newest is None:
             raise CheckpointError(f"no checkpoint at {visible(str(path))}.",
                                   "give a step-N folder or the folder holding them.")
-        path = info.path
+        path = newest.path
     out = sharded.consolidate(path, Path(args.out) if args.out else None)
     print(f"consolidated {visible(str(path))} -> {visible(str(out / 'state.pt'))} "
           "(load with torch.load(..., weights_only=True)['model'])")

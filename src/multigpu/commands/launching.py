@@ -253,6 +253,8 @@ def resolve_nproc(nproc: "int | str | None", visible: list[str], cpu: bool) -> t
         return (None, cpu) if visible and not cpu else (min(os.cpu_count() or 1, validate.MAX_PROCS_PER_NODE), True)
     if nproc == "cpu":
         return min(os.cpu_count() or 1, validate.MAX_PROCS_PER_NODE), True
+    if isinstance(nproc, str):  # nproc_value lets only auto, gpu and cpu through
+        raise LaunchError(f"--nproc {nproc[:40]!r} is not a number of processes, auto, gpu or cpu.", "e.g. --nproc 2.")
     return nproc, cpu
 
 

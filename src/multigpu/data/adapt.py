@@ -67,7 +67,8 @@ def dataloader_settings(loader: DataLoader) -> dict[str, Any]:
 
 def sampler_order(loader: DataLoader) -> tuple[bool, Optional[int]]:
     """(shuffle, seed) of the user's sampler, for the samplers whose order ours reproduces."""
-    sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+    batch_sampler = loader.batch_sampler  # a plain BatchSampler or None (dataloader_settings checked)
+    sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else loader.sampler
     if isinstance(sampler, DistributedSampler):
         return bool(sampler.shuffle), int(sampler.seed)
     if type(sampler) is RandomSampler:
@@ -84,7 +85,7 @@ def sampler_order(loader: DataLoader) -> tuple[bool, Optional[int]]:
 
 def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation: bool, shuffle: bool = True,
           seed: int = 0, drop_last: bool = False, pin_memory: bool = False, collate_fn: Optional[Callable] = None,
-          num_workers: int = 0, rank_streams: bool = True, agree: Optional[Callable[[], Pending]] = None,
+          num_workers: int = 0, rank_streams: bool = True, agree: Optional[Callable[[], Optional[Pending]]] = None,
           batch_scale: int = 1, **dataloader_kwargs: Any) -> "Loader | StreamLoader":
     """A loader of this rank's share of ``data`` (a Loader, a DataLoader, an IterableDataset or a Dataset).
 
@@ -163,7 +164,7 @@ class StreamLoader:
 
     def __init__(self, dataset: Any, batch_size: int, rank: int, size: int, *, evaluation: bool = False,
                  drop_last: bool = False, seed: int = 0, rank_streams: bool = True,
-                 agree: Optional[Callable[[], Pending]] = None, **dataloader_kwargs: Any) -> None:
+                 agree: Optional[Callable[[], Optional[Pending]]] = None, **dataloader_kwargs: Any) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size {batch_size!r} must be a positive integer.", "it is per process: e.g. 32.")
         for reserved in ("sampler", "batch_sampler", "shuffle"):

@@ -185,7 +185,8 @@ def _rank_steps(many: Outcome) -> list[Cause]:
 
 
 def _identical_inputs(many: Outcome) -> list[Cause]:
-    steps, pairs = [], set()
+    steps: list[int] = []
+    pairs: set[tuple[int, int]] = set()
     for i in range(many.most_steps):
         rows = [(r, row) for r, row in enumerate(many.at(i))]
         for a in range(len(rows)):

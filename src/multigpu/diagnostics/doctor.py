@@ -133,7 +133,7 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
     """(problem, hint) in the order a person should fix them."""
     found: list[tuple[str, str]] = []
     for key in ("multigpu", "torch", "cuda", "nccl", "python"):
-        values = {}
+        values: dict[Any, list[str]] = {}
         for rank, fact in enumerate(facts):
             values.setdefault(fact[key], []).append(f"{fact['host']} (rank {rank})")
         if len(values) > 1:

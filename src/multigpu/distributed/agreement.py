@@ -74,10 +74,12 @@ class Pending:
             self._work = dist.all_reduce(self._tensor, op=self.op, group=self.group, async_op=True)
             self.started += 1
 
-    def result(self) -> Optional[list[int]]:
-        """The reduced values (waits for them); None if nothing was started."""
+    def result(self) -> list[int]:
+        """The reduced values (waits for them); every rank reads them after ``start``."""
         self.finish()
-        return None if self._tensor is None else self._tensor.tolist()
+        if self._tensor is None:
+            raise RuntimeError("Pending.result() before start(): nothing was reduced")
+        return self._tensor.tolist()
 
     def finish(self) -> None:
         """Complete the reduction in flight, if any (every rank calls this at the same point)."""

@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import torch.distributed as dist
 from typing_extensions import override
@@ -115,6 +115,7 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
     key = f"multigpu/run_on_main/{index}"
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already shares
     me = dist.get_rank()
+    box: list[Any] = [None]  # rank 0's result, sent to the others
     if me == 0:
         try:
             result = fn(*args, **kwargs)
@@ -122,6 +123,9 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
             store.set(key, f"error:{type(exc).__name__}: {exc}"[:2000])
             raise
         store.set(key, "ok:none" if result is None else "ok:value")
+        if result is None:
+            return result
+        box[0] = result
     else:
         status = _wait_for(store, key, fn, me, notice_every_s, dist.get_world_size() - 1)
         if status.startswith("error:"):
@@ -130,13 +134,9 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
                 "see rank 0's traceback above; the other ranks stopped with it.",
             )
         if status == "ok:none":
-            return None  # type: ignore[return-value]
-        result = None  # type: ignore[assignment]
-    if me == 0 and result is None:
-        return result
-    box = [result]
+            return cast(T, None)  # rank 0's fn returned None, so None is a T
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return cast(T, box[0])  # rank 0's result
 
 
 #: The first "still waiting" line comes after this long; later ones at twice the interval, up to

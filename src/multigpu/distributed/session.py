@@ -125,8 +125,8 @@ class DistSession:
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        kwargs = dict(backend=self.backend, rank=self.world.rank, world_size=self.world.world_size,
-                      timeout=self.settings.timeout)
+        kwargs: dict[str, Any] = dict(backend=self.backend, rank=self.world.rank, world_size=self.world.world_size,
+                                      timeout=self.settings.timeout)
         if self.backend == "nccl":
             kwargs["device_id"] = self.device  # eager NCCL start: errors surface here, not at step 1
         if self.world.agent_store:

@@ -358,7 +358,7 @@ class Probe:
                        if id(p) not in self._names]
             record["outside"] = len(outside)
             record["outside_digest"] = self._params_digest(outside)
-        if self._replicated and (self.step == 1 or self.step >= self.steps):
+        if self._replicated and self._inner is not None and (self.step == 1 or self.step >= self.steps):  # set by attach
             record["weights_digest"] = self._params_digest(list(self._inner.parameters()))
         self._log.write(json.dumps(record) + "\n")
         self._log.flush()

@@ -113,7 +113,8 @@ class HangWatchdog:
     # -------------------------------------------------------------- the report
     def _report(self, idle: float) -> None:
         root = Folder(self.folder).create()
-        frame = sys._current_frames().get(self._main.ident)
+        ident = self._main.ident  # None only for a thread not started
+        frame = sys._current_frames().get(ident) if ident is not None else None
         summary = where(traceback.extract_stack(frame)) if frame is not None else "main thread gone"
         line = f"rank {self.rank}: no progress for {idle:.0f} s after step {self._step}, {summary}"
         with root.open_new(f"rank{self.rank}.stack") as handle:  # renamed into place when complete

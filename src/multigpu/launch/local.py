@@ -161,6 +161,8 @@ def plan_rendezvous(
             "or use --rdzv-endpoint HOST:PORT.",
         )
     addr = master_addr or "127.0.0.1"
+    if master_port is None:  # one machine returned above, several were refused
+        raise LaunchError("no --master-port for a static rendezvous.", "give --master-port (node 0's free port).")
     if node_rank == 0:
         require_free_port(int(master_port))  # node 0 hosts the store: refuse a taken port now
     return Rendezvous("static", f"{addr}:{master_port}", rdzv_id or "multigpu", max_nodes, max_nodes, node_rank, timeout_s)
@@ -504,6 +506,6 @@ def split_command(script: Optional[str], module: Optional[str], args: Sequence[s
                           "write `multigpu run train.py ...` or `multigpu run -m pkg.train ...`.")
     if module is not None:
         return ("-m", module, *args)
-    if not Path(script).is_file():
+    if script is None or not Path(script).is_file():  # None: refused above
         raise LaunchError(f"script {script!r} does not exist.", "check the path (it is relative to the current folder).")
     return (script, *args)

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from multigpu import validate
 from multigpu.distributed.world import (
@@ -41,6 +41,9 @@ from multigpu.distributed.world import (
     REPLICA_GROUPS_VAR,
 )
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError
+
+if TYPE_CHECKING:
+    from torchft.coordination import LighthouseServer
 
 #: Set for each group's agent: this launcher's pid (the agent stops itself when the launcher dies).
 LAUNCHER_PID_VAR = "MULTIGPU_REPLICA_LAUNCHER_PID"
@@ -103,7 +106,7 @@ class Lighthouse:
 
     def __init__(self, host: str, port: int, settings: ReplicaSettings, verbose: bool = False) -> None:
         self.host, self.port, self.settings, self.verbose = host, port, settings, verbose
-        self._server = None
+        self._server: Optional[LighthouseServer] = None
 
     def __enter__(self) -> "Lighthouse":
         if not self.verbose and "RUST_LOG" not in os.environ:

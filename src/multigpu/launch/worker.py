@@ -192,10 +192,11 @@ def out_of_memory_line(exc: BaseException) -> str:
     """For CUDA's out-of-memory error (also when another exception wraps it, as torch.compile's do), the
     line that says what to change - and, in a packed queue run, the share it runs in; '' for anything else."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen and type(exc).__name__ != "OutOfMemoryError":
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    if exc is None or type(exc).__name__ != "OutOfMemoryError":
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen and type(cause).__name__ != "OutOfMemoryError":
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or type(cause).__name__ != "OutOfMemoryError":
         return ""
     from multigpu.distributed.world import MEMORY_FRACTION_VAR
     from multigpu.errors import MultiGPUError

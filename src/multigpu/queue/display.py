@@ -165,10 +165,13 @@ def best_line(queue: Queue) -> str:
     finals = {run.spec.name: last_metrics(run) for run in queue.runs if run.state == "done"}
     chosen = {(run.spec.metric, run.spec.mode) for run in queue.runs if run.spec.metric}
     columns = {k for values in finals.values() for k in values}
+    key: Optional[str]  # None: nothing to rank by
     if len(chosen) == 1:
         key, mode = chosen.pop()
     else:
         key, mode = next((k for k in ("valid_loss", "loss") if k in columns), None), "min"
+    if key is None:
+        return ""
     scored = []
     for name, values in finals.items():
         try:

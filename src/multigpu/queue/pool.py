@@ -33,6 +33,9 @@ def plan_pool(visible_gpus: Sequence[str], gpus: Optional[str] = None, slots: Op
         raise ConfigError("--slots and --gpus contradict each other.",
                           "--gpus places runs on GPUs, --slots on CPU process slots: give one.")
     if slots is None and (visible_gpus or gpus is not None):
-        return Pool(tuple(plan_devices(visible_gpus, gpus=gpus).visible.split(",")), True)
+        visible = plan_devices(visible_gpus, gpus=gpus).visible
+        if visible is None:  # GPUs are visible or named here, so the plan names them
+            raise ConfigError("no GPU to place runs on.", "give --slots N to run on CPU process slots.")
+        return Pool(tuple(visible.split(",")), True)
     count = validate.count(slots if slots is not None else usable_cores(), "--slots", ConfigError)
     return Pool(tuple(str(i) for i in range(count)), False)

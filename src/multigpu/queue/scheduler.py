@@ -56,13 +56,13 @@ class EntryState:
     proc: Optional[subprocess.Popen] = None
     log: Optional[IO[str]] = None
     note: str = ""
-    lock: Optional[RunLock] = None
     #: Its whole GPUs/slots, or its share of one (below 1).
     share: Fraction = Fraction(1)
+    #: Held while the run runs (one queue at a time per run folder).
+    lock: RunLock = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.lock is None:
-            self.lock = RunLock(self.folder.parent, self.spec.name)
+        self.lock = RunLock(self.folder.parent, self.spec.name)
 
     @property
     def elapsed(self) -> Optional[float]:
@@ -314,19 +314,19 @@ class Queue:
 
     def _stop_all(self) -> None:
         """Graceful: SIGTERM to every running run (its workers checkpoint and stop), then wait."""
-        running = [r for r in self.runs if r.state == "running" and r.proc is not None]
-        for run in running:
+        running = [(r, r.proc) for r in self.runs if r.state == "running" and r.proc is not None]
+        for _, proc in running:
             try:
-                run.proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
         deadline = time.time() + STOP_GRACE_S
-        for run in running:
+        for run, proc in running:
             try:
-                code = run.proc.wait(timeout=max(0.1, deadline - time.time()))
+                code = proc.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                run.proc.kill()
-                code = run.proc.wait()
+                proc.kill()
+                code = proc.wait()
             self._finish(run, code, interrupted=True)
         for run in self.runs:
             if run.state == "queued":
@@ -336,11 +336,12 @@ class Queue:
     def makespan(self) -> tuple[float, float]:
         """(wall time from the first start to the last end, the runs' own durations x their GPUs/slots)
         of this pass: the ideal makespan is the second divided by the size of the pool."""
-        ran = [r for r in self.runs if r.state not in ("skipped", "queued") and r.started and r.ended]
+        ran = [(r.started, r.ended, r.share) for r in self.runs
+               if r.state not in ("skipped", "queued") and r.started and r.ended]
         if not ran:
             return 0.0, 0.0
-        work = sum((r.ended - r.started) * float(r.share) for r in ran)
-        return max(r.ended for r in ran) - min(r.started for r in ran), work
+        work = sum((ended - started) * float(share) for started, ended, share in ran)
+        return max(ended for _, ended, _ in ran) - min(started for started, _, _ in ran), work
 
 
 @dataclass(frozen=True)
@@ -390,13 +391,15 @@ def read_status(folder: Path) -> dict:
         return {}
     if not isinstance(status, dict):
         return {}
-    checked = {}
+    checked: dict[str, object] = {}
     for key, kind in _STATUS_FIELDS.items():
         value = status.get(key)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, kind) and not isinstance(value, bool) and (kind is not float or math.isfinite(value)):
-            checked[key] = value if kind is not str else visible(value[:200])  # printed in the table
+            value = float(value) if abs(value) < 1 << 1000 else None  # JSON's integers have no bound
+        if isinstance(value, float) and not math.isfinite(value):
+            continue
+        if isinstance(value, kind) and not isinstance(value, bool):
+            checked[key] = visible(value[:200]) if isinstance(value, str) else value  # printed in the table
     return checked
 
 

@@ -29,7 +29,7 @@ from multigpu.config import check_keys
 from multigpu.distributed.parallel import Parallelism
 from multigpu.distributed.world import World
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import BuildContext, Strategy, StrategySpec, unwrap_module
+from multigpu.strategies.base import BuildContext, PlainGradients, Strategy, StrategySpec, unwrap_module
 from multigpu.strategies.ddp import DDP, DDPOptions
 from multigpu.strategies.dp import DataParallelStrategy, split_sizes
 from multigpu.strategies.single import SingleDevice
@@ -108,7 +108,7 @@ def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.dev
     if activation_checkpointing:
         from multigpu.validate import activation_checkpointing_settings
 
-        if not hasattr(strategy, "checkpoint_activations"):
+        if not isinstance(strategy, PlainGradients):  # where checkpoint_activations lives
             raise ConfigError(f"strategy {entry.name!r} does not apply activation_checkpointing yet.",
                               "leave activation_checkpointing off with it (see docs/strategies.md).")
 

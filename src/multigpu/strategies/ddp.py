@@ -50,7 +50,7 @@ class DDP(PlainGradients):
 
     @override
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync()
+        return model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module: DDP's method
 
 
 def _build(context: BuildContext, options: DDPOptions) -> "DDP | SingleDevice":

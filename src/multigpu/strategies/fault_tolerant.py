@@ -95,16 +95,16 @@ class CommittingOptimizer(torch.optim.Optimizer):
         self.optim = optimizer
         self._strategy = strategy
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list:
+    @property
+    def param_groups(self) -> list:  # type: ignore[override]  # torch's Optimizer declares these as attributes
         return self.optim.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # (as above)
         return self.optim.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict:
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]  # (as above)
         return self.optim.defaults
 
     def add_param_group(self, param_group: dict) -> None:
@@ -170,7 +170,7 @@ class FaultTolerantDDP(PlainGradients):
 
     @override
     def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync()
+        return model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module: DDP's method
 
     # ------------------------------------------------------------------ the quorum, step by step
     def register_state(self, key: str, load: Callable[[Any], None], state: Callable[[], Any],
@@ -287,7 +287,7 @@ def _replica_ddp(torchft: Any) -> type:
 
     class ReplicaDDP(torchft.DistributedDataParallel):
         @staticmethod
-        def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # torch checks real annotations: none
+        def _comm_hook(state, bucket):  # no annotations: torch checks real ones
             buffer = bucket.buffer()
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(buffer)  # SUM (gloo has no AVG), inside this replica group

@@ -187,7 +187,7 @@ def _sum_reductions_over_gloo(model: nn.Module) -> None:
         return
     for module in model.modules():
         if hasattr(module, "set_force_sum_reduction_for_comms"):
-            module.set_force_sum_reduction_for_comms(True)
+            module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module
 
 
 def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -200,7 +200,7 @@ def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float
         groups[getattr(p.grad, "device_mesh", None)].append(p)
     norms = []
     for params in groups.values():
-        norm = nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not norms:
         return torch.zeros(())
@@ -235,11 +235,11 @@ def _same_weights_as_rank0(model: nn.Module) -> None:
 @contextlib.contextmanager
 def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally: no reduce-scatter until the context ends."""
-    model.set_requires_gradient_sync(False)
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module: FSDP's method
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class Stages:
     def __contains__(self, name: object) -> bool:
         if name not in self.names:
             raise ConfigError(f"{name!r} is not a stage of this recipe.", f"stages: {', '.join(self.names)}.")
-        return self.start <= self.names.index(name) <= self.end  # type: ignore[arg-type]
+        return self.start <= self.names.index(name) <= self.end
 
     def run(self, functions: Mapping[str, Callable[[], object]], announce: Optional[Callable[[str], None]] = None) -> dict:
         """Call the selected stages in order; returns ``{stage: result}``."""

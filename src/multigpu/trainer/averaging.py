@@ -108,7 +108,9 @@ class WeightAverage:
 
     def _reshard(self) -> None:
         fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded by the fsdp strategies, and only then needed
-        for module in self.model.modules() if fsdp is not None else ():
+        if fsdp is None:
+            return
+        for module in self.model.modules():
             if isinstance(module, fsdp.FSDPModule):
                 module.reshard()
 
@@ -157,6 +159,8 @@ def _full(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(param, DTensor):
+        raise TypeError(f"a parameter with a device_mesh but not a DTensor ({type(param).__name__})")
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride()).full_tensor()
 
@@ -165,6 +169,8 @@ def _slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full``, laid out like ``param`` (no communication: every rank holds ``full``)."""
     if not hasattr(param, "device_mesh"):
         return full
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if not isinstance(param, DTensor):
+        raise TypeError(f"a parameter with a device_mesh but not a DTensor ({type(param).__name__})")
     return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

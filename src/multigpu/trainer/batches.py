@@ -18,8 +18,9 @@ def move_to(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
         moved = {k: move_to(v, device, non_blocking) for k, v in batch.items()}
+        rebuild: Any = type(batch)  # most mappings' classes take a dict (Mapping's own signature does not)
         try:
-            return type(batch)(moved)
+            return rebuild(moved)
         except TypeError:  # a defaultdict (its first argument is a factory) or another unusual mapping
             return moved
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):

@@ -81,16 +81,19 @@ class Trainer(abc.ABC):
         self.precision = Precision(s.precision, self.device)
         if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
             run.check_consistency(model, config, trainer_settings=s.plain())
-        self.model, self.optimizer = run.setup(model, optimizer, strategy=s.strategy or run.strategy_name,
-                                               activation_checkpointing=s.activation_checkpointing, **s.setup_options())
-        if self.optimizer is None:
+        self.model, bound = run.setup(model, optimizer, strategy=s.strategy or run.strategy_name,
+                                      activation_checkpointing=s.activation_checkpointing, **s.setup_options())
+        if bound is None:
             raise ConfigError("the Trainer needs an optimizer.", "pass one, or a factory like "
                               "`lambda params: torch.optim.AdamW(params, lr=1e-3)`.")
-        self.strategy = run.strategy
+        if run.strategy is None:
+            raise RuntimeError("run.setup left the run without a strategy")
+        self.optimizer, self.strategy = bound, run.strategy
         #: What checkpoints read and write: the wrapped model, never torch.compile's wrapper of it.
         self.state_model = self.model
-        if s.compile:
-            self.model = torch.compile(self.model, **(s.compile if isinstance(s.compile, dict) else {}))
+        if s.compile:  # torch.compile's stubs say Callable: given a Module it returns an OptimizedModule (a Module)
+            self.model = torch.compile(  # type: ignore[assignment]
+                self.model, **(s.compile if isinstance(s.compile, dict) else {}))
         if (scheduler is not None and not callable(scheduler) and isinstance(optimizer, torch.optim.Optimizer)
                 and getattr(self.optimizer, "optim", self.optimizer) is not optimizer):  # ft-ddp wraps, keeps it
             raise ConfigError(f"strategy {self.strategy.name!r} rebuilt the optimizer on its sharded parameters, so "
@@ -250,8 +253,7 @@ class Trainer(abc.ABC):
                    "samples_per_s": samples / elapsed if elapsed > 0 else 0.0, "epoch_s": elapsed}
             if train_metrics or valid_metrics:
                 self._record(row)
-                self.progress.epoch_done(epoch + 1, epochs,
-                                         {k: v for k, v in row.items() if k not in ("epoch", "step")})
+                self.progress.epoch_done(epoch + 1, epochs, {k: v for k, v in row.items() if k not in ("epoch", "step")})
             stopping = stopping or (self.tracker is not None and self.tracker.should_stop) or self._pruned
             if not completed or stopping:
                 self._save()  # resumable from here (a larger max_steps, or the best checkpoint is kept)
@@ -300,7 +302,8 @@ class Trainer(abc.ABC):
                 precision.unscale(optimizer)
                 if s.clip_grad_norm is not None or guard is not None:  # the guard reads the global norm
                     self._grad_norm = strategy.clip_grad_norm(model, s.clip_grad_norm or float("inf"))
-                dropped = guard.check(loss_sum, index % s.accumulate + 1, self._grad_norm, self.state) if guard else 0
+                dropped = (guard.check(loss_sum, index % s.accumulate + 1, self._grad_norm, self.state)
+                           if guard is not None and self._grad_norm is not None else 0)
                 stepped = precision.step(optimizer) if not dropped else precision.skip()
                 committed = stepped or bool(dropped)  # False: replica groups dropped it (a guard's skip counts)
                 optimizer.zero_grad(set_to_none=True)
@@ -377,7 +380,7 @@ class Trainer(abc.ABC):
                 raise ConfigError(f"monitor {key!r} is not among the validation metrics "
                                   f"({', '.join(f'valid_{k}' for k in metrics)}).", "set monitor to one of them.")
             if self.tracker.update(value, self.state.global_step):
-                self._save_best()
+                self._save_best(self.tracker)
         self._pruned |= self.run.report(value, self.state.global_step)  # a queue trial: every rank hears the same
         return metrics
 
@@ -402,7 +405,7 @@ class Trainer(abc.ABC):
         """
         loader = self._loader(data, evaluation=True)
         wrapped = self.model
-        sharded_model = self.strategy.sharded or self.run.parallelism.tp > 1
+        sharded_model = self.strategy.sharded or self.run.degrees.tp > 1
         self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
         try:
@@ -465,11 +468,10 @@ class Trainer(abc.ABC):
                 self.on_checkpoint(path)
         return path
 
-    def _save_best(self) -> Path:
+    def _save_best(self, tracker: BestTracker) -> Path:
         """The best checkpoint so far, in checkpoints/best (its own folder: never pruned with the others)."""
-        path = self._save(self.best_dir, keep_last=1,
-                          meta={"monitor": self.settings.monitor, "value": self.tracker.best})
-        self.progress.line(f"multigpu: new best {self.settings.monitor} {self.tracker.best:.6g} at step "
+        path = self._save(self.best_dir, keep_last=1, meta={"monitor": self.settings.monitor, "value": tracker.best})
+        self.progress.line(f"multigpu: new best {self.settings.monitor} {tracker.best:.6g} at step "
                            f"{self.state.global_step}: {path}")
         return path
 
@@ -483,8 +485,7 @@ class Trainer(abc.ABC):
         wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)
         state = self.run.load_checkpoint(info, self.state_model, self.optimizer) or {}
         self.load_checkpoint_state(state)
-        changes = resume.apply_hyperparameters(self.optimizer.param_groups, wanted,
-                                               getattr(self.scheduler, "base_lrs", None))
+        changes = resume.apply_hyperparameters(self.optimizer.param_groups, wanted, getattr(self.scheduler, "base_lrs", None))
         changes += resume.changed_settings({"trainer": state.get("settings"), "config": state.get("config")},
                                            {"trainer": self.settings.plain(), "config": consistency.plain(self.config)})
         self.run.print(f"multigpu: resumed from {info.path} (epoch {self.state.epoch}, "

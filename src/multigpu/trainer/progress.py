@@ -111,8 +111,8 @@ def start_report(run: Any, settings: Any, model: Any, loader: Any, strategy: str
 
 
 def _checkpointing(settings: Any) -> str:
-    ac = getattr(settings, "activation_checkpointing", False)
-    if not ac:
+    ac = getattr(settings, "activation_checkpointing", False)  # False or {"blocks": ..., "every": ...}
+    if not ac or not isinstance(ac, Mapping):
         return ""
     which = f"{', '.join(ac['blocks'])} blocks" if ac.get("blocks") else "repeated blocks"
     return f", activation checkpointing of {which}" + (f" (every {ac['every']})" if ac.get("every", 1) > 1 else "")

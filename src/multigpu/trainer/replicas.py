@@ -99,8 +99,12 @@ class ReplicaGroups:
     """One Trainer's side of the replica groups (see the module docstring)."""
 
     def __init__(self, trainer: "Trainer", out_dir: Path) -> None:
+        from multigpu.strategies.fault_tolerant import FaultTolerantDDP
+
         self.trainer = trainer
-        self.strategy: Any = trainer.strategy
+        if not isinstance(trainer.strategy, FaultTolerantDDP):  # attach: only it is fault_tolerant
+            raise MultiGPUError(f"replica groups need strategy ft-ddp, not {trainer.strategy.name!r}.")
+        self.strategy = trainer.strategy
         world = trainer.run.world
         self.group, self.groups = world.replica_group, world.replica_groups
         #: The Trainer's out_dir as configured (shared by every group); each writes its own folder in it.
@@ -219,7 +223,7 @@ class ReplicaGroups:
 
     # ------------------------------------------------------------------ helpers
     def _describe(self, participants: int) -> str:
-        batch = self.trainer.settings.batch_size * self.trainer.run.parallelism.dp_size
+        batch = self.trainer.settings.batch_size * self.trainer.run.degrees.dp_size
         return (f"{participants} of {self.groups} replica group(s) live, global batch {batch * participants} "
                 f"of {batch * self.groups}")
 
