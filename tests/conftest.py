@@ -33,9 +33,11 @@ def _cpu_tier_sees_no_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
 
 def child_env(extra: Optional[dict] = None) -> dict:
     """A clean environment for launched processes: no stray launcher variables from the outer shell."""
+    # MLFLOW_ALLOW_FILE_STORE: an in-process MLflow logger of an earlier test sets it in this process.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                          "MASTER_ADDR", "MASTER_PORT")}
+                                                                          "MASTER_ADDR", "MASTER_PORT",
+                                                                          "MLFLOW_ALLOW_FILE_STORE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(SCRIPTS), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})

@@ -630,6 +630,9 @@ CASES = [
          python=True),
     Case("worker-bad-mlflow-uri", ["tiny.py", "out_dir=out", "loggers=[mlflow]"], "MLFLOW_TRACKING_URI", tiny(),
          env={"MLFLOW_TRACKING_URI": "::not-a-uri"}, python=True),
+    # MLflow reads a bare path as a file store in the working folder when file stores are allowed
+    Case("worker-mlflow-bare-path", ["tiny.py", "out_dir=out", "loggers=[mlflow]"], "MLFLOW_TRACKING_URI", tiny(),
+         env={"MLFLOW_TRACKING_URI": "../victim/mlruns", "MLFLOW_ALLOW_FILE_STORE": "true"}, python=True),
     Case("worker-wandb-run-id-fifo", ["tiny.py", "out_dir=out", "loggers=[wandb]"], "", chain(tiny(),
                                                                                               fifo("out/.wandb_run_id")),
          env={"WANDB_MODE": "offline"}, python=True, outcome="any"),

@@ -237,6 +237,11 @@ class WandbLogger:
 # ---------------------------------------------------------------------------------------- MLflow
 
 
+#: A tracking URI: a scheme and its ``:`` (``http://``, ``file:///``, ``sqlite:///``, ``databricks://``), or
+#: MLflow's bare ``databricks`` (the default profile).
+_MLFLOW_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:\S+|databricks")
+
+
 class MLflowLogger:
     """An MLflow run named after the output folder, in ``MLFLOW_TRACKING_URI`` (default: a file store in
     ``OUT/mlruns``). A resumed run logs into the same MLflow run, only steps it has not logged yet."""
@@ -250,6 +255,12 @@ class MLflowLogger:
         folder = Path(folder).resolve()
         root = Folder(folder).create()
         uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if uri and not _MLFLOW_URI.fullmatch(uri):
+            # MLflow reads a bare path as a file store relative to the working folder (where
+            # MLFLOW_ALLOW_FILE_STORE is set): a typo would write runs anywhere.
+            raise ConfigError(f"loggers: MLFLOW_TRACKING_URI {shown(uri)} is not a URI (scheme://...).",
+                              "name a server (http://host:5000), a database (sqlite:///abs/path.db) or a file store "
+                              "(file:///abs/path), or unset it for a file store in the run folder.")
         if not uri:
             # No server named: a file store beside the run, readable with `mlflow ui --backend-store-uri`.
             # MLflow 3 keeps that backend in maintenance mode and refuses it unless this variable opts in;
