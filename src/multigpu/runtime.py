@@ -499,8 +499,7 @@ def init(
     rank now - models built before ``run.setup`` are identical - and per rank after it, so dropout and
     augmentation differ between ranks as they differ between samples of one process
     (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``, ``pp``: parallelism degrees
-    (the rest of the world shards data; ``pp``: pipeline stages on consecutive groups of ranks). ``env``:
-    read this mapping instead of the environment (tests).
+    (the rest shards data; ``pp``: stages on consecutive groups of ranks). ``env``: instead of os.environ.
     """
     world = detect_world(env)
     cuda_count = torch.cuda.device_count() if accelerator != "cpu" else 0
