@@ -249,6 +249,33 @@ def test_root_cause_prefers_the_rank_that_started_it():
     assert root_cause({0: own, 1: own})[0] == 0
 
 
+def test_a_rank_stopped_during_its_teardown_keeps_the_status_it_recorded(tmp_path, capsys):
+    """Seen once in a clean-clone run under load: both ranks raised the desync error (which counts as a
+    peer's fault, so it ranks below a stopped rank); rank 0 left with 1, the agent's SIGTERM ended rank 1
+    after it had recorded status 1 but before it left; the launcher reported 143 instead of 1."""
+    from types import SimpleNamespace
+
+    from multigpu.launch.attempts import write_record
+    from multigpu.launch.local import report_failure, root_cause
+
+    line = "multigpu: error: ranks disagree before training (1 difference(s)): x HINT: y"
+
+    def failure(rank, exitcode):
+        return SimpleNamespace(exitcode=exitcode, timestamp=100, local_rank=rank, pid=10 + rank,
+                               signal_name=lambda: "SIGTERM", message={"message": line, "extraInfo": {"multigpu_error": line}})
+
+    failures = {0: failure(0, 1), 1: failure(1, -15)}
+    assert root_cause(failures)[0] == 1
+    assert report_failure(failures, str(tmp_path)) == 143  # nothing recorded: the signal's status
+    for rank in (0, 1):
+        write_record(str(tmp_path), rank, 0, "pid", 10 + rank)
+        write_record(str(tmp_path), rank, 0, "exit", 1)
+    assert report_failure(failures, str(tmp_path)) == 1
+    assert capsys.readouterr().err.count(line + " (on all 2 ranks)") == 2
+    write_record(str(tmp_path), 1, 1, "pid", 20)  # a newer attempt that recorded nothing: its signal counts
+    assert report_failure(failures, str(tmp_path)) == 143
+
+
 def test_simulated_nodes_split_the_gpus():
     from multigpu.launch.flags import RunFlags
     from multigpu.launch.simulate import node_commands

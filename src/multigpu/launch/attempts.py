@@ -80,6 +80,12 @@ def _read_int(path: Path) -> Optional[int]:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
+def recorded_exit(log_dir: str, rank: int) -> Optional[int]:
+    """The status rank ``rank`` recorded in its newest attempt before it left (None: none recorded)."""
+    started = files_of(log_dir, "pid", rank)
+    return _read_int(record_path(log_dir, rank, started[-1][1], "exit")) if started else None
+
+
 def _alive(pid: Optional[int]) -> bool:
     if pid is None:
         return False

@@ -28,7 +28,7 @@ from multigpu import validate
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
 from multigpu.fileio import Folder, as_shown, tail_lines
-from multigpu.launch.attempts import files_of, lost_a_peer
+from multigpu.launch.attempts import files_of, lost_a_peer, recorded_exit
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.ports import require_free_port
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
@@ -406,6 +406,12 @@ def _exit_status(exitcode: int) -> int:
 _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP), int(signal.SIGUSR1)}
 
 
+def _status(rank: int, failure: Any, log_dir: str) -> int:
+    """A rank stopped by the launcher during its teardown keeps the status it recorded (worker.py) before."""
+    recorded = recorded_exit(log_dir, rank) if -failure.exitcode in _STOP_SIGNALS else None
+    return recorded or _exit_status(failure.exitcode)
+
+
 def root_cause(failures: dict) -> tuple[int, Any]:
     """The failure that started it. torch orders by error-file timestamps (whole seconds), which often
     picks a rank that merely noticed that another one had died. Ours, most telling first: a rank killed
@@ -470,7 +476,7 @@ def report_failure(failures: dict, log_dir: str) -> int:
         others = len(own) - len(same)
         if others:
             _say(f"{others} other rank(s) failed differently; logs of every rank are kept in {log_dir}")
-        return _exit_status(failure.exitcode)
+        return _status(rank, failure, log_dir)
     others = len(own) - 1
     also = f"; {others} other rank(s) failed after it" if others else ""
     _say(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{also}.")
@@ -481,7 +487,7 @@ def report_failure(failures: dict, log_dir: str) -> int:
         for line in tail:
             print(f"    {line}", file=sys.stderr)
     _say(f"logs of every rank are kept in {log_dir}")
-    return _exit_status(failure.exitcode)
+    return _status(rank, failure, log_dir)
 
 
 def _stderr_log(log_dir: str, rank: int) -> Optional[Path]:
