@@ -274,6 +274,8 @@ def test_a_rank_stopped_during_its_teardown_keeps_the_status_it_recorded(tmp_pat
     assert capsys.readouterr().err.count(line + " (on all 2 ranks)") == 2
     write_record(str(tmp_path), 1, 1, "pid", 20)  # a newer attempt that recorded nothing: its signal counts
     assert report_failure(failures, str(tmp_path)) == 143
+    write_record(str(tmp_path), 1, 1, "exit", 999)  # not an exit status: the signal's
+    assert report_failure(failures, str(tmp_path)) == 143
 
 
 def test_simulated_nodes_split_the_gpus():

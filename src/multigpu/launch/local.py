@@ -409,7 +409,7 @@ _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP), in
 def _status(rank: int, failure: Any, log_dir: str) -> int:
     """A rank stopped by the launcher during its teardown keeps the status it recorded (worker.py) before."""
     recorded = recorded_exit(log_dir, rank) if -failure.exitcode in _STOP_SIGNALS else None
-    return recorded or _exit_status(failure.exitcode)
+    return recorded if recorded is not None and 0 < recorded < 256 else _exit_status(failure.exitcode)
 
 
 def root_cause(failures: dict) -> tuple[int, Any]:
