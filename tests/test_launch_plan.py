@@ -9,8 +9,9 @@ from multigpu.distributed.session import choose_backend, choose_devices
 from multigpu.distributed.world import World
 from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
-from multigpu.launch.local import LaunchRequest, parse_nnodes, plan_rendezvous, worker_env
+from multigpu.launch.local import LaunchRequest, worker_env
 from multigpu.launch.ports import free_port, port_is_free, require_free_port
+from multigpu.launch.rendezvous import parse_nnodes, plan_rendezvous
 
 FOUR = ["0", "1", "2", "3"]
 
@@ -308,7 +309,7 @@ def test_run_flags_write_each_flag_once_and_the_target_last():
 
 
 def test_a_master_address_nobody_can_resolve_fails_in_seconds_not_after_the_rendezvous_timeout():
-    from multigpu.launch.local import require_resolvable
+    from multigpu.launch.rendezvous import require_resolvable
 
     with pytest.raises(LaunchError, match="nothing.invalid is not a host this machine can resolve"):
         require_resolvable("nothing.invalid", "--master-addr")  # RFC 6761: .invalid never resolves

@@ -78,6 +78,9 @@ ENVIRONMENT_ALLOWED = {
     "distributed/world.py": "reads where this process stands (the one reader)",
     "launch/local.py": "writes the workers' environment",
     "launch/worker.py": "the launched worker: reads what its launcher set for it",
+    "launch/boot.py": "hands the fork server the environment torch's agent gave this rank",
+    "launch/forkserver.py": "a forked worker takes the environment of its boot process; the server starts "
+                            "with the launcher's",
     "launch/devices.py": "reads CUDA_VISIBLE_DEVICES to plan devices before any process starts",
     "queue/scheduler.py": "builds each run's environment through validate.run_environment",
     "queue/slurm_jobs.py": "names the credentials a Slurm job must not inherit (validate.run_environment)",

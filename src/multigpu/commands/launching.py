@@ -261,7 +261,8 @@ def resolve_nproc(nproc: "int | str | None", visible: list[str], cpu: bool) -> t
 def plan_run(args: argparse.Namespace) -> "LaunchRequest":
     """The launch a parsed ``multigpu run`` (or torchrun) command line asks for, checked; nothing started."""
     from multigpu.launch.devices import plan_devices, visible_gpus
-    from multigpu.launch.local import LaunchRequest, plan_rendezvous, split_command
+    from multigpu.launch.local import LaunchRequest, split_command
+    from multigpu.launch.rendezvous import plan_rendezvous
 
     fold_torchrun_flags(args)
     _check_run_flags(args)
@@ -285,7 +286,7 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
 
 
 @contextlib.contextmanager
-def _quiet_agent_logs(verbose: bool) -> Iterator[None]:
+def _quiet_agent_logs(verbose: bool, load: bool = True) -> Iterator[None]:
     """Check the command line, then load torch in the launcher's own process (not the workers) with its
     C++ log level at FATAL.
 
@@ -294,7 +295,9 @@ def _quiet_agent_logs(verbose: bool) -> Iterator[None]:
     once, when torch loads - inside this block (where finding the GPUs may load it too), or at its end -
     so it is set just for the block and removed again: the workers inherit the user's environment
     unchanged. ``--verbose`` or a TORCH_CPP_LOG_LEVEL of your own keeps them. A refused flag raises
-    inside the block, before torch is loaded: the one line comes in a tenth of a second, not two."""
+    inside the block, before torch is loaded: the one line comes in a tenth of a second, not two.
+    ``load=False``: the launcher loads torch later (:func:`_load_torch_quietly`), once it has started
+    the workers' fork server, so that both import torch at the same time."""
     import os
 
     if verbose or "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
@@ -303,7 +306,8 @@ def _quiet_agent_logs(verbose: bool) -> Iterator[None]:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
         yield
-        import torch  # noqa: F401
+        if load:
+            import torch  # noqa: F401
     finally:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
@@ -340,6 +344,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
     from multigpu.launch.local import launch
 
-    with _quiet_agent_logs(args.verbose):
+    with _quiet_agent_logs(args.verbose, load=False):
         request = plan_run(args)
-    return launch(request)
+    return launch(request, load_torch=lambda: _load_torch_quietly(args.verbose))

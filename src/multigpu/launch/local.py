@@ -17,41 +17,25 @@ import re
 import signal
 import sys
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from typing_extensions import override
 
-from multigpu import validate
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
 from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer, recorded_exit
+from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.devices import DevicePlan
-from multigpu.launch.ports import require_free_port
+from multigpu.launch.forkserver import START_VAR, ForkServer
+from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
+BOOT_MODULE = "multigpu.launch.boot"
 STDERR_TAIL_LINES = 20
-DEFAULT_RDZV_TIMEOUT_S = 900
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    backend: str  # "c10d" or "static"
-    endpoint: str
-    run_id: str
-    min_nodes: int = 1
-    max_nodes: int = 1
-    node_rank: int = 0
-    timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
-
-    def configs(self) -> dict:
-        if self.backend == "static":
-            return {"rank": self.node_rank, "timeout": self.timeout_s}
-        return {"join_timeout": self.timeout_s}
 
 
 @dataclass(frozen=True)
@@ -77,95 +61,6 @@ class LaunchRequest:
     profile: bool = False
     #: What the restart line says happens next (replica groups heal from a live group instead).
     restart_note: str = "they resume from the last checkpoint"
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    lo, sep, hi = str(text).partition(":")
-    try:
-        min_nodes, max_nodes = int(lo[:12]), int((hi if sep else lo)[:12])
-    except ValueError:
-        raise LaunchError(f"--nnodes {text!r} is not a number or MIN:MAX.", "write --nnodes 2 or --nnodes 1:4.") from None
-    if not 0 < min_nodes <= max_nodes:
-        raise LaunchError(f"--nnodes {text!r}: need 0 < MIN <= MAX.", "write --nnodes 2 or --nnodes 1:4.")
-    validate.count(max_nodes, "--nnodes", LaunchError, high=validate.MAX_NODES)
-    return min_nodes, max_nodes
-
-
-def require_resolvable(host: str, flag: str, timeout_s: float = 10.0) -> None:
-    """Fail in seconds, not after the rendezvous timeout, when ``host`` is not a name this machine knows.
-
-    The lookup runs in a thread with a deadline: a resolver that hangs (an unreachable DNS server) is
-    reported too instead of blocking the launch."""
-    import concurrent.futures
-    import socket
-
-    name = host.strip("[]")
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        pool.submit(socket.getaddrinfo, name, None).result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise LaunchError(f"{flag} {host}: looking the name up took more than {timeout_s:.0f} s.",
-                          "check the machine's DNS, or give the first node's IP address.") from None
-    except (OSError, UnicodeError) as exc:
-        raise LaunchError(f"{flag} {host} is not a host this machine can resolve ({exc.__class__.__name__}).",
-                          "give the first node's IP address or a name in /etc/hosts (the same on every node).") from None
-    finally:
-        pool.shutdown(wait=False)
-
-
-def plan_rendezvous(
-    nnodes: str = "1",
-    node_rank: int = 0,
-    master_addr: Optional[str] = None,
-    master_port: Optional[int] = None,
-    rdzv_endpoint: Optional[str] = None,
-    rdzv_id: Optional[str] = None,
-    timeout_s: int = DEFAULT_RDZV_TIMEOUT_S,
-) -> Rendezvous:
-    """Static rendezvous for ``--master-addr/--master-port`` (SpeechBrain's multi-GPU guide's recipe), c10d otherwise."""
-    min_nodes, max_nodes = parse_nnodes(nnodes)
-    for flag, text in (("--master-addr", master_addr), ("--rdzv-id", rdzv_id)):
-        if text is not None:
-            validate.plain_text(text, flag, LaunchError, allow_space=False, pattern=r"[\w.:\[\]%-]{1,255}",
-                                example="host1 or 10.0.0.1")
-    if rdzv_endpoint:
-        if master_port is not None or master_addr is not None:
-            raise LaunchError(
-                "--rdzv-endpoint and --master-addr/--master-port both name the rendezvous.", "give only one of them."
-            )
-        host, _, port = rdzv_endpoint.rpartition(":")
-        if port == "0" and max_nodes == 1 and host in ("localhost", "127.0.0.1"):
-            # torchrun's single-machine spelling (--rdzv-endpoint=localhost:0): a free port, as we do anyway.
-            return Rendezvous("c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s)
-        if not host or not port.isdigit() or not 0 < int(port[:6]) < 65536 or re.search(r"[\s\x00-\x1f]", host):
-            raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT.", "write --rdzv-endpoint node1:29400.")
-        return Rendezvous("c10d", rdzv_endpoint, rdzv_id or "multigpu", min_nodes, max_nodes, 0, timeout_s)
-    if min_nodes != max_nodes:
-        raise LaunchError(
-            f"--nnodes {nnodes} is elastic, which needs a c10d rendezvous.",
-            "add --rdzv-endpoint HOST:PORT (the first node's address) instead of --master-addr/--master-port.",
-        )
-    if not 0 <= node_rank < max_nodes:
-        raise LaunchError(
-            f"--node-rank {node_rank} is outside 0..{max_nodes - 1} for --nnodes {max_nodes}.",
-            "number the machines 0, 1, ... and give node 0's address as --master-addr.",
-        )
-    if max_nodes == 1 and master_port is None:
-        # One machine: let the agent's store bind port 0, so concurrent launches never clash.
-        return Rendezvous("c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s)
-    if max_nodes > 1 and (master_addr is None or master_port is None):
-        missing = "--master-addr" if master_addr is None else "--master-port"
-        raise LaunchError(
-            f"--nnodes {max_nodes} needs {missing}.",
-            "give every node the same --master-addr (node 0's address) and --master-port, "
-            "or use --rdzv-endpoint HOST:PORT.",
-        )
-    addr = master_addr or "127.0.0.1"
-    if master_port is None:  # one machine returned above, several were refused
-        raise LaunchError("no --master-port for a static rendezvous.", "give --master-port (node 0's free port).")
-    if node_rank == 0:
-        require_free_port(int(master_port))  # node 0 hosts the store: refuse a taken port now
-    return Rendezvous("static", f"{addr}:{master_port}", rdzv_id or "multigpu", max_nodes, max_nodes, node_rank, timeout_s)
 
 
 def prepare_log_dir(path: str) -> Path:
@@ -280,17 +175,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def launch(request: LaunchRequest) -> int:
-    """Run the workers of this node to completion; return the exit status for the shell."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
-        for name in list(logging.root.manager.loggerDict):
-            if name.startswith("torch.distributed.elastic"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
+def launch(request: LaunchRequest, load_torch: Optional[Callable[[], None]] = None) -> int:
+    """Run the workers of this node to completion; return the exit status for the shell.
+    ``load_torch``: how to import torch here (the caller's quiet way), after the fork server has started."""
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
@@ -311,6 +198,18 @@ def launch(request: LaunchRequest) -> int:
                                            and request.devices.nproc * request.rendezvous.max_nodes > 1):
         env[PREFIX_VAR] = "1"
     os.environ.update(env)
+    server = start_forkserver(request)
+    if load_torch is not None:
+        load_torch()
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     rdzv = request.rendezvous
     total = f"{request.devices.nproc * rdzv.max_nodes}" if rdzv.min_nodes == rdzv.max_nodes else "elastic"
     config = LaunchConfig(
@@ -346,7 +245,7 @@ def launch(request: LaunchRequest) -> int:
         last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
         _say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
              "start the same command on the other nodes")
-    command = ("-u", "-m", WORKER_MODULE, *request.command)
+    command = ("-u", "-m", BOOT_MODULE if server else WORKER_MODULE, *request.command)
     failed = False
     first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
     try:
@@ -381,10 +280,25 @@ def launch(request: LaunchRequest) -> int:
             _say(f"logs of every rank are kept in {log_dir}")
         return 1
     finally:
+        if server is not None:
+            server.stop()
+            os.environ.pop(FORKSERVER_VAR, None)
         if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
     return 0
+
+
+def start_forkserver(request: LaunchRequest) -> Optional[ForkServer]:
+    """CPU workers are forked from a server that has imported torch (see :mod:`.forkserver`); GPU
+    workers, and every worker under ``MULTIGPU_WORKER_START=plain``, start the plain way."""
+    os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
+    if request.devices.visible or os.environ.get(START_VAR) == "plain":
+        return None
+    server = ForkServer.start(request.command)
+    if server is not None:
+        os.environ[FORKSERVER_VAR] = server.path
+    return server
 
 
 def preempted_cleanly(log_dir: str) -> bool:

@@ -48,7 +48,7 @@ def stderr_log_path(log_dir: str, rank: int, attempt: int) -> str:
     return os.path.join(log_dir, f"rank{rank}.attempt{attempt}.stderr")
 
 
-def _die_with_launcher() -> None:
+def die_with_launcher() -> None:
     """Ask Linux to SIGKILL this worker when the agent that started it dies."""
     expected = os.environ.get(AGENT_PID_VAR)
     if not expected or not die_with_parent(signal.SIGKILL):
@@ -279,13 +279,15 @@ def _announce_node() -> None:
           f"{os.environ.get('GROUP_WORLD_SIZE', '?')} (ranks {rank}-{rank + local - 1})", file=sys.stderr, flush=True)
 
 
-def main() -> None:
-    _die_with_launcher()
+def main(argv: Optional[list[str]] = None, forked: bool = False) -> None:
+    """``forked``: started by the fork server (:mod:`.forkserver`), which already made it die with its parent."""
+    if not forked:
+        die_with_launcher()
     _tee_stderr()
     log_dir, rank, attempt = _where()
     write_record(log_dir, rank, attempt, "pid", os.getpid())
     _announce_node()
-    code = run_user_code(sys.argv[1:])
+    code = run_user_code(sys.argv[1:] if argv is None else argv)
     write_record(log_dir, rank, attempt, "exit", code)
     finish(code)
 

@@ -1,0 +1,339 @@
+"""Workers forked from a process that has imported torch already: a second rank, or a restarted one,
+does not pay torch's start-up again.
+
+Why: importing torch costs 2.5-3 s of CPU here, and the first optimizer step imports ``torch._dynamo``
+(2 s more), in every worker and again at every restart. A 2-process CPU launch started three
+interpreters that each imported torch; the test suite and every restart after a crash paid that.
+
+How: before torch's agent starts anything, the launcher binds a Unix socket in a private folder (mode
+0700) and starts this server with it. The server imports torch (and ``torch._dynamo``, numpy), then
+waits. torch's agent still starts one process per rank, but a small one (:mod:`.boot`, no torch): it
+sends the server its arguments, environment, working folder and stdin/stdout/stderr; the server forks a
+worker that takes them over and runs :mod:`.worker` as the plain start would. The boot process stays
+what the agent watches and signals: it passes signals on to the worker's process group and leaves with
+the worker's exit status or signal. A boot process that dies (SIGKILL) takes its worker with it.
+
+What a forked worker gets fresh: its own session (as torch's agent gives each worker), signal
+handlers as a new interpreter has them, the environment, folder, umask and ``sys.path`` of its boot
+process, Python's, numpy's and torch's random state from the OS (as at start-up). It dies with the
+server (``PR_SET_PDEATHSIG``), which dies with the launcher.
+
+When the plain start is used instead (the boot process ``exec``s the worker itself): GPU runs (a CUDA
+driver initialised before ``fork`` does not work in the child, and nothing here may initialise it - not
+tried on a GPU yet), ``MULTIGPU_WORKER_START=plain``, a worker environment that differs from the
+server's in anything but the per-rank variables torch's agent sets (variables read at import, such as
+``OMP_NUM_THREADS`` or ``TORCH_LOGS``, must be what the worker would have seen), and a server that is
+gone or failed to import torch.
+
+Usage (by the launcher): ``python -u -m multigpu.launch.forkserver FD LAUNCHER_PID -- command...``
+(the command is only there so that ``ps`` shows what the workers run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn, Optional, Sequence
+
+from multigpu.fileio import Folder
+from multigpu.launch.boot import FORKSERVER_VAR, HEADER, MAX_FRAME
+from multigpu.launch.process import die_with_parent
+
+#: What torch's agent sets per rank: these may differ between the server's environment and a worker's.
+PER_WORKER = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+})
+#: ``plain``: start every worker the ordinary way (for comparisons and as a way out).
+START_VAR = "MULTIGPU_WORKER_START"
+_SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
+
+
+def declines(server_env: dict, worker_env: dict) -> Optional[str]:
+    """Why a worker with ``worker_env`` must start the plain way (None: it may be forked)."""
+    changed = sorted(k for k in server_env.keys() | worker_env.keys()
+                     if server_env.get(k) != worker_env.get(k) and k not in PER_WORKER
+                     and not k.startswith("TORCHELASTIC_"))
+    return f"its environment differs in {', '.join(changed[:5])}" if changed else None
+
+
+@dataclass
+class ForkServer:
+    """The launcher's handle: the server process and its private folder."""
+
+    process: subprocess.Popen
+    folder: str
+    path: str
+
+    @classmethod
+    def start(cls, command: Sequence[str]) -> Optional["ForkServer"]:
+        """Start a server for the workers about to be launched (None: they start the plain way).
+        The caller puts ``path`` into the workers' environment; the server gets it already."""
+        folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
+        path = os.path.join(folder, "socket")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if len(path.encode()) > _SOCKET_PATH_MAX:
+                raise OSError("socket path too long")
+            listener.bind(path)
+            listener.listen(256)
+            process = subprocess.Popen(
+                [sys.executable, "-u", "-m", "multigpu.launch.forkserver", str(listener.fileno()), str(os.getpid()),
+                 "--", *command],
+                env={**os.environ, FORKSERVER_VAR: path}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                pass_fds=(listener.fileno(),), start_new_session=True)
+        except OSError:
+            Folder(Path(folder).parent).remove_tree(Path(folder).name)
+            return None
+        finally:
+            listener.close()
+        return cls(process, folder, path)
+
+    def stop(self) -> None:
+        """After the launch: its workers are gone by now (they die with it in any case)."""
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.wait()
+        with contextlib.suppress(OSError):
+            Folder(Path(self.folder).parent).remove_tree(Path(self.folder).name)
+
+
+def _preimport() -> Optional[str]:
+    """What every worker imports: once, here. Returns why forking is off (None: it is on)."""
+    try:
+        import torch
+        import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~2 s)
+        import torch.distributed  # noqa: F401
+    except Exception as exc:  # the plain start will show the real error
+        return f"importing torch failed ({type(exc).__name__})"
+    if torch.cuda.is_initialized():
+        return "CUDA was initialised while importing torch"
+    with contextlib.suppress(Exception):
+        import numpy  # noqa: F401
+    import multigpu.launch.worker  # noqa: F401
+    return None
+
+
+class Server:
+    """One process, one thread: accepts boot processes, forks workers, reaps them, passes signals on."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener, self.env = listener, dict(os.environ)
+        self.refusal: Optional[str] = None
+        self.selector = selectors.DefaultSelector()
+        self.worker_of: dict[socket.socket, int] = {}  # boot connection -> its worker's pid
+        self.boot_of: dict[int, socket.socket] = {}    # worker pid (not yet reaped) -> boot connection
+        self.wake_r, self.wake_w = os.pipe()
+
+    def serve(self) -> NoReturn:
+        self.refusal = _preimport()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "reap")
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    self.accept()
+                elif key.data == "reap":
+                    with contextlib.suppress(OSError):
+                        os.read(self.wake_r, 4096)
+                    self.reap()
+                else:
+                    self.from_boot(key.fileobj)  # type: ignore[arg-type]
+
+    def accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        fds: list[int] = []
+        try:
+            conn.settimeout(10)
+            _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():
+                raise ValueError("another user")
+            request, fds = receive(conn)
+            why = self.refusal or declines(self.env, request["env"])
+            if why:
+                conn.sendall(json.dumps({"plain": why}).encode() + b"\n")
+                raise ValueError(why)
+            with warnings.catch_warnings():  # Python 3.12 warns about forking with torch's idle thread
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                self.become_worker(request, fds, conn)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except (OSError, ValueError):
+            conn.close()
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.worker_of[conn], self.boot_of[pid] = pid, conn
+        self.selector.register(conn, selectors.EVENT_READ, "boot")
+
+    def from_boot(self, conn: socket.socket) -> None:
+        """A signal to pass on, or the boot process is gone (its worker goes too)."""
+        pid = self.worker_of.get(conn)
+        try:
+            data = conn.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            self.drop(conn)
+            if pid in self.boot_of:
+                self.signal(pid, signal.SIGKILL)
+            return
+        for line in data.splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                number = int(json.loads(line).get("signal"))
+                if pid in self.boot_of and 0 < number < signal.NSIG:
+                    self.signal(pid, number)
+
+    @staticmethod
+    def signal(pid: int, number: int) -> None:
+        """To the worker's process group (torch's agent signals a worker's whole group), or to the worker
+        alone in the moment before it has made its own group."""
+        try:
+            os.killpg(pid, number)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, number)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.boot_of.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.settimeout(5)
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                self.drop(conn)
+
+    def drop(self, conn: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn)
+        self.worker_of.pop(conn, None)
+        conn.close()
+
+    def become_worker(self, request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
+        """In the forked child: take over the boot process's place, then run the worker."""
+        server = os.getppid()
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for fd in (self.wake_r, self.wake_w):
+                os.close(fd)
+            self.selector.close()
+            for other in (self.listener, conn, *self.worker_of):
+                other.close()
+            os.setsid()
+            if not die_with_parent(signal.SIGKILL) or os.getppid() != server:
+                os._exit(1)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            fds.clear()
+            os.environ.clear()
+            os.environ.update(request["env"])
+            os.chdir(request["cwd"])
+            os.umask(request["umask"])
+            sys.path[:] = request["path"]
+            _fresh_random()
+            from multigpu.launch import worker
+
+            worker.main(request["argv"], forked=True)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        finally:
+            os._exit(70)
+
+
+def _fresh_random() -> None:
+    """Random state as a new interpreter would have it (the server's was shared by every fork)."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # torch seeds its default generator from the OS at start-up
+
+
+def receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One request: its frame and the three descriptors sent with it. ValueError for anything else."""
+    data, fds, _flags, _address = socket.recv_fds(conn, HEADER.size, 3)
+    try:
+        if len(fds) != 3:
+            raise ValueError("a request comes with stdin, stdout and stderr")
+        data += _exactly(conn, HEADER.size - len(data))
+        (size,) = HEADER.unpack(data)
+        if size > MAX_FRAME:
+            raise ValueError("request too large")
+        request = json.loads(_exactly(conn, size))
+        if not (isinstance(request, dict) and _strings(request.get("argv")) and _strings(request.get("path"))
+                and isinstance(request.get("env"), dict) and _strings(list(request["env"].items()), pairs=True)
+                and isinstance(request.get("cwd"), str) and isinstance(request.get("umask"), int)
+                and 0 <= request["umask"] <= 0o777):
+            raise ValueError("malformed request")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return request, list(fds)
+
+
+def _strings(values: object, pairs: bool = False) -> bool:
+    if not isinstance(values, list):
+        return False
+    items = [x for pair in values for x in pair] if pairs else values
+    return all(isinstance(x, str) and "\0" not in x for x in items)
+
+
+def _exactly(conn: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left > 0:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ValueError("connection closed mid-request")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def main(argv: Sequence[str]) -> None:
+    fd, launcher = int(argv[0]), int(argv[1])
+    if not die_with_parent(signal.SIGKILL) or os.getppid() != launcher:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its own session: only the launcher ends it
+    Server(socket.socket(fileno=fd)).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
