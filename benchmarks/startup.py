@@ -2,11 +2,15 @@
 
     python benchmarks/startup.py [--repeats 7] [--nproc 2]
 
-Both launch tests/scripts/allreduce.py (mg.init, one all_reduce, teardown); runs are interleaved;
-medians and their ratio are printed.
+Two scripts: tests/scripts/allreduce.py (mg.init, one all_reduce, teardown) and
+benchmarks/startup_step.py (mg.init, a DDP model, an optimizer, one training step - what every training
+script does first). Three launchers: ``multigpu run`` (workers forked from its fork server on CPU),
+``multigpu run`` with ``MULTIGPU_WORKER_START=plain`` (each worker a new interpreter, as torchrun starts
+them) and ``torchrun``. Runs are interleaved; medians and ratios are printed.
 """
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -23,28 +27,40 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    script = str(ROOT / "tests" / "scripts" / "allreduce.py")
-    commands = {
-        "multigpu run": [sys.executable, "-m", "multigpu", "run", "--nproc", str(args.nproc), script],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", script],
+    scripts = {"allreduce": str(ROOT / "tests" / "scripts" / "allreduce.py"),
+               "step": str(ROOT / "benchmarks" / "startup_step.py")}
+    plain = {**os.environ, "MULTIGPU_WORKER_START": "plain"}
+    launchers = {
+        "multigpu": (lambda script: [sys.executable, "-m", "multigpu", "run", "--nproc", str(args.nproc), script], None),
+        "multigpu_plain": (lambda script: [sys.executable, "-m", "multigpu", "run", "--nproc", str(args.nproc), script],
+                           plain),
+        "torchrun": (lambda script: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                     f"--nproc_per_node={args.nproc}", script], None),
     }
-    times: dict[str, list[float]] = {name: [] for name in commands}
+    cases = [(job, launcher) for job in scripts for launcher in launchers]
+    times: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     for index in range(args.repeats):
-        order = list(commands.items()) if index % 2 == 0 else list(reversed(commands.items()))
-        for name, command in order:
+        for job, launcher in (cases if index % 2 == 0 else list(reversed(cases))):
+            command, env = launchers[launcher]
             started = time.perf_counter()
-            subprocess.run(command, check=True, capture_output=True)
-            times[name].append(time.perf_counter() - started)
-    for name, values in times.items():
-        print(f"{name:13s} median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f})")
-    ratio = statistics.median(times['multigpu run']) / statistics.median(times['torchrun'])
-    print(f"ratio multigpu/torchrun {ratio:.3f}")
-    figures = {"ratio": ratio, "repeats": args.repeats, "nproc": args.nproc}
-    for key, name in (("multigpu", "multigpu run"), ("torchrun", "torchrun")):
-        figures.update({f"{key}_median_s": statistics.median(times[name]), f"{key}_min_s": min(times[name]),
-                        f"{key}_max_s": max(times[name])})
-    record("startup", figures, [__file__, ROOT / "tests" / "scripts" / "allreduce.py"])
-
+            subprocess.run(command(scripts[job]), check=True, capture_output=True, env=env)
+            times[(job, launcher)].append(time.perf_counter() - started)
+    figures: dict = {"repeats": args.repeats, "nproc": args.nproc}
+    for (job, launcher), values in times.items():
+        print(f"{job:9s} {launcher:15s} median {statistics.median(values):.2f} s "
+              f"(min {min(values):.2f}, max {max(values):.2f})")
+        prefix = f"{launcher}_" if job == "allreduce" else f"{job}_{launcher}_"
+        figures.update({f"{prefix}median_s": statistics.median(values), f"{prefix}min_s": min(values),
+                        f"{prefix}max_s": max(values)})
+    for job in scripts:
+        prefix = "" if job == "allreduce" else f"{job}_"
+        torchrun = statistics.median(times[(job, "torchrun")])
+        figures[f"{prefix}ratio"] = statistics.median(times[(job, "multigpu")]) / torchrun
+        figures[f"{prefix}plain_ratio"] = statistics.median(times[(job, "multigpu_plain")]) / torchrun
+        print(f"{job}: multigpu/torchrun {figures[prefix + 'ratio']:.3f}, "
+              f"plain start/torchrun {figures[prefix + 'plain_ratio']:.3f}")
+    record("startup", figures, [__file__, ROOT / "tests" / "scripts" / "allreduce.py",
+                                ROOT / "benchmarks" / "startup_step.py"])
 
 if __name__ == "__main__":
     main()

@@ -11,11 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, child_env, multigpu, processes_with
+from conftest import PY, child_env, multigpu, processes_with, wait_for_files
 
 from multigpu.launch.boot import HEADER, frame
 from multigpu.launch.forkserver import ForkServer, declines
@@ -76,14 +75,14 @@ def test_plain_start_when_asked(probe, no_leftovers):
 def test_killing_a_boot_process_kills_its_worker(tmp_path, no_leftovers):
     script = tmp_path / "hold.py"
     script.write_text("import os, sys, time\nimport multigpu as mg\nrun = mg.init(timeout_s=60)\n"
-                      f"open(os.path.join({str(tmp_path)!r}, f'pid{{run.rank}}'), 'w').write(str(os.getpid()))\n"
+                      f"tmp = os.path.join({str(tmp_path)!r}, f'pid{{run.rank}}')\n"
+                      "open(tmp, 'w').write(str(os.getpid()))\n"
+                      f"os.replace(tmp, os.path.join({str(tmp_path)!r}, f'held{{run.rank}}'))\n"
                       "time.sleep(120)\n")
     launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", str(script), no_leftovers],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"pid{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    worker = int((tmp_path / "pid1").read_text())
+    wait_for_files(tmp_path, ["held0", "held1"], timeout=120)
+    worker = int((tmp_path / "held1").read_text())
     boots = [pid for pid in processes_with(no_leftovers) if b"multigpu.launch.boot" in
              Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(boots) == 2 and worker not in boots
