@@ -186,3 +186,34 @@ def test_detect_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", "1234")
     assert detect_world().rank == 1
+
+
+# ------------------------------------------------- hardening: ASCII whole numbers, bounded node lists
+
+
+@pytest.mark.parametrize("name, value", [("RANK", "\u0663"), ("WORLD_SIZE", "\u0664"), ("WORLD_SIZE", "1_0"),
+                                         ("RANK", " 3"), ("MASTER_PORT", "29_500"), ("RANK", "\u00b3")])
+def test_torchrun_numbers_are_ascii_digits_only(name, value):
+    """int() takes Arabic-Indic digits and underscores; a launcher's variable is digits 0-9 or an error."""
+    with pytest.raises(WorldError) as info:
+        detect_world({**TORCHRUN, name: value})
+    assert f"{name}=" in str(info.value) and "is not an integer" in str(info.value) and "HINT:" in str(info.value)
+
+
+@pytest.mark.parametrize("name, value", [("SLURM_PROCID", "\u0665"), ("SLURM_NNODES", "2_0"),
+                                         ("SLURM_NODEID", "\u0661"), ("SLURM_RESTART_COUNT", "\uff11")])
+def test_slurm_numbers_are_ascii_digits_only(name, value):
+    with pytest.raises(WorldError, match=f"{name}=.* is not an integer.*HINT"):
+        detect_world({**SLURM_TWO_NODES, name: value})
+
+
+@pytest.mark.parametrize("bad", ["gpu[\u0661-\u0662]", "gpu[\u00b2]", "gpu[1-\u00b3]"])
+def test_nodelist_ranges_are_ascii_digits(bad):
+    with pytest.raises(WorldError, match="cannot parse.*HINT"):
+        expand_nodelist(bad)
+
+
+def test_tasks_per_node_and_job_ids_are_ascii_digits():
+    with pytest.raises(WorldError, match="HINT"):
+        expand_tasks_per_node("\u0664(x2)")
+    assert slurm_port("12\u0663") == slurm_port("12")

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
+from multigpu import validate as checks
 from multigpu.errors import WorldError
 
 #: Set by ``multigpu run --gpus-per-proc K``: how many devices each process owns.
@@ -140,13 +141,8 @@ def _int(env: Env, name: str, default: Optional[int] = None, hint: str = "") -> 
         if default is None:
             raise WorldError(f"{name} is not set.", hint or f"set {name} or launch with `multigpu run`.")
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise WorldError(
-            f"{name}={raw!r} is not an integer.",
-            hint or f"fix or unset {name}; it is normally set by the launcher, not by hand.",
-        ) from None
+    return checks.whole_number(raw, name, WorldError,
+                               hint or f"fix or unset {name}; it is normally set by the launcher, not by hand.")
 
 
 def _common(env: Env) -> dict:
@@ -302,7 +298,7 @@ def _expand_one(name: str, whole: str) -> list[str]:
     for part in match.group(1).split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not checks.is_digits(lo) or (sep and not checks.is_digits(hi)):
             raise WorldError(
                 f"cannot parse {part!r} in the Slurm node list {whole!r}.",
                 "check SLURM_JOB_NODELIST; ranges look like [01-03,07].",
@@ -322,7 +318,7 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     """Expand Slurm's ``SLURM_TASKS_PER_NODE`` form ``2(x3),1`` into ``[2, 2, 2, 1]``."""
     counts: list[int] = []
     for part in spec.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        match = re.fullmatch(r"\s*([0-9]+)(?:\(x([0-9]+)\))?\s*", part)
         if match is None:
             raise WorldError(f"cannot parse SLURM_TASKS_PER_NODE={spec!r}.", "it should look like 2(x3),1.")
         counts.extend([int(match.group(1))] * int(match.group(2) or 1))
@@ -331,7 +327,7 @@ def expand_tasks_per_node(spec: str) -> list[int]:
 
 def slurm_port(job_id: str) -> int:
     """A port derived from the job id, so all tasks of a job agree on it without talking first."""
-    digits = re.sub(r"\D", "", job_id) or "0"
+    digits = re.sub(r"[^0-9]", "", job_id) or "0"
     return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
 
 

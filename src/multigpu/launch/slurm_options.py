@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from multigpu import validate
 from multigpu.errors import LaunchError
 
-_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_TIME = re.compile(r"^([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}$")  # ASCII digits only
 #: CPU cores asked for each process of a GPU job when --cpus-per-task is not given: its main thread and
 #: three data-loading workers. Without it Slurm gives the node's one task a single core for all of them.
 CPUS_PER_GPU_PROCESS = 4
