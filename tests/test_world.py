@@ -217,3 +217,24 @@ def test_tasks_per_node_and_job_ids_are_ascii_digits():
     with pytest.raises(WorldError, match="HINT"):
         expand_tasks_per_node("\u0664(x2)")
     assert slurm_port("12\u0663") == slurm_port("12")
+
+
+def test_a_nodelist_is_expanded_up_to_65536_names():
+    assert len(expand_nodelist("n[1-65536]")) == 65536
+    assert len(expand_nodelist("r[1-256]-n[1-256]")) == 65536
+
+
+@pytest.mark.parametrize("huge", ["node[1-100000]", "n[0-99999999999999]", "r[1-1000]-n[1-1000]",
+                                  "a[1-65536],b", "a[1-40000],b[1-40000]", "r[1-300]-n[1-300]-x[1-300]"])
+def test_a_nodelist_of_more_than_65536_names_is_one_line(huge):
+    with pytest.raises(WorldError) as info:
+        expand_nodelist(huge)
+    assert "more than 65,536 nodes" in str(info.value) and "HINT:" in str(info.value)
+    env = {**SLURM_TWO_NODES, "SLURM_JOB_NODELIST": huge}
+    with pytest.raises(WorldError, match="more than 65,536"):
+        detect_world(env)
+
+
+def test_tasks_per_node_repeats_are_bounded():
+    with pytest.raises(WorldError, match="more than 65,536 nodes.*HINT"):
+        expand_tasks_per_node("1(x100000000)")

@@ -257,6 +257,11 @@ def read_torchrun(env: Env) -> Optional[World]:
 # ---------------------------------------------------------------------------------------- Slurm
 
 
+#: The most names a Slurm node list may expand to (Slurm's own limit on nodes is far below): a list such
+#: as ``node[1-100000000]`` is refused before it is built, not expanded into gigabytes.
+MAX_NODELIST = 65_536
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand Slurm's compressed host lists (``gpu[01-03,07],cpu5``) without calling ``scontrol``.
 
@@ -285,11 +290,19 @@ def expand_nodelist(nodelist: str) -> list[str]:
     hosts: list[str] = []
     for item in items:
         if item:
-            hosts.extend(_expand_one(item, nodelist))
+            hosts.extend(_expand_one(item, nodelist, MAX_NODELIST - len(hosts)))
+        if len(hosts) > MAX_NODELIST:
+            raise _too_many(nodelist)
     return hosts
 
 
-def _expand_one(name: str, whole: str) -> list[str]:
+def _too_many(whole: str) -> WorldError:
+    return WorldError(f"the Slurm node list {whole[:80]!r} names more than {MAX_NODELIST:,} nodes.",
+                      "check SLURM_JOB_NODELIST/SLURM_NODELIST: no job spans that many nodes (a typo in a range?).")
+
+
+def _expand_one(name: str, whole: str, room: int) -> list[str]:
+    """The names of one item, at most ``room`` of them (counted before any list is built)."""
     match = re.search(r"\[([^\]]*)\]", name)
     if match is None:
         return [name]
@@ -305,12 +318,17 @@ def _expand_one(name: str, whole: str) -> list[str]:
             )
         if not sep:
             values.append(lo)
-            continue
-        if int(hi) < int(lo):
+        elif int(hi) < int(lo):
             raise WorldError(f"descending range {part!r} in the Slurm node list {whole!r}.", "check SLURM_JOB_NODELIST.")
-        width = len(lo)
-        values.extend(str(v).zfill(width) for v in range(int(lo), int(hi) + 1))
-    tails = _expand_one(rest, whole)
+        elif int(hi) - int(lo) + 1 > room - len(values):
+            raise _too_many(whole)
+        else:
+            values.extend(str(v).zfill(len(lo)) for v in range(int(lo), int(hi) + 1))
+        if len(values) > room:
+            raise _too_many(whole)
+    tails = _expand_one(rest, whole, max(room // max(len(values), 1), 1))
+    if len(values) * len(tails) > room:
+        raise _too_many(whole)
     return [prefix + v + t for v in values for t in tails]
 
 
@@ -318,10 +336,14 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     """Expand Slurm's ``SLURM_TASKS_PER_NODE`` form ``2(x3),1`` into ``[2, 2, 2, 1]``."""
     counts: list[int] = []
     for part in spec.split(","):
-        match = re.fullmatch(r"\s*([0-9]+)(?:\(x([0-9]+)\))?\s*", part)
+        match = re.fullmatch(r"\s*([0-9]{1,9})(?:\(x([0-9]{1,9})\))?\s*", part)
         if match is None:
-            raise WorldError(f"cannot parse SLURM_TASKS_PER_NODE={spec!r}.", "it should look like 2(x3),1.")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+            raise WorldError(f"cannot parse SLURM_TASKS_PER_NODE={spec[:80]!r}.", "it should look like 2(x3),1.")
+        repeat = int(match.group(2) or 1)
+        if len(counts) + repeat > MAX_NODELIST:
+            raise WorldError(f"SLURM_TASKS_PER_NODE={spec[:80]!r} names more than {MAX_NODELIST:,} nodes.",
+                             "check SLURM_TASKS_PER_NODE: no job spans that many nodes.")
+        counts.extend([int(match.group(1))] * repeat)
     return counts
 
 
