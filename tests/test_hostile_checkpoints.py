@@ -401,3 +401,19 @@ def test_a_manifest_s_optimizer_flat_must_be_true_or_false(tmp_path, value):
         check_manifest({**manifest, "optimizer_flat": value}, tmp_path)
     assert "'optimizer_flat' is not true or false" in str(info.value) and "HINT:" in str(info.value)
 
+
+def test_a_state_entry_that_cannot_be_pickled_names_its_key(tmp_path):
+    """A lambda (or a lock, a generator) in the extra state was pickle's traceback; now one line naming it."""
+    import threading
+
+    from multigpu.checkpoint.files import save_state
+    from multigpu.errors import CheckpointError
+
+    model, _ = _tiny()
+    for bad, key in ((lambda x: x, "extra.schedule"), (threading.Lock(), "extra.schedule"),
+                     ([1, {"deep": (x for x in ())}], "extra.schedule[1].deep")):
+        with pytest.raises(CheckpointError) as info:
+            save_state(tmp_path / "ckpt", 3, {"model": model.state_dict(), "extra": {"epoch": 1, "schedule": bad}})
+        assert f"{key} holds a value that cannot be pickled" in str(info.value) and "HINT:" in str(info.value)
+        assert not list((tmp_path / "ckpt").glob("step-*")), "no checkpoint folder is left"
+    assert save_state(tmp_path / "ckpt", 3, {"model": model.state_dict(), "extra": {"epoch": 1}}).is_dir()
