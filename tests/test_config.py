@@ -123,3 +123,12 @@ def test_a_config_difference_between_ranks_is_named_down_to_the_setting():
     assert compare([config_items("c", {"data": Path("/data/v1")}), config_items("c", {"data": Path("/data/v2")})])
     huge = config_items("config", {f"k{i}": i for i in range(1000)})
     assert list(huge) == ["config"]  # too many keys: one hash, the all-gather stays small
+
+
+@pytest.mark.parametrize("value", ["1_000", "0x10", "010", "20:00:00", "0b11", "-1_0"])
+def test_yaml_whole_numbers_are_base_10_digits_only(value):
+    """YAML 1.1 reads these as ints (1000, 16, 8, 72000, 3); a setting in another form is one line."""
+    with pytest.raises(ConfigError) as info:
+        config.parse_yaml(f"trainer:\n  epochs: {value}\n", "h.yaml")
+    assert info.value.one_line().startswith("multigpu: error: h.yaml:2: ") and "HINT:" in str(info.value)
+    assert config.parse_yaml(f"name: '{value}'\nepochs: 12\nlow: -3\n")[0] == {"name": value, "epochs": 12, "low": -3}

@@ -288,3 +288,41 @@ def test_slurm_options_are_validated_for_the_queue_too(tmp_path):
                             (SlurmOptions(extra=("--qos=a b",)), "--sbatch-arg"), (SlurmOptions(nodes=0), "--nodes")):
         with pytest.raises(LaunchError, match=needle):
             options.validate()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["slurm", "--nodes", "\u0662", "t.py"], "--nodes"), (["run", "--nproc", "\u0662", "t.py"], "--nproc"),
+    (["run", "--max-restarts", "1_0", "t.py"], "--max-restarts"), (["queue", "r.yaml", "--slots", "\u0662"], "--slots"),
+    (["run", "--rdzv-conf", "join_timeout=\u0669", "t.py"], "--rdzv-conf")])
+def test_whole_number_flags_take_ascii_digits_only(argv, flag, capsys, tmp_path, monkeypatch):
+    """int() reads "٢" as 2 and "1_0" as 10 (and "²" passes str.isdigit() but not int()): a flag is
+    digits 0-9 or one line with a HINT naming it."""
+    from multigpu.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no t.py, no r.yaml: nothing can start
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("multigpu: error:") and "HINT:" in err[0], err
+    assert flag in err[0], err
+
+
+def test_validate_whole_number_is_the_one_door():
+    from multigpu import validate
+
+    assert validate.whole_number("-12", "X") == -12 and validate.whole_number(7, "X") == 7
+    for text in ("\u0661\u0662", "1_000", " 1", "1.0", "", "\u00b2", True):
+        with pytest.raises(ConfigError, match="X=.* is not an integer.*HINT"):
+            validate.whole_number(text, "X", ConfigError)
+    from multigpu.launch.devices import parse_gpu_ids
+    from multigpu.launch.rendezvous import parse_nnodes
+
+    for text in ("\u0660,\u0661", "\u00b2", "1-\u00b3"):
+        with pytest.raises(LaunchError, match="--gpus.*HINT"):
+            parse_gpu_ids(text)
+    for text in ("\u0661", "1:\u0662", "1_0"):
+        with pytest.raises(LaunchError, match="--nnodes.*HINT"):
+            parse_nnodes(text)
+    assert not validate.is_digits("\u0661") and not validate.is_digits("\u00b2") and validate.is_digits("0123")

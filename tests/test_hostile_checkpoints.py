@@ -386,3 +386,34 @@ def test_the_manifest_names_are_shown_without_terminal_escapes(tmp_path, no_left
     (step / "manifest.json").write_text(json.dumps(manifest))
     proc = run_limited(cli("checkpoint", "verify", str(step)), tmp_path, no_leftovers)
     assert proc.returncode != 0 and "\x9b" not in proc.stderr and "\\x9b" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, None, [], {"a": 1}])
+def test_a_manifest_s_optimizer_flat_must_be_true_or_false(tmp_path, value):
+    """optimizer_flat chooses how the optimizer's shards are read: anything but a bool is a damaged folder."""
+    from multigpu.checkpoint.reading import check_manifest
+    from multigpu.errors import CheckpointError
+
+    manifest = {"files": {"state.pt": {"size": 1, "xxh3": "0" * 16}}, "step": 1}
+    for flat in (True, False):
+        check_manifest({**manifest, "optimizer_flat": flat}, tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        check_manifest({**manifest, "optimizer_flat": value}, tmp_path)
+    assert "'optimizer_flat' is not true or false" in str(info.value) and "HINT:" in str(info.value)
+
+
+def test_a_state_entry_that_cannot_be_pickled_names_its_key(tmp_path):
+    """A lambda (or a lock, a generator) in the extra state was pickle's traceback; now one line naming it."""
+    import threading
+
+    from multigpu.checkpoint.files import save_state
+    from multigpu.errors import CheckpointError
+
+    model, _ = _tiny()
+    for bad, key in ((lambda x: x, "extra.schedule"), (threading.Lock(), "extra.schedule"),
+                     ([1, {"deep": (x for x in ())}], "extra.schedule[1].deep")):
+        with pytest.raises(CheckpointError) as info:
+            save_state(tmp_path / "ckpt", 3, {"model": model.state_dict(), "extra": {"epoch": 1, "schedule": bad}})
+        assert f"{key} holds a value that cannot be pickled" in str(info.value) and "HINT:" in str(info.value)
+        assert not list((tmp_path / "ckpt").glob("step-*")), "no checkpoint folder is left"
+    assert save_state(tmp_path / "ckpt", 3, {"model": model.state_dict(), "extra": {"epoch": 1}}).is_dir()

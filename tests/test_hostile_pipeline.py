@@ -54,6 +54,8 @@ CASES = [
          trainer(model="nn.Linear(2, 1)")),
     Case("pp-split-point-unknown", ["run", "--nproc", "2", "s.py"], "split point 'head' is not a child",
          trainer(split_points=["head"])),
+    Case("pp-stage-without-parameters", ["run", "--nproc", "2", "s.py"], "pipeline stage 1 (1) owns no parameters",
+         trainer(model="nn.Sequential(nn.Linear(2, 1), nn.Tanh())", split_points=[1])),
     Case("pp-1f1b-too-few-micro-batches", ["run", "--nproc", "2", "s.py"], "1f1b needs at least one micro-batch",
          trainer(micro_batches=1)),
 ]
@@ -96,3 +98,24 @@ def test_the_table_is_unique():
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_pipeline_input(case: Case, tmp_path: Path, case_server: CaseServer):  # noqa: F811
     check_case(case, tmp_path, case_server)
+
+
+@pytest.mark.parametrize("sizes, stages, points, needle", [
+    ([12, 0, 0, 5], 2, [1], None),  # stage 1 = (1, 2, 3) holds 5: fine
+    ([12, 0, 5], 3, [1, 2], "pipeline stage 1 (1) owns no parameters"),
+    ([0, 0, 12], 2, [1], "pipeline stage 0 (0) owns no parameters"),
+    ([12, 5, 0, 0], 2, ["2"], "pipeline stage 1 (2, 3) owns no parameters"),
+    ([12, 0, 0], 3, None, "owns no parameters"),  # balanced: two of three stages cannot hold anything
+])
+def test_a_stage_without_parameters_is_one_line(sizes, stages, points, needle):
+    """A stage of activations only had an empty optimizer and ended in torch's traceback; now refused."""
+    from multigpu.errors import ConfigError
+    from multigpu.strategies.pipeline_parallel import stage_bounds
+
+    names = [str(i) for i in range(len(sizes))]
+    if needle is None:
+        assert stage_bounds(names, sizes, stages, points) == [(0, 1), (1, 4)]
+        return
+    with pytest.raises(ConfigError) as info:
+        stage_bounds(names, sizes, stages, points)
+    assert needle in str(info.value) and "HINT:" in str(info.value)

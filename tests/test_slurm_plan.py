@@ -185,3 +185,75 @@ def test_the_queue_table_shows_slurm_while_active_and_the_run_s_end_state_after(
     assert _shown_state({"state": "failed"}, [record("FAILED")]) == ("failed", "")
     state, note = _shown_state({"state": "submitted"}, [record("TIMEOUT")])
     assert state == "timeout" and "run the queue again" in note
+
+
+# ------------------------------------------------------ hardening: what an #SBATCH line may hold
+
+UNSAFE = ["#", "'", '"', "\\", "$", "`", "\u0085", "\u009b", "\t", "\u2028"]
+
+
+@pytest.mark.parametrize("char", UNSAFE)
+def test_sbatch_arg_values_refuse_characters_sbatch_or_a_shell_would_read(char):
+    with pytest.raises(LaunchError) as info:
+        SlurmOptions(extra=(f"--mail-user=me{char}x",)).validate()
+    line = info.value.one_line()
+    assert "--sbatch-arg" in line and "HINT:" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("char", UNSAFE + ["%", " "])
+def test_run_and_array_folders_refuse_characters_sbatch_or_a_shell_would_read(tmp_path, char):
+    with pytest.raises(LaunchError, match=r"run folder.*HINT"):
+        slurm.render(SlurmJob(command=("t.py",), run_dir=tmp_path / f"r{char}x"))
+    task = SlurmJob(command=("t.py",), run_dir=tmp_path / "r", status_file=tmp_path / "r" / "status.json")
+    with pytest.raises(LaunchError, match=r"array folder.*HINT"):
+        slurm.render_array(SlurmArray(tasks={0: task}, folder=tmp_path / f"a{char}b" / ".slurm", options=SlurmOptions()))
+
+
+@pytest.mark.parametrize("name", ["a$b", "a#b", "a'b", "a`b"])
+def test_a_queue_folder_that_becomes_a_job_name_is_checked(tmp_path, name):
+    """`queue --slurm` names an array job after its out folder (8 characters): the name lands in #SBATCH.
+    (Already refused before the #SBATCH check, by the --job-name pattern; now the run folder is refused first.)"""
+    from multigpu.queue.runs import QueueEntry
+    from multigpu.queue.slurm_jobs import submit_runs
+
+    with pytest.raises(LaunchError, match="HINT"):
+        submit_runs([QueueEntry("net", script="t.py")], tmp_path / name, SlurmOptions(gpus_per_node=0), dry_run=True,
+                    array=True)
+    assert not (tmp_path / name / ".slurm").exists()
+
+
+def test_the_last_check_covers_every_sbatch_line(tmp_path):
+    from multigpu.launch.slurm import _sbatch_lines
+
+    with pytest.raises(LaunchError, match=r"#SBATCH line '--job-name=x\$y'.*HINT"):
+        _sbatch_lines(SlurmOptions(), "x$y", tmp_path / "slurm-%j.out")
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("--j=evil", "sets --job-name"), ("--ou=/tmp/x", "sets --output"), ("--er=/tmp/x", "sets --error"),
+    ("--ar=0-3", "sets --array"), ("--wr=ls", "sets --wrap"), ("--tasks-per=2", "sets --tasks-per-node"),
+    ("--ntasks-per-n=2", "sets --ntasks-per-node"), ("--gp=2", "ambiguous"), ("--gpu=2", "ambiguous"),
+    ("--tim=1:00", "ambiguous"), ("--mail=END", "ambiguous"), ("--exclu", "ambiguous"), ("--con=a100", "ambiguous"),
+])
+def test_sbatch_arg_abbreviations_are_read_as_sbatch_reads_them(arg, needle):
+    with pytest.raises(LaunchError) as info:
+        SlurmOptions(extra=(arg,)).validate()
+    assert needle in str(info.value) and "HINT:" in str(info.value)
+
+
+def test_an_ambiguous_prefix_names_the_candidates():
+    with pytest.raises(LaunchError, match="--time, --time-min"):
+        SlurmOptions(extra=("--tim=1:00",)).validate()
+
+
+def test_a_unique_prefix_counts_as_its_option(tmp_path):
+    assert SlurmOptions(extra=("--gpus-per-n=2",)).gpus == 2  # a GPU request: one process per GPU
+    assert SlurmOptions(extra=("--cpus-per-t=8",)).cpus_per_task_planned() is None  # asks for CPUs itself
+    with pytest.raises(LaunchError, match="both as a flag"):
+        SlurmOptions(qos="high", extra=("--qo=low",)).validate()
+    with pytest.raises(LaunchError, match="both as a flag"):
+        SlurmOptions(partition="gpu", extra=("--part=cpu",)).validate()
+    with pytest.raises(LaunchError, match="twice"):
+        SlurmOptions(extra=("--mail-t=END", "--mail-type=FAIL")).validate()
+    sbatch, _ = _script(SlurmOptions(gpus_per_node=0, extra=("--mail-t=END", "--mail-user=me@example.org")), tmp_path)
+    assert "--mail-t=END" in sbatch and "--mail-user=me@example.org" in sbatch

@@ -186,3 +186,55 @@ def test_detect_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", "1234")
     assert detect_world().rank == 1
+
+
+# ------------------------------------------------- hardening: ASCII whole numbers, bounded node lists
+
+
+@pytest.mark.parametrize("name, value", [("RANK", "\u0663"), ("WORLD_SIZE", "\u0664"), ("WORLD_SIZE", "1_0"),
+                                         ("RANK", " 3"), ("MASTER_PORT", "29_500"), ("RANK", "\u00b3")])
+def test_torchrun_numbers_are_ascii_digits_only(name, value):
+    """int() takes Arabic-Indic digits and underscores; a launcher's variable is digits 0-9 or an error."""
+    with pytest.raises(WorldError) as info:
+        detect_world({**TORCHRUN, name: value})
+    assert f"{name}=" in str(info.value) and "is not an integer" in str(info.value) and "HINT:" in str(info.value)
+
+
+@pytest.mark.parametrize("name, value", [("SLURM_PROCID", "\u0665"), ("SLURM_NNODES", "2_0"),
+                                         ("SLURM_NODEID", "\u0661"), ("SLURM_RESTART_COUNT", "\uff11")])
+def test_slurm_numbers_are_ascii_digits_only(name, value):
+    with pytest.raises(WorldError, match=f"{name}=.* is not an integer.*HINT"):
+        detect_world({**SLURM_TWO_NODES, name: value})
+
+
+@pytest.mark.parametrize("bad", ["gpu[\u0661-\u0662]", "gpu[\u00b2]", "gpu[1-\u00b3]"])
+def test_nodelist_ranges_are_ascii_digits(bad):
+    with pytest.raises(WorldError, match="cannot parse.*HINT"):
+        expand_nodelist(bad)
+
+
+def test_tasks_per_node_and_job_ids_are_ascii_digits():
+    with pytest.raises(WorldError, match="HINT"):
+        expand_tasks_per_node("\u0664(x2)")
+    assert slurm_port("12\u0663") == slurm_port("12")
+
+
+def test_a_nodelist_is_expanded_up_to_65536_names():
+    assert len(expand_nodelist("n[1-65536]")) == 65536
+    assert len(expand_nodelist("r[1-256]-n[1-256]")) == 65536
+
+
+@pytest.mark.parametrize("huge", ["node[1-100000]", "n[0-99999999999999]", "r[1-1000]-n[1-1000]",
+                                  "a[1-65536],b", "a[1-40000],b[1-40000]", "r[1-300]-n[1-300]-x[1-300]"])
+def test_a_nodelist_of_more_than_65536_names_is_one_line(huge):
+    with pytest.raises(WorldError) as info:
+        expand_nodelist(huge)
+    assert "more than 65,536 nodes" in str(info.value) and "HINT:" in str(info.value)
+    env = {**SLURM_TWO_NODES, "SLURM_JOB_NODELIST": huge}
+    with pytest.raises(WorldError, match="more than 65,536"):
+        detect_world(env)
+
+
+def test_tasks_per_node_repeats_are_bounded():
+    with pytest.raises(WorldError, match="more than 65,536 nodes.*HINT"):
+        expand_tasks_per_node("1(x100000000)")

@@ -12,6 +12,7 @@ import collections.abc
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -40,6 +41,10 @@ MAX_YAML_BYTES = 4 << 20
 #: nested aliases ("billion laughs") reach millions of nodes.
 MAX_YAML_NODES = 100_000
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_INT_TAG = "tag:yaml.org,2002:int"
+#: The one form of a whole number we read: YAML 1.1 also reads 1_000, 0x10, 0o7, 010 (octal) and 1:30
+#: (sexagesimal, so an unquoted ``time: 20:00:00`` is 72000) as ints.
+_BASE10 = re.compile(r"[-+]?(0|[1-9][0-9]*)")
 
 
 def _check_tree(node: yaml.Node, source: str) -> Lines:
@@ -81,6 +86,11 @@ def _check_tree(node: yaml.Node, source: str) -> Lines:
         elif isinstance(node, yaml.SequenceNode):
             for item in node.value:
                 total += size(item, None)
+        elif node.tag == _INT_TAG and not _BASE10.fullmatch(str(node.value)):
+            raise ConfigError(f"{source}:{node.start_mark.line + 1}: {shown(str(node.value), 40)} is read by YAML as "
+                              "a number in another form (1_000, 0x10, 010 or 1:30 are 1000, 16, 8 and 90).",
+                              "write whole numbers with the digits 0-9 only, without a leading 0, or quote the value "
+                              "to keep it as text.")
         active.discard(key)
         sizes[key] = total
         if total > MAX_YAML_NODES:

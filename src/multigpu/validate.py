@@ -9,6 +9,7 @@ further in. Standard library only.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from dataclasses import dataclass
@@ -66,6 +67,33 @@ ENV_ENDPOINT_PARTS = ("URL", "URI", "ENDPOINT", "HOST", "ADDR", "SERVER", "PROXY
 ENV_CREDENTIAL_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH", "NETRC")
 #: Set by the queue and the launcher for every run: never from a runs file.
 ENV_RESERVED = ("CUDA_VISIBLE_DEVICES",)
+
+
+#: A whole number as a person or a launcher writes one: ASCII digits and an optional sign. Python's
+#: int() takes more - "١٢" (Arabic-Indic digits), "1_000", " 7 " - and none of that is a number here.
+_WHOLE = re.compile(r"[-+]?[0-9]{1,100}")
+
+
+def is_digits(text: object) -> bool:
+    """``text`` is ASCII digits only (no sign): what str.isdigit() means to a reader, not "²" or "١"."""
+    return isinstance(text, str) and re.fullmatch(r"[0-9]+", text) is not None
+
+
+def whole_number(text: object, what: str, error: type[MultiGPUError] = MultiGPUError, hint: str = "") -> int:
+    """``text`` (a flag, a YAML value, an environment variable) as an int: ASCII digits and a sign only."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if not isinstance(text, str) or not _WHOLE.fullmatch(text):
+        raise error(f"{what}={shown(text, 60)} is not an integer.",
+                    hint or f"write {what} with the digits 0-9 only (no underscores or other scripts' digits).")
+    return int(text)
+
+
+def whole_flag(text: str) -> int:
+    """argparse's ``type=`` for whole-number flags, in place of ``int`` (which takes "١٢" and "1_000")."""
+    if not _WHOLE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{shown(text, 60)} is not a whole number (write it with the digits 0-9)")
+    return int(text)
 
 
 def count(value: object, what: str, error: type[MultiGPUError] = MultiGPUError, low: int = 1,

@@ -96,7 +96,17 @@ class Draft:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-hash") as pool:
             with self.place.root.open_new(f"{self.rel}/{name}", fsync=True) as handle:
                 writer = HashingWriter(handle, pool)
-                torch_save(obj, writer)
+                try:
+                    torch_save(obj, writer)
+                except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                    key = unpicklable_key(obj)
+                    if key is None:  # not a value that cannot be pickled: a bug to see in full
+                        raise
+                    raise CheckpointError(f"the checkpoint's state cannot be saved: {visible(key)} holds a value "
+                                          f"that cannot be pickled ({visible(' '.join(str(exc).split())[:120])}).",
+                                          f"keep only data in the state to save (tensors, numbers, text, lists, "
+                                          f"dicts): leave {visible(key)} out, or store what it describes instead "
+                                          "(e.g. a name, not a lambda).") from None
         self.entries[name] = manifest_entry(writer.hasher.size, writer.hasher.kind, writer.hasher.digest())
 
     def record(self, name: str, size: int, kind: str, digest: str) -> None:
@@ -104,6 +114,32 @@ class Draft:
 
     def discard(self) -> None:
         self.place.root.remove_tree(self.rel)
+
+
+def unpicklable_key(obj: Any, where: str = "", depth: int = 0, seen: Optional[set] = None) -> Optional[str]:
+    """The key path (``extra.schedule_fn``) of the first value in ``obj`` that pickle refuses, or None.
+    Walked only after a save failed: tensors are skipped, every other leaf is pickled on its own."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 50:
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items: Any = ((f"{where}.{k}" if where else str(k), v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(obj, torch.Tensor):
+        return None
+    else:
+        try:
+            pickle.dumps(obj)
+        except Exception:  # noqa: BLE001 - any refusal names this key
+            return where or "the state"
+        return None
+    for key, value in items:
+        found = unpicklable_key(value, key, depth + 1, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def torch_save(obj: Any, writer: Any) -> None:

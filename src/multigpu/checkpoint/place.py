@@ -26,8 +26,8 @@ except ImportError:  # pragma: no cover
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
-NAME = re.compile(r"^step-(\d{8,})$")
-OLD = re.compile(r"^\.old-(step-\d{8,})-[0-9a-f]+$")
+NAME = re.compile(r"^step-([0-9]{8,})$")
+OLD = re.compile(r"^\.old-(step-[0-9]{8,})-[0-9a-f]+$")
 #: Folders we own: when a checkpoint directory sits in one of these, that one must be a real folder too.
 OWN_FOLDERS = ("checkpoints", "best")
 #: The checksum new manifests carry.

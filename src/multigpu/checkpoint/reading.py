@@ -75,8 +75,9 @@ def check_manifest(manifest: Any, where: PathLike) -> None:
     for key in ("step", "world_size", "epoch"):
         if key in manifest and (isinstance(manifest[key], bool) or not isinstance(manifest[key], int)):
             raise bad(f"{key!r} is not an integer")
-    if not isinstance(manifest.get("sharded", False), bool):
-        raise bad("'sharded' is not true or false")
+    for key in ("sharded", "optimizer_flat"):  # optimizer_flat: how the optimizer's shards are laid out
+        if not isinstance(manifest.get(key, False), bool):
+            raise bad(f"{key!r} is not true or false")
     if len(manifest["files"]) > 1_000_000:
         raise bad("it lists more than a million files")
     for name, entry in manifest["files"].items():

@@ -8,6 +8,7 @@ import argparse
 from multigpu import validate
 from multigpu.commands.launching import add_launch_flags
 from multigpu.errors import ConfigError, LaunchError, visible
+from multigpu.validate import whole_flag
 
 
 def add_env_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +16,7 @@ def add_env_parser(sub: argparse._SubParsersAction) -> None:
                          "runs an all-reduce", description="What a bug report needs about this machine. With "
                          "--check: an all-reduce through `multigpu run` on the chosen devices, checked and timed.")
     env.add_argument("--check", action="store_true", help="run an all-reduce smoke test and report bus bandwidth")
-    env.add_argument("--nproc", type=int, metavar="N", help="processes for --check (default: one per GPU, or 1)")
+    env.add_argument("--nproc", type=whole_flag, metavar="N", help="processes for --check (default: one per GPU, or 1)")
     env.add_argument("--gpus", metavar="IDS", help="GPUs for --check, e.g. 0,1")
     env.add_argument("--cpu", action="store_true", help="--check with CPU processes (gloo)")
     env.set_defaults(handler=_cmd_env)
@@ -46,16 +47,16 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
                        "printed); 2: the script did not run; 3: unverified (the numbers agree, but what the runs "
                        "trained on could not be seen).",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, metavar="N", help="processes to compare with one (default 2)")
-    p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps in each run (default 5)")
+    p.add_argument("--nproc", type=whole_flag, default=2, metavar="N", help="processes to compare with one (default 2)")
+    p.add_argument("--steps", type=whole_flag, default=5, metavar="K", help="optimizer steps in each run (default 5)")
     p.add_argument("--cpu", action="store_true", help="CPU processes even where GPUs are visible")
-    p.add_argument("--procs-per-gpu", type=int, default=1, metavar="K",
+    p.add_argument("--procs-per-gpu", type=whole_flag, default=1, metavar="K",
                    help="the N processes share the GPUs, K to a GPU (one GPU: --nproc 2 --procs-per-gpu 2; default 1)")
     p.add_argument("--tolerance", type=float, metavar="T", help="relative tolerance (default: from the dtype)")
     p.add_argument("--keep", action="store_true", help="keep the per-step records")
     p.add_argument("--show-output", action="store_true",
                    help="print the script's own output (stdout and stderr) of both runs before the comparison")
-    p.add_argument("--timeout", type=int, default=600, metavar="S", help="seconds each run may take (default 600)")
+    p.add_argument("--timeout", type=whole_flag, default=600, metavar="S", help="seconds each run may take (default 600)")
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -101,7 +102,7 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-clock-skew", type=float, default=2.0, metavar="S", help="allowed clock spread (default 2 s)")
     g.add_argument("--expect-gbps", type=float, default=0.0, metavar="G",
                    help="fault when the largest all-reduce's bus bandwidth is below this")
-    g.add_argument("--timeout", type=int, default=300, metavar="S", help="give up after this long (default 300 s)")
+    g.add_argument("--timeout", type=whole_flag, default=300, metavar="S", help="give up after this long (default 300 s)")
     p.set_defaults(handler=_cmd_doctor)
 
 
@@ -187,7 +188,7 @@ def add_plot_parser(sub: argparse._SubParsersAction) -> None:
     plot.add_argument("folders", nargs="+", metavar="OUT_DIR", help="a run's out_dir, or a queue's --out folder")
     plot.add_argument("--out", metavar="FILE.png", help="where to write (default: curves.png in the folder given)")
     plot.add_argument("--metric", metavar="NAME", help="the metric for the right panel, e.g. valid_accuracy")
-    plot.add_argument("--top", type=int, default=5, metavar="K", help="a queue folder with sweeps: also draw each "
+    plot.add_argument("--top", type=whole_flag, default=5, metavar="K", help="a queue folder with sweeps: also draw each "
                       "sweep's K best trials and its metric against each swept value, in sweep-<family>.png (default 5)")
     plot.set_defaults(handler=_cmd_plot)
 

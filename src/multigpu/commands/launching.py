@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from multigpu import validate
 from multigpu.errors import LaunchError
+from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
     from multigpu.launch.local import LaunchRequest
@@ -57,10 +58,9 @@ def nproc_value(text: str) -> "int | str":
     """``--nproc``: a number, or torchrun's ``auto``/``gpu``/``cpu`` (resolved when devices are planned)."""
     if text in ("auto", "gpu", "cpu"):
         return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of processes, auto, gpu or cpu") from None
+    if not validate.is_digits(text):  # int() would take "١٢" and "1_000"
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of processes, auto, gpu or cpu")
+    return int(text)
 
 
 def add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> None:
@@ -71,27 +71,27 @@ def add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> Non
     dev.add_argument(*spellings("--nproc", "--nproc-per-node"), dest="nproc", type=nproc_value, metavar="N",
                      help="processes on this machine (default: one per GPU, or 1 on a CPU machine); torchrun's "
                      "auto, gpu and cpu work too")
-    dev.add_argument(*spellings("--gpus-per-proc"), type=int, default=1, metavar="K",
+    dev.add_argument(*spellings("--gpus-per-proc"), type=whole_flag, default=1, metavar="K",
                      help="GPUs owned by each process, for model-parallel strategies (default 1)")
-    dev.add_argument(*spellings("--procs-per-gpu"), type=int, default=1, metavar="K",
+    dev.add_argument(*spellings("--procs-per-gpu"), type=whole_flag, default=1, metavar="K",
                      help="processes sharing each GPU, talking over gloo (NCCL refuses two ranks on one GPU); "
                      "for small models and for testing the multi-process path on one GPU (default 1)")
     dev.add_argument("--cpu", action="store_true", help="use CPU processes even where GPUs are visible")
     nodes = p.add_argument_group("several machines")
     nodes.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (default 1)")
-    nodes.add_argument(*spellings("--node-rank"), dest="node_rank", type=int, default=0, metavar="R",
+    nodes.add_argument(*spellings("--node-rank"), dest="node_rank", type=whole_flag, default=0, metavar="R",
                        help="this machine's index, 0..nnodes-1 (static rendezvous)")
     nodes.add_argument(*spellings("--master-addr"), dest="master_addr", metavar="HOST",
                        help="address of node 0, reachable from every node")
-    nodes.add_argument(*spellings("--master-port"), dest="master_port", type=int, metavar="PORT",
+    nodes.add_argument(*spellings("--master-port"), dest="master_port", type=whole_flag, metavar="PORT",
                        help="port on node 0 (default on one machine: a free port is chosen)")
     nodes.add_argument(*spellings("--rdzv-endpoint"), dest="rdzv_endpoint", metavar="HOST:PORT",
                        help="c10d rendezvous (elastic --nnodes MIN:MAX)")
     nodes.add_argument(*spellings("--rdzv-id"), dest="rdzv_id", metavar="ID",
                        help="job id shared by every node of a c10d rendezvous")
-    nodes.add_argument(*spellings("--rdzv-timeout"), dest="rdzv_timeout", type=int, default=rdzv_timeout, metavar="S",
+    nodes.add_argument(*spellings("--rdzv-timeout"), dest="rdzv_timeout", type=whole_flag, default=rdzv_timeout, metavar="S",
                        help=f"seconds to wait for every node to join (default {rdzv_timeout})")
-    nodes.add_argument(*spellings("--simulate-nodes"), dest="simulate_nodes", type=int, metavar="N",
+    nodes.add_argument(*spellings("--simulate-nodes"), dest="simulate_nodes", type=whole_flag, metavar="N",
                        help="rehearse an N-node job on this machine: N agents on loopback (GPUs split evenly)")
 
 
@@ -165,9 +165,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 
     add_launch_flags(p)
     misc = p.add_argument_group("failures and logs")
-    misc.add_argument(*spellings("--max-restarts"), dest="max_restarts", type=int, default=0, metavar="K",
+    misc.add_argument(*spellings("--max-restarts"), dest="max_restarts", type=whole_flag, default=0, metavar="K",
                       help="restart all workers up to K times when one fails (default 0)")
-    misc.add_argument(*spellings("--stop-timeout", "--shutdown-timeout"), dest="stop_timeout", type=int, default=120,
+    misc.add_argument(*spellings("--stop-timeout", "--shutdown-timeout"), dest="stop_timeout", type=whole_flag, default=120,
                       metavar="S", help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL "
                       "(default 120; torchrun calls it --shutdown-timeout)")
     misc.add_argument(*spellings("--log-dir"), dest="log_dir", metavar="DIR",
@@ -222,7 +222,7 @@ def fold_torchrun_flags(args: argparse.Namespace) -> None:
     if args.rdzv_conf:
         for item in args.rdzv_conf.split(","):
             key, _, value = item.partition("=")
-            if key.strip() not in ("join_timeout", "timeout") or not value.strip().isdigit():
+            if key.strip() not in ("join_timeout", "timeout") or not validate.is_digits(value.strip()):
                 raise LaunchError(f"--rdzv-conf {item[:60]!r}: multigpu run takes join_timeout=SECONDS only.",
                                   "write --rdzv-conf join_timeout=900 (or --rdzv-timeout 900).")
             args.rdzv_timeout = int(value.strip()[:9])
@@ -235,7 +235,8 @@ def fold_torchrun_flags(args: argparse.Namespace) -> None:
                           "use c10d with --rdzv-endpoint HOST:PORT, or static with --master-addr/--master-port.")
     if backend == "static" and args.rdzv_endpoint:  # torchrun's static rendezvous reads HOST:PORT from the endpoint
         host, _, port = args.rdzv_endpoint.rpartition(":")
-        args.master_addr, args.master_port, args.rdzv_endpoint = host or None, int(port) if port.isdigit() else None, None
+        port_number = int(port) if validate.is_digits(port) else None
+        args.master_addr, args.master_port, args.rdzv_endpoint = host or None, port_number, None
     if backend == "c10d" and not args.rdzv_endpoint and args.master_addr and args.master_port:
         args.rdzv_endpoint, args.master_addr, args.master_port = f"{args.master_addr}:{args.master_port}", None, None
 

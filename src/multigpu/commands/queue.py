@@ -7,6 +7,7 @@ import argparse
 from multigpu import validate
 from multigpu.commands.slurm import add_slurm_job_options, slurm_options_from_args
 from multigpu.errors import ConfigError
+from multigpu.validate import whole_flag
 
 QUEUE_EXAMPLES = """\
 examples:
@@ -44,14 +45,14 @@ def add_queue_parser(sub: argparse._SubParsersAction) -> None:
                        epilog=QUEUE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs_file")
     p.add_argument("--gpus", metavar="IDS", help="the GPU pool, e.g. 0,1,2,3 (default: every visible GPU)")
-    p.add_argument("--slots", type=int, metavar="N", help="N CPU process slots instead of GPUs (default on a "
+    p.add_argument("--slots", type=whole_flag, metavar="N", help="N CPU process slots instead of GPUs (default on a "
                    "machine without GPUs: one per core)")
-    p.add_argument("--gpus-per-run", type=int, metavar="K", help="override every run's gpus: setting")
-    p.add_argument("--runs-per-gpu", type=int, default=1, metavar="K",
+    p.add_argument("--gpus-per-run", type=whole_flag, metavar="K", help="override every run's gpus: setting")
+    p.add_argument("--runs-per-gpu", type=whole_flag, default=1, metavar="K",
                    help="pack K one-GPU runs onto each GPU (CPU: each slot), each held to 1/K of the GPU's "
                    "memory so a run that does not fit fails alone (default 1)")
     p.add_argument("--only", metavar="NAMES", help="comma-separated run names to run (in that order)")
-    p.add_argument("--max-parallel", type=int, metavar="M", help="at most M runs at once")
+    p.add_argument("--max-parallel", type=whole_flag, metavar="M", help="at most M runs at once")
     p.add_argument("--out", metavar="DIR", help="where run folders go (default: outputs/<runs file name>)")
     p.add_argument("--no-live", action="store_true", help="print one line per event instead of a live table")
     p.add_argument("--allow-env", action="append", default=[], metavar="NAME",
@@ -59,7 +60,7 @@ def add_queue_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUES",
                    help="sweep an override in every chosen run: a list (optim.lr=1e-3,3e-3) or a distribution "
                    "(optim.lr=loguniform(1e-4,1e-1); also choice, uniform, int); repeatable")
-    p.add_argument("--samples", type=int, metavar="N", help="draws of the --sweep distributions (per grid point)")
+    p.add_argument("--samples", type=whole_flag, metavar="N", help="draws of the --sweep distributions (per grid point)")
     p.add_argument("--slurm", action="store_true", help="submit each run as its own Slurm job instead")
     p.add_argument("--array", action="store_true", help="with --slurm: all runs as one job array, each task its own "
                    "run folder; --max-parallel M runs at most M at once (runs file: slurm_array: true)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from multigpu import validate
 from multigpu.commands.launching import _check_run_flags, fold_torchrun_flags, plan_run, resolve_nproc, spellings
 from multigpu.errors import LaunchError
+from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
     from multigpu.launch.replicas import ReplicaSettings
@@ -23,16 +24,16 @@ if TYPE_CHECKING:
 def add_replica_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("replica groups: keep training when a group dies (needs torchft: pip install "
                              "'multigpu[ft]'; docs/fault-tolerance.md)")
-    g.add_argument(*spellings("--replica-groups"), dest="replica_groups", type=int, metavar="R",
+    g.add_argument(*spellings("--replica-groups"), dest="replica_groups", type=whole_flag, metavar="R",
                    help="R groups of --nproc processes each, on torchft's fault-tolerant DDP (strategy ft-ddp): a "
                    "group that dies is left out of the next steps, restarted by its agent (--max-restarts) and heals "
                    "from a live group; a lighthouse in this launcher holds the quorum of each step")
-    g.add_argument(*spellings("--min-replicas"), dest="min_replicas", type=int, default=1, metavar="M",
+    g.add_argument(*spellings("--min-replicas"), dest="min_replicas", type=whole_flag, default=1, metavar="M",
                    help="the fewest live groups a step needs (default 1)")
     g.add_argument(*spellings("--heartbeat-timeout"), dest="heartbeat_timeout", type=float, default=5.0, metavar="S",
                    help="seconds a silent group is waited for before the others go on without it: the pause per "
                    "failure (default 5)")
-    g.add_argument(*spellings("--replica-group"), dest="replica_group", type=int, metavar="G",
+    g.add_argument(*spellings("--replica-group"), dest="replica_group", type=whole_flag, metavar="G",
                    help="run only group G of --replica-groups R on this machine, joining --lighthouse (what "
                    "`multigpu slurm --replica-groups` runs on each node)")
     g.add_argument("--lighthouse", metavar="HOST:PORT", help="the lighthouse of a job whose groups run on "

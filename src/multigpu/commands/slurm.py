@@ -13,6 +13,7 @@ from typing import Optional
 from multigpu import validate
 from multigpu.errors import LaunchError, visible
 from multigpu.fileio import Folder, read_regular
+from multigpu.validate import whole_flag
 
 SLURM_EXAMPLES = """\
 examples:
@@ -36,17 +37,17 @@ SLURM_ACTIONS = ("submit", "status", "logs", "cancel")
 
 def add_slurm_job_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Slurm job")
-    g.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    g.add_argument("--nodes", type=whole_flag, default=1, metavar="N", help="nodes (default 1)")
     g.add_argument("--gpus-per-node", metavar="[TYPE:]G", help="GPUs per node, e.g. 4 or a100:4 (0: CPU nodes)")
     g.add_argument("--gres", metavar="gpu[:TYPE]:G", help="GPUs per node as a generic resource, e.g. gpu:a100:4 "
                    "(--sbatch-arg=--gres=..., --gpus=... and --gpus-per-task=... are read too)")
-    g.add_argument("--nproc-per-node", type=int, metavar="P", help="processes per node (default: one per GPU)")
+    g.add_argument("--nproc-per-node", type=whole_flag, metavar="P", help="processes per node (default: one per GPU)")
     g.add_argument("--time", metavar="T", help="time limit, e.g. 20:00:00")
     g.add_argument("--partition", metavar="P")
     g.add_argument("--account", metavar="A")
     g.add_argument("--qos", metavar="Q", help="quality of service, e.g. high")
     g.add_argument("--constraint", metavar="C", help="node features, e.g. a100 or 'a100|h100'")
-    g.add_argument("--cpus-per-task", type=int, metavar="C", help="CPU cores for each node's task (default: 4 per "
+    g.add_argument("--cpus-per-task", type=whole_flag, metavar="C", help="CPU cores for each node's task (default: 4 per "
                    "GPU process, 1 per CPU process)")
     g.add_argument("--mem", metavar="M", help="memory per node, e.g. 64G")
     g.add_argument("--job-name", metavar="NAME", help="the name squeue shows (default: 8 characters, distinct "
@@ -93,12 +94,12 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
     add_slurm_job_options(submit)
     submit.add_argument("--run-dir", metavar="DIR",
                         help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
-    submit.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restarts of the workers inside the job")
+    submit.add_argument("--max-restarts", type=whole_flag, default=0, metavar="K", help="restarts of the workers inside the job")
     replica = submit.add_argument_group("replica groups (torchft; docs/fault-tolerance.md)")
-    replica.add_argument("--replica-groups", type=int, metavar="R", help="one replica group per node (R = --nodes): "
+    replica.add_argument("--replica-groups", type=whole_flag, metavar="R", help="one replica group per node (R = --nodes): "
                          "a node that fails is restarted by its own agent (--max-restarts) and heals while the others "
                          "keep training; the lighthouse runs on the first node")
-    replica.add_argument("--min-replicas", type=int, default=1, metavar="M", help="the fewest live groups a step "
+    replica.add_argument("--min-replicas", type=whole_flag, default=1, metavar="M", help="the fewest live groups a step "
                          "needs (default 1)")
     replica.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S", help="seconds a silent group is "
                          "waited for before the others go on without it (default 5)")
@@ -114,9 +115,9 @@ def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
         action.add_argument("job_id", nargs="?" if name == "status" else None, help="the Slurm job id (123, or "
                             "123_4 for one task of an array)")
         if name == "logs":
-            action.add_argument("--lines", type=int, default=50, metavar="N", help="how many lines (default 50)")
+            action.add_argument("--lines", type=whole_flag, default=50, metavar="N", help="how many lines (default 50)")
         if name == "status":
-            action.add_argument("--days", type=int, default=7, metavar="D",
+            action.add_argument("--days", type=whole_flag, default=7, metavar="D",
                                 help="without a job id: jobs submitted in the last D days (default 7)")
         action.set_defaults(handler=_cmd_slurm_job)
 

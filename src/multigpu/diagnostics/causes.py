@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from multigpu import validate
 from multigpu.fileio import Folder
 
 EPS = {"float32": 1.2e-7, "float64": 2.2e-16, "bfloat16": 7.8e-3, "float16": 9.8e-4}
@@ -44,7 +45,7 @@ class Outcome:
     def read(cls, folder: Path, status: int, output: str) -> "Outcome":
         records = Folder(folder)  # written by the runs the check started, in its own temporary folder
         ranks = []
-        for path in sorted(folder.glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1):
+        for path in sorted(folder.glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]) if validate.is_digits(p.stem[4:]) else -1):
             lines = [line for line in records.load_text(path.name, limit=256 << 20).splitlines() if line.strip()]
             ranks.append([json.loads(line) for line in lines])
         model = json.loads(records.load_text("model.json")) if records.kind("model.json") == "file" else {}

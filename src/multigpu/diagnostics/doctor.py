@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from multigpu import validate
 from multigpu.diagnostics.bandwidth import measure
 from multigpu.fileio import Folder
 
@@ -74,7 +75,7 @@ def local_facts(out: Path) -> dict[str, Any]:
         facts["free_gb"] = shutil.disk_usage(existing(out)).free / 1e9
     except OSError:
         facts["free_gb"] = None
-    if torch.cuda.is_available() and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if torch.cuda.is_available() and validate.whole_number(os.environ.get("LOCAL_RANK", "0"), "LOCAL_RANK") == 0:
         facts["ecc"] = ecc_errors()  # once per node
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
@@ -172,7 +173,7 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
                           "find it with nvidia-smi; a job sharing a GPU runs slowly or out of memory."))
             break
     for fact in facts:
-        bad = {gpu: count for gpu, count in (fact.get("ecc") or {}).items() if count.isdigit() and int(count) > 0}
+        bad = {gpu: count for gpu, count in (fact.get("ecc") or {}).items() if validate.is_digits(count) and int(count) > 0}
         if bad:
             found.append((f"uncorrected ECC errors on {fact['host']}: " + ", ".join(f"GPU {g}: {c}" for g, c in bad.items()),
                           "drain the node (or leave those GPUs out with --gpus) and tell its administrators."))
@@ -204,7 +205,7 @@ def _ecc_row(facts: list[dict]) -> tuple[str, str, str]:
     seen = [fact["ecc"] for fact in facts if fact.get("ecc") is not None]
     if not seen:
         return ("ecc", "-", "not checked: no nvidia-smi on the nodes (XID errors: the kernel log, dmesg)")
-    bad = sum(1 for ecc in seen for count in ecc.values() if count.isdigit() and int(count) > 0)
+    bad = sum(1 for ecc in seen for count in ecc.values() if validate.is_digits(count) and int(count) > 0)
     return ("ecc", "ok" if not bad else "ERRORS", f"uncorrected errors on {bad} GPU(s) of {sum(map(len, seen))}; "
             "XID errors are not read (kernel log, dmesg)")
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
+from multigpu import validate as checks
 from multigpu.errors import WorldError
 
 #: Set by ``multigpu run --gpus-per-proc K``: how many devices each process owns.
@@ -140,13 +141,8 @@ def _int(env: Env, name: str, default: Optional[int] = None, hint: str = "") -> 
         if default is None:
             raise WorldError(f"{name} is not set.", hint or f"set {name} or launch with `multigpu run`.")
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise WorldError(
-            f"{name}={raw!r} is not an integer.",
-            hint or f"fix or unset {name}; it is normally set by the launcher, not by hand.",
-        ) from None
+    return checks.whole_number(raw, name, WorldError,
+                               hint or f"fix or unset {name}; it is normally set by the launcher, not by hand.")
 
 
 def _common(env: Env) -> dict:
@@ -261,6 +257,11 @@ def read_torchrun(env: Env) -> Optional[World]:
 # ---------------------------------------------------------------------------------------- Slurm
 
 
+#: The most names a Slurm node list may expand to (Slurm's own limit on nodes is far below): a list such
+#: as ``node[1-100000000]`` is refused before it is built, not expanded into gigabytes.
+MAX_NODELIST = 65_536
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand Slurm's compressed host lists (``gpu[01-03,07],cpu5``) without calling ``scontrol``.
 
@@ -289,11 +290,19 @@ def expand_nodelist(nodelist: str) -> list[str]:
     hosts: list[str] = []
     for item in items:
         if item:
-            hosts.extend(_expand_one(item, nodelist))
+            hosts.extend(_expand_one(item, nodelist, MAX_NODELIST - len(hosts)))
+        if len(hosts) > MAX_NODELIST:
+            raise _too_many(nodelist)
     return hosts
 
 
-def _expand_one(name: str, whole: str) -> list[str]:
+def _too_many(whole: str) -> WorldError:
+    return WorldError(f"the Slurm node list {whole[:80]!r} names more than {MAX_NODELIST:,} nodes.",
+                      "check SLURM_JOB_NODELIST/SLURM_NODELIST: no job spans that many nodes (a typo in a range?).")
+
+
+def _expand_one(name: str, whole: str, room: int) -> list[str]:
+    """The names of one item, at most ``room`` of them (counted before any list is built)."""
     match = re.search(r"\[([^\]]*)\]", name)
     if match is None:
         return [name]
@@ -302,19 +311,24 @@ def _expand_one(name: str, whole: str) -> list[str]:
     for part in match.group(1).split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not checks.is_digits(lo) or (sep and not checks.is_digits(hi)):
             raise WorldError(
                 f"cannot parse {part!r} in the Slurm node list {whole!r}.",
                 "check SLURM_JOB_NODELIST; ranges look like [01-03,07].",
             )
         if not sep:
             values.append(lo)
-            continue
-        if int(hi) < int(lo):
+        elif int(hi) < int(lo):
             raise WorldError(f"descending range {part!r} in the Slurm node list {whole!r}.", "check SLURM_JOB_NODELIST.")
-        width = len(lo)
-        values.extend(str(v).zfill(width) for v in range(int(lo), int(hi) + 1))
-    tails = _expand_one(rest, whole)
+        elif int(hi) - int(lo) + 1 > room - len(values):
+            raise _too_many(whole)
+        else:
+            values.extend(str(v).zfill(len(lo)) for v in range(int(lo), int(hi) + 1))
+        if len(values) > room:
+            raise _too_many(whole)
+    tails = _expand_one(rest, whole, max(room // max(len(values), 1), 1))
+    if len(values) * len(tails) > room:
+        raise _too_many(whole)
     return [prefix + v + t for v in values for t in tails]
 
 
@@ -322,16 +336,20 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     """Expand Slurm's ``SLURM_TASKS_PER_NODE`` form ``2(x3),1`` into ``[2, 2, 2, 1]``."""
     counts: list[int] = []
     for part in spec.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        match = re.fullmatch(r"\s*([0-9]{1,9})(?:\(x([0-9]{1,9})\))?\s*", part)
         if match is None:
-            raise WorldError(f"cannot parse SLURM_TASKS_PER_NODE={spec!r}.", "it should look like 2(x3),1.")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+            raise WorldError(f"cannot parse SLURM_TASKS_PER_NODE={spec[:80]!r}.", "it should look like 2(x3),1.")
+        repeat = int(match.group(2) or 1)
+        if len(counts) + repeat > MAX_NODELIST:
+            raise WorldError(f"SLURM_TASKS_PER_NODE={spec[:80]!r} names more than {MAX_NODELIST:,} nodes.",
+                             "check SLURM_TASKS_PER_NODE: no job spans that many nodes.")
+        counts.extend([int(match.group(1))] * repeat)
     return counts
 
 
 def slurm_port(job_id: str) -> int:
     """A port derived from the job id, so all tasks of a job agree on it without talking first."""
-    digits = re.sub(r"\D", "", job_id) or "0"
+    digits = re.sub(r"[^0-9]", "", job_id) or "0"
     return SLURM_PORT_BASE + int(digits) % SLURM_PORT_SPAN
 
 

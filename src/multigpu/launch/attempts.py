@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from multigpu import validate
 from multigpu.errors import EXIT_PREEMPTED, visible
 from multigpu.fileio import Folder
 
 #: The names workers leave in the log folder; anything else there (a stray "rank0.attempt0 (copy).stderr")
 #: is not ours and is ignored.
-_NAME = re.compile(r"^rank(\d{1,7})\.attempt(\d{1,7})\.(stderr|pid|exit)$")
+_NAME = re.compile(r"^rank([0-9]{1,7})\.attempt([0-9]{1,7})\.(stderr|pid|exit)$")
 
 
 def parse_name(name: str) -> Optional[tuple[int, int, str]]:
@@ -77,7 +78,7 @@ def _read_int(path: Path) -> Optional[int]:
         text = Folder(path.parent).load_text(path.name, limit=20).strip()
     except OSError:
         return None
-    return int(text) if text.lstrip("-").isdigit() else None
+    return int(text) if validate.is_digits(text.lstrip("-")) else None
 
 
 def recorded_exit(log_dir: str, rank: int) -> Optional[int]:
@@ -109,7 +110,7 @@ def _errors(log_dir: str, attempt: int) -> dict[int, str]:
             line = (message.get("extraInfo") or {}).get("multigpu_error") or message.get("message") or ""
         else:
             line = str(message or "")
-        if path.parent.name.isdigit() and line:
+        if validate.is_digits(path.parent.name) and line:
             found[int(path.parent.name)] = visible(" ".join(str(line).split())[:300])
     return found
 

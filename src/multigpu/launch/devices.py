@@ -57,7 +57,7 @@ def parse_gpu_ids(text: str) -> list[int]:
     for part in text.split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()) or len(lo) > 4 or len(hi) > 4:
+        if not validate.is_digits(lo) or (sep and not validate.is_digits(hi)) or len(lo) > 4 or len(hi) > 4:
             raise LaunchError(f"--gpus {text[:40]!r}: {part[:20]!r} is not a GPU index.", "write --gpus 0,2,3 or --gpus 0-3.")
         if sep and int(hi) < int(lo):
             raise LaunchError(f"--gpus {text[:40]!r}: the range {part!r} runs backwards.", "write --gpus 0-3.")

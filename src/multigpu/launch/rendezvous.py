@@ -38,9 +38,9 @@ class Rendezvous:
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     lo, sep, hi = str(text).partition(":")
-    try:
+    if validate.is_digits(lo[:12]) and validate.is_digits((hi if sep else lo)[:12]):
         min_nodes, max_nodes = int(lo[:12]), int((hi if sep else lo)[:12])
-    except ValueError:
+    else:
         raise LaunchError(f"--nnodes {text!r} is not a number or MIN:MAX.", "write --nnodes 2 or --nnodes 1:4.") from None
     if not 0 < min_nodes <= max_nodes:
         raise LaunchError(f"--nnodes {text!r}: need 0 < MIN <= MAX.", "write --nnodes 2 or --nnodes 1:4.")
@@ -94,7 +94,7 @@ def plan_rendezvous(
         if port == "0" and max_nodes == 1 and host in ("localhost", "127.0.0.1"):
             # torchrun's single-machine spelling (--rdzv-endpoint=localhost:0): a free port, as we do anyway.
             return Rendezvous("c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s)
-        if not host or not port.isdigit() or not 0 < int(port[:6]) < 65536 or re.search(r"[\s\x00-\x1f]", host):
+        if not host or not validate.is_digits(port) or not 0 < int(port[:6]) < 65536 or re.search(r"[\s\x00-\x1f]", host):
             raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT.", "write --rdzv-endpoint node1:29400.")
         return Rendezvous("c10d", rdzv_endpoint, rdzv_id or "multigpu", min_nodes, max_nodes, 0, timeout_s)
     if min_nodes != max_nodes:

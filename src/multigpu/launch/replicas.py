@@ -41,6 +41,7 @@ from multigpu.distributed.world import (
     REPLICA_GROUPS_VAR,
 )
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError
+from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
     from torchft.coordination import LighthouseServer
@@ -78,7 +79,7 @@ class ReplicaSettings:
 def parse_address(text: str, flag: str = "--lighthouse") -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too), checked."""
     host, _, port = str(text).rpartition(":")
-    if (not host or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536
+    if (not host or not validate.is_digits(port) or len(port) > 5 or not 0 < int(port) < 65536
             or not re.fullmatch(r"[\w.\-]{1,253}|\[[0-9A-Fa-f:.%\w]{2,60}\]", host)):
         raise LaunchError(f"{flag} {str(text)[:60]!r} is not HOST:PORT.",
                           f"write {flag} node1:29510 (the first node's address and the lighthouse's port).")
@@ -224,8 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m multigpu.launch.replicas",
                                      description="Host torchft's lighthouse for a job of replica groups.")
     parser.add_argument("--bind", required=True, metavar="HOST:PORT")
-    parser.add_argument("--replica-groups", type=int, required=True, metavar="R")
-    parser.add_argument("--min-replicas", type=int, default=1, metavar="M")
+    parser.add_argument("--replica-groups", type=whole_flag, required=True, metavar="R")
+    parser.add_argument("--min-replicas", type=whole_flag, default=1, metavar="M")
     parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S")
     args = parser.parse_args(argv)
     try:

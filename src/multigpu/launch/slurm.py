@@ -34,6 +34,7 @@ from multigpu.launch.slurm_options import (  # noqa: F401 - re-exported for the 
     SQUEUE_NAME_WIDTH,
     GpuRequest,
     SlurmOptions,
+    sbatch_safe,
     short_names,
     timed_job_name,
 )
@@ -88,9 +89,12 @@ class SlurmArray:
 
 
 def _check_folder(folder: Path, what: str) -> None:
-    if re.search(r"[\s%\x00-\x1f\x7f]", str(folder)):
-        raise LaunchError(f"the {what} {str(folder)[:80]!r} contains whitespace, % or control characters, "
-                          "which #SBATCH lines cannot hold.", "choose a --run-dir (or --out) of plain characters.")
+    """A folder named in an #SBATCH line (the log's --output): no %, which sbatch expands, and nothing
+    :func:`sbatch_safe` refuses (# quotes \\ $ ` whitespace control characters)."""
+    hint = "choose a --run-dir (or --out) of plain characters (letters, digits, / . _ -)."
+    if "%" in str(folder):
+        raise LaunchError(f"the {what} {str(folder)[:80]!r} contains %, which #SBATCH lines cannot hold.", hint)
+    sbatch_safe(str(folder), f"the {what}", hint)
 
 
 def _check_job(job: SlurmJob) -> None:
@@ -119,6 +123,8 @@ def _sbatch_lines(o: SlurmOptions, job_name: str, output: Path) -> list[str]:
         if value is not None:
             sbatch.append(f"--{flag}={value}")
     sbatch += list(o.extra)
+    for line in sbatch:  # every value was checked at its door; this keeps a new line from skipping it
+        sbatch_safe(line, "#SBATCH line", "choose plain values (letters, digits and . _ - : / = , @ %).")
     return [f"#SBATCH {line}" for line in sbatch]
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from multigpu import validate
-from multigpu.errors import LaunchError
+from multigpu.errors import LaunchError, shown
 
-_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_TIME = re.compile(r"^([0-9]+-)?[0-9]+(:[0-9]{1,2}){0,2}$")  # ASCII digits only
 #: CPU cores asked for each process of a GPU job when --cpus-per-task is not given: its main thread and
 #: three data-loading workers. Without it Slurm gives the node's one task a single core for all of them.
 CPUS_PER_GPU_PROCESS = 4
@@ -28,7 +28,8 @@ _GPU_TYPE = r"[A-Za-z0-9_.-]{1,64}"
 #: sbatch options that shape the script itself: never through --sbatch-arg (name -> what to use instead).
 _STRUCTURAL = {
     "nodes": "--nodes", "ntasks": "--nodes and --nproc-per-node", "ntasks-per-node": "--nproc-per-node",
-    "ntasks-per-gpu": "--nproc-per-node", "job-name": "--job-name", "output": "nothing (the log goes to the run folder)",
+    "tasks-per-node": "--nproc-per-node", "ntasks-per-gpu": "--nproc-per-node", "job-name": "--job-name",
+    "output": "nothing (the log goes to the run folder)",
     "error": "nothing (the log goes to the run folder)", "open-mode": "nothing (the log is appended to)",
     "signal": "nothing (USR1 90 s before the time limit lets the job checkpoint)",
     "array": "`multigpu queue --slurm --array`", "wrap": "a script",
@@ -38,7 +39,51 @@ _STRUCTURAL = {
 _FIRST_CLASS = ("time", "partition", "account", "qos", "constraint", "mem", "cpus-per-task")
 #: sbatch options that ask for GPUs.
 _GPU_OPTIONS = ("gres", "gpus", "gpus-per-node", "gpus-per-task")
-_KNOWN = (*_STRUCTURAL, *_FIRST_CLASS, *_GPU_OPTIONS, "cpus-per-gpu")
+#: Every long option of sbatch (Slurm 22.05, from its own "is ambiguous; possibilities" lines): getopt_long
+#: takes any unique prefix of one as that option (``--j=x`` is --job-name), so --sbatch-arg must resolve
+#: them the same way before deciding what an option is.
+SBATCH_OPTIONS = (
+    "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir", "cluster", "cluster-constraint",
+    "clusters", "comment", "constraint", "container", "context", "contiguous", "core-spec", "cores-per-socket",
+    "cpu-freq", "cpus-per-gpu", "cpus-per-task", "deadline", "delay-boot", "dependency", "distribution", "error",
+    "exclude", "exclusive", "export", "export-file", "extra-node-info", "get-user-env", "gid", "gpu-bind", "gpu-freq",
+    "gpus", "gpus-per-node", "gpus-per-socket", "gpus-per-task", "gres", "gres-flags", "help", "hint", "hold",
+    "ignore-pbs", "input", "job-name", "kill-on-invalid-dep", "licenses", "mail-type", "mail-user", "mcs-label", "mem",
+    "mem-bind", "mem-per-cpu", "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "no-requeue", "nodefile",
+    "nodelist", "nodes", "ntasks", "ntasks-per-core", "ntasks-per-gpu", "ntasks-per-node", "ntasks-per-socket",
+    "ntasks-per-tres", "open-mode", "output", "overcommit", "oversubscribe", "parsable", "partition", "power",
+    "prefer", "priority", "profile", "propagate", "qos", "quiet", "reboot", "requeue", "reservation", "signal",
+    "sockets-per-node", "spread-job", "switches", "tasks-per-node", "test-only", "thread-spec", "threads-per-core",
+    "time", "time-min", "tmp", "uid", "usage", "use-min-nodes", "verbose", "version", "wait", "wait-all-nodes",
+    "wckey", "wrap")
+_KNOWN = tuple(dict.fromkeys((*_STRUCTURAL, *_FIRST_CLASS, *_GPU_OPTIONS, "cpus-per-gpu", *SBATCH_OPTIONS)))
+#: What no value of an #SBATCH line may hold: sbatch reads ``#`` as a comment and quotes and ``\`` as its
+#: own quoting, ``$`` and backticks read as shell to anyone (or anything) reading the script, and
+#: whitespace or a control character (C0, DEL, C1) ends the value or the line.
+_SBATCH_UNSAFE = re.compile(r"[#'\"\\$`\s\x00-\x1f\x7f-\x9f]")
+
+
+def sbatch_safe(value: str, what: str, hint: str) -> str:
+    """``value`` if it can stand in an #SBATCH line as it is; else one line naming ``what`` and the character."""
+    bad = _SBATCH_UNSAFE.search(value)
+    if bad is not None:
+        raise LaunchError(f"{what} {shown(value, 80)} holds {shown(bad.group())}, which an #SBATCH line cannot hold "
+                          "(# ' \" \\ $ ` whitespace and control characters are refused).", hint)
+    return value
+
+
+def sbatch_option(name: str, arg: str) -> str:
+    """The sbatch option ``--name`` stands for: itself, or the one option it is a unique prefix of (as
+    sbatch's getopt_long reads it). An ambiguous prefix is refused, with the candidates; a name that is
+    no prefix of a known option is passed on as it is (a newer sbatch may know it; sbatch refuses it if not)."""
+    if name in _KNOWN:
+        return name
+    candidates = [option for option in _KNOWN if option.startswith(name)]
+    if len(candidates) > 1:
+        raise LaunchError(f"--sbatch-arg={arg[:60]}: --{name} is ambiguous for sbatch: it could be "
+                          f"{', '.join('--' + c for c in sorted(candidates)[:12])}.",
+                          "write the option's full name, e.g. --sbatch-arg=--qos=high.")
+    return candidates[0] if candidates else name
 
 
 @dataclass(frozen=True)
@@ -102,6 +147,8 @@ class SlurmOptions:
         for arg in self.extra:
             validate.plain_text(arg, "--sbatch-arg", LaunchError, allow_space=False,
                                 pattern=r"--[A-Za-z][A-Za-z0-9-]*(=\S*)?", example="--qos=high (the long form)")
+            sbatch_safe(arg, "--sbatch-arg", "give plain values, e.g. --sbatch-arg=--mail-type=END; a value that needs "
+                        "quoting belongs in a script of your own (sbatch would read it differently from the shell).")
         self.extra_options()
         self.gpu_request()
         if self.replica_groups is not None:
@@ -120,7 +167,7 @@ class SlurmOptions:
         found: dict[str, str] = {}
         for arg in self.extra:
             name, _, value = arg[2:].partition("=")
-            full = name if name in _KNOWN else next((k for k in _KNOWN if k.startswith(name) and len(name) >= 3), name)
+            full = sbatch_option(name, arg)
             if full in _STRUCTURAL:
                 raise LaunchError(f"--sbatch-arg={arg[:60]} sets --{full}, which the script sets itself.",
                                   f"use {_STRUCTURAL[full]} instead.")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder, tail_lines
 from multigpu.launch.slurm import ACTIVE_STATES, SCRIPT_NAME, TASKS_FILE, call, check_job_id, job_infos, slurm_tool
@@ -119,13 +120,13 @@ def _record_of_scontrol(info: dict[str, str]) -> JobRecord:
     array, task = info.get("ArrayJobId"), info.get("ArrayTaskId")
     job_id = info.get("JobId", "?")
     if array and task:
-        job_id = f"{array}_{task}" if task.isdigit() else f"{array}_[{task}]"
+        job_id = f"{array}_{task}" if validate.is_digits(task) else f"{array}_[{task}]"
     script = info.get("Command", "")
     return JobRecord(
         job_id=job_id, name=info.get("JobName", "?"), state=info.get("JobState", "?"), reason=info.get("Reason", ""),
         exit_code=info.get("ExitCode", ""), elapsed=info.get("RunTime", ""), nodes=info.get("NodeList", ""),
         submitted=info.get("SubmitTime", ""), restarts=int(info.get("Restarts", "0") or 0) if
-        info.get("Restarts", "0").isdigit() else 0, script=script,
+        validate.is_digits(info.get("Restarts", "0")) else 0, script=script,
         log=_log_of(job_id, info.get("JobId", ""), script, info.get("StdOut", "")), source="scontrol")
 
 
@@ -201,14 +202,14 @@ def my_jobs(days: int = 7) -> tuple[list[JobRecord], str]:
     else:
         found = _live(found) + _not_in_accounting_yet(user, {r.job_id.split("_")[0] for r in found})
     mine = [r for r in found if Path(r.script).name == SCRIPT_NAME]
-    return sorted(mine, key=lambda r: [int(n) if n.isdigit() else -1 for n in re.split(r"[_+]", r.job_id)]), source
+    return sorted(mine, key=lambda r: [int(n) if validate.is_digits(n) else -1 for n in re.split(r"[_+]", r.job_id)]), source
 
 
 def _not_in_accounting_yet(user: str, known: set[str]) -> list[JobRecord]:
     """Queued jobs that accounting has no row for yet (one held until a later --begin, for one)."""
     done = call([slurm_tool("squeue"), "-u", user, "-h", "-o", "%i"])
     ids = {line.strip().split("_")[0] for line in done.stdout.split() if line.strip()} if done.returncode == 0 else set()
-    return [_record_of_scontrol(info) for job_id in sorted(ids - known, key=int) if job_id.isdigit()
+    return [_record_of_scontrol(info) for job_id in sorted(ids - known, key=int) if validate.is_digits(job_id)
             for info in job_infos(job_id)]
 
 

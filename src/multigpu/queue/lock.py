@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from multigpu import validate
 from multigpu.fileio import Folder, ensure_real_folder
 
 
@@ -46,7 +47,7 @@ class RunLock:
             text = Folder(self.path.parent).load_text(self.path.name, limit=64).strip()
         except OSError:
             return "?"
-        return text if text.isdigit() else "?"
+        return text if validate.is_digits(text) else "?"
 
     def release(self) -> None:
         if self._fd is not None:

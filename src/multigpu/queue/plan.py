@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from multigpu import validate
 from multigpu.errors import ConfigError
 from multigpu.queue.runs import QueueEntry, load_entries
 from multigpu.queue.space import MAX_TRIALS, Param, Space, check_names, parse_space, points
@@ -131,7 +132,7 @@ def _space(entry, sweep: Sequence[Param], samples: Optional[int]) -> Optional[Sp
 def _search_trial_name(family: str, name: str) -> bool:
     """Could ``name`` (lowercased) be a trial of the search ``family`` (``<family>-t<number>...``)?"""
     prefix = f"{family.lower()}-t"
-    return name.startswith(prefix) and name[len(prefix):][:1].isdigit()
+    return name.startswith(prefix) and validate.is_digits(name[len(prefix):][:1])
 
 
 def _values(values: dict) -> str:

@@ -47,7 +47,7 @@ MAX_VALUE_TEXT = 200
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "int")
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("none", "asha", "median")
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")  # ASCII digits only
 _CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\((.*)\)\s*", re.S)
 
 
@@ -305,7 +305,7 @@ def _value(value: Any, at: str) -> Any:
             number = float(value)
             if not math.isfinite(number):
                 raise ConfigError(f"{at}: {shown(value)} is not a finite number.", "give a smaller number.")
-            return int(value) if re.fullmatch(r"[-+]?\d+", value.strip()) else number
+            return int(value) if re.fullmatch(r"[-+]?[0-9]+", value.strip()) else number
         if value.strip().lower() in ("nan", "inf", "+inf", "-inf", "infinity", ".nan", ".inf", "-.inf"):
             raise ConfigError(f"{at}: {shown(value)} is not a finite number.", "give finite numbers (no nan or inf).")
         return value

@@ -84,7 +84,13 @@ def stage_bounds(names: Sequence[str], sizes: Sequence[int], stages: int,
             raise ConfigError(f"{len(points)} split point(s) make {len(points) + 1} stages, but the pipeline has "
                               f"{stages}.", f"give {stages - 1} split point(s) (pp x stages per rank - 1), or none.")
     edges = [0, *points, len(names)]
-    return list(zip(edges, edges[1:], strict=False))
+    bounds = list(zip(edges, edges[1:], strict=False))
+    for stage, (start, end) in enumerate(bounds):
+        if not sum(sizes[start:end]):  # its optimizer would have nothing to step: torch fails deep inside
+            raise ConfigError(f"pipeline stage {stage} ({', '.join(names[start:end][:6])}) owns no parameters.",
+                              "give every stage a layer with weights: move the split_points, lower pp, or merge the "
+                              "parameter-free layers (activations, dropout) into their neighbours.")
+    return bounds
 
 
 def _child_index(point: Union[int, str], names: Sequence[str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional, Sequence, Union
 
+from multigpu import validate
 from multigpu.errors import ConfigError
 
 StageRef = Union[str, int, None]
@@ -29,7 +30,7 @@ class Stages:
     def _index(self, ref: StageRef, setting: str, default: int) -> int:
         if ref is None or ref == "":
             return default
-        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        if isinstance(ref, int) or validate.is_digits(ref):
             number = int(ref)
             if not 1 <= number <= len(self.names):
                 raise ConfigError(f"{setting}={number} is not a stage: they are numbered 1..{len(self.names)}.",
