@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, child_env, multigpu, processes_with, wait_for_files
+from conftest import PY, child_env, multigpu, processes_with, wait_for_files, wait_until_gone
 
-from multigpu.launch.boot import HEADER, frame
 from multigpu.launch.forkserver import ForkServer, declines
 
 # Each test launches one 2-process run or one fork server (torch imported once, ~5 s of CPU; up to ~40 s
@@ -24,15 +23,18 @@ from multigpu.launch.forkserver import ForkServer, declines
 pytestmark = pytest.mark.timeout(180)
 
 PROBE = """\
-import json, os, random, signal, sys
+import json, multiprocessing, os, random, signal, sys
 import numpy, torch
 parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+
+
 print(json.dumps({"rank": os.environ.get("RANK"), "parent": parent, "argv": sys.argv, "cwd": os.getcwd(),
                   "path0": sys.path[0], "umask": os.umask(0o022), "session": os.getsid(0) == os.getpid(),
                   "random": random.random(), "numpy": float(numpy.random.rand()), "torch": torch.rand(1).item(),
                   "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
                   "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                   "sigpipe": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+                  "authkey": multiprocessing.current_process().authkey.hex(),
                   "mine": os.environ.get("PROBE_VALUE")}), flush=True)
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
@@ -50,9 +52,17 @@ def probe(tmp_path_factory) -> Path:
 
 
 def test_forked_workers_start_like_fresh_interpreters(probe, tmp_path, no_leftovers):
+    """Started with stdin closed, from a folder holding a profile.py (which torch._dynamo's import would
+    run if the server had the launcher's folder on sys.path)."""
+    (tmp_path / "profile.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\n")
+
+    def closed_stdin_and_umask() -> None:
+        os.close(0)
+        os.umask(0o027)
+
     proc = subprocess.run([PY, "-m", "multigpu", "run", "--nproc", "2", str(probe), "0", no_leftovers],
-                          capture_output=True, text=True, timeout=150, cwd=tmp_path,
-                          env=child_env({"PROBE_VALUE": "seen"}), preexec_fn=lambda: os.umask(0o027))
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=150, cwd=tmp_path,
+                          env=child_env({"PROBE_VALUE": "seen"}), preexec_fn=closed_stdin_and_umask)
     assert proc.returncode == 0, proc.stderr
     records = _records(proc.stdout)
     assert [r["rank"] for r in records] == ["0", "1"]
@@ -61,8 +71,10 @@ def test_forked_workers_start_like_fresh_interpreters(probe, tmp_path, no_leftov
         assert r["argv"] == [str(probe), "0", no_leftovers] and r["path0"] == str(probe.parent)
         assert r["cwd"] == str(tmp_path) and r["umask"] == 0o027 and r["mine"] == "seen"
         assert r["session"] and r["sigint"] and r["sigterm"] and r["sigpipe"]
-    for generator in ("random", "numpy", "torch"):  # each seeded from the OS, as in a new process
+    for generator in ("random", "numpy", "torch", "authkey"):  # each drawn from the OS, as in a new process
         assert records[0][generator] != records[1][generator]
+    assert not (tmp_path / "ran").exists()
+    assert "Traceback" not in proc.stderr
 
 
 def test_plain_start_when_asked(probe, no_leftovers):
@@ -72,7 +84,10 @@ def test_plain_start_when_asked(probe, no_leftovers):
     assert all("multigpu.launch.forkserver" not in r["parent"] for r in _records(proc.stdout))
 
 
-def test_killing_a_boot_process_kills_its_worker(tmp_path, no_leftovers):
+@pytest.mark.parametrize("target", ["boot", "worker"])
+def test_a_rank_killed_by_sigkill_is_reported_so(target, tmp_path, no_leftovers):
+    """SIGKILL of the boot process (its worker goes too) or of the forked worker (the boot process dies by
+    the same signal): the launcher names the rank, the signal and the worker's pid, and leaves with 137."""
     script = tmp_path / "hold.py"
     script.write_text("import os, sys, time\nimport multigpu as mg\nrun = mg.init(timeout_s=60)\n"
                       f"tmp = os.path.join({str(tmp_path)!r}, f'pid{{run.rank}}')\n"
@@ -87,11 +102,48 @@ def test_killing_a_boot_process_kills_its_worker(tmp_path, no_leftovers):
              Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(boots) == 2 and worker not in boots
     rank1 = next(pid for pid in boots if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes())
-    os.kill(rank1, signal.SIGKILL)
+    os.kill(rank1 if target == "boot" else worker, signal.SIGKILL)
     _, err = launcher.communicate(timeout=90)
-    assert launcher.returncode != 0
-    assert "rank 1" in err and "SIGKILL" in err, err
+    assert launcher.returncode == 128 + signal.SIGKILL, err
+    assert f"rank 1 (local rank 1, pid {worker}) was killed by SIGKILL" in err, err
+    assert "Traceback" not in err
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
+
+
+def test_stopped_while_starting_leaves_no_folders(tmp_path, no_leftovers):
+    """SIGTERM while the server imports torch: status 143, and neither the log folder nor the server's."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", str(tmp_path / "never.py"),
+                                 no_leftovers], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=child_env({"TMPDIR": str(temp)}))
+    (tmp_path / "never.py").write_text("raise SystemExit(5)\n")
+    deadline = time.monotonic() + 60
+    while not list(temp.glob("multigpu-fork-*")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode in (143, 5), err  # 5: the workers had already run (a very fast machine)
+    if launcher.returncode == 143:
+        assert "while starting" in err or "stopped by SIGTERM" in err, err
+    assert "Traceback" not in err
+    assert [p.name for p in temp.iterdir() if p.name.startswith("multigpu-")] == []
+
+
+def test_sigkill_of_the_launcher_removes_the_servers_folder(tmp_path, no_leftovers):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    script = tmp_path / "hold.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, 'held' + os.environ['RANK']), 'w')"
+                      ".close()\ntime.sleep(120)\n")
+    launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", str(script), no_leftovers],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env({"TMPDIR": str(temp)}))
+    wait_for_files(tmp_path, ["held0", "held1"], timeout=120)
+    assert list(temp.glob("multigpu-fork-*"))
+    launcher.kill()
+    launcher.communicate(timeout=30)
+    assert wait_until_gone(no_leftovers, timeout=30) == []
+    assert list(temp.glob("multigpu-fork-*")) == []
 
 
 @pytest.fixture(scope="module")
@@ -145,31 +197,46 @@ def test_a_different_environment_starts_the_plain_way(server, probe):
     assert "multigpu.launch.forkserver" not in json.loads(proc.stdout)["parent"]
 
 
-def test_malformed_requests_do_not_stop_the_server(server, probe):
-    def connect() -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(20)
-        sock.connect(server.path)
-        return sock
+MALFORMED = """\
+import json, socket, struct, sys
+from multigpu.launch.boot import HEADER, frame
+good = {"argv": [], "env": {}, "cwd": "/", "path": [], "umask": 0, "closed": []}
+attempts = [
+    (b"not a frame at all", 0),                                     # no descriptors
+    (HEADER.pack(1 << 40), 3),                                      # a length past the limit
+    (frame({"argv": "x"}), 3),                                      # wrong types
+    (frame({**good, "env": {"A\\0": "b"}}), 3),                      # a NUL in the environment
+    (HEADER.pack(100) + b"{", 3),                                   # then silence: dropped at its deadline
+    (frame(good), 1),                                               # one descriptor, not three
+    (HEADER.pack(200_001) + b"[" * 200_000 + b"1", 3),             # nested too deep for the parser
+    (frame({**good, "closed": [5]}), 3),                            # not a standard descriptor
+    (frame({**good, "umask": True}), 3),                            # a bool is not a umask
+]
+for payload, fds in attempts:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(sys.argv[1])
+    if fds:
+        sent = socket.send_fds(s, [payload[:HEADER.size]], [0, 1, 2][:fds])
+        s.sendall(payload[sent:])
+    else:
+        s.sendall(payload)
+    s.shutdown(socket.SHUT_WR)
+    try:
+        answer = s.recv(4096)
+    except ConnectionResetError:
+        answer = b""
+    print(json.dumps(answer.decode(errors="replace")), flush=True)
+"""
 
-    attempts = [
-        lambda s: s.sendall(b"not a frame at all"),  # no descriptors
-        lambda s: socket.send_fds(s, [HEADER.pack(1 << 40)], [0, 1, 2]),  # a length past the limit
-        lambda s: socket.send_fds(s, [frame({"argv": "x"})], [0, 1, 2]),  # wrong types
-        lambda s: socket.send_fds(s, [frame({"argv": [], "env": {"A\0": "b"}, "cwd": "/", "path": [],
-                                             "umask": 0})], [0, 1, 2]),
-        lambda s: socket.send_fds(s, [HEADER.pack(100) + b"{"], [0, 1, 2]),  # then silence: closed by timeout
-        lambda s: socket.send_fds(s, [frame({"argv": [], "env": {}, "cwd": "/", "path": [], "umask": 0})],
-                                  [0]),  # one descriptor, not three
-    ]
-    for attempt in attempts:
-        with connect() as sock:
-            attempt(sock)
-            sock.shutdown(socket.SHUT_WR)
-            try:  # refused and closed (reset when our bytes were left unread); nothing forked
-                assert sock.recv(4096) == b""
-            except ConnectionResetError:
-                pass
+
+def test_malformed_requests_do_not_stop_the_server(server, probe):
+    """Sent by a child of the server's launcher (as boot processes are), so they reach the parser."""
+    proc = subprocess.run([PY, "-c", MALFORMED, server.path], capture_output=True, text=True, timeout=120,
+                          env=_server_env(server))
+    assert proc.returncode == 0, proc.stderr
+    answers = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert answers == [""] * 9  # each refused and closed without an answer: nothing forked, nothing echoed
     assert _boot(server, probe, "3").returncode == 3
     assert server.process.poll() is None
 
@@ -181,6 +248,56 @@ def test_another_user_cannot_reach_the_server(server):
             "s = socket.socket(socket.AF_UNIX)\n"
             f"try:\n    s.connect({server.path!r})\nexcept PermissionError:\n    sys.exit(0)\nsys.exit(1)\n")
     assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
+
+
+def test_a_process_the_launcher_did_not_start_is_not_served(server, probe):
+    """Only the launcher's children (torch's agent starts the boot processes) are forked for: a grandchild
+    - a worker's own subprocess that found the socket in its environment - gets the plain start."""
+    code = ("import subprocess, sys\n"
+            f"sys.exit(subprocess.run([sys.executable, '-m', 'multigpu.launch.boot', {str(probe)!r}, '6']).returncode)")
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=_server_env(server))
+    assert proc.returncode == 6, proc.stderr
+    assert "multigpu.launch.forkserver" not in json.loads(proc.stdout)["parent"]
+
+
+def test_a_module_beside_the_script_that_the_server_has_imported_starts_plain(server, tmp_path):
+    """A new interpreter would import the user's statistics.py; a forked worker would keep the server's."""
+    (tmp_path / "statistics.py").write_text("MINE = True\n")
+    script = tmp_path / "uses.py"
+    script.write_text("import statistics, sys\nsys.exit(7 if getattr(statistics, 'MINE', False) else 1)\n")
+    assert _boot(server, script).returncode == 7
+
+
+def test_garbage_signal_lines_and_a_vanished_boot_process(server, tmp_path, probe):
+    """Lines that are no signal are ignored; a boot process gone right after its request takes its worker."""
+    script = tmp_path / "sleep.py"
+    script.write_text(f"import os, time\nopen({str(tmp_path / 'pid')!r} + str(os.getpid()), 'w').close()\n"
+                      "time.sleep(60)\n")
+    code = ("import json, socket, sys, time\nfrom multigpu.launch import boot\n"
+            "s = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
+            "data = boot.frame(boot.request([sys.argv[2]], []))\n"
+            "socket.send_fds(s, [data], [0, 1, 2])\n"
+            "if sys.argv[3] == 'garbage':\n"
+            "    print(s.recv(100).decode(), flush=True)\n"
+            "    s.sendall(b'{\"signal\": 1e400}\\n{\"signal\": \"9\"}\\n[1]\\nnot json\\n{\"signal\": 99999}\\n')\n"
+            "    time.sleep(1)\n")
+    for mode in ("garbage", "vanish"):
+        subprocess.run([PY, "-c", code, server.path, str(script), mode], timeout=60, env=_server_env(server),
+                       check=True, capture_output=True)
+    time.sleep(3)  # a worker forked for the vanished boot process would have written its file by now
+    deadline = time.monotonic() + 30
+    while any(_alive(int(p.name[3:])) for p in tmp_path.glob("pid*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
+    assert pids and not any(_alive(pid) for pid in pids)  # the garbage one ran, and none is left running
+    assert _boot(server, probe, "3").returncode == 3 and server.process.poll() is None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+    except OSError:
+        return False
 
 
 def test_what_may_differ_between_the_server_and_a_worker():

@@ -81,10 +81,11 @@ def _read_int(path: Path) -> Optional[int]:
     return int(text) if validate.is_digits(text.lstrip("-")) else None
 
 
-def recorded_exit(log_dir: str, rank: int) -> Optional[int]:
-    """The status rank ``rank`` recorded in its newest attempt before it left (None: none recorded)."""
+def recorded(log_dir: str, rank: int, kind: str = "exit") -> Optional[int]:
+    """What rank ``rank`` recorded in its newest attempt: its exit status before it left, or its pid
+    (None: none recorded)."""
     started = files_of(log_dir, "pid", rank)
-    return _read_int(record_path(log_dir, rank, started[-1][1], "exit")) if started else None
+    return _read_int(record_path(log_dir, rank, started[-1][1], kind)) if started else None
 
 
 def _alive(pid: Optional[int]) -> bool:

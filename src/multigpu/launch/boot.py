@@ -18,14 +18,17 @@ Usage (by the launcher): ``python -u -m multigpu.launch.boot script.py args...``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import struct
 import sys
 from typing import NoReturn, Optional
 
+from multigpu.fileio import open_devnull
 from multigpu.launch.worker import die_with_launcher
 
 #: The fork server's socket (set by the launcher for its workers; absent: the plain start).
@@ -43,16 +46,38 @@ def frame(message: dict) -> bytes:
     return HEADER.pack(len(data)) + data
 
 
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None when the launcher started us with the descriptor closed
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
 def plain(argv: list[str]) -> NoReturn:
     """Become the worker the ordinary way (the launcher's start without a fork server)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    _flush()
     os.execv(sys.executable, [sys.executable, "-u", "-m", WORKER_MODULE, *argv])
 
 
-def request(argv: list[str]) -> dict:
+def request(argv: list[str], closed: list[int]) -> dict:
     return {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
-            "umask": _umask()}
+            "umask": _umask(), "closed": closed}
+
+
+def standard_fds() -> tuple[list[int], list[int]]:
+    """Our stdin, stdout and stderr to hand over, and which of them are closed (the launcher may have been
+    started with ``<&-``): /dev/null goes in their place, and the worker closes it again."""
+    fds, closed = [], []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:
+            fds.append(open_devnull())
+            closed.append(fd)
+    return fds, closed
 
 
 def _umask() -> int:
@@ -94,13 +119,15 @@ def mirror(status: int) -> NoReturn:
 
 
 def die_by(sig: int) -> NoReturn:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except OSError:
-            pass
-    signal.signal(sig, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+    """Die by ``sig`` (the agent reads the signal from our status), without a core file of our own: a
+    worker that crashed wrote its core already, and ours would overwrite it."""
+    _flush()
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught, nor reset
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)  # a signal whose default is to go on (SIGCHLD...): leave with the shell's number
 
@@ -112,28 +139,33 @@ def main(argv: Optional[list[str]] = None) -> None:
         plain(argv)
     die_with_launcher()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        """Sent at once: the server reads it once the worker exists (it is queued on the socket until then)."""
+        received.append(signum)
+        with contextlib.suppress(OSError):
+            sock.sendall(json.dumps({"signal": int(signum)}).encode() + b"\n")
+
     try:
         sock.connect(path)
-        data = frame(request(argv))
-        sent = socket.send_fds(sock, [data[:HEADER.size]], [0, 1, 2])
+        fds, closed = standard_fds()
+        data = frame(request(argv, closed))
+        sent = socket.send_fds(sock, [data[:HEADER.size]], fds)
         sock.sendall(data[sent:])
     except OSError:
         sock.close()
         plain(argv)
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     reader = LineReader(sock)
     answer = reader.next()  # waits while the server is still importing torch
     if answer is None or not isinstance(answer.get("pid"), int):
         sock.close()
-        plain(argv)
-
-    def forward(signum: int, _frame: object) -> None:
-        try:
-            sock.sendall(json.dumps({"signal": int(signum)}).encode() + b"\n")
-        except OSError:
-            pass
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+        stops = [sig for sig in received if sig not in (signal.SIGCONT, signal.SIGWINCH)]
+        if stops:  # stopped before a worker existed: the plain one is not started either
+            die_by(stops[0])
+        plain(argv)  # exec resets our handlers
     while True:
         message = reader.next()
         if message is None:  # the server died; its workers die with it (PR_SET_PDEATHSIG)

@@ -32,6 +32,7 @@ Usage (by the launcher): ``python -u -m multigpu.launch.forkserver FD LAUNCHER_P
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import selectors
@@ -41,6 +42,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -48,7 +50,7 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from multigpu.fileio import Folder
-from multigpu.launch.boot import FORKSERVER_VAR, HEADER, MAX_FRAME
+from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED, HEADER, MAX_FRAME
 from multigpu.launch.process import die_with_parent
 
 #: What torch's agent sets per rank: these may differ between the server's environment and a worker's.
@@ -59,6 +61,8 @@ PER_WORKER = frozenset({
 #: ``plain``: start every worker the ordinary way (for comparisons and as a way out).
 START_VAR = "MULTIGPU_WORKER_START"
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
+#: A boot process sends its whole request at once: one that trickles is dropped (and starts the plain way).
+REQUEST_TIMEOUT_S = 5.0
 
 
 def declines(server_env: dict, worker_env: dict) -> Optional[str]:
@@ -89,11 +93,17 @@ class ForkServer:
                 raise OSError("socket path too long")
             listener.bind(path)
             listener.listen(256)
-            process = subprocess.Popen(
-                [sys.executable, "-u", "-m", "multigpu.launch.forkserver", str(listener.fileno()), str(os.getpid()),
-                 "--", *command],
-                env={**os.environ, FORKSERVER_VAR: path}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                pass_fds=(listener.fileno(),), start_new_session=True)
+            # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
+            fd = fcntl.fcntl(listener.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
+            safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # the folder we run in is not on sys.path
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-u", *safe_path, "-m", "multigpu.launch.forkserver", str(fd), str(os.getpid()),
+                     "--", *command],
+                    env={**os.environ, FORKSERVER_VAR: path}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    pass_fds=(fd,), start_new_session=True)
+            finally:
+                os.close(fd)
         except OSError:
             Folder(Path(folder).parent).remove_tree(Path(folder).name)
             return None
@@ -129,9 +139,10 @@ def _preimport() -> Optional[str]:
 class Server:
     """One process, one thread: accepts boot processes, forks workers, reaps them, passes signals on."""
 
-    def __init__(self, listener: socket.socket) -> None:
-        self.listener, self.env = listener, dict(os.environ)
+    def __init__(self, listener: socket.socket, launcher: int) -> None:
+        self.listener, self.launcher, self.env = listener, launcher, dict(os.environ)
         self.refusal: Optional[str] = None
+        self.partial: dict[socket.socket, bytes] = {}  # an unfinished signal line per boot connection
         self.selector = selectors.DefaultSelector()
         self.worker_of: dict[socket.socket, int] = {}  # boot connection -> its worker's pid
         self.boot_of: dict[int, socket.socket] = {}    # worker pid (not yet reaped) -> boot connection
@@ -162,23 +173,20 @@ class Server:
         except OSError:
             return
         fds: list[int] = []
+        pid = 0
         try:
-            conn.settimeout(10)
-            _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid():
-                raise ValueError("another user")
-            request, fds = receive(conn)
-            why = self.refusal or declines(self.env, request["env"])
-            if why:
-                conn.sendall(json.dumps({"plain": why}).encode() + b"\n")
-                raise ValueError(why)
-            with warnings.catch_warnings():  # Python 3.12 warns about forking with torch's idle thread
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:
-                self.become_worker(request, fds, conn)
+            peer, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid() or _parent_of(peer) != self.launcher:
+                raise ValueError("not a process the launcher started")  # its agent starts every boot process
+            request, fds = receive(conn, deadline=time.monotonic() + REQUEST_TIMEOUT_S)
+            if self.refusal or declines(self.env, request["env"]) or shadows(request):
+                conn.sendall(b'{"plain": true}\n')  # why stays here: the environment is not echoed to a client
+                raise ValueError("plain start")
+            pid = self.fork(request, fds, conn)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        except (OSError, ValueError):
+        except Exception:  # a malformed request, or a boot process already gone: never the server's end
+            if pid:  # forked, but nobody is left to wait for it
+                self.signal(pid, signal.SIGKILL)
             conn.close()
             return
         finally:
@@ -186,6 +194,19 @@ class Server:
                 os.close(fd)
         self.worker_of[conn], self.boot_of[pid] = pid, conn
         self.selector.register(conn, selectors.EVENT_READ, "boot")
+
+    def fork(self, request: dict, fds: list[int], conn: socket.socket) -> int:
+        """Signals stay blocked across the fork, so one passed on at once waits for the worker's handlers."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        try:
+            with warnings.catch_warnings():  # Python 3.12 warns about forking with torch's idle thread
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                self.become_worker(request, fds, conn)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        return pid
 
     def from_boot(self, conn: socket.socket) -> None:
         """A signal to pass on, or the boot process is gone (its worker goes too)."""
@@ -199,11 +220,16 @@ class Server:
             if pid in self.boot_of:
                 self.signal(pid, signal.SIGKILL)
             return
-        for line in data.splitlines():
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                number = int(json.loads(line).get("signal"))
-                if pid in self.boot_of and 0 < number < signal.NSIG:
-                    self.signal(pid, number)
+        *lines, rest = (self.partial.pop(conn, b"") + data).split(b"\n")
+        if len(rest) < 256:  # a signal line is a dozen bytes
+            self.partial[conn] = rest
+        for line in lines:
+            try:
+                number = json.loads(line).get("signal")
+            except Exception:  # not JSON, not an object: ignored
+                continue
+            if type(number) is int and 0 < number < signal.NSIG and pid in self.boot_of:
+                self.signal(pid, number)
 
     @staticmethod
     def signal(pid: int, number: int) -> None:
@@ -234,6 +260,7 @@ class Server:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn)
         self.worker_of.pop(conn, None)
+        self.partial.pop(conn, None)
         conn.close()
 
     def become_worker(self, request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
@@ -241,9 +268,11 @@ class Server:
         server = os.getppid()
         try:
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                        signal.SIGUSR2):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
             for fd in (self.wake_r, self.wake_w):
                 os.close(fd)
             self.selector.close()
@@ -256,6 +285,8 @@ class Server:
                 os.dup2(fd, target)
                 os.close(fd)
             fds.clear()
+            for target in request["closed"]:  # closed in the boot process: closed here too
+                os.close(target)
             os.environ.clear()
             os.environ.update(request["env"])
             os.chdir(request["cwd"])
@@ -284,23 +315,30 @@ def _fresh_random() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()  # torch seeds its default generator from the OS at start-up
+    if "multiprocessing" in sys.modules:  # its connections' key, drawn at start-up
+        import multiprocessing
+
+        multiprocessing.current_process().authkey = os.urandom(32)
 
 
-def receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One request: its frame and the three descriptors sent with it. ValueError for anything else."""
+def receive(conn: socket.socket, deadline: float) -> tuple[dict, list[int]]:
+    """One request: its frame and the three descriptors sent with it, whole before ``deadline``.
+    ValueError (or OSError) for anything else."""
+    conn.settimeout(max(deadline - time.monotonic(), 0.01))
     data, fds, _flags, _address = socket.recv_fds(conn, HEADER.size, 3)
     try:
         if len(fds) != 3:
             raise ValueError("a request comes with stdin, stdout and stderr")
-        data += _exactly(conn, HEADER.size - len(data))
+        data += _exactly(conn, HEADER.size - len(data), deadline)
         (size,) = HEADER.unpack(data)
         if size > MAX_FRAME:
             raise ValueError("request too large")
-        request = json.loads(_exactly(conn, size))
+        request = json.loads(_exactly(conn, size, deadline))
         if not (isinstance(request, dict) and _strings(request.get("argv")) and _strings(request.get("path"))
                 and isinstance(request.get("env"), dict) and _strings(list(request["env"].items()), pairs=True)
-                and isinstance(request.get("cwd"), str) and isinstance(request.get("umask"), int)
-                and 0 <= request["umask"] <= 0o777):
+                and isinstance(request.get("cwd"), str) and type(request.get("umask")) is int
+                and 0 <= request["umask"] <= 0o777 and isinstance(request.get("closed"), list)
+                and all(fd in (0, 1, 2) for fd in request["closed"])):
             raise ValueError("malformed request")
     except BaseException:
         for fd in fds:
@@ -316,9 +354,13 @@ def _strings(values: object, pairs: bool = False) -> bool:
     return all(isinstance(x, str) and "\0" not in x for x in items)
 
 
-def _exactly(conn: socket.socket, size: int) -> bytes:
+def _exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
     chunks, left = [], size
     while left > 0:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise ValueError("request too slow")
+        conn.settimeout(left_s)
         chunk = conn.recv(min(left, 1 << 20))
         if not chunk:
             raise ValueError("connection closed mid-request")
@@ -329,10 +371,46 @@ def _exactly(conn: socket.socket, size: int) -> bytes:
 
 def main(argv: Sequence[str]) -> None:
     fd, launcher = int(argv[0]), int(argv[1])
-    if not die_with_parent(signal.SIGKILL) or os.getppid() != launcher:
-        return
+    if sys.path and sys.path[0] == os.getcwd():  # Python 3.10 (no -P): the launcher's folder is not ours to import
+        sys.path.pop(0)
+    listener = socket.socket(fileno=fd)
+    # SIGTERM when the launcher dies, even by SIGKILL: the private folder goes too; the workers die with us.
+    signal.signal(signal.SIGTERM, lambda *_: _remove_folder_and_exit(listener))
+    if not die_with_parent(signal.SIGTERM) or os.getppid() != launcher:
+        _remove_folder_and_exit(listener)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its own session: only the launcher ends it
-    Server(socket.socket(fileno=fd)).serve()
+    Server(listener, launcher).serve()
+
+
+def _remove_folder_and_exit(listener: socket.socket) -> NoReturn:
+    with contextlib.suppress(Exception):
+        folder = Path(listener.getsockname()).parent
+        if folder.name.startswith("multigpu-fork-"):
+            Folder(folder.parent).remove_tree(folder.name)
+    os._exit(0)
+
+
+def _parent_of(pid: int) -> int:
+    """The parent of process ``pid`` (0 when it cannot be read)."""
+    try:
+        return int(Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def shadows(request: dict) -> bool:
+    """The folder the worker puts first on ``sys.path`` (the script's, or the current one for ``-m``)
+    holds a module the server has imported already (``profile.py``, ``statistics.py``, ``torch/``...):
+    a new interpreter would import the user's file, a forked worker would keep ours."""
+    argv = request["argv"]
+    folder = request["cwd"] if not argv or argv[0] == "-m" else os.path.dirname(os.path.join(request["cwd"], argv[0]))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return True
+    loaded = {name.partition(".")[0] for name in sys.modules}
+    return any(name.partition(".")[0] in loaded for name in names
+               if name.endswith((".py", ".so")) or os.path.isfile(os.path.join(folder, name, "__init__.py")))
 
 
 if __name__ == "__main__":

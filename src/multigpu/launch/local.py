@@ -26,7 +26,7 @@ from typing_extensions import override
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
 from multigpu.fileio import Folder, as_shown, tail_lines
-from multigpu.launch.attempts import files_of, lost_a_peer, recorded_exit
+from multigpu.launch.attempts import files_of, lost_a_peer, recorded
 from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.forkserver import START_VAR, ForkServer
@@ -198,13 +198,24 @@ def launch(request: LaunchRequest, load_torch: Optional[Callable[[], None]] = No
                                            and request.devices.nproc * request.rendezvous.max_nodes > 1):
         env[PREFIX_VAR] = "1"
     os.environ.update(env)
-    server = start_forkserver(request)
-    if load_torch is not None:
-        load_torch()
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    server: Optional[ForkServer] = None
+    try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
+        with _stops_raise():
+            server = start_forkserver(request)
+            if load_torch is not None:
+                load_torch()
+            from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    except (_Stopped, KeyboardInterrupt) as stopped:
+        _stop_server(server)
+        if not keep_logs:
+            with contextlib.suppress(OSError):
+                Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
+        number = stopped.signum if isinstance(stopped, _Stopped) else int(signal.SIGINT)
+        _say(f"stopped by {signal.Signals(number).name} while starting; no worker had started.")
+        return EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
 
     if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
         for name in list(logging.root.manager.loggerDict):
@@ -280,20 +291,46 @@ def launch(request: LaunchRequest, load_torch: Optional[Callable[[], None]] = No
             _say(f"logs of every rank are kept in {log_dir}")
         return 1
     finally:
-        if server is not None:
-            server.stop()
-            os.environ.pop(FORKSERVER_VAR, None)
+        _stop_server(server)
         if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
     return 0
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stops_raise() -> Iterator[None]:
+    """SIGTERM, SIGHUP and SIGUSR1 raise while the launcher starts (they would end it without clean-up)."""
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(signum)
+
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _stop_server(server: Optional[ForkServer]) -> None:
+    if server is not None:
+        server.stop()
+        os.environ.pop(FORKSERVER_VAR, None)
+
+
 def start_forkserver(request: LaunchRequest) -> Optional[ForkServer]:
-    """CPU workers are forked from a server that has imported torch (see :mod:`.forkserver`); GPU
-    workers, and every worker under ``MULTIGPU_WORKER_START=plain``, start the plain way."""
+    """CPU workers are forked from a server that has imported torch (see :mod:`.forkserver`) when there
+    is more than one to start, or restarts to come. GPU workers, and every worker under
+    ``MULTIGPU_WORKER_START=plain``, start the plain way."""
     os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
-    if request.devices.visible or os.environ.get(START_VAR) == "plain":
+    if request.devices.visible or os.environ.get(START_VAR) == "plain" or \
+            (request.devices.nproc == 1 and request.max_restarts == 0):
         return None
     server = ForkServer.start(request.command)
     if server is not None:
@@ -322,8 +359,8 @@ _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP), in
 
 def _status(rank: int, failure: Any, log_dir: str) -> int:
     """A rank stopped by the launcher during its teardown keeps the status it recorded (worker.py) before."""
-    recorded = recorded_exit(log_dir, rank) if -failure.exitcode in _STOP_SIGNALS else None
-    return recorded if recorded is not None and 0 < recorded < 256 else _exit_status(failure.exitcode)
+    status = recorded(log_dir, rank) if -failure.exitcode in _STOP_SIGNALS else None
+    return status if status is not None and 0 < status < 256 else _exit_status(failure.exitcode)
 
 
 def root_cause(failures: dict) -> tuple[int, Any]:
@@ -393,7 +430,8 @@ def report_failure(failures: dict, log_dir: str) -> int:
         return _status(rank, failure, log_dir)
     others = len(own) - 1
     also = f"; {others} other rank(s) failed after it" if others else ""
-    _say(f"error: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{also}.")
+    pid = recorded(log_dir, rank, "pid") or failure.pid  # the worker's own (a forked one is not the agent's child)
+    _say(f"error: rank {rank} (local rank {failure.local_rank}, pid {pid}) {how}{also}.")
     stderr_log = _stderr_log(log_dir, rank)
     tail = _tail(stderr_log, STDERR_TAIL_LINES) if stderr_log else []
     if tail:
