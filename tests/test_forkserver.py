@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from conftest import PY, child_env, multigpu, processes_with, wait_for_files, wait_until_gone
@@ -110,10 +113,16 @@ def test_a_rank_killed_by_sigkill_is_reported_so(target, tmp_path, no_leftovers)
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
 
 
-def test_stopped_while_starting_leaves_no_folders(tmp_path, no_leftovers):
+@pytest.fixture
+def temp() -> Iterator[Path]:
+    """A TMPDIR short enough for the server's socket (pytest-xdist's tmp_path is not)."""
+    folder = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_stopped_while_starting_leaves_no_folders(tmp_path, temp, no_leftovers):
     """SIGTERM while the server imports torch: status 143, and neither the log folder nor the server's."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
     launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", str(tmp_path / "never.py"),
                                  no_leftovers], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=child_env({"TMPDIR": str(temp)}))
@@ -130,9 +139,7 @@ def test_stopped_while_starting_leaves_no_folders(tmp_path, no_leftovers):
     assert [p.name for p in temp.iterdir() if p.name.startswith("multigpu-")] == []
 
 
-def test_sigkill_of_the_launcher_removes_the_servers_folder(tmp_path, no_leftovers):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+def test_sigkill_of_the_launcher_removes_the_servers_folder(tmp_path, temp, no_leftovers):
     script = tmp_path / "hold.py"
     script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, 'held' + os.environ['RANK']), 'w')"
                       ".close()\ntime.sleep(120)\n")
@@ -147,12 +154,21 @@ def test_sigkill_of_the_launcher_removes_the_servers_folder(tmp_path, no_leftove
 
 
 @pytest.fixture(scope="module")
-def server():
-    found = ForkServer.start(["probe"])
+def server(tmp_path_factory) -> Iterator[ForkServer]:
+    log = tmp_path_factory.mktemp("server") / "stderr"  # why a request got the plain start (verbose)
+    with log.open("wb") as handle:
+        found = ForkServer.start(["probe"], verbose=True, stderr=handle.fileno())
     assert found is not None
+    found.log = log  # type: ignore[attr-defined]
     yield found
     found.stop()
     assert not Path(found.folder).exists()
+
+
+def _parent(server: ForkServer, proc: subprocess.CompletedProcess) -> str:
+    """The command line of the probe's parent; the server's log goes with a failed assertion."""
+    assert proc.stdout.strip(), proc.stderr + server.log.read_text()  # type: ignore[attr-defined]
+    return json.loads(proc.stdout)["parent"] + " | server said: " + server.log.read_text()  # type: ignore[attr-defined]
 
 
 def _server_env(server: ForkServer) -> dict:
@@ -170,7 +186,9 @@ def _boot(server: ForkServer, probe: Path, *args: str, extra: dict | None = None
 def test_the_boot_process_leaves_with_the_workers_status(server, probe):
     proc = _boot(server, probe, "5")
     assert proc.returncode == 5, proc.stderr
-    assert "multigpu.launch.forkserver" in json.loads(proc.stdout)["parent"]
+    parent = _parent(server, proc)
+    assert parent.startswith(f"{PY} -u -P -m multigpu.launch.forkserver") or \
+        parent.startswith(f"{PY} -u -m multigpu.launch.forkserver"), parent
 
 
 def test_the_boot_process_dies_by_the_workers_signal(server, tmp_path):
@@ -195,6 +213,8 @@ def test_a_different_environment_starts_the_plain_way(server, probe):
     proc = _boot(server, probe, "4", extra={"OMP_NUM_THREADS": "7"})
     assert proc.returncode == 4, proc.stderr
     assert "multigpu.launch.forkserver" not in json.loads(proc.stdout)["parent"]
+    log = server.log.read_text()  # type: ignore[attr-defined]
+    assert "starts the plain way: its environment differs in OMP_NUM_THREADS" in log, log
 
 
 MALFORMED = """\

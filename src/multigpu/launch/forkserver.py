@@ -25,7 +25,8 @@ server's in anything but the per-rank variables torch's agent sets (variables re
 ``OMP_NUM_THREADS`` or ``TORCH_LOGS``, must be what the worker would have seen), and a server that is
 gone or failed to import torch.
 
-Usage (by the launcher): ``python -u -m multigpu.launch.forkserver FD LAUNCHER_PID -- command...``
+Usage (by the launcher): ``python -u -P -m multigpu.launch.forkserver FD LAUNCHER_PID verbose|quiet --
+command...``
 (the command is only there so that ``ps`` shows what the workers run).
 """
 
@@ -61,6 +62,8 @@ PER_WORKER = frozenset({
 #: ``plain``: start every worker the ordinary way (for comparisons and as a way out).
 START_VAR = "MULTIGPU_WORKER_START"
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
+#: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
+LAUNCHER_GONE = signal.SIGRTMIN + 3
 #: A boot process sends its whole request at once: one that trickles is dropped (and starts the plain way).
 REQUEST_TIMEOUT_S = 5.0
 
@@ -82,15 +85,18 @@ class ForkServer:
     path: str
 
     @classmethod
-    def start(cls, command: Sequence[str]) -> Optional["ForkServer"]:
+    def start(cls, command: Sequence[str], verbose: bool = False, stderr: Optional[int] = None
+              ) -> Optional["ForkServer"]:
         """Start a server for the workers about to be launched (None: they start the plain way).
-        The caller puts ``path`` into the workers' environment; the server gets it already."""
+        The caller puts ``path`` into the workers' environment; the server gets it already.
+        ``verbose``: the server says on ``stderr`` (default: ours) why a worker starts the plain way."""
         folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
+        if len(os.path.join(folder, "socket").encode()) > _SOCKET_PATH_MAX:  # a deep TMPDIR
+            Folder(Path(folder).parent).remove_tree(Path(folder).name)
+            folder = tempfile.mkdtemp(prefix="multigpu-fork-", dir="/tmp")
         path = os.path.join(folder, "socket")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            if len(path.encode()) > _SOCKET_PATH_MAX:
-                raise OSError("socket path too long")
             listener.bind(path)
             listener.listen(256)
             # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
@@ -99,9 +105,9 @@ class ForkServer:
             try:
                 process = subprocess.Popen(
                     [sys.executable, "-u", *safe_path, "-m", "multigpu.launch.forkserver", str(fd), str(os.getpid()),
-                     "--", *command],
+                     "verbose" if verbose else "quiet", "--", *command],
                     env={**os.environ, FORKSERVER_VAR: path}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    pass_fds=(fd,), start_new_session=True)
+                    stderr=stderr, pass_fds=(fd,), start_new_session=True)
             finally:
                 os.close(fd)
         except OSError:
@@ -139,8 +145,8 @@ def _preimport() -> Optional[str]:
 class Server:
     """One process, one thread: accepts boot processes, forks workers, reaps them, passes signals on."""
 
-    def __init__(self, listener: socket.socket, launcher: int) -> None:
-        self.listener, self.launcher, self.env = listener, launcher, dict(os.environ)
+    def __init__(self, listener: socket.socket, launcher: int, verbose: bool = False) -> None:
+        self.listener, self.launcher, self.env, self.verbose = listener, launcher, dict(os.environ), verbose
         self.refusal: Optional[str] = None
         self.partial: dict[socket.socket, bytes] = {}  # an unfinished signal line per boot connection
         self.selector = selectors.DefaultSelector()
@@ -179,8 +185,12 @@ class Server:
             if uid != os.getuid() or _parent_of(peer) != self.launcher:
                 raise ValueError("not a process the launcher started")  # its agent starts every boot process
             request, fds = receive(conn, deadline=time.monotonic() + REQUEST_TIMEOUT_S)
-            if self.refusal or declines(self.env, request["env"]) or shadows(request):
+            why = self.refusal or declines(self.env, request["env"]) or shadows(request)
+            if why:
                 conn.sendall(b'{"plain": true}\n')  # why stays here: the environment is not echoed to a client
+                if self.verbose:
+                    print(f"multigpu: rank {request['env'].get('RANK', '?')[:12]} starts the plain way: {why}",
+                          file=sys.stderr, flush=True)
                 raise ValueError("plain start")
             pid = self.fork(request, fds, conn)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -269,7 +279,7 @@ class Server:
         try:
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                        signal.SIGUSR2):
+                        signal.SIGUSR2, LAUNCHER_GONE):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
@@ -370,16 +380,21 @@ def _exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
 
 
 def main(argv: Sequence[str]) -> None:
-    fd, launcher = int(argv[0]), int(argv[1])
+    fd, launcher, verbose = int(argv[0]), int(argv[1]), argv[2] == "verbose"
     if sys.path and sys.path[0] == os.getcwd():  # Python 3.10 (no -P): the launcher's folder is not ours to import
         sys.path.pop(0)
     listener = socket.socket(fileno=fd)
-    # SIGTERM when the launcher dies, even by SIGKILL: the private folder goes too; the workers die with us.
-    signal.signal(signal.SIGTERM, lambda *_: _remove_folder_and_exit(listener))
-    if not die_with_parent(signal.SIGTERM) or os.getppid() != launcher:
+    # A signal of our own when the launcher dies, even by SIGKILL: the private folder goes too; the workers
+    # die with us.
+    signal.signal(LAUNCHER_GONE, lambda *_: _remove_folder_and_exit(listener))
+    if not die_with_parent(LAUNCHER_GONE) or os.getppid() != launcher:
         _remove_folder_and_exit(listener)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its own session: only the launcher ends it
-    Server(listener, launcher).serve()
+    # Slurm signals every process of a job step (USR1 before the time limit, TERM when cancelled): the
+    # workers act on them; the server goes on until its launcher ends it or dies.
+    for sig in FORWARDED:
+        if sig not in (signal.SIGCONT, signal.SIGWINCH):
+            signal.signal(sig, signal.SIG_IGN)
+    Server(listener, launcher, verbose).serve()
 
 
 def _remove_folder_and_exit(listener: socket.socket) -> NoReturn:
@@ -398,7 +413,7 @@ def _parent_of(pid: int) -> int:
         return 0
 
 
-def shadows(request: dict) -> bool:
+def shadows(request: dict) -> Optional[str]:
     """The folder the worker puts first on ``sys.path`` (the script's, or the current one for ``-m``)
     holds a module the server has imported already (``profile.py``, ``statistics.py``, ``torch/``...):
     a new interpreter would import the user's file, a forked worker would keep ours."""
@@ -407,10 +422,11 @@ def shadows(request: dict) -> bool:
     try:
         names = os.listdir(folder)
     except OSError:
-        return True
+        return "its folder cannot be listed"
     loaded = {name.partition(".")[0] for name in sys.modules}
-    return any(name.partition(".")[0] in loaded for name in names
-               if name.endswith((".py", ".so")) or os.path.isfile(os.path.join(folder, name, "__init__.py")))
+    found = sorted(name for name in names if name.partition(".")[0] in loaded and (
+        name.endswith((".py", ".so")) or os.path.isfile(os.path.join(folder, name, "__init__.py"))))
+    return f"{', '.join(found[:3])} beside it has the name of a module torch imported" if found else None
 
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ def start_forkserver(request: LaunchRequest) -> Optional[ForkServer]:
     if request.devices.visible or os.environ.get(START_VAR) == "plain" or \
             (request.devices.nproc == 1 and request.max_restarts == 0):
         return None
-    server = ForkServer.start(request.command)
+    server = ForkServer.start(request.command, verbose=request.verbose)
     if server is not None:
         os.environ[FORKSERVER_VAR] = server.path
     return server
