@@ -43,10 +43,10 @@ bytecode: $(VENV)/.test-installed
 	$(PY) -m compileall -q src tests/scripts examples > /dev/null
 
 test: lint bytecode
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: bytecode
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not infra" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not infra" $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (no virtual environment, no network needed):
 # every GPU test, and the speed and packing figures. See .ci/gpu-check.

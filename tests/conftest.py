@@ -123,15 +123,3 @@ def wait_for_files(folder: Path, names: Iterable[str], timeout: float = 60.0) ->
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {names} in {folder}")
 
-
-#: Files that share one machine-wide resource run on the same pytest-xdist worker, one after another:
-#: both Slurm files start a local cluster of their own (daemons, munge, accounting database).
-_SHARED_RESOURCE = {"test_slurm.py": "slurm", "test_slurm_sweeps.py": "slurm"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n 2 --dist loadgroup`` (the Makefile's default) a file's tests stay on one worker, so a
-    module fixture's launch is shared by its tests as in a serial run; files run two at a time."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(_SHARED_RESOURCE.get(name, name)))

@@ -56,7 +56,7 @@ CASES = [
     # multigpu run: the replica-group flags
     Case("run-replica-groups-0", ["run", "--replica-groups", "0", "s.py"], "--replica-groups 0 must be at least 1", S),
     Case("run-replica-groups-huge", ["run", "--replica-groups", "99999", "s.py"], "more than 1,024", S),
-    Case("run-replica-groups-text", ["run", "--replica-groups", "two", "s.py"], "invalid int value", S),
+    Case("run-replica-groups-text", ["run", "--replica-groups", "two", "s.py"], "'two' is not a whole number", S),
     Case("run-min-replicas-above", ["run", "--replica-groups", "2", "--min-replicas", "3", "s.py"],
          "--min-replicas 3 is more than 2", S),
     Case("run-min-replicas-0", ["run", "--replica-groups", "2", "--min-replicas", "0", "s.py"],

@@ -68,7 +68,7 @@ def test_a_killed_group_is_left_out_then_heals_while_the_other_keeps_stepping(tm
     out.mkdir()
     proc = subprocess.run([*isolated, PY, *STARTS, "--max-restarts", "1", SCRIPT, str(out), "--epochs", "3",
                            "--kill-at", "5", "--hold", "0.1", "--wait-restart-at", "20", "--valid",
-                           "--final-checkpoint-only"],
+                           "--final-checkpoint-only", "--rejoin-after-alone"],
                           capture_output=True, text=True, timeout=230, env=child_env())
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-4000:]
@@ -80,8 +80,8 @@ def test_a_killed_group_is_left_out_then_heals_while_the_other_keeps_stepping(tm
     assert "step 6 was not committed by every live group" in said
     # ... and it went on alone, with half the global batch, until group 1 was back.
     alone = [r["step"] for r in survivor if r["live"] == 1]
-    # (How many steps it trained alone depends on how fast group 1 restarts; --wait-restart-at only makes sure
-    # group 1 comes back before the end.)
+    # (How many steps it trained alone depends on how fast group 1 restarts; --rejoin-after-alone makes it at
+    # least one, --wait-restart-at makes sure group 1 comes back before the end.)
     assert min(alone) == 6 and alone == list(range(6, max(alone) + 1))
     assert "1 of 2 replica group(s) live, global batch 8 of 16" in said
     assert survivor[-1]["live"] == 2

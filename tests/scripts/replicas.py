@@ -14,6 +14,8 @@ weights to OUT_DIR/final-g<G>.pt.
                      then always meets a live group with steps left, whatever the machine's speed
 --valid              validate every epoch (metrics land in each group's metrics.csv)
 --wider              build a wider model in group --kill-group (the desync guard across groups)
+--rejoin-after-alone  a restarted group joins only once a live group has committed a step alone (a restart
+                     forked from the launcher's server takes ~1 s: it could otherwise rejoin first)
 --final-checkpoint-only  no checkpoint before the end: a restarted group has nothing to resume from but a
                      live peer (so it always heals)
 """
@@ -46,6 +48,7 @@ parser.add_argument("--batch-size", type=int, default=8)
 parser.add_argument("--valid", action="store_true")
 parser.add_argument("--wider", action="store_true")
 parser.add_argument("--final-checkpoint-only", action="store_true")
+parser.add_argument("--rejoin-after-alone", action="store_true")
 args = parser.parse_args()
 
 run = mg.init(seed=0, timeout_s=60)
@@ -82,6 +85,9 @@ class ReplicaTrainer(mg.Trainer):
     def resume(self):
         found = super().resume()
         if run.world.restart_count > 0:  # the next thing fit does is join the live group
+            deadline = time.monotonic() + 120
+            while args.rejoin_after_alone and not (out / "alone-seen").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             (out / f"restarted-g{group}").write_text(str(os.getpid()))
         return found
 
@@ -93,6 +99,8 @@ class ReplicaTrainer(mg.Trainer):
                       "epoch": self.state.epoch, "batch": self.state.batch_in_epoch}
             with open(out / f"steps-g{group}.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
+            if record["live"] < run.world.replica_groups:
+                (out / "alone-seen").touch()
 
 
 g = torch.Generator().manual_seed(5)

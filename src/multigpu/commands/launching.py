@@ -58,6 +58,8 @@ def nproc_value(text: str) -> "int | str":
     """``--nproc``: a number, or torchrun's ``auto``/``gpu``/``cpu`` (resolved when devices are planned)."""
     if text in ("auto", "gpu", "cpu"):
         return text
+    if text.startswith("-") and validate.is_digits(text[1:]):  # a count below 1: said by the device planner
+        return -int(text[1:])
     if not validate.is_digits(text):  # int() would take "١٢" and "1_000"
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of processes, auto, gpu or cpu")
     return int(text)
