@@ -236,15 +236,15 @@ for payload, fds in attempts:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(30)
     s.connect(sys.argv[1])
-    if fds:
-        sent = socket.send_fds(s, [payload[:HEADER.size]], [0, 1, 2][:fds])
-        s.sendall(payload[sent:])
-    else:
-        s.sendall(payload)
-    s.shutdown(socket.SHUT_WR)
-    try:
+    try:  # the server may refuse and close before it has read everything: that counts as closed
+        if fds:
+            sent = socket.send_fds(s, [payload[:HEADER.size]], [0, 1, 2][:fds])
+            s.sendall(payload[sent:])
+        else:
+            s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
         answer = s.recv(4096)
-    except ConnectionResetError:
+    except (BrokenPipeError, ConnectionResetError):
         answer = b""
     print(json.dumps(answer.decode(errors="replace")), flush=True)
 """
