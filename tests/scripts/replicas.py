@@ -85,7 +85,7 @@ class ReplicaTrainer(mg.Trainer):
     def resume(self):
         found = super().resume()
         if run.world.restart_count > 0:  # the next thing fit does is join the live group
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 15  # bounded: the survivor may be held in a quorum meanwhile
             while args.rejoin_after_alone and not (out / "alone-seen").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             (out / f"restarted-g{group}").write_text(str(os.getpid()))
