@@ -14,8 +14,8 @@ weights to OUT_DIR/final-g<G>.pt.
                      then always meets a live group with steps left, whatever the machine's speed
 --valid              validate every epoch (metrics land in each group's metrics.csv)
 --wider              build a wider model in group --kill-group (the desync guard across groups)
---rejoin-after-alone  a restarted group joins only once a live group has committed a step alone (a restart
-                     forked from the launcher's server takes ~1 s: it could otherwise rejoin first)
+--rejoin-after-alone  a restarted group starts (mg.init) only once a live group has committed a step alone (a
+                     restart forked from the launcher's server takes ~1 s: it could otherwise rejoin first)
 --final-checkpoint-only  no checkpoint before the end: a restarted group has nothing to resume from but a
                      live peer (so it always heals)
 """
@@ -51,8 +51,14 @@ parser.add_argument("--final-checkpoint-only", action="store_true")
 parser.add_argument("--rejoin-after-alone", action="store_true")
 args = parser.parse_args()
 
-run = mg.init(seed=0, timeout_s=60)
 out = Path(args.out)
+if args.rejoin_after_alone and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    # Before mg.init: a restarted group's torchft manager heartbeats from the moment it is built, and the
+    # lighthouse then holds the survivor's quorum for it; before it exists, nothing waits for this group.
+    deadline = time.monotonic() + 120
+    while not (out / "alone-seen").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+run = mg.init(seed=0, timeout_s=60)
 group = run.world.replica_group
 
 
@@ -85,9 +91,6 @@ class ReplicaTrainer(mg.Trainer):
     def resume(self):
         found = super().resume()
         if run.world.restart_count > 0:  # the next thing fit does is join the live group
-            deadline = time.monotonic() + 15  # bounded: the survivor may be held in a quorum meanwhile
-            while args.rejoin_after_alone and not (out / "alone-seen").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
             (out / f"restarted-g{group}").write_text(str(os.getpid()))
         return found
 
