@@ -38,7 +38,9 @@ print(json.dumps({"rank": os.environ.get("RANK"), "parent": parent, "argv": sys.
                   "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                   "sigpipe": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
                   "authkey": multiprocessing.current_process().authkey.hex(),
-                  "mine": os.environ.get("PROBE_VALUE")}), flush=True)
+                  "mine": os.environ.get("PROBE_VALUE"), "safe_path": sys.flags.safe_path,
+                  "stdin": None if sys.stdin is None else "open",
+                  "fd0": os.path.exists("/proc/self/fd/0")}), flush=True)
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
 
@@ -74,9 +76,25 @@ def test_forked_workers_start_like_fresh_interpreters(probe, tmp_path, no_leftov
         assert r["argv"] == [str(probe), "0", no_leftovers] and r["path0"] == str(probe.parent)
         assert r["cwd"] == str(tmp_path) and r["umask"] == 0o027 and r["mine"] == "seen"
         assert r["session"] and r["sigint"] and r["sigterm"] and r["sigpipe"]
+        assert r["stdin"] is None and not r["fd0"] and not r["safe_path"]  # stdin closed, as in the launcher
     for generator in ("random", "numpy", "torch", "authkey"):  # each drawn from the OS, as in a new process
         assert records[0][generator] != records[1][generator]
     assert not (tmp_path / "ran").exists()
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_closed_stdout_stays_closed(tmp_path, no_leftovers):
+    """Launched with stdout closed: what the script prints goes nowhere (a new interpreter has
+    sys.stdout None), never to the server as a request to signal the worker."""
+    script = tmp_path / "say.py"
+    script.write_text("import os, sys\nimport multigpu as mg\nrun = mg.init(timeout_s=60)\n"
+                      "print('{\"signal\": 15}')\n"
+                      f"open(os.path.join({str(tmp_path)!r}, f'out{{run.rank}}'), 'w').write(repr(sys.stdout))\n")
+    proc = subprocess.run([PY, "-m", "multigpu", "run", "--nproc", "2", str(script), no_leftovers],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=150,
+                          env=child_env(), preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0, proc.stderr
+    assert [(tmp_path / f"out{r}").read_text() for r in (0, 1)] == ["None", "None"]
     assert "Traceback" not in proc.stderr
 
 

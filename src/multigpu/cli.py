@@ -116,7 +116,8 @@ def entry() -> NoReturn:
         finally:
             for stream in (sys.stdout, sys.stderr):
                 try:
-                    stream.flush()
+                    if stream is not None:  # None: started with that stream closed
+                        stream.flush()
                 except (OSError, ValueError):
                     pass
             os._exit(code)

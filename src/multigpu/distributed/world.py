@@ -311,7 +311,7 @@ def _expand_one(name: str, whole: str, room: int) -> list[str]:
     for part in match.group(1).split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not checks.is_digits(lo) or (sep and not checks.is_digits(hi)):
+        if not checks.is_digits(lo) or (sep and not checks.is_digits(hi)) or len(lo) > 18 or len(hi) > 18:
             raise WorldError(
                 f"cannot parse {part!r} in the Slurm node list {whole!r}.",
                 "check SLURM_JOB_NODELIST; ranges look like [01-03,07].",

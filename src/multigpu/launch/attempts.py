@@ -82,10 +82,11 @@ def _read_int(path: Path) -> Optional[int]:
 
 
 def recorded(log_dir: str, rank: int, kind: str = "exit") -> Optional[int]:
-    """What rank ``rank`` recorded in its newest attempt: its exit status before it left, or its pid
-    (None: none recorded)."""
-    started = files_of(log_dir, "pid", rank)
-    return _read_int(record_path(log_dir, rank, started[-1][1], kind)) if started else None
+    """What rank ``rank`` recorded in the newest attempt (of any rank): its exit status before it left, or
+    its pid (None: none recorded - a worker that died before writing its pid file has none, and never an
+    earlier attempt's)."""
+    attempts = [attempt for _, attempt, _ in files_of(log_dir, "pid")]
+    return _read_int(record_path(log_dir, rank, max(attempts), kind)) if attempts else None
 
 
 def _alive(pid: Optional[int]) -> bool:

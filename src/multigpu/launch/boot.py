@@ -138,6 +138,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not path:
         plain(argv)
     die_with_launcher()
+    # Before the socket: a closed 0, 1 or 2 would otherwise be the socket's number, and the worker would get
+    # the socket as its stdin or stdout (/dev/null goes there; the worker closes it again).
+    fds, closed = standard_fds()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     received: list[int] = []
 
@@ -149,12 +152,13 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     try:
         sock.connect(path)
-        fds, closed = standard_fds()
         data = frame(request(argv, closed))
         sent = socket.send_fds(sock, [data[:HEADER.size]], fds)
         sock.sendall(data[sent:])
     except OSError:
         sock.close()
+        for slot in closed:  # the plain worker finds them closed, as we did
+            os.close(fds[slot])
         plain(argv)
     for sig in FORWARDED:
         signal.signal(sig, forward)

@@ -25,7 +25,7 @@ server's in anything but the per-rank variables torch's agent sets (variables re
 ``OMP_NUM_THREADS`` or ``TORCH_LOGS``, must be what the worker would have seen), and a server that is
 gone or failed to import torch.
 
-Usage (by the launcher): ``python -u -P -m multigpu.launch.forkserver FD LAUNCHER_PID verbose|quiet --
+Usage (by the launcher): ``python -u -m multigpu.launch.forkserver FD LAUNCHER_PID verbose|quiet --
 command...``
 (the command is only there so that ``ps`` shows what the workers run).
 """
@@ -96,23 +96,31 @@ class ForkServer:
             folder = tempfile.mkdtemp(prefix="multigpu-fork-", dir="/tmp")
         path = os.path.join(folder, "socket")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        process: Optional[subprocess.Popen] = None
         try:
             listener.bind(path)
             listener.listen(256)
             # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
             fd = fcntl.fcntl(listener.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
-            safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # the folder we run in is not on sys.path
             try:
+                # In "/": `-m` puts the current folder first on sys.path, and the launcher's folder may hold a
+                # json.py or profile.py (main() takes "/" off again). Not `python -P`: the workers would
+                # inherit sys.flags.safe_path, and pass -P on to the interpreters they start.
                 process = subprocess.Popen(
-                    [sys.executable, "-u", *safe_path, "-m", "multigpu.launch.forkserver", str(fd), str(os.getpid()),
+                    [sys.executable, "-u", "-m", "multigpu.launch.forkserver", str(fd), str(os.getpid()),
                      "verbose" if verbose else "quiet", "--", *command],
                     env={**os.environ, FORKSERVER_VAR: path}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=stderr, pass_fds=(fd,), start_new_session=True)
+                    stderr=stderr, pass_fds=(fd,), start_new_session=True, cwd="/")
             finally:
                 os.close(fd)
-        except OSError:
+        except BaseException as exc:  # a failed start, or a stop signal while starting (the caller's _Stopped)
+            if process is not None:
+                process.kill()
+                process.wait()
             Folder(Path(folder).parent).remove_tree(Path(folder).name)
-            return None
+            if isinstance(exc, OSError):
+                return None
+            raise
         finally:
             listener.close()
         return cls(process, folder, path)
@@ -295,8 +303,11 @@ class Server:
                 os.dup2(fd, target)
                 os.close(fd)
             fds.clear()
-            for target in request["closed"]:  # closed in the boot process: closed here too
-                os.close(target)
+            for target in request["closed"]:  # closed in the boot process: closed here too, and None in
+                os.close(target)               # sys, as a new interpreter has it
+                name = ("stdin", "stdout", "stderr")[target]
+                setattr(sys, name, None)
+                setattr(sys, f"__{name}__", None)
             os.environ.clear()
             os.environ.update(request["env"])
             os.chdir(request["cwd"])
@@ -381,7 +392,7 @@ def _exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
 
 def main(argv: Sequence[str]) -> None:
     fd, launcher, verbose = int(argv[0]), int(argv[1]), argv[2] == "verbose"
-    if sys.path and sys.path[0] == os.getcwd():  # Python 3.10 (no -P): the launcher's folder is not ours to import
+    if sys.path and sys.path[0] in ("", os.getcwd()):  # "/", where ForkServer.start runs us: nothing to import there
         sys.path.pop(0)
     listener = socket.socket(fileno=fd)
     # A signal of our own when the launcher dies, even by SIGKILL: the private folder goes too; the workers

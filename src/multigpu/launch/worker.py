@@ -18,6 +18,7 @@ Usage (by the launcher): ``python -u -m multigpu.launch.worker script.py args...
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gc
 import json
 import os
@@ -57,6 +58,18 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+def _above_standard(*fds: int) -> list[int]:
+    """``fds`` moved to 3 or above: with stdin closed a new pipe takes fd 0, which the copier's
+    ``stdin=DEVNULL`` would then replace."""
+    moved = []
+    for fd in fds:
+        if fd <= 2:
+            fd, old = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3), fd
+            os.close(old)
+        moved.append(fd)
+    return moved
+
+
 def _tee_stderr() -> None:
     """Send fd 2 through a pseudo-terminal (or a pipe when the launcher's stderr is not a terminal)
     read by a small copier process: the terminal sees the bytes unchanged, the file keeps a copy."""
@@ -71,17 +84,15 @@ def _tee_stderr() -> None:
             import termios
             import tty
 
-            reader, writer = pty.openpty()
+            reader, writer = _above_standard(*pty.openpty())
             tty.setraw(writer)  # no newline translation: the bytes arrive as written
             try:
-                import fcntl
-
                 size = fcntl.ioctl(2, termios.TIOCGWINSZ, b"\0" * 8)
                 fcntl.ioctl(writer, termios.TIOCSWINSZ, size)  # bars size themselves to the real terminal
             except OSError:
                 pass
         else:
-            reader, writer = os.pipe()
+            reader, writer = _above_standard(*os.pipe())
         group = f"group{os.environ['REPLICA_GROUP_ID']} " if os.environ.get("REPLICA_GROUP_ID") else ""
         prefix = f"[{group}rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" else ""
         terminal = os.dup(2)
