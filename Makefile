@@ -8,10 +8,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Two tests at a time (pytest-xdist): a third of the CPU sat idle in a serial run (tests waiting for a
-# timeout, a rendezvous, Slurm's scheduler), measured with vmstat on this 2-core machine. --dist loadgroup
-# runs our scheduler (tests/scheduling.py): a file whose tests share a launch stays on one worker, every
-# other test is scheduled on its own, the longest first.
+# Two test files at a time (pytest-xdist): a third of the CPU sat idle in a serial run (tests waiting for
+# a timeout, a rendezvous, Slurm's scheduler), measured with vmstat on this 2-core machine.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint bytecode venv clean gpu-check gpu-bench
@@ -45,10 +43,10 @@ bytecode: $(VENV)/.test-installed
 	$(PY) -m compileall -q src tests/scripts examples > /dev/null
 
 test: lint bytecode
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: bytecode
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not infra" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not infra" $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (no virtual environment, no network needed):
 # every GPU test, and the speed and packing figures. See .ci/gpu-check.

@@ -123,13 +123,3 @@ def wait_for_files(folder: Path, names: Iterable[str], timeout: float = 60.0) ->
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {names} in {folder}")
 
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``--dist loadgroup`` (make test): a file whose tests share a launch on one worker, every other test
-    on its own, the longest first (tests/scheduling.py says why)."""
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    import scheduling
-
-    return scheduling.make_scheduler(config, log)

@@ -131,7 +131,7 @@ def planted_byte_entry(folder: Path) -> None:
 
 def torn_shard(folder: Path) -> None:
     step = sharded_ckpt(folder)
-    (shard,) = step.glob("*.distcp")
+    shard = sorted(step.glob("*.distcp"))[0]  # one of the shards (our save writes two per rank on CPU)
     shard.write_bytes(shard.read_bytes()[:100])
     refresh_entry(step, shard.name)
 
