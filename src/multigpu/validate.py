@@ -75,8 +75,10 @@ _WHOLE = re.compile(r"[-+]?[0-9]{1,100}")
 
 
 def is_digits(text: object) -> bool:
-    """``text`` is ASCII digits only (no sign): what str.isdigit() means to a reader, not "²" or "١"."""
-    return isinstance(text, str) and re.fullmatch(r"[0-9]+", text) is not None
+    """``text`` is ASCII digits only (no sign): what str.isdigit() means to a reader, not "²" or "١".
+    At most 100 of them, as in a whole number: callers convert with int(), which refuses more than 4300
+    digits with a ValueError (a traceback where a Slurm job id or a log file name held them)."""
+    return isinstance(text, str) and re.fullmatch(r"[0-9]{1,100}", text) is not None
 
 
 def whole_number(text: object, what: str, error: type[MultiGPUError] = MultiGPUError, hint: str = "") -> int:
