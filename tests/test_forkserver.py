@@ -19,6 +19,7 @@ from typing import Iterator
 import pytest
 from conftest import PY, child_env, multigpu, processes_with, wait_for_files, wait_until_gone
 
+from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.forkserver import ForkServer, declines
 
 # Each test launches one 2-process run or one fork server (torch imported once, ~5 s of CPU; up to ~40 s
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 PROBE = """\
 import json, multiprocessing, os, random, signal, sys
 import numpy, torch
-parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+parent = open(f"/proc/{os.getppid()}/comm").read().strip()  # the server names itself multigpu-fork
 
 
 print(json.dumps({"rank": os.environ.get("RANK"), "parent": parent, "argv": sys.argv, "cwd": os.getcwd(),
@@ -72,7 +73,7 @@ def test_forked_workers_start_like_fresh_interpreters(probe, tmp_path, no_leftov
     records = _records(proc.stdout)
     assert [r["rank"] for r in records] == ["0", "1"]
     for r in records:
-        assert "multigpu.launch.forkserver" in r["parent"], r["parent"]
+        assert r["parent"] == "multigpu-fork", r["parent"]
         assert r["argv"] == [str(probe), "0", no_leftovers] and r["path0"] == str(probe.parent)
         assert r["cwd"] == str(tmp_path) and r["umask"] == 0o027 and r["mine"] == "seen"
         assert r["session"] and r["sigint"] and r["sigterm"] and r["sigpipe"]
@@ -102,7 +103,7 @@ def test_plain_start_when_asked(probe, no_leftovers):
     proc = multigpu("run", "--nproc", "2", str(probe), "0", no_leftovers,
                     env={"MULTIGPU_WORKER_START": "plain"}, timeout=150)
     assert proc.returncode == 0, proc.stderr
-    assert all("multigpu.launch.forkserver" not in r["parent"] for r in _records(proc.stdout))
+    assert all(r["parent"] != "multigpu-fork" for r in _records(proc.stdout))
 
 
 @pytest.mark.parametrize("target", ["boot", "worker"])
@@ -140,7 +141,7 @@ def temp() -> Iterator[Path]:
 
 
 def test_stopped_while_starting_leaves_no_folders(tmp_path, temp, no_leftovers):
-    """SIGTERM while the server imports torch: status 143, and neither the log folder nor the server's."""
+    """SIGTERM while the launcher forks its server: status 143, and neither the log folder nor the server's."""
     launcher = subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", str(tmp_path / "never.py"),
                                  no_leftovers], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=child_env({"TMPDIR": str(temp)}))
@@ -175,9 +176,10 @@ def test_sigkill_of_the_launcher_removes_the_servers_folder(tmp_path, temp, no_l
 def server(tmp_path_factory) -> Iterator[ForkServer]:
     log = tmp_path_factory.mktemp("server") / "stderr"  # why a request got the plain start (verbose)
     with log.open("wb") as handle:
-        found = ForkServer.start(["probe"], verbose=True, stderr=handle.fileno())
+        found = ForkServer.start(verbose=True, stderr=handle.fileno())  # forked from this process
     assert found is not None
     found.log = log  # type: ignore[attr-defined]
+    found.env = {**os.environ, FORKSERVER_VAR: found.path}  # type: ignore[attr-defined]  (the server's)
     yield found
     found.stop()
     assert not Path(found.folder).exists()
@@ -190,9 +192,9 @@ def _parent(server: ForkServer, proc: subprocess.CompletedProcess) -> str:
 
 
 def _server_env(server: ForkServer) -> dict:
-    """The server's own environment (pytest changes PYTEST_CURRENT_TEST in ours after every test)."""
-    raw = Path(f"/proc/{server.process.pid}/environ").read_bytes()
-    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+    """The server's own environment, ours when it was forked (pytest changes PYTEST_CURRENT_TEST in ours
+    after every test)."""
+    return dict(server.env)  # type: ignore[attr-defined]
 
 
 def _boot(server: ForkServer, probe: Path, *args: str, extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -205,8 +207,7 @@ def test_the_boot_process_leaves_with_the_workers_status(server, probe):
     proc = _boot(server, probe, "5")
     assert proc.returncode == 5, proc.stderr
     parent = _parent(server, proc)
-    assert parent.startswith(f"{PY} -u -P -m multigpu.launch.forkserver") or \
-        parent.startswith(f"{PY} -u -m multigpu.launch.forkserver"), parent
+    assert parent.startswith("multigpu-fork |"), parent
 
 
 def test_the_boot_process_dies_by_the_workers_signal(server, tmp_path):
@@ -230,7 +231,7 @@ def test_a_signal_to_the_boot_process_reaches_the_worker(server, tmp_path):
 def test_a_different_environment_starts_the_plain_way(server, probe):
     proc = _boot(server, probe, "4", extra={"OMP_NUM_THREADS": "7"})
     assert proc.returncode == 4, proc.stderr
-    assert "multigpu.launch.forkserver" not in json.loads(proc.stdout)["parent"]
+    assert json.loads(proc.stdout)["parent"] != "multigpu-fork"
     log = server.log.read_text()  # type: ignore[attr-defined]
     assert "starts the plain way: its environment differs in OMP_NUM_THREADS" in log, log
 
@@ -276,7 +277,7 @@ def test_malformed_requests_do_not_stop_the_server(server, probe):
     answers = [json.loads(line) for line in proc.stdout.splitlines()]
     assert answers == [""] * 9  # each refused and closed without an answer: nothing forked, nothing echoed
     assert _boot(server, probe, "3").returncode == 3
-    assert server.process.poll() is None
+    assert server.running()
 
 
 def test_another_user_cannot_reach_the_server(server):
@@ -295,7 +296,7 @@ def test_a_process_the_launcher_did_not_start_is_not_served(server, probe):
             f"sys.exit(subprocess.run([sys.executable, '-m', 'multigpu.launch.boot', {str(probe)!r}, '6']).returncode)")
     proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=_server_env(server))
     assert proc.returncode == 6, proc.stderr
-    assert "multigpu.launch.forkserver" not in json.loads(proc.stdout)["parent"]
+    assert json.loads(proc.stdout)["parent"] != "multigpu-fork"
 
 
 def test_a_module_beside_the_script_that_the_server_has_imported_starts_plain(server, tmp_path):
@@ -328,7 +329,7 @@ def test_garbage_signal_lines_and_a_vanished_boot_process(server, tmp_path, prob
         time.sleep(0.2)
     pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
     assert pids and not any(_alive(pid) for pid in pids)  # the garbage one ran, and none is left running
-    assert _boot(server, probe, "3").returncode == 3 and server.process.poll() is None
+    assert _boot(server, probe, "3").returncode == 3 and server.running()
 
 
 def _alive(pid: int) -> bool:

@@ -7,9 +7,7 @@ in commands/slurm.py. Nothing heavy is imported until a command runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import sys
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from multigpu import validate
 from multigpu.errors import LaunchError
@@ -288,44 +286,12 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
     )
 
 
-@contextlib.contextmanager
-def _quiet_agent_logs(verbose: bool, load: bool = True) -> Iterator[None]:
-    """Check the command line, then load torch in the launcher's own process (not the workers) with its
-    C++ log level at FATAL.
-
-    Why: when a node cannot reach the rendezvous, c10d's TCPStore client logs every retry with a C++
-    stack trace (dozens of lines) before the launcher prints its one line with a HINT. The level is read
-    once, when torch loads - inside this block (where finding the GPUs may load it too), or at its end -
-    so it is set just for the block and removed again: the workers inherit the user's environment
-    unchanged. ``--verbose`` or a TORCH_CPP_LOG_LEVEL of your own keeps them. A refused flag raises
-    inside the block, before torch is loaded: the one line comes in a tenth of a second, not two.
-    ``load=False``: the launcher loads torch later (:func:`_load_torch_quietly`), once it has started
-    the workers' fork server, so that both import torch at the same time."""
-    import os
-
-    if verbose or "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
-        yield
-        return
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    try:
-        yield
-        if load:
-            import torch  # noqa: F401
-    finally:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
-
-
-def _load_torch_quietly(verbose: bool) -> None:
-    """For a caller that checked its flags itself: load torch now, as the end of the block above does."""
-    with _quiet_agent_logs(verbose):
-        pass
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.replica_groups is not None or args.replica_group is not None or args.lighthouse is not None:
         from multigpu.commands.replica_groups import run_replica_groups
+        from multigpu.launch.torch_logs import quiet_cpp_logs
 
-        return run_replica_groups(args, quiet=lambda: _load_torch_quietly(args.verbose))
+        return run_replica_groups(args, quiet=lambda: quiet_cpp_logs(args.verbose))
     if args.simulate_nodes is not None:
         from multigpu.launch.devices import visible_gpus
         from multigpu.launch.local import split_command
@@ -347,6 +313,5 @@ def _cmd_run(args: argparse.Namespace) -> int:
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})
     from multigpu.launch.local import launch
 
-    with _quiet_agent_logs(args.verbose, load=False):
-        request = plan_run(args)
-    return launch(request, load_torch=lambda: _load_torch_quietly(args.verbose))
+    # torch loads in launch(), after every flag is checked: a refused flag is one line in a tenth of a second.
+    return launch(plan_run(args))

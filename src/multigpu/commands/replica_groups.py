@@ -40,10 +40,11 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
                    "several machines (python -m multigpu.launch.replicas --bind HOST:PORT hosts one)")
 
 
-def run_replica_groups(args: argparse.Namespace, quiet: Callable[[], None] = lambda: None) -> int:
+def run_replica_groups(args: argparse.Namespace, quiet: Callable[[], object] = lambda: None) -> int:
     """``--replica-groups R``: the lighthouse and R groups here; with ``--replica-group G``: one group.
-    ``quiet``: run once the flags are checked, before torch loads (a bad flag is one line in well under a
-    second, without importing torch)."""
+    ``quiet``: loads torch and lowers its C++ log level, once the flags are checked (a bad flag is one line
+    in well under a second, without importing torch); one group's launch does that itself, after forking
+    its workers' server (:func:`multigpu.launch.local.launch`)."""
     import dataclasses
 
     from multigpu.launch import replicas
@@ -63,7 +64,6 @@ def run_replica_groups(args: argparse.Namespace, quiet: Callable[[], None] = lam
         from multigpu.launch.local import launch
 
         request = plan_run(args)
-        quiet()
         env = replicas.group_env(args.replica_group, settings, args.lighthouse,
                                  loopback=request.rendezvous.endpoint.startswith(("localhost", "127.0.0.1"))
                                  and (args.local_addr or "127.0.0.1") == "127.0.0.1", verbose=args.verbose)
@@ -73,7 +73,7 @@ def run_replica_groups(args: argparse.Namespace, quiet: Callable[[], None] = lam
     return _run_all_groups(args, settings, quiet)
 
 
-def _run_all_groups(args: argparse.Namespace, settings: "ReplicaSettings", quiet: Callable[[], None]) -> int:
+def _run_all_groups(args: argparse.Namespace, settings: "ReplicaSettings", quiet: Callable[[], object]) -> int:
     """Every group on this machine: each a ``multigpu run --replica-group g`` with its share of the GPUs."""
     from multigpu.launch import replicas
     from multigpu.launch.devices import parse_gpu_ids, visible_gpus

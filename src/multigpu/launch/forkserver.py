@@ -5,13 +5,17 @@ Why: importing torch costs 2.5-3 s of CPU here, and the first optimizer step imp
 (2 s more), in every worker and again at every restart. A 2-process CPU launch started three
 interpreters that each imported torch; the test suite and every restart after a crash paid that.
 
-How: before torch's agent starts anything, the launcher binds a Unix socket in a private folder (mode
-0700) and starts this server with it. The server imports torch (and ``torch._dynamo``, numpy), then
-waits. torch's agent still starts one process per rank, but a small one (:mod:`.boot`, no torch): it
-sends the server its arguments, environment, working folder and stdin/stdout/stderr; the server forks a
-worker that takes them over and runs :mod:`.worker` as the plain start would. The boot process stays
-what the agent watches and signals: it passes signals on to the worker's process group and leaves with
-the worker's exit status or signal. A boot process that dies (SIGKILL) takes its worker with it.
+How: the launcher imports torch (it needs it for torch's agent), binds a Unix socket in a private folder
+(mode 0700) and forks this server from itself before torch's agent starts any thread: one import of
+torch serves the launcher and every worker (a separate server process cost a second import, ~3 s of CPU
+per launch). The server sheds the launcher's state (:func:`_become_server`), imports ``torch._dynamo``
+and numpy, then waits. torch's agent still starts one process per rank, but a small one (:mod:`.boot`,
+no torch): it sends the server its arguments, environment, working folder and stdin/stdout/stderr; the
+server forks a worker that takes them over and runs :mod:`.worker` as the plain start would. The boot
+process stays what the agent watches and signals: it passes signals on to the worker's process group and
+leaves with the worker's exit status or signal. A boot process that dies (SIGKILL) takes its worker with
+it. The launcher lowers torch's C++ log level only after the fork (:mod:`.torch_logs`), so the server
+keeps the level a new interpreter has.
 
 What a forked worker gets fresh: its own session (as torch's agent gives each worker), signal
 handlers as a new interpreter has them, the environment, folder, umask and ``sys.path`` of its boot
@@ -25,22 +29,23 @@ server's in anything but the per-rank variables torch's agent sets (variables re
 ``OMP_NUM_THREADS`` or ``TORCH_LOGS``, must be what the worker would have seen), and a server that is
 gone or failed to import torch.
 
-Usage (by the launcher): ``python -u -m multigpu.launch.forkserver FD LAUNCHER_PID verbose|quiet --
-command...``
-(the command is only there so that ``ps`` shows what the workers run).
+What differs from a new interpreter, and stays so: ``sys.flags`` are the launcher's (``python -u``'s
+``unbuffered`` flag is 0, though stdout and stderr are unbuffered as under ``-u``), and ``sys.modules``
+holds the launcher's modules too (``argparse``...: :func:`shadows` counts them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import io
 import json
 import os
 import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +53,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import NoReturn, Optional
 
 from multigpu.fileio import Folder
 from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED, HEADER, MAX_FRAME
@@ -62,6 +67,8 @@ PER_WORKER = frozenset({
 #: ``plain``: start every worker the ordinary way (for comparisons and as a way out).
 START_VAR = "MULTIGPU_WORKER_START"
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
+#: prctl's option that names this process (comm).
+_PR_SET_NAME = 15
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
 LAUNCHER_GONE = signal.SIGRTMIN + 3
 #: A boot process sends its whole request at once: one that trickles is dropped (and starts the plain way).
@@ -80,58 +87,139 @@ def declines(server_env: dict, worker_env: dict) -> Optional[str]:
 class ForkServer:
     """The launcher's handle: the server process and its private folder."""
 
-    process: subprocess.Popen
+    pid: int
     folder: str
     path: str
 
     @classmethod
-    def start(cls, command: Sequence[str], verbose: bool = False, stderr: Optional[int] = None
-              ) -> Optional["ForkServer"]:
-        """Start a server for the workers about to be launched (None: they start the plain way).
-        The caller puts ``path`` into the workers' environment; the server gets it already.
-        ``verbose``: the server says on ``stderr`` (default: ours) why a worker starts the plain way."""
+    def start(cls, verbose: bool = False, stderr: Optional[int] = None) -> Optional["ForkServer"]:
+        """Fork a server from this process for the workers about to be launched (None: they start the plain
+        way). Call it with torch imported and no other thread running. The caller puts ``path`` into the
+        workers' environment; the server gets it already. ``verbose``: the server says on ``stderr``
+        (default: ours) why a worker starts the plain way."""
         folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
         if len(os.path.join(folder, "socket").encode()) > _SOCKET_PATH_MAX:  # a deep TMPDIR
             Folder(Path(folder).parent).remove_tree(Path(folder).name)
             folder = tempfile.mkdtemp(prefix="multigpu-fork-", dir="/tmp")
         path = os.path.join(folder, "socket")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        process: Optional[subprocess.Popen] = None
+        pid = 0
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
+        listener = socket.socket(fileno=fcntl.fcntl(raw.fileno(), fcntl.F_DUPFD_CLOEXEC, 3))
+        raw.close()
         try:
             listener.bind(path)
             listener.listen(256)
-            # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
-            fd = fcntl.fcntl(listener.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
+            launcher = os.getpid()
+            # Every signal waits until the child has put the server's handlers in place (ours raise).
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
             try:
-                # In "/": `-m` puts the current folder first on sys.path, and the launcher's folder may hold a
-                # json.py or profile.py (main() takes "/" off again). Not `python -P`: the workers would
-                # inherit sys.flags.safe_path, and pass -P on to the interpreters they start.
-                process = subprocess.Popen(
-                    [sys.executable, "-u", "-m", "multigpu.launch.forkserver", str(fd), str(os.getpid()),
-                     "verbose" if verbose else "quiet", "--", *command],
-                    env={**os.environ, FORKSERVER_VAR: path}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=stderr, pass_fds=(fd,), start_new_session=True, cwd="/")
+                pid = os.fork()
+                if pid == 0:
+                    _become_server(listener, launcher, path, verbose, stderr, blocked)
             finally:
-                os.close(fd)
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         except BaseException as exc:  # a failed start, or a stop signal while starting (the caller's _Stopped)
-            if process is not None:
-                process.kill()
-                process.wait()
+            if pid:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
             Folder(Path(folder).parent).remove_tree(Path(folder).name)
             if isinstance(exc, OSError):
                 return None
             raise
         finally:
             listener.close()
-        return cls(process, folder, path)
+        return cls(pid, folder, path)
+
+    def running(self) -> bool:
+        """The server has not ended (it is our child: an ended one is reaped here)."""
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
 
     def stop(self) -> None:
         """After the launch: its workers are gone by now (they die with it in any case)."""
         with contextlib.suppress(OSError):
-            self.process.kill()
-        self.process.wait()
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
         with contextlib.suppress(OSError):
             Folder(Path(self.folder).parent).remove_tree(Path(self.folder).name)
+
+
+def _become_server(listener: socket.socket, launcher: int, path: str, verbose: bool, stderr: Optional[int],
+                   mask: set[int | signal.Signals]) -> NoReturn:
+    """In the child forked by :meth:`ForkServer.start`: shed the launcher's state, then serve.
+
+    What the launcher had that a server must not keep: its signal handlers (they raise into the
+    launcher's code), its session and terminal, its stdin and stdout, any other descriptor, its folder
+    (the server runs in ``/``; the launcher's folder, first on ``sys.path`` under ``python -m``, could hold
+    a ``numpy.py``), its buffered streams (workers write unbuffered, as ``python -u`` would)."""
+    try:
+        for sig in signal.valid_signals():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                if callable(signal.getsignal(sig)) and sig != signal.SIGINT:
+                    signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setsid()
+        signal.signal(LAUNCHER_GONE, lambda *_: _remove_folder_and_exit(listener))
+        if not die_with_parent(LAUNCHER_GONE) or os.getppid() != launcher:
+            _remove_folder_and_exit(listener)
+        _standard_fds(stderr, keep=listener.fileno())
+        cwd = os.getcwd()
+        os.chdir("/")
+        if sys.path and sys.path[0] in ("", cwd):  # python -m multigpu: the launcher's folder
+            sys.path.pop(0)
+        os.environ[FORKSERVER_VAR] = path
+        _name_process(b"multigpu-fork")
+        # Slurm signals every process of a job step (USR1 before the time limit, TERM when cancelled): the
+        # workers act on them; the server goes on until its launcher ends it or dies.
+        for sig in FORWARDED:
+            if sig not in (signal.SIGCONT, signal.SIGWINCH):
+                signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        Server(listener, launcher, verbose).serve()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        os._exit(70)
+
+
+def _standard_fds(stderr: Optional[int], keep: int) -> None:
+    """stdin and stdout on /dev/null, stderr on ``stderr`` (None: as it is); every other descriptor but
+    ``keep`` closed (a worker forked from here would inherit it). Fresh unbuffered ``sys`` streams: the
+    launcher's may hold buffered text, or a lock another thread held at the fork."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    if stderr is not None:
+        os.dup2(stderr, 2)
+    else:
+        try:
+            os.fstat(2)
+        except OSError:  # the launcher's stderr was closed
+            os.dup2(devnull, 2)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd != keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        stream = io.TextIOWrapper(io.BufferedReader(raw) if fd == 0 else raw, write_through=fd > 0,
+                                  encoding=getattr(old, "encoding", None), errors=getattr(old, "errors", None))
+        for attribute in (name, f"__{name}__"):
+            setattr(sys, attribute, stream)
+
+
+def _name_process(name: bytes) -> None:
+    """What ``top`` and ``/proc/PID/comm`` show (the command line stays the launcher's)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def _preimport() -> Optional[str]:
@@ -390,24 +478,6 @@ def _exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def main(argv: Sequence[str]) -> None:
-    fd, launcher, verbose = int(argv[0]), int(argv[1]), argv[2] == "verbose"
-    if sys.path and sys.path[0] in ("", os.getcwd()):  # "/", where ForkServer.start runs us: nothing to import there
-        sys.path.pop(0)
-    listener = socket.socket(fileno=fd)
-    # A signal of our own when the launcher dies, even by SIGKILL: the private folder goes too; the workers
-    # die with us.
-    signal.signal(LAUNCHER_GONE, lambda *_: _remove_folder_and_exit(listener))
-    if not die_with_parent(LAUNCHER_GONE) or os.getppid() != launcher:
-        _remove_folder_and_exit(listener)
-    # Slurm signals every process of a job step (USR1 before the time limit, TERM when cancelled): the
-    # workers act on them; the server goes on until its launcher ends it or dies.
-    for sig in FORWARDED:
-        if sig not in (signal.SIGCONT, signal.SIGWINCH):
-            signal.signal(sig, signal.SIG_IGN)
-    Server(listener, launcher, verbose).serve()
-
-
 def _remove_folder_and_exit(listener: socket.socket) -> NoReturn:
     with contextlib.suppress(Exception):
         folder = Path(listener.getsockname()).parent
@@ -439,6 +509,3 @@ def shadows(request: dict) -> Optional[str]:
         name.endswith((".py", ".so")) or os.path.isfile(os.path.join(folder, name, "__init__.py"))))
     return f"{', '.join(found[:3])} beside it has the name of a module torch imported" if found else None
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

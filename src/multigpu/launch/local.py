@@ -19,7 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from typing_extensions import override
 
@@ -31,6 +31,7 @@ from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.forkserver import START_VAR, ForkServer
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
+from multigpu.launch.torch_logs import quiet_cpp_logs
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
@@ -175,9 +176,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def launch(request: LaunchRequest, load_torch: Optional[Callable[[], None]] = None) -> int:
+def launch(request: LaunchRequest) -> int:
     """Run the workers of this node to completion; return the exit status for the shell.
-    ``load_torch``: how to import torch here (the caller's quiet way), after the fork server has started."""
+    torch's C++ log level must still be the user's when this is called (see :mod:`.torch_logs`): the
+    fork server, forked from here, keeps it; this process lowers its own after the fork."""
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
@@ -201,9 +203,10 @@ def launch(request: LaunchRequest, load_torch: Optional[Callable[[], None]] = No
     server: Optional[ForkServer] = None
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with _stops_raise():
+            import torch  # noqa: F401  (before the fork: the server shares this import)
+
             server = start_forkserver(request)
-            if load_torch is not None:
-                load_torch()
+            quiet_cpp_logs(request.verbose)
             from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -332,7 +335,7 @@ def start_forkserver(request: LaunchRequest) -> Optional[ForkServer]:
     if request.devices.visible or os.environ.get(START_VAR) == "plain" or \
             (request.devices.nproc == 1 and request.max_restarts == 0):
         return None
-    server = ForkServer.start(request.command, verbose=request.verbose)
+    server = ForkServer.start(verbose=request.verbose)
     if server is not None:
         os.environ[FORKSERVER_VAR] = server.path
     return server
