@@ -16,14 +16,17 @@ TEST_WORKERS ?= 2
 
 venv: $(VENV)/.demo-installed
 
+# torch comes through pip (the local CPU wheel: uv does not look there); everything else through uv, which
+# installs the test tools and loggers in ~15 s where pip took ~3 min here (resolving and installing in
+# parallel). uv keeps the torch already installed, as pip does.
 $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 numpy
-	$(PY) -m pip install -q -e ".[examples]"
+	$(PY) -m pip install -q torch==2.13.0 numpy uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[examples]"
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.demo-installed pyproject.toml
-	$(PY) -m pip install -q -e ".[test,examples]"
+	$(VENV)/bin/uv pip install -q --python $(PY) -e ".[test,examples]"
 	touch $@
 
 demo: $(VENV)/.demo-installed

@@ -6,11 +6,13 @@ Two scripts: tests/scripts/allreduce.py (mg.init, one all_reduce, teardown) and
 benchmarks/startup_step.py (mg.init, a DDP model, an optimizer, one training step - what every training
 script does first). Three launchers: ``multigpu run`` (workers forked from its fork server on CPU),
 ``multigpu run`` with ``MULTIGPU_WORKER_START=plain`` (each worker a new interpreter, as torchrun starts
-them) and ``torchrun``. Runs are interleaved; medians and ratios are printed.
+them) and ``torchrun``. Runs are interleaved; medians and ratios are printed, and the CPU time of each
+launch's whole process tree (what a busy machine, or the test suite, pays).
 """
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -39,19 +41,23 @@ def main() -> None:
     }
     cases = [(job, launcher) for job in scripts for launcher in launchers]
     times: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
+    cpu: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     for index in range(args.repeats):
         for job, launcher in (cases if index % 2 == 0 else list(reversed(cases))):
             command, env = launchers[launcher]
+            before = _children_cpu()
             started = time.perf_counter()
             subprocess.run(command(scripts[job]), check=True, capture_output=True, env=env)
             times[(job, launcher)].append(time.perf_counter() - started)
+            cpu[(job, launcher)].append(_children_cpu() - before)
     figures: dict = {"repeats": args.repeats, "nproc": args.nproc}
     for (job, launcher), values in times.items():
+        used = statistics.median(cpu[(job, launcher)])
         print(f"{job:9s} {launcher:15s} median {statistics.median(values):.2f} s "
-              f"(min {min(values):.2f}, max {max(values):.2f})")
+              f"(min {min(values):.2f}, max {max(values):.2f}), CPU {used:.2f} s")
         prefix = f"{launcher}_" if job == "allreduce" else f"{job}_{launcher}_"
         figures.update({f"{prefix}median_s": statistics.median(values), f"{prefix}min_s": min(values),
-                        f"{prefix}max_s": max(values)})
+                        f"{prefix}max_s": max(values), f"{prefix}cpu_s": used})
     for job in scripts:
         prefix = "" if job == "allreduce" else f"{job}_"
         torchrun = statistics.median(times[(job, "torchrun")])
@@ -61,6 +67,14 @@ def main() -> None:
               f"plain start/torchrun {figures[prefix + 'plain_ratio']:.3f}")
     record("startup", figures, [__file__, ROOT / "tests" / "scripts" / "allreduce.py",
                                 ROOT / "benchmarks" / "startup_step.py"])
+
+
+def _children_cpu() -> float:
+    """User and system CPU seconds of every process this one has waited for, with their own waited-for
+    children (the launcher, its fork server, the workers): the whole tree of a finished launch."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
 
 if __name__ == "__main__":
     main()

@@ -346,3 +346,53 @@ def test_what_may_differ_between_the_server_and_a_worker():
     assert "OMP_NUM_THREADS" in (declines(base, {**base, "OMP_NUM_THREADS": "1"}) or "")
     assert "TORCH_LOGS" in (declines(base, {**base, "TORCH_LOGS": "+dynamo"}) or "")
     assert "PATH" in (declines(base, {"OMP_NUM_THREADS": "2"}) or "")
+
+
+READER = """\
+import os, sys, torch, torch.distributed as dist
+import multigpu as mg
+run = mg.init(timeout_s=60)
+data = sys.stdin.buffer.read() if run.rank == 0 else b""
+print(repr({"rank": run.rank, "stdin": data, "names": [s.name for s in (sys.stdin, sys.stdout, sys.stderr)],
+            "modes": [s.mode for s in (sys.stdin, sys.stdout, sys.stderr)],
+            "comm": open("/proc/self/comm").read().strip(), "parent": open(f"/proc/{os.getppid()}/comm").read().strip(),
+            "threads": torch.get_num_threads(), "debug": str(dist.get_debug_level()),
+            "optimize": sys.flags.optimize}), flush=True)
+"""
+
+
+def test_under_debug_a_forked_worker_has_the_debug_variables_and_python_s_own_streams(tmp_path, no_leftovers):
+    """--debug sets variables torch reads when it is imported: the launcher imports torch after setting
+    them, so a forked worker has them as a plain one has; its streams are built as Python builds its
+    own (bytes read unchanged, names, modes), and it is named as a new interpreter is."""
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    proc = subprocess.run([PY, "-m", "multigpu", "run", "--nproc", "2", "--debug", "--log-dir", str(tmp_path / "logs"),
+                           str(script), no_leftovers], input=b"a\r\nb\rc\n", capture_output=True, timeout=150,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr.decode()
+    import ast
+
+    records = sorted((ast.literal_eval(line) for line in proc.stdout.decode().splitlines() if line.startswith("{")),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in records] == [0, 1]
+    assert records[0]["stdin"] == b"a\r\nb\rc\n"
+    for r in records:
+        assert r["parent"] == "multigpu-fork" and r["comm"] == os.path.basename(PY)[:15]
+        assert r["names"] == ["<stdin>", "<stdout>", "<stderr>"] and r["modes"] == ["r", "w", "w"]
+        assert r["threads"] == 1 and r["debug"] == "DebugLevel.INFO", r
+
+
+def test_a_launcher_started_with_interpreter_options_starts_its_workers_plain(tmp_path, no_leftovers):
+    """python -O: a forked worker would keep the launcher's optimisation level (asserts off); a plain one
+    is started without it, as torchrun's are."""
+    script = tmp_path / "reader.py"
+    script.write_text(READER)
+    proc = subprocess.run([PY, "-O", "-m", "multigpu", "run", "--nproc", "2", str(script), no_leftovers],
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=150, env=child_env())
+    assert proc.returncode == 0, proc.stderr.decode()
+    import ast
+
+    records = [ast.literal_eval(line) for line in proc.stdout.decode().splitlines() if line.startswith("{")]
+    assert len(records) == 2
+    assert all(r["parent"] != "multigpu-fork" and r["optimize"] == 0 for r in records), records

@@ -87,7 +87,7 @@ ENVIRONMENT_ALLOWED = {
     "diagnostics/check.py": "starts the two runs it compares",
     "diagnostics/environment.py": "`multigpu env` shows the variables that steer distributed code",
     "diagnostics/doctor.py": "reports the host name Slurm gives a node",
-    "commands/launching.py": "quiets the launcher's own C++ logs while it imports torch",
+    "launch/torch_logs.py": "reads whether the user chose torch's C++ log level (TORCH_CPP_LOG_LEVEL)",
     "launch/replicas.py": "starts each replica group's agent with its environment; quiets torchft's servers",
     "loggers.py": "the loggers' own settings (WANDB_PROJECT, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME)",
     "__init__.py": "MULTIGPU_TRACEBACK, the switch of the one-line error hook",

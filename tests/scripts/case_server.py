@@ -3,8 +3,10 @@ interpreter and ``import torch`` per case.
 
 Why: the table runs ~150 command lines; each used to cost an interpreter start and the imports (~1 s
 here), most of the table's time. This process imports multigpu and torch once, then forks one child
-per case. The child does what ``python -m multigpu ARGS`` does - in the case's folder, with the case's
-environment, its stdout and stderr going to files - and exits with the command's status. The parent
+per case (a ``multigpu run`` case ``exec``s a new interpreter: see ``LAUNCHING``). The child does what
+``python -m multigpu ARGS`` does - in the case's folder, with the case's environment, stdin on
+/dev/null (this process's stdin carries the requests), its stdout and stderr going to files - and exits
+with the command's status. The parent
 never runs torch code, so forking it is safe. Processes the command itself starts are real ones.
 
 Protocol: one JSON object per line on stdin - ``{"argv": [...], "cwd": ..., "env": {...}, "out": path,
@@ -19,9 +21,14 @@ import signal
 import sys
 import time
 
-import torch  # noqa: F401 - imported once here, inherited by every case
+import torch  # noqa: F401 - imported once here, inherited by every case that does not launch
 
 import multigpu.cli  # noqa: F401
+
+#: Commands that launch workers in their own process: a case of one runs in a new interpreter, as a
+#: user's would. A launcher that finds torch imported already starts its workers the plain way (the
+#: variables torch reads at import were other ones then), each importing torch again.
+LAUNCHING = ("run",)
 
 
 def run_case(request: dict) -> int:
@@ -35,12 +42,17 @@ def run_case(request: dict) -> int:
             # What a fresh `python -m` would have on its path: the current folder, then PYTHONPATH.
             extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
             sys.path[:0] = [os.getcwd(), *extra]
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.close(devnull)
             for fd, path in ((1, request["out"]), (2, request["err"])):
                 target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(target, fd)
                 os.close(target)
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
+            if request["argv"][:1] and request["argv"][0] in LAUNCHING:
+                os.execve(sys.executable, [sys.executable, "-m", "multigpu", *request["argv"]], dict(os.environ))
             sys.argv = ["multigpu", *request["argv"]]
             code = 0
             try:

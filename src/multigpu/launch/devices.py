@@ -37,10 +37,13 @@ class DevicePlan:
 def visible_gpus() -> list[str]:
     """The GPU ids this shell can see, as CUDA_VISIBLE_DEVICES names them (or 0..N-1 when unset).
 
-    On a machine without an NVIDIA or AMD driver this answers without importing torch (~2 s), so
-    commands that only need to know "no GPU here" stay fast.
+    On a machine without an NVIDIA or AMD driver, or with ``CUDA_VISIBLE_DEVICES`` empty, this answers
+    without importing torch (~2 s), so commands that only need to know "no GPU here" stay fast, and a CPU
+    launch can still fork its workers (:func:`multigpu.launch.local.launch`).
     """
     if not any(os.path.exists(p) for p in ("/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/nvidiactl")):
+        return []
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() == "":  # every GPU hidden: no torch needed either
         return []
     import torch
 

@@ -1,5 +1,5 @@
-"""Workers forked from a process that has imported torch already: a second rank, or a restarted one,
-does not pay torch's start-up again.
+"""Workers forked from a process that has imported torch already: no rank, first or restarted, pays
+torch's start-up again.
 
 Why: importing torch costs 2.5-3 s of CPU here, and the first optimizer step imports ``torch._dynamo``
 (2 s more), in every worker and again at every restart. A 2-process CPU launch started three
@@ -37,7 +37,6 @@ holds the launcher's modules too (``argparse``...: :func:`shadows` counts them).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import io
 import json
@@ -48,6 +47,7 @@ import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -55,9 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, Optional
 
-from multigpu.fileio import Folder
+from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED, HEADER, MAX_FRAME
-from multigpu.launch.process import die_with_parent
+from multigpu.launch.process import die_with_parent, name_process
 
 #: What torch's agent sets per rank: these may differ between the server's environment and a worker's.
 PER_WORKER = frozenset({
@@ -67,8 +67,6 @@ PER_WORKER = frozenset({
 #: ``plain``: start every worker the ordinary way (for comparisons and as a way out).
 START_VAR = "MULTIGPU_WORKER_START"
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
-#: prctl's option that names this process (comm).
-_PR_SET_NAME = 15
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
 LAUNCHER_GONE = signal.SIGRTMIN + 3
 #: A boot process sends its whole request at once: one that trickles is dropped (and starts the plain way).
@@ -90,6 +88,7 @@ class ForkServer:
     pid: int
     folder: str
     path: str
+    ended: bool = False
 
     @classmethod
     def start(cls, verbose: bool = False, stderr: Optional[int] = None) -> Optional["ForkServer"]:
@@ -97,28 +96,30 @@ class ForkServer:
         way). Call it with torch imported and no other thread running. The caller puts ``path`` into the
         workers' environment; the server gets it already. ``verbose``: the server says on ``stderr``
         (default: ours) why a worker starts the plain way."""
+        if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
+            return None
         folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
         if len(os.path.join(folder, "socket").encode()) > _SOCKET_PATH_MAX:  # a deep TMPDIR
             Folder(Path(folder).parent).remove_tree(Path(folder).name)
             folder = tempfile.mkdtemp(prefix="multigpu-fork-", dir="/tmp")
         path = os.path.join(folder, "socket")
         pid = 0
-        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
-        listener = socket.socket(fileno=fcntl.fcntl(raw.fileno(), fcntl.F_DUPFD_CLOEXEC, 3))
-        raw.close()
+        listener: Optional[socket.socket] = None
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as it is (a pending stop signal raises here)
         try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
+                listener = socket.socket(fileno=fcntl.fcntl(raw.fileno(), fcntl.F_DUPFD_CLOEXEC, 3))
             listener.bind(path)
             listener.listen(256)
             launcher = os.getpid()
-            # Every signal waits until the child has put the server's handlers in place (ours raise).
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-            try:
+            try:  # every signal waits until the child has put the server's handlers in place (ours raise)
+                signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
                 pid = os.fork()
                 if pid == 0:
-                    _become_server(listener, launcher, path, verbose, stderr, blocked)
+                    _become_server(listener, launcher, path, verbose, stderr, mask)
             finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         except BaseException as exc:  # a failed start, or a stop signal while starting (the caller's _Stopped)
             if pid:
                 with contextlib.suppress(OSError):
@@ -129,22 +130,28 @@ class ForkServer:
                 return None
             raise
         finally:
-            listener.close()
+            if listener is not None:
+                listener.close()
         return cls(pid, folder, path)
 
     def running(self) -> bool:
-        """The server has not ended (it is our child: an ended one is reaped here)."""
-        try:
-            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
-        except ChildProcessError:
+        """The server has not ended (it is our child: an ended one is reaped here, once)."""
+        if self.ended:
             return False
+        try:
+            self.ended = os.waitpid(self.pid, os.WNOHANG) != (0, 0)
+        except ChildProcessError:
+            self.ended = True
+        return not self.ended
 
     def stop(self) -> None:
         """After the launch: its workers are gone by now (they die with it in any case)."""
-        with contextlib.suppress(OSError):
-            os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        if not self.ended:  # reaped already: its pid may be another process's by now
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self.ended = True
         with contextlib.suppress(OSError):
             Folder(Path(self.folder).parent).remove_tree(Path(self.folder).name)
 
@@ -173,7 +180,7 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
         if sys.path and sys.path[0] in ("", cwd):  # python -m multigpu: the launcher's folder
             sys.path.pop(0)
         os.environ[FORKSERVER_VAR] = path
-        _name_process(b"multigpu-fork")
+        name_process(b"multigpu-fork")
         # Slurm signals every process of a job step (USR1 before the time limit, TERM when cancelled): the
         # workers act on them; the server goes on until its launcher ends it or dies.
         for sig in FORWARDED:
@@ -192,7 +199,7 @@ def _standard_fds(stderr: Optional[int], keep: int) -> None:
     """stdin and stdout on /dev/null, stderr on ``stderr`` (None: as it is); every other descriptor but
     ``keep`` closed (a worker forked from here would inherit it). Fresh unbuffered ``sys`` streams: the
     launcher's may hold buffered text, or a lock another thread held at the fork."""
-    devnull = os.open(os.devnull, os.O_RDWR)
+    devnull = open_devnull()
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     if stderr is not None:
@@ -210,16 +217,13 @@ def _standard_fds(stderr: Optional[int], keep: int) -> None:
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         old = getattr(sys, name)
         raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
-        stream = io.TextIOWrapper(io.BufferedReader(raw) if fd == 0 else raw, write_through=fd > 0,
-                                  encoding=getattr(old, "encoding", None), errors=getattr(old, "errors", None))
+        raw.name = f"<{name}>"
+        stream = io.TextIOWrapper(io.BufferedReader(raw) if fd == 0 else raw, write_through=fd > 0, newline="\n",
+                                  encoding=getattr(old, "encoding", None),
+                                  errors=getattr(old, "errors", "backslashreplace" if fd == 2 else "strict"))
+        stream.mode = "r" if fd == 0 else "w"  # type: ignore[misc]  # as Python sets them on its own
         for attribute in (name, f"__{name}__"):
             setattr(sys, attribute, stream)
-
-
-def _name_process(name: bytes) -> None:
-    """What ``top`` and ``/proc/PID/comm`` show (the command line stays the launcher's)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def _preimport() -> Optional[str]:
@@ -387,6 +391,7 @@ class Server:
             os.setsid()
             if not die_with_parent(signal.SIGKILL) or os.getppid() != server:
                 os._exit(1)
+            name_process(os.path.basename(sys.executable).encode())  # as a new interpreter is named
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
                 os.close(fd)

@@ -31,7 +31,7 @@ from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.forkserver import START_VAR, ForkServer
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
-from multigpu.launch.torch_logs import quiet_cpp_logs
+from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
@@ -188,31 +188,34 @@ def launch(request: LaunchRequest) -> int:
                else tempfile.mkdtemp(prefix="multigpu-logs-"))
     env = worker_env(request)
     env[LOG_DIR_VAR] = log_dir
+    torch_loaded = "torch" in sys.modules  # before the variables torch reads at import were set: no fork
     if request.debug:
-        import torch
+        from importlib.metadata import version
 
         nccl = bool(request.devices.visible) and request.devices.procs_per_gpu == 1
-        debug = debug_env(log_dir, nccl, torch.__version__)
+        debug = debug_env(log_dir, nccl, version("torch"))
         env.update(debug)
         print("multigpu: debug: " + " ".join(f"{k}={v}" for k, v in debug.items())
               + f"; every rank's log is kept in {log_dir}", file=sys.stderr, flush=True)
-    if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not sys.stderr.isatty()
+    if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not (sys.stderr and sys.stderr.isatty())
                                            and request.devices.nproc * request.rendezvous.max_nodes > 1):
         env[PREFIX_VAR] = "1"
     os.environ.update(env)
     server: Optional[ForkServer] = None
+    user_level: Optional[int] = None
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with _stops_raise():
             import torch  # noqa: F401  (before the fork: the server shares this import)
 
-            server = start_forkserver(request)
-            quiet_cpp_logs(request.verbose)
+            server = start_forkserver(request, fork=not torch_loaded)
+            user_level = quiet_cpp_logs(request.verbose)
             from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
             from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     except (_Stopped, KeyboardInterrupt) as stopped:
         _stop_server(server)
+        set_cpp_log_level(user_level)
         if not keep_logs:
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
@@ -295,6 +298,7 @@ def launch(request: LaunchRequest) -> int:
         return 1
     finally:
         _stop_server(server)
+        set_cpp_log_level(user_level)  # this process may launch again (a test, a program of its own)
         if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
@@ -327,18 +331,33 @@ def _stop_server(server: Optional[ForkServer]) -> None:
         os.environ.pop(FORKSERVER_VAR, None)
 
 
-def start_forkserver(request: LaunchRequest) -> Optional[ForkServer]:
-    """CPU workers are forked from a server that has imported torch (see :mod:`.forkserver`) when there
-    is more than one to start, or restarts to come. GPU workers, and every worker under
-    ``MULTIGPU_WORKER_START=plain``, start the plain way."""
+def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[ForkServer]:
+    """CPU workers are forked from a server forked from this process after its import of torch (see
+    :mod:`.forkserver`), one worker or many: the server costs a fork, and a worker forked from it skips
+    torch's import (and ``torch._dynamo``'s, which the server pays once). The plain start instead: GPU
+    workers, ``MULTIGPU_WORKER_START=plain``, and a launcher whose state a worker must not inherit
+    (``fork=False``: torch was imported before the workers' variables were set; interpreter options
+    other than ``-u``; a tracer or profiler, e.g. coverage or a debugger)."""
     os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
-    if request.devices.visible or os.environ.get(START_VAR) == "plain" or \
-            (request.devices.nproc == 1 and request.max_restarts == 0):
+    if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or \
+            interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
         return None
     server = ForkServer.start(verbose=request.verbose)
     if server is not None:
         os.environ[FORKSERVER_VAR] = server.path
     return server
+
+
+def interpreter_options() -> set[str]:
+    """The options this interpreter was started with (``python -O -X dev -m multigpu``: -O, -X dev); a
+    plain worker is started without them, and a forked one would keep what they did."""
+    options, argv = set(), sys.orig_argv[1:]
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c", "-", "--"):
+        option = argv.pop(0)
+        if option in ("-W", "-X") and argv:
+            option += " " + argv.pop(0)
+        options.add(option)
+    return options
 
 
 def preempted_cleanly(log_dir: str) -> bool:

@@ -1,4 +1,4 @@
-"""Process plumbing shared by the launcher's workers and the queue's runs: die with the parent.
+"""Process plumbing shared by the launcher's workers and the queue's runs: die with the parent; a name.
 
 Why: a worker whose launcher was SIGKILLed, or a run whose queue died, must not live on as an orphan
 holding GPUs. Linux delivers a chosen signal to a child when its parent dies (``PR_SET_PDEATHSIG``);
@@ -11,6 +11,7 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -23,3 +24,16 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def name_process(name: bytes) -> None:
+    """What ``top`` and ``/proc/PID/comm`` show (15 bytes at most; the command line stays as it was).
+    A no-op where Linux's ``prctl`` is not there."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

@@ -58,16 +58,18 @@ def require_resolvable(host: str, flag: str, timeout_s: float = 10.0) -> None:
 
     name = host.strip("[]")
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    answered = False
     try:
         pool.submit(socket.getaddrinfo, name, None).result(timeout=timeout_s)
+        answered = True
     except concurrent.futures.TimeoutError:
         raise LaunchError(f"{flag} {host}: looking the name up took more than {timeout_s:.0f} s.",
                           "check the machine's DNS, or give the first node's IP address.") from None
     except (OSError, UnicodeError) as exc:
         raise LaunchError(f"{flag} {host} is not a host this machine can resolve ({exc.__class__.__name__}).",
                           "give the first node's IP address or a name in /etc/hosts (the same on every node).") from None
-    finally:
-        pool.shutdown(wait=False)
+    finally:  # the thread ends with the lookup (the fork server is forked from a launcher with no other thread)
+        pool.shutdown(wait=answered)
 
 
 def plan_rendezvous(

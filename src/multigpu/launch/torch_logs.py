@@ -43,15 +43,22 @@ def cpp_log_level() -> Optional[int]:
     return None if flag is None else flag.value
 
 
-def quiet_cpp_logs(verbose: bool) -> bool:
+def quiet_cpp_logs(verbose: bool) -> Optional[int]:
     """Load torch, then lower this process's C++ log level to FATAL, unless ``verbose`` or the user chose a
-    level (``TORCH_CPP_LOG_LEVEL``). True when the level was lowered."""
+    level (``TORCH_CPP_LOG_LEVEL``). Returns the level it had (None: unchanged)."""
     import torch  # noqa: F401
 
     if verbose or "TORCH_CPP_LOG_LEVEL" in os.environ:
-        return False
+        return None
     flag = _level_flag()
     if flag is None:
-        return False
-    flag.value = FATAL
-    return True
+        return None
+    before, flag.value = flag.value, FATAL
+    return before
+
+
+def set_cpp_log_level(level: Optional[int]) -> None:
+    """Put back what :func:`quiet_cpp_logs` returned (None: nothing to do)."""
+    flag = _level_flag() if level is not None else None
+    if flag is not None and level is not None:
+        flag.value = level
