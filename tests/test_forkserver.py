@@ -32,7 +32,8 @@ import numpy, torch
 parent = open(f"/proc/{os.getppid()}/comm").read().strip()  # the server names itself multigpu-fork
 
 
-print(json.dumps({"rank": os.environ.get("RANK"), "parent": parent, "argv": sys.argv, "cwd": os.getcwd(),
+# One write per record (print writes the text and the newline apart: two ranks' lines could interleave).
+sys.stdout.write(json.dumps({"rank": os.environ.get("RANK"), "parent": parent, "argv": sys.argv, "cwd": os.getcwd(),
                   "path0": sys.path[0], "umask": os.umask(0o022), "session": os.getsid(0) == os.getpid(),
                   "random": random.random(), "numpy": float(numpy.random.rand()), "torch": torch.rand(1).item(),
                   "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
@@ -41,7 +42,8 @@ print(json.dumps({"rank": os.environ.get("RANK"), "parent": parent, "argv": sys.
                   "authkey": multiprocessing.current_process().authkey.hex(),
                   "mine": os.environ.get("PROBE_VALUE"), "safe_path": sys.flags.safe_path,
                   "stdin": None if sys.stdin is None else "open",
-                  "fd0": os.path.exists("/proc/self/fd/0")}), flush=True)
+                  "fd0": os.path.exists("/proc/self/fd/0")}) + "\\n")
+sys.stdout.flush()
 sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
 
@@ -353,11 +355,12 @@ import os, sys, torch, torch.distributed as dist
 import multigpu as mg
 run = mg.init(timeout_s=60)
 data = sys.stdin.buffer.read() if run.rank == 0 else b""
-print(repr({"rank": run.rank, "stdin": data, "names": [s.name for s in (sys.stdin, sys.stdout, sys.stderr)],
+sys.stdout.write(repr({"rank": run.rank, "stdin": data, "names": [s.name for s in (sys.stdin, sys.stdout, sys.stderr)],
             "modes": [s.mode for s in (sys.stdin, sys.stdout, sys.stderr)],
             "comm": open("/proc/self/comm").read().strip(), "parent": open(f"/proc/{os.getppid()}/comm").read().strip(),
             "threads": torch.get_num_threads(), "debug": str(dist.get_debug_level()),
-            "optimize": sys.flags.optimize}), flush=True)
+            "optimize": sys.flags.optimize}) + "\\n")  # one write: ranks' lines never interleave
+sys.stdout.flush()
 """
 
 

@@ -91,11 +91,13 @@ class ForkServer:
     ended: bool = False
 
     @classmethod
-    def start(cls, verbose: bool = False, stderr: Optional[int] = None) -> Optional["ForkServer"]:
+    def start(cls, verbose: bool = False, stderr: Optional[int] = None, dynamo: bool = True
+              ) -> Optional["ForkServer"]:
         """Fork a server from this process for the workers about to be launched (None: they start the plain
         way). Call it with torch imported and no other thread running. The caller puts ``path`` into the
         workers' environment; the server gets it already. ``verbose``: the server says on ``stderr``
-        (default: ours) why a worker starts the plain way."""
+        (default: ours) why a worker starts the plain way. ``dynamo``: import ``torch._dynamo`` for the
+        workers (their first optimizer step would: ~2 s each); a lone worker imports it if it needs it."""
         if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
             return None
         folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
@@ -117,7 +119,7 @@ class ForkServer:
                 signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
                 pid = os.fork()
                 if pid == 0:
-                    _become_server(listener, launcher, path, verbose, stderr, mask)
+                    _become_server(listener, launcher, path, verbose, stderr, mask, dynamo)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         except BaseException as exc:  # a failed start, or a stop signal while starting (the caller's _Stopped)
@@ -157,7 +159,7 @@ class ForkServer:
 
 
 def _become_server(listener: socket.socket, launcher: int, path: str, verbose: bool, stderr: Optional[int],
-                   mask: set[int | signal.Signals]) -> NoReturn:
+                   mask: set[int | signal.Signals], dynamo: bool) -> NoReturn:
     """In the child forked by :meth:`ForkServer.start`: shed the launcher's state, then serve.
 
     What the launcher had that a server must not keep: its signal handlers (they raise into the
@@ -187,7 +189,7 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
             if sig not in (signal.SIGCONT, signal.SIGWINCH):
                 signal.signal(sig, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        Server(listener, launcher, verbose).serve()
+        Server(listener, launcher, verbose).serve(dynamo)
     except BaseException:
         with contextlib.suppress(Exception):
             traceback.print_exc()
@@ -226,12 +228,14 @@ def _standard_fds(stderr: Optional[int], keep: int) -> None:
             setattr(sys, attribute, stream)
 
 
-def _preimport() -> Optional[str]:
+def _preimport(dynamo: bool) -> Optional[str]:
     """What every worker imports: once, here. Returns why forking is off (None: it is on)."""
     try:
         import torch
-        import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~2 s)
         import torch.distributed  # noqa: F401
+
+        if dynamo:
+            import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~2 s)
     except Exception as exc:  # the plain start will show the real error
         return f"importing torch failed ({type(exc).__name__})"
     if torch.cuda.is_initialized():
@@ -254,8 +258,8 @@ class Server:
         self.boot_of: dict[int, socket.socket] = {}    # worker pid (not yet reaped) -> boot connection
         self.wake_r, self.wake_w = os.pipe()
 
-    def serve(self) -> NoReturn:
-        self.refusal = _preimport()
+    def serve(self, dynamo: bool = True) -> NoReturn:
+        self.refusal = _preimport(dynamo)
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
         signal.set_wakeup_fd(self.wake_w)

@@ -334,7 +334,8 @@ def _stop_server(server: Optional[ForkServer]) -> None:
 def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[ForkServer]:
     """CPU workers are forked from a server forked from this process after its import of torch (see
     :mod:`.forkserver`), one worker or many: the server costs a fork, and a worker forked from it skips
-    torch's import (and ``torch._dynamo``'s, which the server pays once). The plain start instead: GPU
+    torch's import (and ``torch._dynamo``'s, which the server pays once where several workers, or a
+    restarted one, share it; a lone worker imports it itself if its script needs it). The plain start instead: GPU
     workers, ``MULTIGPU_WORKER_START=plain``, and a launcher whose state a worker must not inherit
     (``fork=False``: torch was imported before the workers' variables were set; interpreter options
     other than ``-u``; a tracer or profiler, e.g. coverage or a debugger)."""
@@ -342,7 +343,7 @@ def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[Fork
     if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or \
             interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
         return None
-    server = ForkServer.start(verbose=request.verbose)
+    server = ForkServer.start(verbose=request.verbose, dynamo=request.devices.nproc > 1 or request.max_restarts > 0)
     if server is not None:
         os.environ[FORKSERVER_VAR] = server.path
     return server
