@@ -9,7 +9,7 @@ How: the launcher imports torch (it needs it for torch's agent), binds a Unix so
 (mode 0700) and forks this server from itself before torch's agent starts any thread: one import of
 torch serves the launcher and every worker (a separate server process cost a second import, ~3 s of CPU
 per launch). The server sheds the launcher's state (:func:`_become_server`), imports ``torch._dynamo``
-and numpy, then waits. torch's agent still starts one process per rank, but a small one (:mod:`.boot`,
+where several workers or restarts share it, then waits. torch's agent still starts one process per rank, but a small one (:mod:`.boot`,
 no torch): it sends the server its arguments, environment, working folder and stdin/stdout/stderr; the
 server forks a worker that takes them over and runs :mod:`.worker` as the plain start would. The boot
 process stays what the agent watches and signals: it passes signals on to the worker's process group and
