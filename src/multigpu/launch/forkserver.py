@@ -9,13 +9,13 @@ How: the launcher imports torch (it needs it for torch's agent), binds a Unix so
 (mode 0700) and forks this server from itself before torch's agent starts any thread: one import of
 torch serves the launcher and every worker (a separate server process cost a second import, ~3 s of CPU
 per launch). The server sheds the launcher's state (:func:`_become_server`), imports ``torch._dynamo``
-where several workers or restarts share it, then waits. torch's agent still starts one process per rank, but a small one (:mod:`.boot`,
-no torch): it sends the server its arguments, environment, working folder and stdin/stdout/stderr; the
-server forks a worker that takes them over and runs :mod:`.worker` as the plain start would. The boot
-process stays what the agent watches and signals: it passes signals on to the worker's process group and
-leaves with the worker's exit status or signal. A boot process that dies (SIGKILL) takes its worker with
-it. The launcher lowers torch's C++ log level only after the fork (:mod:`.torch_logs`), so the server
-keeps the level a new interpreter has.
+where several workers or restarts share it, then waits. torch's agent still starts one process per
+rank, but a small one (:mod:`.boot`, no torch): it sends the server its arguments, environment, folder
+and stdin/stdout/stderr; the server forks a worker that takes them over and runs :mod:`.worker` as the
+plain start would. The boot process stays what the agent watches and signals: it passes signals on to
+the worker's process group and leaves with the worker's status or signal. A boot process that dies
+(SIGKILL) takes its worker with it. The launcher lowers torch's C++ log level only after the fork
+(:mod:`.torch_logs`), so the server keeps the level a new interpreter has.
 
 What a forked worker gets fresh: its own session (as torch's agent gives each worker), signal
 handlers as a new interpreter has them, the environment, folder, umask and ``sys.path`` of its boot
