@@ -37,12 +37,6 @@ def _level_flag() -> Optional[ctypes.c_int]:
         return None
 
 
-def cpp_log_level() -> Optional[int]:
-    """This process's C++ log level (None: torch not loaded, or the flag not found)."""
-    flag = _level_flag()
-    return None if flag is None else flag.value
-
-
 def quiet_cpp_logs(verbose: bool) -> Optional[int]:
     """Load torch, then lower this process's C++ log level to FATAL, unless ``verbose`` or the user chose a
     level (``TORCH_CPP_LOG_LEVEL``). Returns the level it had (None: unchanged)."""
@@ -59,6 +53,8 @@ def quiet_cpp_logs(verbose: bool) -> Optional[int]:
 
 def set_cpp_log_level(level: Optional[int]) -> None:
     """Put back what :func:`quiet_cpp_logs` returned (None: nothing to do)."""
-    flag = _level_flag() if level is not None else None
-    if flag is not None and level is not None:
+    if level is None:
+        return
+    flag = _level_flag()
+    if flag is not None:
         flag.value = level
