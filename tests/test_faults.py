@@ -45,14 +45,25 @@ def _background(out: Path, *extra: str) -> subprocess.Popen:
                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("kill_at", [2, 5, 6, 11, 16])  # mid-epoch, at and after epoch boundaries (6 steps each)
-def test_kill_at_any_step_then_resume_is_bitwise_equal(tmp_path, reference, kill_at, no_leftovers):
-    killed = _run(tmp_path, "--kill-at", str(kill_at), "--kill-rank", "1", no_leftovers)
-    assert killed.returncode != 0
-    assert "rank 1 (local rank 1" in killed.stderr and "SIGKILL" in killed.stderr
-    resumed = _run(tmp_path, "--kill-at", str(kill_at), no_leftovers)
+#: Mid-epoch, at and after epoch boundaries (6 steps each), and two kills one step apart.
+KILLS = (2, 5, 6, 11, 16)
+
+
+def test_kill_at_any_step_then_resume_is_bitwise_equal(tmp_path, reference, no_leftovers):
+    """One run killed at each step of KILLS in turn, each attempt resuming from the checkpoint of the step
+    the previous one was killed at, then finishing: bitwise equal to the uninterrupted reference. One
+    launch per kill (a test per kill step took two: the killed run, and a resume to the end)."""
+    kills = ",".join(map(str, KILLS))
+    for attempt, kill_at in enumerate(KILLS):
+        killed = _run(tmp_path, "--kill-at", kills, "--kill-rank", "1", no_leftovers)
+        assert killed.returncode != 0, f"not killed at step {kill_at}"
+        assert "rank 1 (local rank 1" in killed.stderr and "SIGKILL" in killed.stderr
+        assert (tmp_path / f"killed-at-{kill_at}").exists()
+        if attempt:  # resumed from the last checkpoint before the previous kill
+            assert f"step {KILLS[attempt - 1]})" in killed.stdout, killed.stdout
+    resumed = _run(tmp_path, "--kill-at", kills, no_leftovers)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"step {kill_at})" in resumed.stdout  # resumed from the last checkpoint before the kill
+    assert f"step {KILLS[-1]})" in resumed.stdout
     assert _bitwise_equal(_final(tmp_path), reference)
 
 

@@ -3,7 +3,8 @@
     multigpu run --nproc 2 faults.py OUT_DIR [--kill-at STEP] [--kill-rank R] [--sleep S] ...
 
 Saves a checkpoint every step and, at the end, the final parameters to OUT_DIR/final.pt.
---kill-at STEP      SIGKILL rank --kill-rank while computing step STEP+1 (first attempt only)
+--kill-at STEP[,STEP...]  SIGKILL rank --kill-rank while computing step STEP+1, once per STEP (the first
+                    attempt to reach it: OUT/killed-at-STEP marks it; a list kills one attempt after another)
 --sleep S           sleep S seconds in every step (gives a test time to send signals)
 --hang-at STEP      rank --kill-rank blocks forever in its data loader at that step
 --desync            rank 1 builds a wider model than rank 0
@@ -31,7 +32,7 @@ import multigpu as mg
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("--kill-at", type=int)
+parser.add_argument("--kill-at", type=lambda text: [int(step) for step in text.split(",")], default=[])
 parser.add_argument("--kill-rank", type=int, default=1)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--hang-at", type=int)
@@ -82,9 +83,10 @@ class FaultTrainer(mg.Trainer):
         step = self.state.global_step
         if args.hold_at is not None and step == args.hold_at and not released(out):
             hold(out, run)
-        if (args.kill_at is not None and step == args.kill_at and run.rank == args.kill_rank
-                and run.world.restart_count == 0 and not (out / "resumed-once").exists()):
-            (out / "resumed-once").write_text("killed")  # the next attempt must not kill itself again
+        marker = out / f"killed-at-{step}"
+        if (step in args.kill_at and run.rank == args.kill_rank and run.world.restart_count == 0
+                and not marker.exists()):
+            marker.write_text("killed")  # the next attempt must not kill itself here again
             os.kill(os.getpid(), signal.SIGKILL)
         if args.sleep:
             time.sleep(args.sleep)
