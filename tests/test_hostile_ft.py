@@ -91,7 +91,7 @@ CASES = [
     Case("env-lighthouse-not-http", ["s.py"], "is not http://HOST:PORT", write("s.py", INIT),
          env={**FT, "TORCHFT_LIGHTHOUSE": "file:///etc/passwd"}, python=True),
     Case("env-lighthouse-injection", ["s.py"], "is not http://HOST:PORT", write("s.py", INIT),
-         env={**FT, "TORCHFT_LIGHTHOUSE": f"http://h;touch {PWNED}:1"}, python=True),
+         env={**FT, "TORCHFT_LIGHTHOUSE": f"http://h;touch {PWNED}:1"}, python=True, fresh=True),
     Case("env-replica-group-out-of-range", ["s.py"], "replica group 5 of 2", write("s.py", INIT),
          env={**FT, "REPLICA_GROUP_ID": "5"}, python=True),
     Case("env-replica-groups-missing", ["s.py"], "NUM_REPLICA_GROUPS is not set", write("s.py", INIT),

@@ -43,6 +43,7 @@ class Case:
     setup: Optional[Callable[[Path], None]] = None  # writes input files into the case folder
     env: dict = field(default_factory=dict)
     python: bool = False
+    fresh: bool = False  # with python=True: a real interpreter of its own (else forked by the case server)
 
 
 def write(name: str, text: str, binary: bool = False) -> Callable[[Path], None]:
@@ -452,7 +453,7 @@ CASES = [
     Case("ckpt-linked-step", ["checkpoint", "verify", STEP], "is a symbolic link", linked_step),
     Case("ckpt-linked-consolidation-target", ["checkpoint", "consolidate", STEP], "is a symbolic link",
          linked_consolidation_target),
-    Case("ckpt-resume-bad-counters", ["-c", TRAIN_TINY], "trainer counters are malformed", bad_counters, python=True),
+    Case("ckpt-resume-bad-counters", ["-c", TRAIN_TINY], "trainer counters are malformed", bad_counters, python=True, fresh=True),
     Case("runs-env-pythonwarnings", ["queue", "runs.yaml", "--slots", "1"], "a runs file may not set it",
          runs(f"a:\n{RUN_OK}  env: {{PYTHONWARNINGS: 'ignore::antigravity.X', BROWSER: 'touch {PWNED}'}}\n")),
     Case("runs-env-slurm-arithmetic", ["queue", "runs.yaml", "--slurm", "--dry-run"], "a runs file may not set it",
@@ -478,7 +479,7 @@ CASES = [
     Case("queue-linked-lock", ["queue", "runs.yaml", "--slots", "1", "--out", "out"], "symbolic link", linked_lock),
     # hparams files and overrides, under plain python (the one-line hook) and under multigpu run
     Case("hparams-duplicate-key", [DIGITS, "h.yaml"], "h.yaml:3: key 'trainer' is given twice",
-         write("h.yaml", "trainer:\n  epochs: 1\ntrainer:\n  epochs: 2\n"), python=True),
+         write("h.yaml", "trainer:\n  epochs: 1\ntrainer:\n  epochs: 2\n"), python=True, fresh=True),
     Case("hparams-alias-bomb", [DIGITS, "h.yaml"], "expands to more than", write("h.yaml", BOMB), python=True),
     Case("hparams-python-tag", [DIGITS, "h.yaml"], "invalid YAML",
          write("h.yaml", f"model: !!python/object/apply:os.system ['touch {PWNED}']\n"), python=True),
@@ -490,7 +491,7 @@ CASES = [
          write("h.yaml", "trainer: {}\ntrainer: {}\n")),
     # launchers' environment variables
     Case("env-rank-without-world-size", ["-c", "import multigpu as mg; mg.init()"], "RANK is set but WORLD_SIZE is not",
-         env={"RANK": "0"}, python=True),
+         env={"RANK": "0"}, python=True, fresh=True),
     Case("env-world-size-text", ["-c", "import multigpu as mg; mg.init()"], "WORLD_SIZE='abc' is not an integer",
          env={"RANK": "0", "WORLD_SIZE": "abc"}, python=True),
     Case("env-rank-outside", ["-c", "import multigpu as mg; mg.init()"], "rank 5 is outside world size 2",
@@ -529,9 +530,12 @@ class CaseServer:
         self.proc = subprocess.Popen([PY, str(SCRIPTS / "case_server.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=child_env(), cwd=str(REPO))
 
-    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float, python: bool = False
+            ) -> subprocess.CompletedProcess:
+        """``python -m multigpu ARGV``, or with ``python``: ``python ARGV``."""
         out, err = cwd.parent / "case.stdout", cwd.parent / "case.stderr"
-        request = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err), "timeout": timeout}
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err), "timeout": timeout,
+                   "python": python}
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
@@ -567,10 +571,10 @@ def test_hostile_input(case: Case, tmp_path: Path, case_server: CaseServer):
     env = child_env({"HOME": str(tmp_path), **case.env})
     started = time.monotonic()
     try:
-        if case.python:  # plain `python ...`: a real interpreter of its own
+        if case.fresh:  # plain `python ...`: a real interpreter of its own
             proc = subprocess.run([PY, *case.argv], capture_output=True, text=True, timeout=30, env=env, cwd=work)
         else:
-            proc = case_server.run(case.argv, work, env, timeout=30)
+            proc = case_server.run(case.argv, work, env, timeout=30, python=case.python)
     finally:
         left = processes_with(str(work))
     elapsed = time.monotonic() - started

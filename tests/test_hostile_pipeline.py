@@ -35,7 +35,7 @@ def trainer(pp: int = 2, model: str = "nn.Sequential(nn.Linear(2, 4), nn.Tanh(),
 
 CASES = [
     # the settings door, through a recipe's KEY=VALUE overrides (the rest of the door: in-process, below)
-    Case("pp-zero", [DIGITS, "trainer.pp=0"], "trainer setting pp=0 is invalid", python=True),
+    Case("pp-zero", [DIGITS, "trainer.pp=0"], "trainer setting pp=0 is invalid", python=True, fresh=True),
     Case("pp-text", [DIGITS, "trainer.pp=two"], "trainer.pp must be int, not 'two'", python=True),
     Case("pp-schedule-unknown", [DIGITS, "trainer.pp=2", "trainer.pipeline_schedule=zigzag"],
          "trainer setting pipeline_schedule='zigzag' is invalid", python=True),

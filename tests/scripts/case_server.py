@@ -9,17 +9,26 @@ per case (a ``multigpu run`` case ``exec``s a new interpreter: see ``LAUNCHING``
 with the command's status. The parent
 never runs torch code, so forking it is safe. Processes the command itself starts are real ones.
 
+A request with ``"python": true`` runs ``python ARGV`` instead (``-c CODE``, ``-m MODULE`` or a script,
+with what a new interpreter would put first on ``sys.path``): an uncaught exception goes to
+``sys.excepthook`` (multigpu's one-line hook, as in a new interpreter that imported multigpu), then the
+case's own exit handlers run, as at an interpreter's exit. The table keeps a few such cases in a real
+interpreter of their own, so that path stays proven too.
+
 Protocol: one JSON object per line on stdin - ``{"argv": [...], "cwd": ..., "env": {...}, "out": path,
-"err": path, "timeout": seconds}`` - and one JSON line back: ``{"status": N, "seconds": S}`` (status
--9 when the case ran past its timeout and was killed with its process group).
+"err": path, "timeout": seconds, "python": bool}`` - and one JSON line back: ``{"status": N, "seconds":
+S}`` (status -9 when the case ran past its timeout and was killed with its process group).
 """
 
+import atexit
 import json
 import os
 import runpy
 import signal
 import sys
+import threading
 import time
+import types
 
 import torch  # noqa: F401 - imported once here, inherited by every case that does not launch
 
@@ -29,6 +38,36 @@ import multigpu.cli  # noqa: F401
 #: user's would. A launcher that finds torch imported already starts its workers the plain way (the
 #: variables torch reads at import were other ones then), each importing torch again.
 LAUNCHING = ("run",)
+
+
+def run_python(argv: list) -> int:
+    """``python ARGV`` in this (forked) process: its status, as the interpreter would exit with it."""
+    atexit._clear()  # only the case's own exit handlers run at its end, not this server's
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+        elif argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # as the interpreter does: the message on stderr, status 1
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: threads, then handlers
+    atexit._run_exitfuncs()
+    return code
 
 
 def run_case(request: dict) -> int:
@@ -41,7 +80,12 @@ def run_case(request: dict) -> int:
             os.environ.update(request["env"])
             # What a fresh `python -m` would have on its path: the current folder, then PYTHONPATH.
             extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-            sys.path[:0] = [os.getcwd(), *extra]
+            first = os.getcwd()
+            if request.get("python"):  # what `python ARGV` puts first: '' for -c, the script's folder for a script
+                argv = request["argv"]
+                first = "" if argv[:1] == ["-c"] else os.getcwd() if argv[:1] == ["-m"] else \
+                    os.path.dirname(os.path.abspath(argv[0]))
+            sys.path[:0] = [first, *extra]
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.close(devnull)
@@ -53,17 +97,20 @@ def run_case(request: dict) -> int:
             sys.stderr = open(2, "w", closefd=False)
             if request["argv"][:1] and request["argv"][0] in LAUNCHING:
                 os.execve(sys.executable, [sys.executable, "-m", "multigpu", *request["argv"]], dict(os.environ))
-            sys.argv = ["multigpu", *request["argv"]]
-            code = 0
-            try:
-                runpy.run_module("multigpu", run_name="__main__", alter_sys=True)
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            except BaseException:  # what `python -m multigpu` would do: a traceback, status 1
-                import traceback
+            if request.get("python"):
+                code = run_python(request["argv"])
+            else:
+                sys.argv = ["multigpu", *request["argv"]]
+                code = 0
+                try:
+                    runpy.run_module("multigpu", run_name="__main__", alter_sys=True)
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except BaseException:  # what `python -m multigpu` would do: a traceback, status 1
+                    import traceback
 
-                traceback.print_exc()
-                code = 1
+                    traceback.print_exc()
+                    code = 1
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
