@@ -60,6 +60,24 @@ def multigpu(*args: str, timeout: float = 120, env: Optional[dict] = None, cwd: 
     return proc
 
 
+def multigpu_here(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    """``multigpu ARGS`` in this process (``multigpu.cli.main``), for commands whose result a test reads
+    rather than their process: a new interpreter and ``import torch`` cost ~4 s of CPU each. The
+    commands' own processes are tested where that is the point (the hostile-input tables)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from multigpu.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(args))
+    proc = subprocess.CompletedProcess(["multigpu", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"exit {code}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
 def processes_with(token: str) -> list[int]:
     """Pids whose command line contains ``token`` (a unique marker passed to the processes under test)."""
     found = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SCRIPTS, multigpu
+from conftest import SCRIPTS, multigpu, multigpu_here
 from torch import nn
 
 from multigpu.distributed.world import World
@@ -145,12 +145,12 @@ def test_sharded_checkpoint_reshards_2_to_1_and_3_and_consolidates(tmp_path, no_
     for nproc in (1, 3):  # float64: only the order of float sums differs (the bound: tests/scripts/reshard.py)
         assert max((finals[nproc][k] - finals[2][k]).abs().max().item() for k in finals[2]) < 1e-7
 
-    consolidated = multigpu("checkpoint", "consolidate", str(ckpt), "--out", str(tmp_path / "plain"), check=True)
+    consolidated = multigpu_here("checkpoint", "consolidate", str(ckpt), "--out", str(tmp_path / "plain"), check=True)
     assert "consolidated" in consolidated.stdout
     state = torch.load(tmp_path / "plain" / ckpt.name / "state.pt", weights_only=True)
     plain = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     plain.load_state_dict(state["model"])  # strict
     after1 = torch.load(tmp_path / "after1.pt", weights_only=True)
     assert all(torch.equal(plain.state_dict()[k], after1[k]) for k in after1)
-    listing = multigpu("checkpoint", "list", str(first / "checkpoints"), check=True)
+    listing = multigpu_here("checkpoint", "list", str(first / "checkpoints"), check=True)
     assert "sharded, world size 2  ok" in listing.stdout

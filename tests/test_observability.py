@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SCRIPTS, multigpu
+from conftest import SCRIPTS, multigpu, multigpu_here
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -174,7 +174,7 @@ def test_best_checkpoint_and_early_stopping_agree_on_two_processes_and_one(obser
         (best,) = (out / "checkpoints" / "best").glob("step-*")
         manifest = json.loads((best / "manifest.json").read_text())
         assert manifest["monitor"] == "valid_loss" and manifest["step"] == observed[nproc]["best_step"]
-        listing = multigpu("checkpoint", "verify", str(best), check=True)
+        listing = multigpu_here("checkpoint", "verify", str(best), check=True)
         assert "ok" in listing.stdout
     one, two = observed[1], observed[2]
     assert one["best_step"] == two["best_step"] and one["stopped_at"] == two["stopped_at"] < 80
