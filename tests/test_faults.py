@@ -72,10 +72,10 @@ def test_resume_inside_an_epoch_with_accumulation_is_bitwise_equal(tmp_path, no_
     reference = tmp_path / "reference"
     assert _run(reference, "--accumulate", "4", no_leftovers).returncode == 0
     assert (reference / "steps.txt").read_text() == "6"
-    interrupted = tmp_path / "interrupted"
-    assert _run(interrupted, "--accumulate", "4", "--kill-at", "3", no_leftovers).returncode != 0
-    resumed = _run(interrupted, "--accumulate", "4", "--kill-at", "3", no_leftovers)
+    interrupted = tmp_path / "interrupted"  # killed at step 3, restarted by the agent (one launch)
+    resumed = _run(interrupted, "--accumulate", "4", "--kill-at", "3", no_leftovers, launcher=("--max-restarts", "1"))
     assert resumed.returncode == 0, resumed.stderr
+    assert (interrupted / "killed-at-3").exists()
     assert "(epoch 1, batch 4, step 3)" in resumed.stdout
     assert (interrupted / "steps.txt").read_text() == "6"
     assert _bitwise_equal(_final(interrupted), _final(reference))
