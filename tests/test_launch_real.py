@@ -23,8 +23,9 @@ def _records(stdout: str) -> list[dict]:
     return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
 
 
-def test_run_nproc_2_all_reduce(no_leftovers):
-    proc = multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers, check=True)
+def _assert_all_reduced_on_2(proc: subprocess.CompletedProcess) -> None:
+    """``multigpu run --nproc 2 allreduce.py``: both ranks, the sum, gloo, and torch's agent underneath."""
+    assert proc.returncode == 0, proc.stderr
     records = _records(proc.stdout)
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["sum"] == 3.0 and r["world_size"] == 2 and r["backend"] == "gloo" for r in records)
@@ -80,11 +81,11 @@ def test_repeated_launches_never_abort_at_shutdown(no_leftovers):
 
 
 def test_two_concurrent_launches_both_succeed(no_leftovers):
+    """Two launches at once (each must find its own ports), each the plain 2-process all-reduce."""
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda _: multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers), range(2)))
     for proc in procs:
-        assert proc.returncode == 0, proc.stderr
-        assert [r["sum"] for r in _records(proc.stdout)] == [3.0, 3.0]
+        _assert_all_reduced_on_2(proc)
 
 
 def test_failing_rank_gives_its_exit_code_name_and_stderr(no_leftovers):
