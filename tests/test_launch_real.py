@@ -224,16 +224,18 @@ def test_help_documents_every_option():
         assert flag in proc.stdout
 
 
-@pytest.mark.parametrize("check", ["init", "fsdp_dcp"])
-def test_the_gpu_path_checks_hold_on_cpu_processes_too(tmp_path, check, no_leftovers):
+def test_the_gpu_path_checks_hold_on_cpu_processes_too(tmp_path, no_leftovers):
     """tests/scripts/gpu_paths.py is what the GPU tier runs on a GPU; here its code path runs on two CPU
-    processes, so a mistake in the script (not a CUDA difference) shows up on every machine."""
-    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "gpu_paths.py"), check, str(tmp_path), no_leftovers,
-                    timeout=180)
+    processes, so a mistake in the script (not a CUDA difference) shows up on every machine. Both CPU
+    checks in one launch."""
+    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "gpu_paths.py"), "init,fsdp_dcp", str(tmp_path),
+                    no_leftovers, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = sorted(_records(proc.stdout), key=lambda r: r["rank"])
-    assert [(r["device"], r["world_size"]) for r in records] == [("cpu", 2), ("cpu", 2)]
-    if check == "init":
-        assert [(r["backend"], r["sum"]) for r in records] == [("gloo", 3.0), ("gloo", 3.0)]
-    else:
-        assert all(r["resumed"] and r["sharded"] for r in records) and records[0]["equal"] is True
+    found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for check in ("init", "fsdp_dcp"):
+        records = sorted((r for r in found if r["check"] == check), key=lambda r: r["rank"])
+        assert [(r["device"], r["world_size"]) for r in records] == [("cpu", 2), ("cpu", 2)], check
+        if check == "init":
+            assert [(r["backend"], r["sum"]) for r in records] == [("gloo", 3.0), ("gloo", 3.0)]
+        else:
+            assert all(r["resumed"] and r["sharded"] for r in records) and records[0]["equal"] is True
