@@ -69,7 +69,12 @@ STAGES = ("prepare", "train", "evaluate")
 
 
 def prepare_data(cfg: DataConfig) -> str:
-    """Split the digits once and save them as tensors (run on rank 0 only, via run_on_main)."""
+    """Split the digits once and save them as tensors (run on rank 0 only, via run_on_main). A folder that
+    holds this split already is used as it is, as SpeechBrain's recipes skip a finished data preparation:
+    runs of a queue, trials of a sweep and resumed runs share it (and skip scikit-learn's import, seconds)."""
+    path = Path(cfg.folder) / f"digits-{cfg.split_seed}-{cfg.valid_fraction}.pt"
+    if path.exists():
+        return str(path)
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -78,7 +83,6 @@ def prepare_data(cfg: DataConfig) -> str:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(cfg.split_seed))
     n_valid = int(len(x) * cfg.valid_fraction)
     valid, train = order[:n_valid], order[n_valid:]
-    path = Path(cfg.folder) / f"digits-{cfg.split_seed}-{cfg.valid_fraction}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # several runs of a queue may prepare at once
     torch.save({"train": (x[train], y[train]), "valid": (x[valid], y[valid])}, tmp)
