@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, multigpu_here, wait_for_files
 from rich.console import Console
 from torch import nn
 
@@ -90,7 +90,7 @@ def test_a_resume_skips_a_malformed_manifest_as_corrupt(tmp_path, change, why):
     reports = []
     info = checkpoint.latest(tmp_path, report=reports.append)
     assert info.step == 1 and len(reports) == 1 and why in reports[0]
-    listing = multigpu("checkpoint", "list", str(tmp_path))
+    listing = multigpu_here("checkpoint", "list", str(tmp_path))
     assert listing.returncode == 0 and "CORRUPT" in listing.stdout and "Traceback" not in listing.stderr
 
 
@@ -125,7 +125,7 @@ def test_consolidate_never_replaces_the_source(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     step = sharded.save(tmp_path, 4, model, opt, {"trainer": {}}, is_main=True, barrier=lambda: None)
     before = {p.name: p.stat().st_mtime_ns for p in step.iterdir()}
-    proc = multigpu("checkpoint", "consolidate", str(step), "--out", str(tmp_path))
+    proc = multigpu_here("checkpoint", "consolidate", str(step), "--out", str(tmp_path))
     assert proc.returncode == 2 and "already exists" in proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in step.iterdir()} == before
     assert checkpoint.verify(step)["sharded"] is True

@@ -206,13 +206,13 @@ def test_plot_writes_a_png_for_a_run_and_for_a_queue_folder(tmp_path):
     for name in ("a", "b"):
         _train(tmp_path / "queue" / name, 2, log_every_n_steps=2)
     assert _png_size(tmp_path / "queue" / "a" / "curves.png") == (1100, 400)  # written by fit itself
-    proc = multigpu("plot", str(tmp_path / "queue" / "a"), "--out", str(tmp_path / "one.png"), check=True)
+    proc = multigpu_here("plot", str(tmp_path / "queue" / "a"), "--out", str(tmp_path / "one.png"), check=True)
     assert _png_size(tmp_path / "one.png") == (1100, 400) and "one.png" in proc.stdout
-    proc = multigpu("plot", str(tmp_path / "queue"), "--out", str(tmp_path / "both.png"), check=True)
+    proc = multigpu_here("plot", str(tmp_path / "queue"), "--out", str(tmp_path / "both.png"), check=True)
     assert _png_size(tmp_path / "both.png") == (1100, 400) and "2 run(s)" in proc.stdout
     empty = tmp_path / "empty"
     empty.mkdir()
-    refused = multigpu("plot", str(empty))
+    refused = multigpu_here("plot", str(empty))
     assert refused.returncode == 2 and "holds no metrics.csv" in refused.stderr
 
 
