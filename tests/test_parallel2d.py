@@ -7,6 +7,7 @@ The 4-process runs are few and short (2 cores): one fixture trains each layout o
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -95,14 +96,27 @@ def _train(out: Path, nproc: int, *args: str, restarts: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each layout trained once, global batch 4, 6 AdamW steps: 1 process; 2x2 fsdp+tp; HSDP 2x2."""
+    """Each layout trained once, global batch 4, 6 AdamW steps: 2x2 fsdp+tp; HSDP 2x2; then one process
+    trains in turn (parallel2d.py --plan, each run seeded as a fresh process): the plain reference, the
+    reference with clipping, and plain fsdp continuing the 2x2 run's step-3 checkpoint."""
     root = tmp_path_factory.mktemp("parallel2d")
-    return {
+    found = {
         "root": root,
-        "single": _train(root / "single", 1, "--strategy", "single", "--batch", "4"),
         "2d": _train(root / "2d", 4, "--strategy", "fsdp+tp", "--tp", "2", "--batch", "2", "--clip", "0.5"),
         "hsdp": _train(root / "hsdp", 4, "--strategy", "hsdp", "--dp-replicate", "2", "--batch", "1"),
     }
+    source = root / "2d" / "checkpoints" / "step-00000003"
+    (root / "continue1" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source, root / "continue1" / "checkpoints" / source.name)
+    one = {"single": ["--strategy", "single", "--batch", "4"],
+           "single-clip": ["--strategy", "single", "--batch", "4", "--clip", "0.5"],
+           "continue1": ["--strategy", "fsdp", "--batch", "4", "--clip", "0.5"]}
+    (root / "plan.json").write_text(json.dumps([[str(root / name), *argv] for name, argv in one.items()]))
+    proc = multigpu("run", "--nproc", "1", SCRIPT, "--plan", str(root / "plan.json"), timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in one:
+        found[name] = {**torch.load(root / name / "final.pt", weights_only=True), "stdout": proc.stdout}
+    return found
 
 
 def _max_difference(a: dict, b: dict, losses: bool = True) -> float:
@@ -118,7 +132,7 @@ def _max_difference(a: dict, b: dict, losses: bool = True) -> float:
 # The first user of `runs` pays its three launches (two of 4 processes on 2 cores: minutes when busy).
 @pytest.mark.timeout(600)
 def test_fsdp_plus_tensor_parallel_2x2_equals_one_process(runs):
-    single = _train(runs["root"] / "single-clip", 1, "--strategy", "single", "--batch", "4", "--clip", "0.5")
+    single = runs["single-clip"]
     assert "4 processes: dp_shard 2 x tp 2" in runs["2d"]["stdout"]
     assert "done strategy=fsdp+tp world=4 dp=2 step=6" in runs["2d"]["stdout"]
     assert _max_difference(runs["2d"], single) < TOLERANCE
@@ -131,19 +145,21 @@ def test_hsdp_2x2_equals_one_process(runs):
     assert _max_difference(runs["hsdp"], runs["single"]) < TOLERANCE
 
 
-# Two more launches, one of 4 processes on 2 cores.
+# One more launch, of 4 processes on 2 cores.
 @pytest.mark.timeout(600)
 def test_2x2_checkpoints_reshard_to_one_process_and_to_4x1(runs):
-    """The step-3 checkpoint of the 2x2 run, continued by 1 process and by 4 (plain fsdp), ends where the
-    2x2 run ended: model and AdamW state resharded by DCP."""
+    """The step-3 checkpoint of the 2x2 run, continued by 1 process (in the fixture's one-process launch)
+    and by 4 (plain fsdp), ends where the 2x2 run ended: model and AdamW state resharded by DCP."""
+    continued = runs["continue1"]["stdout"].split("done strategy=single world=1 dp=1 step=6 out=single-clip", 1)[1]
+    assert "resumed from" in continued and "step 3)" in continued
+    assert _max_difference(runs["continue1"], runs["2d"], losses=False) < TOLERANCE
     source = runs["root"] / "2d" / "checkpoints" / "step-00000003"
-    for nproc, batch in ((1, "4"), (4, "1")):
-        folder = runs["root"] / f"continue{nproc}"
-        (folder / "checkpoints").mkdir(parents=True)
-        shutil.copytree(source, folder / "checkpoints" / source.name)
-        result = _train(folder, nproc, "--strategy", "fsdp", "--batch", batch, "--clip", "0.5")
-        assert "resumed from" in result["stdout"] and "step 3)" in result["stdout"]
-        assert _max_difference(result, runs["2d"], losses=False) < TOLERANCE
+    folder = runs["root"] / "continue4"
+    (folder / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source, folder / "checkpoints" / source.name)
+    result = _train(folder, 4, "--strategy", "fsdp", "--batch", "1", "--clip", "0.5")
+    assert "resumed from" in result["stdout"] and "step 3)" in result["stdout"]
+    assert _max_difference(result, runs["2d"], losses=False) < TOLERANCE
 
 
 # A 4-process launch that restarts once: two rounds of 4 workers on 2 cores.

@@ -2,9 +2,11 @@
 
     multigpu run --nproc 4 parallel2d.py OUT --strategy fsdp+tp --tp 2 --steps 6 --batch 2
     multigpu run --nproc 1 parallel2d.py OUT --strategy single --steps 6 --batch 4
+    multigpu run --nproc 1 parallel2d.py --plan PLAN.json    # several runs in turn: a JSON list of argvs
 
 The global batch is batch x data-parallel ranks (world / tp): keep it equal across runs to compare.
 --kill-at S   rank 1 SIGKILLs itself while computing step S+1 (first attempt only; use --max-restarts)
+--plan        each run starts with every random stream seeded as mg.init(seed=1) seeds a fresh process
 
 float64 throughout: runs that differ only in the order of float sums then stay within ~1e-9 of each
 other after 6 AdamW steps (a gradient's error ~1e-15, amplified at most lr / eps = 3e5 per step);
@@ -13,8 +15,10 @@ the full weights and every step's global mean loss.
 """
 
 import argparse
+import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import multigpu as mg
+from multigpu.checkpoint.rng import seed_everything
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -33,13 +38,17 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--batch", type=int, required=True)
 parser.add_argument("--kill-at", type=int)
 parser.add_argument("--clip", type=float)
-args = parser.parse_args()
+if sys.argv[1:2] == ["--plan"]:
+    with open(sys.argv[2]) as handle:
+        plan = [parser.parse_args(argv) for argv in json.load(handle)]
+else:
+    plan = [parser.parse_args()]
+args = plan[0]
 
 VOCAB, WIDTH, HEADS, T, LAYERS = 32, 16, 4, 8, 2
 torch.set_default_dtype(torch.float64)
 run = mg.init(seed=1, timeout_s=60)
-losses = []
-out = Path(args.out)
+losses: list = []
 
 
 class Block(nn.Module):
@@ -91,16 +100,26 @@ class LM(mg.Trainer):
         losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])
 
 
-g = torch.Generator().manual_seed(7)
-data = torch.randint(0, VOCAB, (64, T + 1), generator=g)
-dataset = TensorDataset(data[:, :-1], data[:, 1:])
-trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
-             max_steps=args.steps, strategy=args.strategy, tp=args.tp, dp_replicate=args.dp_replicate,
-             out_dir=str(out), checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
-             clip_grad_norm=args.clip, log_every_n_steps=0, plot=False)
-trainer.fit(dataset)
-weights = run.state_dict(trainer.state_model)
-if run.is_main:
-    torch.save({"weights": weights, "losses": torch.tensor(losses)}, out / "final.pt")
-    print(f"done strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
-          f"step={trainer.state.global_step}", flush=True)
+def train() -> None:
+    """One run of ``args`` (read by LM too): the model, the Trainer, final.pt."""
+    out = Path(args.out)
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, VOCAB, (64, T + 1), generator=g)
+    dataset = TensorDataset(data[:, :-1], data[:, 1:])
+    trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
+                 max_steps=args.steps, strategy=args.strategy, tp=args.tp, dp_replicate=args.dp_replicate,
+                 out_dir=str(out), checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
+                 clip_grad_norm=args.clip, log_every_n_steps=0, plot=False)
+    trainer.fit(dataset)
+    weights = run.state_dict(trainer.state_model)
+    if run.is_main:
+        torch.save({"weights": weights, "losses": torch.tensor(losses)}, out / "final.pt")
+        print(f"done strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
+              f"step={trainer.state.global_step} out={out.name}", flush=True)
+
+
+for planned in plan:
+    args = planned
+    seed_everything(1)  # as mg.init(seed=1) left a fresh process
+    losses.clear()
+    train()
