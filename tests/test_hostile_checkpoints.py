@@ -3,9 +3,13 @@
 Each forged checkpoint uses only what the allow-lists admit (DCP's own metadata classes, a torch.save
 zip), so only the limits of :mod:`multigpu.checkpoint.untrusted` and the file door stand in the way. Each
 case runs a real process under an address-space limit (RLIMIT_AS 3 GB) and a timeout: the promise is one
-``multigpu: error: ... HINT:`` line (or the checkpoint skipped with a line saying why), no traceback, no
-crash, fast - never gigabytes or minutes. Plus: the read-only commands leave their input byte for byte
-unchanged, and a planted ``checkpoints`` link makes a save fail instead of writing or pruning elsewhere.
+``multigpu: error: ... HINT:`` line (or the checkpoint listed as corrupt), no traceback, no crash, fast -
+never gigabytes or minutes. Plus: ``list`` and ``verify`` leave their input byte for byte unchanged, a
+linked step folder is never listed nor pruned, and the scans admit every checkpoint we write.
+
+The forges here are shared: tests/test_hostile_doors.py imports them and runs the launches that promise
+more than this file would (forged .metadata and state.pt, ``consolidate`` beside a crash's leftovers,
+escapes in a manifest's names, a planted ``checkpoints`` link): one process per forged input, not two.
 """
 
 from __future__ import annotations
@@ -76,37 +80,12 @@ def write_metadata(step: Path, data: bytes) -> None:
     refresh(step, ".metadata")
 
 
-class LongPath:
-    """Pickles as ``PosixPath(s, s, ..., s)``: 2,000 references to one 1-MiB string (about 1 MB of file)."""
-
-    def __reduce__(self):
-        import pathlib
-
-        return (pathlib.PosixPath, tuple(["a" * (1 << 20)] * 2000))
-
-
 def deep_tuple_in(pickled: bytes, marker: str, depth: int = 1_000_000) -> bytes:
     """Replace the protocol-2 string ``marker`` by a ``depth``-deep nested 1-tuple (2 bytes a level)."""
     raw = marker.encode()
     opcode = b"X" + len(raw).to_bytes(4, "little") + raw
     assert pickled.count(opcode) == 1
     return pickled.replace(opcode, b")" + b"\x85" * depth)
-
-
-def metadata_long_path(work: Path) -> None:
-    step = sharded_ckpt(work)
-    metadata = read_metadata(step)
-    info = next(iter(metadata.storage_data.values()))
-    object.__setattr__(info, "relative_path", LongPath())
-    write_metadata(step, pickle.dumps(metadata, protocol=2))
-
-
-def metadata_repeated_chunk(work: Path) -> None:
-    step = sharded_ckpt(work)
-    metadata = read_metadata(step)
-    entry = metadata.state_dict_metadata["model.0.weight"]
-    entry.chunks = [entry.chunks[0]] * 200_000  # one object, memoised: ~1 MB of pickle
-    write_metadata(step, pickle.dumps(metadata, protocol=2))
 
 
 def metadata_deep_key(work: Path) -> None:
@@ -142,57 +121,6 @@ def rezip(state_pt: Path, replace: Callable[[str, bytes], bytes]) -> None:
             out.writestr(zipfile.ZipInfo(name), replace(name, data))
 
 
-def bad_newest_checkpoint(work: Path, forge: Callable[[Path], None]) -> None:
-    """A Trainer's out/checkpoints with a good step 1 and a step 9 whose manifest verifies but whose
-    state.pt is forged."""
-    from multigpu.checkpoint import files
-
-    model = nn.Linear(2, 1)
-    good = {"model": model.state_dict(), "optimizer": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
-            "trainer": {"epoch": 0, "batch_in_epoch": 1, "global_step": 1}}
-    files.save_state(work / "out" / "checkpoints", 1, good)
-    step = files.save_state(work / "out" / "checkpoints", 9, {"XXDEEPKEYXX": 1})
-    forge(step / "state.pt")
-    refresh(step, "state.pt")
-
-
-def deep_state_pt(work: Path) -> None:
-    bad_newest_checkpoint(work, lambda pt: rezip(pt, lambda name, data: deep_tuple_in(data, "XXDEEPKEYXX")
-                                                 if name.endswith("/data.pkl") else data))
-
-
-def deflated_state_pt(work: Path, elements: int = 256 << 20) -> None:
-    """A 1 GiB tensor of zeros stored as a deflated zip record: about 1 MB on disk."""
-    import collections
-
-    storage = object()
-
-    class Rebuild:
-        def __reduce__(self):
-            return (torch._utils._rebuild_tensor_v2, (storage, 0, (elements,), (1,), False, collections.OrderedDict()))
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj):
-            return ("storage", torch.FloatStorage, "0", "cpu", elements) if obj is storage else None
-
-    def make(pt: Path) -> None:
-        buffer = io.BytesIO()
-        Pickler(buffer, protocol=2).dump({"model": {"w": Rebuild()}})
-        with zipfile.ZipFile(pt, "w") as out:
-            out.writestr(zipfile.ZipInfo("archive/data.pkl"), buffer.getvalue())
-            out.writestr(zipfile.ZipInfo("archive/byteorder"), b"little")
-            record = zipfile.ZipInfo("archive/data/0")
-            record.compress_type = zipfile.ZIP_DEFLATED
-            with out.open(record, "w", force_zip64=True) as handle:
-                zeros, left = bytes(1 << 20), elements * 4
-                while left:
-                    handle.write(zeros[:min(left, len(zeros))])
-                    left -= min(left, len(zeros))
-            out.writestr(zipfile.ZipInfo("archive/version"), b"3")
-
-    bad_newest_checkpoint(work, make)
-
-
 def deep_extra_pt(work: Path) -> None:
     step = sharded_ckpt(work)
     buffer = io.BytesIO()
@@ -201,12 +129,6 @@ def deep_extra_pt(work: Path) -> None:
     rezip(step / "extra.pt", lambda name, data: deep_tuple_in(data, "XXDEEPKEYXX") if name.endswith("/data.pkl")
           else data)
     refresh(step, "extra.pt")
-
-
-TRAIN_TINY = ("import torch, multigpu as mg; from torch import nn; from torch.utils.data import TensorDataset\n"
-              "class T(mg.Trainer):\n    def compute_loss(self, b): return nn.functional.mse_loss(self.model(b[0]), b[1])\n"
-              "run = mg.init(); T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), out_dir='out', "
-              "progress=False, plot=False, keep_last=1, epochs=3).fit(TensorDataset(torch.randn(8, 2), torch.randn(8, 1)))")
 
 
 # ----------------------------------------------------------------------------------------- running
@@ -229,31 +151,26 @@ def run_limited(argv: list, work: Path, token: str, timeout: float = 60) -> subp
                           preexec_fn=_limited)
 
 
+# The forged checkpoints a command refuses or a resume skips (a deep tuple key in .metadata, a 1 MiB string
+# repeated 2,000 times, one chunk repeated 200,000 times, a deep pickle or a deflated 1 GiB record in a
+# state.pt) run in tests/test_hostile_doors.py, which promises more of the same launch (its peak memory,
+# time, nothing written outside the case folder): the cases here are the ones it has no twin for.
 CASES = [
-    # (id, argv, forge, outcome: "error" with this fragment, or "skipped" with this fragment in the output)
-    ("metadata-long-path", cli("checkpoint", "consolidate", STEP, "--out", "out"), metadata_long_path,
-     "error", "refused before loading"),
-    ("metadata-repeated-chunk", cli("checkpoint", "consolidate", STEP, "--out", "out"),
-     metadata_repeated_chunk, "error", "more than 65,536 chunks"),
-    ("metadata-deep-tuple-key", cli("checkpoint", "consolidate", STEP, "--out", "out"),
-     metadata_deep_key, "error", "nests deeper than"),
+    # (id, argv, forge, outcome: "error" with this fragment in the one error line, or "listed" with it in stdout)
     ("metadata-overlapping-chunks", cli("checkpoint", "verify", STEP), metadata_overlapping_chunks,
      "error", "overlapping chunks"),
     ("metadata-deep-tuple-key-listed", cli("checkpoint", "list", "ckpt"), metadata_deep_key,
      "listed", "CORRUPT"),
     ("extra-pt-deep-pickle", cli("checkpoint", "verify", STEP), deep_extra_pt, "error",
      "nests deeper than"),
-    ("state-pt-deep-pickle-resume", ["-c", TRAIN_TINY], deep_state_pt, "skipped",
-     "skipping checkpoint step-00000009"),
-    ("state-pt-deflated-record-resume", ["-c", TRAIN_TINY], deflated_state_pt, "skipped",
-     "skipping checkpoint step-00000009"),
 ]
 
 
 @pytest.mark.parametrize("case_id, argv, forge, outcome, fragment", CASES, ids=[c[0] for c in CASES])
-def test_a_forged_checkpoint_is_one_line_or_skipped(tmp_path, case_id, argv, forge, outcome, fragment, no_leftovers):
+def test_a_forged_checkpoint_is_one_line_or_listed_as_corrupt(tmp_path, case_id, argv, forge, outcome, fragment,
+                                                              no_leftovers):
     forge(tmp_path)
-    proc = run_limited(argv, tmp_path, no_leftovers)  # timeout 60 s: minutes (200,000 chunks) before the limits
+    proc = run_limited(argv, tmp_path, no_leftovers)  # timeout 60 s: a scan without its limits takes minutes
     output = proc.stdout + proc.stderr
     assert proc.returncode >= 0, f"killed by signal {-proc.returncode}: {output[-2000:]}"
     assert "Traceback" not in output, output[-3000:]
@@ -262,11 +179,8 @@ def test_a_forged_checkpoint_is_one_line_or_skipped(tmp_path, case_id, argv, for
         assert proc.returncode != 0 and len(errors) == 1, output[-3000:]
         assert "HINT:" in errors[0] and fragment in errors[0], errors[0]
         assert len(errors[0]) < 1000
-    elif outcome == "listed":
+    else:  # "listed": `checkpoint list` shows the forged step as corrupt and goes on
         assert proc.returncode == 0 and fragment in proc.stdout, output[-3000:]
-    else:  # the forged newest checkpoint is skipped like a torn one; the run resumes from step 1
-        assert proc.returncode == 0 and not errors, output[-3000:]
-        assert fragment in output and "resumed from" in output and "step 1)" in output, output[-3000:]
 
 
 def test_the_limits_admit_every_checkpoint_we_write(tmp_path):
@@ -335,11 +249,11 @@ def _fingerprint(root: Path) -> dict:
     return found
 
 
-@pytest.mark.parametrize("argv", [["list", "ckpt"], ["verify", STEP], ["consolidate", "ckpt", "--out", "out"]],
-                         ids=["list", "verify", "consolidate"])
+@pytest.mark.parametrize("argv", [["list", "ckpt"], ["verify", STEP]], ids=["list", "verify"])
 def test_checkpoint_commands_never_change_their_input(tmp_path, argv, no_leftovers):
     """A crash left an .old-step copy (of a step that exists, and of one that does not) and a .tmp draft:
-    a resume would fix them; the commands only read."""
+    a resume would fix them; the commands only read. (``consolidate`` on the same folder is
+    ``consolidate-recovers-its-source`` in tests/test_hostile_doors.py.)"""
     sharded_ckpt(tmp_path)
     for name in (".old-step-00000003-deadbeef", ".old-step-00000002-deadbeef", ".tmp-step-00000004-cafe0000"):
         (tmp_path / "ckpt" / name).mkdir()
@@ -352,21 +266,6 @@ def test_checkpoint_commands_never_change_their_input(tmp_path, argv, no_leftove
 
 # ----------------------------------------------------------------------------------------- planted links
 
-def test_a_planted_checkpoints_link_stops_the_save_with_one_line(tmp_path, no_leftovers):
-    victim = tmp_path / "victim" / "ckpts"
-    (victim / "step-00000001").mkdir(parents=True)
-    (victim / "step-00000001" / "precious.bin").write_text("someone else's checkpoint")
-    work = tmp_path / "work"
-    (work / "out").mkdir(parents=True)
-    (work / "out" / "checkpoints").symlink_to(victim)
-    before = _fingerprint(tmp_path / "victim")
-    proc = run_limited(["-c", TRAIN_TINY], work, no_leftovers, timeout=120)  # a 1-step Trainer: seconds
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: error:")]
-    assert proc.returncode != 0 and len(errors) == 1 and "link" in errors[0], proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
-    assert _fingerprint(tmp_path / "victim") == before
-
-
 def test_a_linked_step_folder_is_never_listed_nor_pruned(tmp_path):
     from multigpu.checkpoint import files
 
@@ -377,15 +276,6 @@ def test_a_linked_step_folder_is_never_listed_nor_pruned(tmp_path):
     files.save_state(tmp_path / "ckpt", 2, {"x": torch.ones(1)})
     files.prune(tmp_path / "ckpt", keep_last=1, newest=2)
     assert (elsewhere / "state.pt").exists()
-
-
-def test_the_manifest_names_are_shown_without_terminal_escapes(tmp_path, no_leftovers):
-    step = replicated_ckpt(tmp_path)
-    manifest = json.loads((step / "manifest.json").read_text())
-    manifest["files"]["x\u009b2J\u009d0;PWN"] = {"size": 1, "crc32": "00000000"}
-    (step / "manifest.json").write_text(json.dumps(manifest))
-    proc = run_limited(cli("checkpoint", "verify", str(step)), tmp_path, no_leftovers)
-    assert proc.returncode != 0 and "\x9b" not in proc.stderr and "\\x9b" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0, None, [], {"a": 1}])
