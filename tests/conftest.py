@@ -71,7 +71,10 @@ def multigpu_here(*args: str, check: bool = False) -> subprocess.CompletedProces
 
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        code = main(list(args))
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's refusals and --help end this way
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     proc = subprocess.CompletedProcess(["multigpu", *args], code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(f"exit {code}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")

@@ -8,7 +8,8 @@ Launches are shared (a launch costs ~5 s of two cores, a case a fraction of a se
 launch per strategy trains that strategy's cases one after the other, each from scratch with every
 random stream seeded as a fresh process's (tests/scripts/equivalence.py ``--plan``), so each strategy's
 first case still runs in a process of its own and the others in a process that already ran one - which
-several runs in one process must allow anyway. The single-process references share one launch too.
+several runs in one process must allow anyway. The single-process references share one launch too, with
+the pipeline strategy's one-process runs after them.
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ def _background(out: Path, *extra: str) -> subprocess.Popen:
 KILLS = (2, 5, 6, 11, 16)
 
 
+# Seven 2-process launches with the reference's (it is often the first user): up to ~1 min each on 2 busy cores.
+@pytest.mark.timeout(900)
 def test_kill_at_any_step_then_resume_is_bitwise_equal(tmp_path, reference, no_leftovers):
     """One run killed at each step of KILLS in turn, each attempt resuming from the checkpoint of the step
     the previous one was killed at, then finishing: bitwise equal to the uninterrupted reference. One

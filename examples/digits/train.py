@@ -73,7 +73,7 @@ def prepare_data(cfg: DataConfig) -> str:
     holds this split already is used as it is, as SpeechBrain's recipes skip a finished data preparation:
     runs of a queue, trials of a sweep and resumed runs share it (and skip scikit-learn's import, seconds)."""
     path = Path(cfg.folder) / f"digits-{cfg.split_seed}-{cfg.valid_fraction}.pt"
-    if path.exists():
+    if path.is_file() and not path.is_symlink():  # a link or a pipe of that name is replaced, never read
         return str(path)
     from sklearn.datasets import load_digits
 

@@ -21,6 +21,7 @@ S}`` (status -9 when the case ran past its timeout and was killed with its proce
 """
 
 import atexit
+import gc
 import json
 import os
 import runpy
@@ -41,8 +42,9 @@ LAUNCHING = ("run",)
 
 
 def run_python(argv: list) -> int:
-    """``python ARGV`` in this (forked) process: its status, as the interpreter would exit with it."""
-    atexit._clear()  # only the case's own exit handlers run at its end, not this server's
+    """``python ARGV`` in this (forked) process: its status, as the interpreter would exit with it. The
+    exit handlers this server registered stay: they are the ones importing torch registers, which a case
+    that imports torch would have (and cannot register again: the modules are imported)."""
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
@@ -52,9 +54,10 @@ def run_python(argv: list) -> int:
         elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            runpy.run_path(argv[0], run_name="__main__")
+        else:  # the script's path as the interpreter gives it: absolute
+            script = os.path.abspath(argv[0])
+            sys.argv = [argv[0], *argv[1:]]
+            runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
@@ -63,10 +66,14 @@ def run_python(argv: list) -> int:
             print(exc.code, file=sys.stderr)
             code = 1
     except BaseException:
-        sys.excepthook(*sys.exc_info())
+        # As the interpreter does: sys.last_* first (Run.close reads them: no goodbye barrier after an
+        # uncaught exception), then the hook.
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+        sys.excepthook(sys.last_type, sys.last_value, sys.last_traceback)
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: threads, then handlers
     atexit._run_exitfuncs()
+    gc.collect()  # and finalisation: objects' finalizers (files flushed) before os._exit
     return code
 
 
@@ -84,7 +91,7 @@ def run_case(request: dict) -> int:
             if request.get("python"):  # what `python ARGV` puts first: '' for -c, the script's folder for a script
                 argv = request["argv"]
                 first = "" if argv[:1] == ["-c"] else os.getcwd() if argv[:1] == ["-m"] else \
-                    os.path.dirname(os.path.abspath(argv[0]))
+                    os.path.dirname(os.path.realpath(argv[0]))
             sys.path[:0] = [first, *extra]
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
@@ -95,7 +102,7 @@ def run_case(request: dict) -> int:
                 os.close(target)
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
-            if request["argv"][:1] and request["argv"][0] in LAUNCHING:
+            if not request.get("python") and request["argv"][:1] and request["argv"][0] in LAUNCHING:
                 os.execve(sys.executable, [sys.executable, "-m", "multigpu", *request["argv"]], dict(os.environ))
             if request.get("python"):
                 code = run_python(request["argv"])
