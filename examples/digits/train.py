@@ -124,10 +124,15 @@ def main(argv: list[str]) -> Optional[dict]:
     if "prepare" in stages:
         mg.run_on_main(prepare_data, cfg.data)  # once, on rank 0; the other ranks wait
     data_file = Path(cfg.data.folder) / f"digits-{cfg.data.split_seed}-{cfg.data.valid_fraction}.pt"
-    if not data_file.exists():
-        raise mg.MultiGPUError(f"{data_file} does not exist.", "run the prepare stage first (start_stage=prepare).")
-    tensors = torch.load(data_file, weights_only=True)
-    train_set, valid_set = TensorDataset(*tensors["train"]), TensorDataset(*tensors["valid"])
+    if not data_file.is_file() or data_file.is_symlink():  # a pipe or a link of that name is not read
+        raise mg.MultiGPUError(f"{data_file} does not exist (or is not a plain file).",
+                               "run the prepare stage first (start_stage=prepare).")
+    try:
+        tensors = torch.load(data_file, weights_only=True)
+        train_set, valid_set = TensorDataset(*tensors["train"]), TensorDataset(*tensors["valid"])
+    except Exception as exc:  # not what prepare_data writes: say so in one line
+        raise mg.MultiGPUError(f"{data_file} is not a split of the digits ({type(exc).__name__}).",
+                               "delete it: the prepare stage writes it again.") from None
 
     settings = cfg.trainer
     steps = settings.epochs * -(-len(train_set) // (settings.batch_size * run.world_size * settings.accumulate))
