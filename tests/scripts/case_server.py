@@ -10,10 +10,10 @@ with the command's status. The parent
 never runs torch code, so forking it is safe. Processes the command itself starts are real ones.
 
 A request with ``"python": true`` runs ``python ARGV`` instead (``-c CODE``, ``-m MODULE`` or a script,
-with what a new interpreter would put first on ``sys.path``): an uncaught exception goes to
-``sys.excepthook`` (multigpu's one-line hook, as in a new interpreter that imported multigpu), then the
-case's own exit handlers run, as at an interpreter's exit. The table keeps a few such cases in a real
-interpreter of their own, so that path stays proven too.
+with what a new interpreter would put first on ``sys.path``): an uncaught exception sets ``sys.last_*``
+and goes to ``sys.excepthook`` (multigpu's one-line hook, as in a new interpreter that imported
+multigpu), then threads are joined and the exit handlers run, as at an interpreter's exit. The table
+keeps a few such cases in a real interpreter of their own, so that path stays proven too.
 
 Protocol: one JSON object per line on stdin - ``{"argv": [...], "cwd": ..., "env": {...}, "out": path,
 "err": path, "timeout": seconds, "python": bool}`` - and one JSON line back: ``{"status": N, "seconds":
