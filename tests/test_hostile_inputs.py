@@ -106,6 +106,25 @@ class Planted:
         return (os.system, (f"touch {PWNED}",))
 
 
+def digits_split(kind: str) -> Callable[[Path], None]:
+    """The digits recipe's split file (outputs/digits-data/digits-0-0.2.pt), as something it must not read:
+    a pipe (a read would block), a link (to /dev/zero: a read never ends), bytes that are no split, a torch
+    file whose pickle runs a command."""
+    def setup(folder: Path) -> None:
+        data = folder / "outputs" / "digits-data"
+        data.mkdir(parents=True)
+        path = data / "digits-0-0.2.pt"
+        if kind == "pipe":
+            os.mkfifo(path)
+        elif kind == "link":
+            path.symlink_to("/dev/zero")
+        elif kind == "garbage":
+            path.write_bytes(b"\x80\x05not a split" * 100)
+        else:
+            torch.save({"train": Planted(), "valid": Planted()}, path)
+    return setup
+
+
 def planted_metadata(folder: Path) -> None:
     step = sharded_ckpt(folder)
     (step / ".metadata").write_bytes(pickle.dumps(Planted()))
@@ -489,6 +508,15 @@ CASES = [
          "expands to more than", python=True),
     Case("hparams-under-run", ["run", DIGITS, "h.yaml"], "key 'trainer' is given twice",
          write("h.yaml", "trainer: {}\ntrainer: {}\n")),
+    # the digits recipe's split file, in the data folder a queue's runs share (evaluate: no prepare stage)
+    Case("digits-split-pipe", [DIGITS, "start_stage=train"], "is not a plain file", digits_split("pipe"),
+         python=True),
+    Case("digits-split-link", [DIGITS, "start_stage=evaluate"], "is not a plain file", digits_split("link"),
+         python=True),
+    Case("digits-split-garbage", [DIGITS, "start_stage=train"], "is not a split of the digits",
+         digits_split("garbage"), python=True),
+    Case("digits-split-planted-pickle", [DIGITS, "start_stage=train"], "is not a split of the digits",
+         digits_split("pickle"), python=True),
     # launchers' environment variables
     Case("env-rank-without-world-size", ["-c", "import multigpu as mg; mg.init()"], "RANK is set but WORLD_SIZE is not",
          env={"RANK": "0"}, python=True, fresh=True),
