@@ -64,7 +64,7 @@ PER_WORKER = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 })
-#: ``plain``: start every worker the ordinary way (for comparisons and as a way out).
+#: ``plain``: every worker starts the ordinary way (comparisons, a way out); ``fork``: see start_forkserver.
 START_VAR = "MULTIGPU_WORKER_START"
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).

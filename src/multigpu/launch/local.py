@@ -188,7 +188,9 @@ def launch(request: LaunchRequest) -> int:
                else tempfile.mkdtemp(prefix="multigpu-logs-"))
     env = worker_env(request)
     env[LOG_DIR_VAR] = log_dir
-    torch_loaded = "torch" in sys.modules  # before the variables torch reads at import were set: no fork
+    # torch imported before the variables torch reads at import were set: no fork, unless the process that
+    # imported it says it did so with the workers' environment (MULTIGPU_WORKER_START=fork: see start_forkserver)
+    torch_loaded = "torch" in sys.modules and os.environ.get(START_VAR) != "fork"
     if request.debug:
         from importlib.metadata import version
 
@@ -338,7 +340,9 @@ def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[Fork
     restarted one, share it; a lone worker imports it itself if its script needs it). The plain start instead: GPU
     workers, ``MULTIGPU_WORKER_START=plain``, and a launcher whose state a worker must not inherit
     (``fork=False``: torch was imported before the workers' variables were set; interpreter options
-    other than ``-u``; a tracer or profiler, e.g. coverage or a debugger)."""
+    other than ``-u``; a tracer or profiler, e.g. coverage or a debugger). ``MULTIGPU_WORKER_START=fork``
+    is for a process that imported torch and then forks launchers (the test suite's launch server): it
+    vouches that its import saw the environment the workers get, so they may be forked all the same."""
     os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
     if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or \
             interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
