@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import getpass
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -17,6 +24,11 @@ import pytest
 # the processes the tests start: results computed here do not depend on how many cores the machine has,
 # and a test's own thread pool does not compete with the processes it launches on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch's inductor sets its cache folder in this process's environment the first time a test uses it (for its
+# compile workers), so launches after that inherited it and launches before did not: set from the start, to
+# torch's own default, every launch gets the same environment (and the launch server's, see LaunchServer).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())))
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -31,30 +43,110 @@ def _cpu_tier_sees_no_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
-def child_env(extra: Optional[dict] = None) -> dict:
-    """A clean environment for launched processes: no stray launcher variables from the outer shell."""
-    # MLFLOW_ALLOW_FILE_STORE: an in-process MLflow logger of an earlier test sets it in this process.
-    env = {k: v for k, v in os.environ.items()
+def child_env(extra: Optional[dict] = None, base: Optional[dict] = None) -> dict:
+    """A clean environment for launched processes: no stray launcher variables from the outer shell.
+    ``base``: the environment to start from (this process's now, by default)."""
+    source = os.environ if base is None else base
+    # Set in this process by in-process loggers of earlier tests: MLFLOW_ALLOW_FILE_STORE (MLflow's file
+    # store), WANDB_SERVICE (the address of this process's W&B service, for its own children).
+    env = {k: v for k, v in source.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                           "MASTER_ADDR", "MASTER_PORT",
-                                                                          "MLFLOW_ALLOW_FILE_STORE")}
+                                                                          "MLFLOW_ALLOW_FILE_STORE",
+                                                                          "WANDB_SERVICE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(SCRIPTS), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
     if "SLURM_CONF" not in env:  # not the test cluster: Slurm's tools answer "no cluster" (see fakebin/)
         # after a test's own stand-ins (a PATH it gave), before the machine's
-        inherited, fakebin = os.environ.get("PATH", ""), str(REPO / "tests" / "fakebin")
+        inherited, fakebin = source.get("PATH", ""), str(REPO / "tests" / "fakebin")
         path = env.get("PATH", "")
         env["PATH"] = (path[:-len(inherited)] + os.pathsep.join([fakebin, inherited]) if inherited and path.endswith(inherited)
                        else os.pathsep.join([fakebin, path]))
     return env
 
 
+class LaunchServer:
+    """``python -m multigpu ARGS`` forked from one interpreter that imported torch (and torch._dynamo) once
+    per test process: tests/scripts/case_server.py ``--launches``. Why: a 2-process launch spent ~7 s of CPU
+    importing torch in the launcher and torch._dynamo in its fork server, ~5 s more than the work of most
+    tests' launches, and the suite launches a few hundred times. What it proves is unchanged: the launcher,
+    torch's agent, the boot processes and the workers run as in a user's launch; what differs is only that
+    the launcher is a fork of a process that imported torch (with the workers' environment: one that
+    differs starts a new interpreter). The new-interpreter path stays tested where it is the point: every
+    command of the docs pages, test_launch_real.py, test_forkserver.py, the hostile tables' ``run`` cases.
+    A process a launch leaves behind fails the call (the server is the launches' subreaper).
+    ``MGTEST_FRESH=1``: every launch a new interpreter (for comparisons); ``MGTEST_LAUNCH_LOG=FILE``: a line
+    per launch through the server, with the variables that made it start a new interpreter."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.folder = Path(tempfile.mkdtemp(prefix="mgtest-launches-"))
+        self.lock = threading.Lock()
+        self.count = 0
+        self.proc = subprocess.Popen([PY, str(SCRIPTS / "case_server.py"), "--launches"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=child_env(base=_ENV_AT_START),
+                                     cwd=str(REPO))
+
+    def run(self, args: tuple, env: dict, cwd: Path, timeout: float) -> Optional[subprocess.CompletedProcess]:
+        """The command's result, or None where the server is busy (a test's second thread) or gone."""
+        if os.getpid() != self.owner or self.proc.poll() is not None or not self.lock.acquire(blocking=False):
+            return None
+        try:
+            self.count += 1
+            out, err = self.folder / "stdout", self.folder / "stderr"
+            request = {"id": self.count, "argv": list(args), "cwd": str(cwd), "env": env, "out": str(out),
+                       "err": str(err), "timeout": timeout, "launch": True}
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            while True:  # an earlier request's reply first, when its test timed out while waiting for it
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise AssertionError("the launch server died")
+                reply = json.loads(line)
+                if reply.get("id") == self.count:
+                    break
+            argv = [PY, "-m", "multigpu", *args]
+            if os.environ.get("MGTEST_LAUNCH_LOG"):  # which launches started a new interpreter, and why
+                with open(os.environ["MGTEST_LAUNCH_LOG"], "a") as log:
+                    log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')}\t{reply['new_interpreter_for']}\t{args[:1]}\n")
+            if reply["status"] == -9:
+                raise subprocess.TimeoutExpired(argv, timeout)
+            assert not reply["left"], f"processes left behind by multigpu {' '.join(args)}: {reply['left']}"
+            return subprocess.CompletedProcess(argv, reply["status"], out.read_text(errors="replace"),
+                                               err.read_text(errors="replace"))
+        finally:
+            self.lock.release()
+
+    def close(self) -> None:
+        if os.getpid() != self.owner:  # a test's fork of this process exiting: the server is not its own
+            return
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_ENV_AT_START = dict(os.environ)  # before any test changed it: the launch server's environment
+_launch_server: list[LaunchServer] = []  # one per test process, started by the first launch
+
+
+def _server() -> LaunchServer:
+    if not _launch_server:
+        _launch_server.append(LaunchServer())
+        atexit.register(_launch_server[0].close)
+    return _launch_server[0]
+
+
 def multigpu(*args: str, timeout: float = 120, env: Optional[dict] = None, cwd: Optional[Path] = None,
-             check: bool = False) -> subprocess.CompletedProcess:
-    """Run ``python -m multigpu ARGS`` to completion and capture its output."""
-    proc = subprocess.run([PY, "-m", "multigpu", *args], capture_output=True, text=True, timeout=timeout,
-                          env=child_env(env), cwd=str(cwd or REPO))
+             check: bool = False, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run ``python -m multigpu ARGS`` to completion and capture its output: forked from the launch server
+    (:class:`LaunchServer`), or with ``fresh`` in a new interpreter, as from a shell."""
+    fresh = fresh or bool(os.environ.get("MGTEST_FRESH"))
+    proc = None if fresh else _server().run(args, child_env(env), cwd or REPO, timeout)
+    if proc is None:
+        proc = subprocess.run([PY, "-m", "multigpu", *args], capture_output=True, text=True, timeout=timeout,
+                              env=child_env(env), cwd=str(cwd or REPO))
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc

@@ -5,6 +5,7 @@ malformed or foreign request never stops the server; anything it cannot fork for
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import PY, child_env, multigpu, processes_with, wait_for_files, wait_until_gone
+from conftest import PY, child_env, processes_with, wait_for_files, wait_until_gone
+from conftest import multigpu as _multigpu
 
 from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.forkserver import ForkServer, declines
@@ -25,6 +27,8 @@ from multigpu.launch.forkserver import ForkServer, declines
 # Each test launches one 2-process run or one fork server (torch imported once, ~5 s of CPU; up to ~40 s
 # on two busy cores); a hang ends here.
 pytestmark = pytest.mark.timeout(180)
+# The fork server as a user's launch starts it: each launch a new interpreter (not the suite's launch server).
+multigpu = functools.partial(_multigpu, fresh=True)
 
 PROBE = """\
 import json, multiprocessing, os, random, signal, sys

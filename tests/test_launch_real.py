@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -11,11 +12,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import PY, SCRIPTS, child_env, multigpu, wait_for_files, wait_until_gone
+from conftest import PY, SCRIPTS, child_env, wait_for_files, wait_until_gone
+from conftest import multigpu as _multigpu
 
 # A test here launches one or two short 2-process runs (each up to ~1 min on 2 busy cores, capped at 60-180 s
 # by its own subprocess timeout); a hang ends here.
 pytestmark = pytest.mark.timeout(240)
+# The launcher as a user's shell starts it: each launch a new interpreter (not the suite's launch server).
+multigpu = functools.partial(_multigpu, fresh=True)
 ALLREDUCE = str(SCRIPTS / "allreduce.py")
 
 
@@ -73,11 +77,40 @@ SHUTDOWN_LAUNCHES = 12
 def test_repeated_launches_never_abort_at_shutdown(no_leftovers):
     """A bare destroy_process_group aborts in a fraction of runs; ours must not, over SHUTDOWN_LAUNCHES launches."""
     failures = []
-    for attempt in range(SHUTDOWN_LAUNCHES):
-        proc = multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers)
+    for attempt in range(SHUTDOWN_LAUNCHES):  # the workers' shutdown: the suite's launch server serves
+        proc = _multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers)
         if proc.returncode != 0 or "terminate called" in proc.stderr or len(_records(proc.stdout)) != 2:
             failures.append((attempt, proc.returncode, proc.stderr[-500:]))
     assert failures == []
+
+
+PARENTAGE = """\
+import json, os, sys
+import multigpu as mg
+run = mg.init()
+print(json.dumps({"rank": run.rank, "orig_argv": sys.orig_argv, "parent": open(f"/proc/{os.getppid()}/comm").read().strip()}))
+run.close()
+"""
+
+
+def test_the_suites_launch_server_forks_launchers_and_their_workers_and_names_what_they_leave(tmp_path):
+    """conftest.multigpu (the launch server): the launcher is a fork of the server (a worker's orig_argv is
+    the server's) and forks its workers (their parent is the fork server); a process a launch leaves
+    behind fails the call, named, and is killed. A variable torch reads at import starts a new interpreter."""
+    script = tmp_path / "parentage.py"
+    script.write_text(PARENTAGE)
+    proc = _multigpu("run", "--nproc", "2", str(script), check=True)
+    ranks = _records(proc.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(any(a.endswith("case_server.py") for a in r["orig_argv"]) for r in ranks), ranks
+    assert all(r["parent"] == "multigpu-fork" for r in ranks), ranks
+    fresh = _records(_multigpu("run", "--nproc", "2", str(script), env={"OMP_NUM_THREADS": "2"}, check=True).stdout)
+    assert [r["orig_argv"][1:4] for r in fresh] == [["-m", "multigpu", "run"]] * 2, fresh  # a new interpreter
+    leaver = tmp_path / "leaver.py"
+    leaver.write_text(f"import subprocess\nsubprocess.Popen(['sleep', '61.{os.getpid()}'], start_new_session=True)\n")
+    with pytest.raises(AssertionError, match=rf"processes left behind by multigpu run .*sleep 61\.{os.getpid()}"):
+        _multigpu("run", "--nproc", "1", str(leaver))
+    assert wait_until_gone(f"sleep 61.{os.getpid()}", timeout=5) == []
 
 
 def test_two_concurrent_launches_both_succeed(no_leftovers):

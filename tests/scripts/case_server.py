@@ -15,9 +15,21 @@ and goes to ``sys.excepthook`` (multigpu's one-line hook, as in a new interprete
 multigpu), then threads are joined and the exit handlers run, as at an interpreter's exit. The table
 keeps a few such cases in a real interpreter of their own, so that path stays proven too.
 
+With ``--launches`` (the test suite's launch server, ``conftest.multigpu``): a request with ``"launch":
+true`` runs ``multigpu run`` (and every other command) in the forked child too, as ``python -m multigpu
+ARGS`` would, with ``MULTIGPU_WORKER_START=fork`` so that the launcher forks its workers from the torch
+this server imported (``torch._dynamo`` too): a 2-process launch cost ~7 s of CPU in imports, ~2 s this
+way. That is only right where this server imported torch with the environment the workers get, so a
+request whose environment differs from the server's in anything but ``MULTIGPU_*`` variables (which
+nothing reads at import) starts a new interpreter instead. Every launch's processes are this server's
+to account for (it is their subreaper): any still alive 15 s after the command ended is killed and
+named in the reply (``"left"``). Python's, numpy's and torch's random state is drawn again in each
+child, as a new interpreter would.
+
 Protocol: one JSON object per line on stdin - ``{"argv": [...], "cwd": ..., "env": {...}, "out": path,
 "err": path, "timeout": seconds, "python": bool}`` - and one JSON line back: ``{"status": N, "seconds":
-S}`` (status -9 when the case ran past its timeout and was killed with its process group).
+S}`` (status -9 when the case ran past its timeout and was killed with its process group), and with
+``--launches`` ``"left": [command lines]``.
 """
 
 import atexit
@@ -39,6 +51,40 @@ import multigpu.cli  # noqa: F401
 #: user's would. A launcher that finds torch imported already starts its workers the plain way (the
 #: variables torch reads at import were other ones then), each importing torch again.
 LAUNCHING = ("run",)
+#: ``--launches``: the environment torch was imported with (see the module's docstring).
+LAUNCHES = "--launches" in sys.argv[1:]
+IMPORT_ENV = dict(os.environ)
+#: What a launched process may leave behind for this long after its command ended (the fork server
+#: leaves when its launcher has: a signal, then its own exit).
+GRACE_S = 15.0
+if LAUNCHES:
+    import ctypes
+
+    import torch._dynamo  # noqa: F401 - what a launcher's fork server would import for its workers
+
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: a launch's orphans become ours
+
+
+def import_env_changes(env: dict) -> list[str]:
+    """The variables by which ``env`` differs from the one torch was imported with here, leaving out what
+    nothing reads at import: ``MULTIGPU_*`` (but the worker start), pytest's ``PYTEST_CURRENT_TEST`` and,
+    with a CPU build of torch, ``CUDA_VISIBLE_DEVICES`` (the tests hide GPUs per test, module fixtures not).
+    Empty: a launcher forked from here may fork its workers from this import of torch."""
+    changed = {k for k in IMPORT_ENV.keys() | env.keys() if IMPORT_ENV.get(k) != env.get(k)}
+    if torch.version.cuda is None and torch.version.hip is None:
+        changed.discard("CUDA_VISIBLE_DEVICES")
+    return sorted(k for k in changed if not (k.startswith("MULTIGPU_") and k != "MULTIGPU_WORKER_START")
+                  and k != "PYTEST_CURRENT_TEST")
+
+
+def reseed() -> None:
+    """The random state a new interpreter starts with (a forked child would share this server's)."""
+    import random
+
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    torch.seed()
 
 
 def run_python(argv: list) -> int:
@@ -102,7 +148,16 @@ def run_case(request: dict) -> int:
                 os.close(target)
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
-            if not request.get("python") and request["argv"][:1] and request["argv"][0] in LAUNCHING:
+            if LAUNCHES and request.get("launch") and not request.get("python") and \
+                    not import_env_changes(request["env"]):
+                reseed()
+                os.environ["MULTIGPU_WORKER_START"] = "fork"
+                code = run_python(["-m", "multigpu", *request["argv"]])
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            if (not request.get("python") and request["argv"][:1] and request["argv"][0] in LAUNCHING) or \
+                    request.get("launch"):
                 os.execve(sys.executable, [sys.executable, "-m", "multigpu", *request["argv"]], dict(os.environ))
             if request.get("python"):
                 code = run_python(request["argv"])
@@ -135,7 +190,46 @@ def run_case(request: dict) -> int:
                 pass
             os.waitpid(pid, 0)
             return -9
-        time.sleep(0.005)
+        time.sleep(0.02 if LAUNCHES else 0.005)
+
+
+def orphans() -> list[int]:
+    """This server's children that are alive (a launch's processes, once their parent has gone)."""
+    while True:  # reap the ones that ended
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    found, me = [], str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if parent == me and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+def left_behind() -> list[str]:
+    """Wait up to GRACE_S for the processes a launch left to end; kill and name the ones that did not."""
+    deadline = time.monotonic() + GRACE_S
+    while (alive := orphans()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    named = []
+    for pid in alive:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                named.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+    while orphans():  # reaped
+        time.sleep(0.01)
+    return named
 
 
 def main() -> None:
@@ -143,7 +237,11 @@ def main() -> None:
         request = json.loads(line)
         started = time.monotonic()
         status = run_case(request)
-        print(json.dumps({"status": status, "seconds": time.monotonic() - started}), flush=True)
+        reply = {"id": request.get("id"), "status": status, "seconds": time.monotonic() - started}
+        if LAUNCHES:
+            reply["left"] = left_behind()
+            reply["new_interpreter_for"] = import_env_changes(request["env"])
+        print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":
