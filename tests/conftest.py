@@ -70,12 +70,18 @@ class LaunchServer:
     """``python -m multigpu ARGS`` forked from one interpreter that imported torch (and torch._dynamo) once
     per test process: tests/scripts/case_server.py ``--launches``. Why: a 2-process launch spent ~7 s of CPU
     importing torch in the launcher and torch._dynamo in its fork server, ~5 s more than the work of most
-    tests' launches, and the suite launches a few hundred times. What it proves is unchanged: the launcher,
-    torch's agent, the boot processes and the workers run as in a user's launch; what differs is only that
-    the launcher is a fork of a process that imported torch (with the workers' environment: one that
-    differs starts a new interpreter). The new-interpreter path stays tested where it is the point: every
-    command of the docs pages, test_launch_real.py, test_forkserver.py, the hostile tables' ``run`` cases.
-    A process a launch leaves behind fails the call (the server is the launches' subreaper).
+    tests' launches, and the suite launches a few hundred times. The launcher, torch's agent, the boot
+    processes, the fork server and the workers run as in a user's launch; the launcher is a fork of a
+    process that imported torch with the launch's environment (one that differs starts a new interpreter,
+    and a launch that adds a variable torch reads at import, ``--debug``'s, starts its workers the plain way).
+    The new-interpreter path stays tested where it is the point: every
+    command of the docs pages, test_launch_real.py (but its shutdown test, about the workers' exit, and its
+    test of this server), test_forkserver.py, the hostile tables' ``run`` cases, tests that Popen a launcher.
+    A process a launch leaves behind fails the call (the server is the launches' subreaper). A call that is
+    interrupted (a test's timeout, Ctrl-C) stops the server and what it runs; the next call starts another.
+    What else differs from a new interpreter: every launch of one test process has the server's string-hash
+    seed (a user's launches each draw one; the new-interpreter tests below keep that case), and a forked
+    process is found by its parent, not by a test's token on its command line (the boot processes keep it).
     ``MGTEST_FRESH=1``: every launch a new interpreter (for comparisons); ``MGTEST_LAUNCH_LOG=FILE``: a line
     per launch through the server, with the variables that made it start a new interpreter."""
 
@@ -98,15 +104,18 @@ class LaunchServer:
             request = {"id": self.count, "argv": list(args), "cwd": str(cwd), "env": env, "out": str(out),
                        "err": str(err), "timeout": timeout, "launch": True}
             assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            while True:  # an earlier request's reply first, when its test timed out while waiting for it
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
                 line = self.proc.stdout.readline()
-                if not line:
-                    raise AssertionError("the launch server died")
-                reply = json.loads(line)
-                if reply.get("id") == self.count:
-                    break
+            except BaseException:  # a test's timeout or Ctrl-C: this launch must end with it, as a child would
+                self.close()
+                _launch_server.clear()
+                raise
+            if not line:
+                raise AssertionError("the launch server died")
+            reply = json.loads(line)
+            assert reply["id"] == self.count, reply
             argv = [PY, "-m", "multigpu", *args]
             if os.environ.get("MGTEST_LAUNCH_LOG"):  # which launches started a new interpreter, and why
                 with open(os.environ["MGTEST_LAUNCH_LOG"], "a") as log:
@@ -120,22 +129,29 @@ class LaunchServer:
             self.lock.release()
 
     def close(self) -> None:
+        """Stop the server: it kills what it started (SIGTERM; SIGKILL if it does not end in 20 s)."""
         if os.getpid() != self.owner:  # a test's fork of this process exiting: the server is not its own
             return
-        self.proc.kill()
-        self.proc.wait()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _ENV_AT_START = dict(os.environ)  # before any test changed it: the launch server's environment
-_launch_server: list[LaunchServer] = []  # one per test process, started by the first launch
+_launch_server: list[LaunchServer] = []  # one per test process, started by the first launch (again after a stop)
+_launch_server_lock = threading.Lock()
 
 
 def _server() -> LaunchServer:
-    if not _launch_server:
-        _launch_server.append(LaunchServer())
-        atexit.register(_launch_server[0].close)
-    return _launch_server[0]
+    with _launch_server_lock:
+        if not _launch_server:
+            _launch_server.append(LaunchServer())
+            atexit.register(_launch_server[0].close)
+        return _launch_server[0]
 
 
 def multigpu(*args: str, timeout: float = 120, env: Optional[dict] = None, cwd: Optional[Path] = None,

@@ -86,9 +86,12 @@ def test_repeated_launches_never_abort_at_shutdown(no_leftovers):
 
 PARENTAGE = """\
 import json, os, sys
+import torch.distributed as dist
 import multigpu as mg
 run = mg.init()
-print(json.dumps({"rank": run.rank, "orig_argv": sys.orig_argv, "parent": open(f"/proc/{os.getppid()}/comm").read().strip()}))
+# one write per line: the ranks share the output, unbuffered (print writes the line and its end apart)
+sys.stdout.write(json.dumps({"rank": run.rank, "orig_argv": sys.orig_argv, "debug": dist.get_debug_level().name,
+                             "parent": open(f"/proc/{os.getppid()}/comm").read().strip()}) + "\\n")
 run.close()
 """
 
@@ -106,6 +109,10 @@ def test_the_suites_launch_server_forks_launchers_and_their_workers_and_names_wh
     assert all(r["parent"] == "multigpu-fork" for r in ranks), ranks
     fresh = _records(_multigpu("run", "--nproc", "2", str(script), env={"OMP_NUM_THREADS": "2"}, check=True).stdout)
     assert [r["orig_argv"][1:4] for r in fresh] == [["-m", "multigpu", "run"]] * 2, fresh  # a new interpreter
+    # --debug sets TORCH_DISTRIBUTED_DEBUG, which torch reads at import: workers forked from the server's
+    # import would run without it, so this launch starts them the plain way and they have it
+    debug = _records(_multigpu("run", "--debug", "--nproc", "2", str(script), check=True).stdout)
+    assert [r["debug"] for r in debug] == ["INFO", "INFO"], debug
     leaver = tmp_path / "leaver.py"
     leaver.write_text(f"import subprocess\nsubprocess.Popen(['sleep', '61.{os.getpid()}'], start_new_session=True)\n")
     with pytest.raises(AssertionError, match=rf"processes left behind by multigpu run .*sleep 61\.{os.getpid()}"):

@@ -21,18 +21,22 @@ ARGS`` would, with ``MULTIGPU_WORKER_START=fork`` so that the launcher forks its
 this server imported (``torch._dynamo`` too): a 2-process launch cost ~7 s of CPU in imports, ~2 s this
 way. That is only right where this server imported torch with the environment the workers get, so a
 request whose environment differs from the server's in anything but ``MULTIGPU_*`` variables (which
-nothing reads at import) starts a new interpreter instead. Every launch's processes are this server's
-to account for (it is their subreaper): any still alive 15 s after the command ended is killed and
-named in the reply (``"left"``). Python's, numpy's and torch's random state is drawn again in each
-child, as a new interpreter would.
+nothing reads at import), pytest's ``PYTEST_CURRENT_TEST`` and, with a CPU build of torch,
+``CUDA_VISIBLE_DEVICES`` - or that sets ``MULTIGPU_WORKER_START`` itself - starts a new interpreter
+instead (``"new_interpreter_for"`` in the reply names the variables). Every launch's processes are
+this server's to account for (it is their subreaper): any still alive 15 s after the command ended is
+killed with what it started, and named in the reply (``"left"``: pid, name, command line; a forked
+process shows this server's command line). Python's, numpy's and torch's random state is drawn again
+in each child, as a new interpreter would; the string-hash seed is this server's for every launch.
 
-Protocol: one JSON object per line on stdin - ``{"argv": [...], "cwd": ..., "env": {...}, "out": path,
-"err": path, "timeout": seconds, "python": bool}`` - and one JSON line back: ``{"status": N, "seconds":
-S}`` (status -9 when the case ran past its timeout and was killed with its process group), and with
-``--launches`` ``"left": [command lines]``.
+Protocol: one JSON object per line on stdin - ``{"id": N, "argv": [...], "cwd": ..., "env": {...}, "out":
+path, "err": path, "timeout": seconds, "python": bool, "launch": bool}`` - and one JSON line back:
+``{"id": N, "status": N, "seconds": S}`` (status -9 when the case ran past its timeout and was killed
+with its process group), and with ``--launches`` ``"left"`` and ``"new_interpreter_for"``.
 """
 
 import atexit
+import contextlib
 import gc
 import json
 import os
@@ -127,6 +131,7 @@ def run_case(request: dict) -> int:
     pid = os.fork()
     if pid == 0:  # the case
         try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a new interpreter has it (main() set ours)
             os.setpgid(0, 0)  # its own process group: a timeout kills everything it started
             os.chdir(request["cwd"])
             os.environ.clear()
@@ -149,7 +154,7 @@ def run_case(request: dict) -> int:
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
             if LAUNCHES and request.get("launch") and not request.get("python") and \
-                    not import_env_changes(request["env"]):
+                    not import_env_changes(request["env"]) and "MULTIGPU_WORKER_START" not in request["env"]:
                 reseed()
                 os.environ["MULTIGPU_WORKER_START"] = "fork"
                 code = run_python(["-m", "multigpu", *request["argv"]])
@@ -215,26 +220,56 @@ def orphans() -> list[int]:
 
 
 def left_behind() -> list[str]:
-    """Wait up to GRACE_S for the processes a launch left to end; kill and name the ones that did not."""
+    """Wait up to GRACE_S for the processes a launch left to end; kill and name the ones that did not, and
+    theirs (each killed one's children become ours in turn), until none is left."""
     deadline = time.monotonic() + GRACE_S
     while (alive := orphans()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    named = []
-    for pid in alive:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                named.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            continue
-    while orphans():  # reaped
-        time.sleep(0.01)
+    named: list[str] = []
+    while alive:
+        for pid in alive:
+            try:
+                with open(f"/proc/{pid}/comm") as comm, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    named.append(f"{pid} ({comm.read().strip()}): "
+                                 + cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+        time.sleep(0.05)
+        alive = [pid for pid in orphans() if time.monotonic() < deadline + GRACE_S]  # their children: ours now
     return named
 
 
 def main() -> None:
+    # Stopped (SIGTERM, Ctrl-C) or its client gone (end of stdin): nothing it started outlives it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        if LAUNCHES:
+            for child in orphans():
+                with contextlib.suppress(OSError):
+                    os.killpg(child, signal.SIGKILL)
+            left_behind_now()
+
+
+def left_behind_now() -> None:
+    """Every process this server still has, killed at once (its own exit)."""
+    while alive := orphans():
+        for pid in alive:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def serve() -> None:
     for line in sys.stdin:
-        request = json.loads(line)
+        try:
+            request = json.loads(line)
+        except ValueError:  # a client interrupted while writing: it has dropped this server
+            continue
         started = time.monotonic()
         status = run_case(request)
         reply = {"id": request.get("id"), "status": status, "seconds": time.monotonic() - started}

@@ -79,6 +79,10 @@ def prepare_log_dir(path: str) -> Path:
     return folder
 
 
+#: What :func:`worker_env` sets that torch does not read at import (its workers read it when they run).
+READ_AT_RUN_TIME = ("MULTIGPU_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
+
 def worker_env(request: LaunchRequest) -> dict[str, str]:
     """What the children inherit beyond torch's own RANK/WORLD_SIZE/MASTER_* variables."""
     env = {AGENT_PID_VAR: str(os.getpid()), DEVICES_PER_PROC_VAR: str(request.devices.gpus_per_proc),
@@ -188,9 +192,6 @@ def launch(request: LaunchRequest) -> int:
                else tempfile.mkdtemp(prefix="multigpu-logs-"))
     env = worker_env(request)
     env[LOG_DIR_VAR] = log_dir
-    # torch imported before the variables torch reads at import were set: no fork, unless the process that
-    # imported it says it did so with the workers' environment (MULTIGPU_WORKER_START=fork: see start_forkserver)
-    torch_loaded = "torch" in sys.modules and os.environ.get(START_VAR) != "fork"
     if request.debug:
         from importlib.metadata import version
 
@@ -202,6 +203,11 @@ def launch(request: LaunchRequest) -> int:
     if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not (sys.stderr and sys.stderr.isatty())
                                            and request.devices.nproc * request.rendezvous.max_nodes > 1):
         env[PREFIX_VAR] = "1"
+    # torch imported before the variables torch reads at import were set: no fork, unless the process that
+    # imported it vouches for its environment (MULTIGPU_WORKER_START=fork) and this launch changes nothing
+    # torch reads at import (--debug's variables, an OMP_NUM_THREADS of ours, a replica group's: it would)
+    torch_loaded = "torch" in sys.modules and (os.environ.get(START_VAR) != "fork" or any(
+        not k.startswith(READ_AT_RUN_TIME) and os.environ.get(k) != v for k, v in env.items()))
     os.environ.update(env)
     server: Optional[ForkServer] = None
     user_level: Optional[int] = None
@@ -342,7 +348,8 @@ def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[Fork
     (``fork=False``: torch was imported before the workers' variables were set; interpreter options
     other than ``-u``; a tracer or profiler, e.g. coverage or a debugger). ``MULTIGPU_WORKER_START=fork``
     is for a process that imported torch and then forks launchers (the test suite's launch server): it
-    vouches that its import saw the environment the workers get, so they may be forked all the same."""
+    vouches that its import saw the environment it gave the launcher, so the workers may be forked all the
+    same - unless the launch adds a variable torch reads at import (``--debug``'s, for one)."""
     os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
     if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or \
             interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
