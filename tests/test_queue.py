@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, processes_with, wait_for_files
 
 from multigpu.config import resolve_inheritance
 from multigpu.errors import ConfigError
@@ -276,6 +276,67 @@ third < first: {{}}
     assert _status(out / "second")["state"] == _status(out / "third")["state"] == "done"
     assert "resumed from" in (out / "second" / "log.txt").read_text()
     assert "skipped" in again.stdout
+
+
+def test_cpu_runs_launchers_are_forked_from_one_import_of_torch_unless_their_environment_differs(tmp_path):
+    """src/multigpu/launch/launchers.py: on CPU slots each run's ``multigpu run`` is forked from the queue's
+    server (its command line is not `python -m multigpu run`, its parent is the server) - but a run whose environment differs
+    in a variable read at start-up (PYTHONHASHSEED here) is a new interpreter, and so is every run of a
+    queue started with MULTIGPU_WORKER_START=plain. What the runs see is the same either way."""
+    runs = _runs_file(tmp_path, f"""
+forked:
+  script: {SLEEP}
+  args: ["0.1"]
+  out_dir_key: out_dir
+seeded < forked:
+  env: {{PYTHONHASHSEED: "0"}}
+""")
+    launched = {}
+    for how, extra in (("auto", {}), ("plain", {"MULTIGPU_WORKER_START": "plain"})):
+        out = tmp_path / how
+        proc = multigpu("queue", str(runs), "--slots", "2", "--out", str(out), "--no-live", env=extra)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        for name in ("forked", "seeded"):
+            first = (out / name / "log.txt").read_text().splitlines()[1]  # what the queue started
+            assert (" -m multigpu.launch.boot --launcher run " if how == "auto" else " -m multigpu run ") in first
+            launcher = json.loads((out / name / "launcher.json").read_text())
+            launched[how, name] = (launcher["argv"][1:4] == ["-m", "multigpu", "run"], launcher["parent"])
+            assert json.loads((out / name / "env.json").read_text())["CUDA_VISIBLE_DEVICES"] == ""
+    assert launched["auto", "forked"] == (False, "multigpu-fork"), launched  # the command line it was forked with
+    for key in (("auto", "seeded"), ("plain", "forked"), ("plain", "seeded")):
+        assert launched[key][0] is True and launched[key][1] != "multigpu-fork", (key, launched)
+
+
+def test_a_queue_killed_by_sigkill_stops_its_run_cleanly_and_the_next_queue_resumes_it(tmp_path, no_leftovers):
+    """The queue's death reaches its run's launcher as SIGTERM: the workers checkpoint and leave, nothing is
+    left behind, and the next queue resumes the run. Holds for the forked launcher (launchers.py: its boot
+    process and its server both pass the stop on) and the plain one (MULTIGPU_WORKER_START=plain)."""
+    for how in ("auto", "plain"):
+        out = tmp_path / how
+        runs = _runs_file(tmp_path, f"""
+held:
+  script: {SCRIPTS / 'faults.py'}
+  args: [{out / 'held'}, --hold-at, "2", {no_leftovers}]
+  out_dir_key: null
+""")
+        env = child_env({"MULTIGPU_WORKER_START": "plain"} if how == "plain" else {})
+        queue = subprocess.Popen([PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out),
+                                  "--no-live"], env=env, cwd=str(REPO), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+        try:  # the run holds at step 2 until a stop signal reaches it, however slow the machine
+            wait_for_files(out / "held", ["held-rank0"], timeout=180)
+            queue.kill()
+            queue.wait(timeout=30)
+            deadline = time.monotonic() + 120
+            while processes_with(no_leftovers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            queue.kill()
+        log = (out / "held" / "log.txt").read_text()
+        assert "every worker wrote its checkpoint" in log, (how, log[-2000:])
+        again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live", timeout=240, env=env)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "resumed from" in (out / "held" / "log.txt").read_text()
 
 
 class _Clock:

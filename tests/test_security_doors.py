@@ -81,6 +81,8 @@ ENVIRONMENT_ALLOWED = {
     "launch/boot.py": "hands the fork server the environment torch's agent gave this rank",
     "launch/forkserver.py": "a forked worker takes the environment of its boot process; the server starts "
                             "with the launcher's",
+    "launch/fork_rules.py": "reads MULTIGPU_WORKER_START, the wish to start workers the plain way or forked",
+    "launch/launchers.py": "a queue's forked launcher says the server imported torch with its environment",
     "launch/devices.py": "reads CUDA_VISIBLE_DEVICES to plan devices before any process starts",
     "queue/scheduler.py": "builds each run's environment through validate.run_environment",
     "queue/slurm_jobs.py": "names the credentials a Slurm job must not inherit (validate.run_environment)",

@@ -35,7 +35,6 @@ path, "err": path, "timeout": seconds, "python": bool, "launch": bool}`` - and o
 with its process group), and with ``--launches`` ``"left"`` and ``"new_interpreter_for"``.
 """
 
-import atexit
 import contextlib
 import gc
 import json
@@ -43,13 +42,13 @@ import os
 import runpy
 import signal
 import sys
-import threading
 import time
 import types
 
 import torch  # noqa: F401 - imported once here, inherited by every case that does not launch
 
 import multigpu.cli  # noqa: F401
+from multigpu.launch.launchers import as_interpreter
 
 #: Commands that launch workers in their own process: a case of one runs in a new interpreter, as a
 #: user's would. A launcher that finds torch imported already starts its workers the plain way (the
@@ -92,15 +91,16 @@ def reseed() -> None:
 
 
 def run_python(argv: list) -> int:
-    """``python ARGV`` in this (forked) process: its status, as the interpreter would exit with it. The
-    exit handlers this server registered stay: they are the ones importing torch registers, which a case
-    that imports torch would have (and cannot register again: the modules are imported)."""
-    try:
+    """``python ARGV`` in this (forked) process: its status, as the interpreter would exit with it
+    (multigpu.launch.launchers.as_interpreter: the exit status, the hook, threads, exit handlers). The exit
+    handlers this server registered stay: they are the ones importing torch registers, which a case that
+    imports torch would have (and cannot register again: the modules are imported)."""
+    def main() -> None:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
-            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+            module = types.ModuleType("__main__")
+            sys.modules["__main__"] = module
+            exec(compile(argv[1], "<string>", "exec"), module.__dict__)
         elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -108,21 +108,8 @@ def run_python(argv: list) -> int:
             script = os.path.abspath(argv[0])
             sys.argv = [argv[0], *argv[1:]]
             runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:  # as the interpreter does: the message on stderr, status 1
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        # As the interpreter does: sys.last_* first (Run.close reads them: no goodbye barrier after an
-        # uncaught exception), then the hook.
-        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
-        sys.excepthook(sys.last_type, sys.last_value, sys.last_traceback)
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: threads, then handlers
-    atexit._run_exitfuncs()
+
+    code = as_interpreter(main)
     gc.collect()  # and finalisation: objects' finalizers (files flushed) before os._exit
     return code
 

@@ -4,7 +4,9 @@
 
 until=PATH: first wait until PATH exists (a test releases the run when it has seen it running).
 
-Writes env.json (CUDA_VISIBLE_DEVICES, MULTIGPU_GPU_MEMORY_FRACTION, OMP_NUM_THREADS as it saw them) too.
+Writes env.json (CUDA_VISIBLE_DEVICES, MULTIGPU_GPU_MEMORY_FRACTION, OMP_NUM_THREADS as it saw them) too,
+and launcher.json: its launcher's command line and the name of the launcher's parent (a queue's launcher
+forked from the queue's server shows the queue's command line, and ``multigpu-fork``).
 """
 
 import json
@@ -18,6 +20,13 @@ os.makedirs(out, exist_ok=True)
 names = ("CUDA_VISIBLE_DEVICES", "MULTIGPU_GPU_MEMORY_FRACTION", "OMP_NUM_THREADS")
 with open(os.path.join(out, "env.json"), "w") as handle:
     json.dump({name: os.environ.get(name) for name in names}, handle)
+launcher = os.environ.get("MULTIGPU_AGENT_PID")
+if launcher:
+    with open(f"/proc/{launcher}/cmdline", "rb") as cmdline, open(f"/proc/{launcher}/stat") as stat:
+        argv = cmdline.read().decode(errors="replace").split("\0")[:-1]
+        parent = stat.read().rsplit(")", 1)[1].split()[1]
+    with open(f"/proc/{parent}/comm") as comm, open(os.path.join(out, "launcher.json"), "w") as handle:
+        json.dump({"argv": argv, "parent": comm.read().strip()}, handle)
 while "until" in args and not os.path.exists(args["until"]):
     time.sleep(0.02)
 time.sleep(float(sys.argv[1]))

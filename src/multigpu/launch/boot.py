@@ -9,11 +9,10 @@ When there is no fork server, or it declines (see :func:`.forkserver.declines`),
 process *becomes* the plain worker (``exec`` of ``python -u -m multigpu.launch.worker ...``: same pid,
 nothing lost but the start-up time).
 
-Wire format on the Unix socket: boot -> server, one frame (8-byte big-endian length + JSON) sent with
-its stdin/stdout/stderr attached (SCM_RIGHTS), then lines ``{"signal": N}``; server -> boot, lines
-``{"pid": P}`` or ``{"plain": WHY}``, then ``{"status": WAITSTATUS}`` when the worker has ended.
+The wire format on the Unix socket: :mod:`.fork_wire`.
 
-Usage (by the launcher): ``python -u -m multigpu.launch.boot script.py args...`` or ``-m pkg.mod args...``
+Usage (by the launcher): ``python -u -m multigpu.launch.boot script.py args...`` or ``-m pkg.mod args...``;
+by a queue (:mod:`.launchers`): ``python -m multigpu.launch.boot --launcher run FLAGS ...``
 """
 
 from __future__ import annotations
@@ -24,11 +23,11 @@ import os
 import resource
 import signal
 import socket
-import struct
 import sys
 from typing import NoReturn, Optional
 
 from multigpu.fileio import open_devnull
+from multigpu.launch.fork_wire import HEADER, LineReader, frame
 from multigpu.launch.worker import die_with_launcher
 
 #: The fork server's socket (set by the launcher for its workers; absent: the plain start).
@@ -37,15 +36,6 @@ WORKER_MODULE = "multigpu.launch.worker"
 #: Signals torch's agent (or a user) sends a worker: passed to the forked worker's process group.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGWINCH)
-HEADER = struct.Struct(">Q")
-MAX_FRAME = 16 << 20
-
-
-def frame(message: dict) -> bytes:
-    data = json.dumps(message).encode()
-    return HEADER.pack(len(data)) + data
-
-
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None when the launcher started us with the descriptor closed
@@ -55,15 +45,18 @@ def _flush() -> None:
                 pass
 
 
-def plain(argv: list[str]) -> NoReturn:
-    """Become the worker the ordinary way (the launcher's start without a fork server)."""
+def plain(argv: list[str], launcher: bool = False) -> NoReturn:
+    """Become the worker the ordinary way (the launcher's start without a fork server); ``launcher``:
+    become ``python -m multigpu ARGV`` (a queue's run, :mod:`.launchers`)."""
     _flush()
+    if launcher:
+        os.execv(sys.executable, [sys.executable, "-m", "multigpu", *argv])
     os.execv(sys.executable, [sys.executable, "-u", "-m", WORKER_MODULE, *argv])
 
 
-def request(argv: list[str], closed: list[int]) -> dict:
+def request(argv: list[str], closed: list[int], launcher: bool = False) -> dict:
     return {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
-            "umask": _umask(), "closed": closed}
+            "umask": _umask(), "closed": closed, "kind": "launcher" if launcher else "worker"}
 
 
 def standard_fds() -> tuple[list[int], list[int]]:
@@ -84,31 +77,6 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-class LineReader:
-    """JSON lines from a stream socket (None at EOF)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.buffer = sock, b""
-
-    def next(self) -> Optional[dict]:
-        while b"\n" not in self.buffer:
-            try:
-                chunk = self.sock.recv(4096)
-            except OSError:
-                return None
-            if not chunk:
-                return None
-            self.buffer += chunk
-            if len(self.buffer) > MAX_FRAME:
-                return None
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        try:
-            message = json.loads(line)
-        except ValueError:
-            return None
-        return message if isinstance(message, dict) else None
 
 
 def mirror(status: int) -> NoReturn:
@@ -134,10 +102,14 @@ def die_by(sig: int) -> NoReturn:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    launcher = argv[:1] == ["--launcher"]  # launchers.BOOT_LAUNCHER: a queue's run
+    if launcher:
+        argv = argv[1:]
     path = os.environ.get(FORKSERVER_VAR)
     if not path:
-        plain(argv)
-    die_with_launcher()
+        plain(argv, launcher)
+    if not launcher:  # a queue's run dies with its queue as the queue asked (SIGTERM: a clean stop)
+        die_with_launcher()
     # Before the socket: a closed 0, 1 or 2 would otherwise be the socket's number, and the worker would get
     # the socket as its stdin or stdout (/dev/null goes there; the worker closes it again).
     fds, closed = standard_fds()
@@ -152,14 +124,14 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     try:
         sock.connect(path)
-        data = frame(request(argv, closed))
+        data = frame(request(argv, closed, launcher))
         sent = socket.send_fds(sock, [data[:HEADER.size]], fds)
         sock.sendall(data[sent:])
     except OSError:
         sock.close()
         for slot in closed:  # the plain worker finds them closed, as we did
             os.close(fds[slot])
-        plain(argv)
+        plain(argv, launcher)
     for sig in FORWARDED:
         signal.signal(sig, forward)
     reader = LineReader(sock)
@@ -169,7 +141,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         stops = [sig for sig in received if sig not in (signal.SIGCONT, signal.SIGWINCH)]
         if stops:  # stopped before a worker existed: the plain one is not started either
             die_by(stops[0])
-        plain(argv)  # exec resets our handlers
+        plain(argv, launcher)  # exec resets our handlers
     while True:
         message = reader.next()
         if message is None:  # the server died; its workers die with it (PR_SET_PDEATHSIG)

@@ -36,6 +36,7 @@ holds the launcher's modules too (``argparse``...: :func:`shadows` counts them).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import io
@@ -56,29 +57,16 @@ from pathlib import Path
 from typing import NoReturn, Optional
 
 from multigpu.fileio import Folder, open_devnull
-from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED, HEADER, MAX_FRAME
+from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED
+from multigpu.launch.fork_rules import PER_WORKER, READ_AT_RUN_TIME, START_VAR, declines, shadows  # noqa: F401
+from multigpu.launch.fork_wire import receive
 from multigpu.launch.process import die_with_parent, name_process
 
-#: What torch's agent sets per rank: these may differ between the server's environment and a worker's.
-PER_WORKER = frozenset({
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-})
-#: ``plain``: every worker starts the ordinary way (comparisons, a way out); ``fork``: see start_forkserver.
-START_VAR = "MULTIGPU_WORKER_START"
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
 LAUNCHER_GONE = signal.SIGRTMIN + 3
 #: A boot process sends its whole request at once: one that trickles is dropped (and starts the plain way).
 REQUEST_TIMEOUT_S = 5.0
-
-
-def declines(server_env: dict, worker_env: dict) -> Optional[str]:
-    """Why a worker with ``worker_env`` must start the plain way (None: it may be forked)."""
-    changed = sorted(k for k in server_env.keys() | worker_env.keys()
-                     if server_env.get(k) != worker_env.get(k) and k not in PER_WORKER
-                     and not k.startswith("TORCHELASTIC_"))
-    return f"its environment differs in {', '.join(changed[:5])}" if changed else None
 
 
 @dataclass
@@ -91,13 +79,16 @@ class ForkServer:
     ended: bool = False
 
     @classmethod
-    def start(cls, verbose: bool = False, stderr: Optional[int] = None, dynamo: bool = True
-              ) -> Optional["ForkServer"]:
+    def start(cls, verbose: bool = False, stderr: Optional[int] = None, dynamo: bool = True,
+              launchers: bool = False, import_env: Optional[dict] = None) -> Optional["ForkServer"]:
         """Fork a server from this process for the workers about to be launched (None: they start the plain
-        way). Call it with torch imported and no other thread running. The caller puts ``path`` into the
-        workers' environment; the server gets it already. ``verbose``: the server says on ``stderr``
-        (default: ours) why a worker starts the plain way. ``dynamo``: import ``torch._dynamo`` for the
-        workers (their first optimizer step would: ~2 s each); a lone worker imports it if it needs it."""
+        way). Call it with no other thread running, and torch imported with this environment or not at all
+        (the server imports it then). The caller puts ``path`` into the workers' environment; the server
+        gets it already. ``verbose``: the server says on ``stderr`` (default: ours) why a worker starts the
+        plain way. ``dynamo``: import ``torch._dynamo`` for the workers (their first optimizer step would:
+        ~2 s each); a lone worker imports it if it needs it. ``launchers``: a queue's server, whose boot
+        processes (``boot --launcher``) get ``multigpu run`` launchers forked (see :mod:`.launchers`);
+        ``import_env``: variables it sets before it imports torch (where this process has not)."""
         if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
             return None
         folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
@@ -119,7 +110,9 @@ class ForkServer:
                 signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
                 pid = os.fork()
                 if pid == 0:
-                    _become_server(listener, launcher, path, verbose, stderr, mask, dynamo)
+                    if "torch" not in sys.modules:
+                        os.environ.update(import_env or {})
+                    _become_server(listener, launcher, path, verbose, stderr, mask, dynamo, launchers)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         except BaseException as exc:  # a failed start, or a stop signal while starting (the caller's _Stopped)
@@ -159,7 +152,7 @@ class ForkServer:
 
 
 def _become_server(listener: socket.socket, launcher: int, path: str, verbose: bool, stderr: Optional[int],
-                   mask: set[int | signal.Signals], dynamo: bool) -> NoReturn:
+                   mask: set[int | signal.Signals], dynamo: bool, launchers: bool = False) -> NoReturn:
     """In the child forked by :meth:`ForkServer.start`: shed the launcher's state, then serve.
 
     What the launcher had that a server must not keep: its signal handlers (they raise into the
@@ -173,15 +166,19 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
                     signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()
-        signal.signal(LAUNCHER_GONE, lambda *_: _remove_folder_and_exit(listener))
+        server = Server(listener, launcher, verbose, launchers)
+        signal.signal(LAUNCHER_GONE, lambda *_: server.owner_gone())
         if not die_with_parent(LAUNCHER_GONE) or os.getppid() != launcher:
             _remove_folder_and_exit(listener)
+        if launchers:  # the queue's exit handlers are the queue's (its forked launchers run their own)
+            atexit._clear()
         _standard_fds(stderr, keep=listener.fileno())
         cwd = os.getcwd()
         os.chdir("/")
         if sys.path and sys.path[0] in ("", cwd):  # python -m multigpu: the launcher's folder
             sys.path.pop(0)
         os.environ[FORKSERVER_VAR] = path
+        server.env = dict(os.environ)
         name_process(b"multigpu-fork")
         # Slurm signals every process of a job step (USR1 before the time limit, TERM when cancelled): the
         # workers act on them; the server goes on until its launcher ends it or dies.
@@ -189,7 +186,7 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
             if sig not in (signal.SIGCONT, signal.SIGWINCH):
                 signal.signal(sig, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        Server(listener, launcher, verbose).serve(dynamo)
+        server.serve(dynamo)
     except BaseException:
         with contextlib.suppress(Exception):
             traceback.print_exc()
@@ -228,7 +225,7 @@ def _standard_fds(stderr: Optional[int], keep: int) -> None:
             setattr(sys, attribute, stream)
 
 
-def _preimport(dynamo: bool) -> Optional[str]:
+def _preimport(dynamo: bool, launchers: bool = False) -> Optional[str]:
     """What every worker imports: once, here. Returns why forking is off (None: it is on)."""
     try:
         import torch
@@ -243,23 +240,31 @@ def _preimport(dynamo: bool) -> Optional[str]:
     with contextlib.suppress(Exception):
         import numpy  # noqa: F401
     import multigpu.launch.worker  # noqa: F401
+
+    if launchers:  # what `multigpu run` imports (its command line, ~30 ms, the launcher reads itself)
+        import torch.distributed.launcher.api  # noqa: F401
+
+        import multigpu.launch.local  # noqa: F401
     return None
 
 
 class Server:
     """One process, one thread: accepts boot processes, forks workers, reaps them, passes signals on."""
 
-    def __init__(self, listener: socket.socket, launcher: int, verbose: bool = False) -> None:
+    def __init__(self, listener: socket.socket, launcher: int, verbose: bool = False, launchers: bool = False
+                 ) -> None:
         self.listener, self.launcher, self.env, self.verbose = listener, launcher, dict(os.environ), verbose
+        self.launchers = launchers
+        self.closing = False  # the queue is gone: no new launcher; the server leaves when its launchers have
         self.refusal: Optional[str] = None
         self.partial: dict[socket.socket, bytes] = {}  # an unfinished signal line per boot connection
-        self.selector = selectors.DefaultSelector()
         self.worker_of: dict[socket.socket, int] = {}  # boot connection -> its worker's pid
         self.boot_of: dict[int, socket.socket] = {}    # worker pid (not yet reaped) -> boot connection
-        self.wake_r, self.wake_w = os.pipe()
 
     def serve(self, dynamo: bool = True) -> NoReturn:
-        self.refusal = _preimport(dynamo)
+        self.refusal = _preimport(dynamo, self.launchers)
+        self.selector = selectors.DefaultSelector()  # here, after _standard_fds closed every other descriptor
+        self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
         signal.set_wakeup_fd(self.wake_w)
@@ -274,6 +279,8 @@ class Server:
                     with contextlib.suppress(OSError):
                         os.read(self.wake_r, 4096)
                     self.reap()
+                    if self.closing and not self.boot_of:
+                        _remove_folder_and_exit(self.listener)
                 else:
                     self.from_boot(key.fileobj)  # type: ignore[arg-type]
 
@@ -289,7 +296,9 @@ class Server:
             if uid != os.getuid() or _parent_of(peer) != self.launcher:
                 raise ValueError("not a process the launcher started")  # its agent starts every boot process
             request, fds = receive(conn, deadline=time.monotonic() + REQUEST_TIMEOUT_S)
-            why = self.refusal or declines(self.env, request["env"]) or shadows(request)
+            launcher = request["kind"] == "launcher"
+            why = self.refusal or ("not this server's kind" if launcher != self.launchers else None) or \
+                declines(self.env, request["env"], launcher) or shadows(request)
             if why:
                 conn.sendall(b'{"plain": true}\n')  # why stays here: the environment is not echoed to a client
                 if self.verbose:
@@ -344,6 +353,17 @@ class Server:
                 continue
             if type(number) is int and 0 < number < signal.NSIG and pid in self.boot_of:
                 self.signal(pid, number)
+
+    def owner_gone(self) -> None:
+        """The launcher (or queue) that started this server died: a worker server leaves (its workers die
+        with it); a queue's server stops its launchers cleanly and leaves when they have."""
+        if not self.launchers or not self.boot_of:
+            _remove_folder_and_exit(self.listener)
+        self.closing = True
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(self.listener)
+        for pid in list(self.boot_of):
+            self.signal(pid, signal.SIGTERM)
 
     @staticmethod
     def signal(pid: int, number: int) -> None:
@@ -411,6 +431,10 @@ class Server:
             os.umask(request["umask"])
             sys.path[:] = request["path"]
             _fresh_random()
+            if request["kind"] == "launcher":
+                from multigpu.launch.launchers import run_launcher
+
+                run_launcher(request["argv"])
             from multigpu.launch import worker
 
             worker.main(request["argv"], forked=True)
@@ -439,54 +463,6 @@ def _fresh_random() -> None:
         multiprocessing.current_process().authkey = os.urandom(32)
 
 
-def receive(conn: socket.socket, deadline: float) -> tuple[dict, list[int]]:
-    """One request: its frame and the three descriptors sent with it, whole before ``deadline``.
-    ValueError (or OSError) for anything else."""
-    conn.settimeout(max(deadline - time.monotonic(), 0.01))
-    data, fds, _flags, _address = socket.recv_fds(conn, HEADER.size, 3)
-    try:
-        if len(fds) != 3:
-            raise ValueError("a request comes with stdin, stdout and stderr")
-        data += _exactly(conn, HEADER.size - len(data), deadline)
-        (size,) = HEADER.unpack(data)
-        if size > MAX_FRAME:
-            raise ValueError("request too large")
-        request = json.loads(_exactly(conn, size, deadline))
-        if not (isinstance(request, dict) and _strings(request.get("argv")) and _strings(request.get("path"))
-                and isinstance(request.get("env"), dict) and _strings(list(request["env"].items()), pairs=True)
-                and isinstance(request.get("cwd"), str) and type(request.get("umask")) is int
-                and 0 <= request["umask"] <= 0o777 and isinstance(request.get("closed"), list)
-                and all(fd in (0, 1, 2) for fd in request["closed"])):
-            raise ValueError("malformed request")
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return request, list(fds)
-
-
-def _strings(values: object, pairs: bool = False) -> bool:
-    if not isinstance(values, list):
-        return False
-    items = [x for pair in values for x in pair] if pairs else values
-    return all(isinstance(x, str) and "\0" not in x for x in items)
-
-
-def _exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
-    chunks, left = [], size
-    while left > 0:
-        left_s = deadline - time.monotonic()
-        if left_s <= 0:
-            raise ValueError("request too slow")
-        conn.settimeout(left_s)
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ValueError("connection closed mid-request")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
 def _remove_folder_and_exit(listener: socket.socket) -> NoReturn:
     with contextlib.suppress(Exception):
         folder = Path(listener.getsockname()).parent
@@ -501,20 +477,3 @@ def _parent_of(pid: int) -> int:
         return int(Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def shadows(request: dict) -> Optional[str]:
-    """The folder the worker puts first on ``sys.path`` (the script's, or the current one for ``-m``)
-    holds a module the server has imported already (``profile.py``, ``statistics.py``, ``torch/``...):
-    a new interpreter would import the user's file, a forked worker would keep ours."""
-    argv = request["argv"]
-    folder = request["cwd"] if not argv or argv[0] == "-m" else os.path.dirname(os.path.join(request["cwd"], argv[0]))
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return "its folder cannot be listed"
-    loaded = {name.partition(".")[0] for name in sys.modules}
-    found = sorted(name for name in names if name.partition(".")[0] in loaded and (
-        name.endswith((".py", ".so")) or os.path.isfile(os.path.join(folder, name, "__init__.py"))))
-    return f"{', '.join(found[:3])} beside it has the name of a module torch imported" if found else None
-

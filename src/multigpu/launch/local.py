@@ -29,7 +29,8 @@ from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer, recorded
 from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.devices import DevicePlan
-from multigpu.launch.forkserver import START_VAR, ForkServer
+from multigpu.launch.fork_rules import READ_AT_RUN_TIME, START_VAR, start_wish
+from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
@@ -77,10 +78,6 @@ def prepare_log_dir(path: str) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise LaunchError(f"--log-dir {path} is not writable.", "give a folder you can write to.")
     return folder
-
-
-#: What :func:`worker_env` sets that torch does not read at import (its workers read it when they run).
-READ_AT_RUN_TIME = ("MULTIGPU_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 def worker_env(request: LaunchRequest) -> dict[str, str]:
@@ -184,6 +181,7 @@ def launch(request: LaunchRequest) -> int:
     """Run the workers of this node to completion; return the exit status for the shell.
     torch's C++ log level must still be the user's when this is called (see :mod:`.torch_logs`): the
     fork server, forked from here, keeps it; this process lowers its own after the fork."""
+    start_wish()  # a misspelt MULTIGPU_WORKER_START: one line now, not a quiet default
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")

@@ -31,6 +31,10 @@ from multigpu import validate
 from multigpu.distributed.world import MEMORY_FRACTION_VAR, RUN_DIR_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, visible
 from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
+from multigpu.launch.boot import FORKSERVER_VAR
+from multigpu.launch.fork_rules import start_wish
+from multigpu.launch.forkserver import ForkServer
+from multigpu.launch.launchers import boot_command, start_server
 from multigpu.launch.local import usable_cores
 from multigpu.launch.process import die_with_parent
 from multigpu.queue.lock import RunLock
@@ -100,6 +104,8 @@ class Queue:
         self._stop = threading.Event()
         self._stop_signal: Optional[int] = None
         self.runs_per_gpu = runs_per_gpu
+        #: On CPU slots: the server the runs' launchers are forked from (launch.launchers; None: plain starts).
+        self.server: Optional[ForkServer] = None
         #: Searches (queue.search.Search) whose trials are asked while the queue runs, when the pool has room.
         self.searches = list(searches)
         for run in [*self.runs, *(EntryState(s.entry, self.root / s.entry.name) for s in self.searches)]:
@@ -113,7 +119,12 @@ class Queue:
     # ------------------------------------------------------------------ main loop
     def execute(self) -> int:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
+        start_wish()  # before any run: a misspelt MULTIGPU_WORKER_START is one line, not a failure per run
         Folder(self.root).create()
+        if not self.on_gpus and self.runs + list(self.searches):  # before any thread: a fork copies only ours
+            first = (self.runs[0] if self.runs else EntryState(self.searches[0].entry, self.root)).spec
+            threads = self._threads(first.share(self.runs_per_gpu), first.processes(False), max(1, math.ceil(first.gpus)))
+            self.server = start_server({"OMP_NUM_THREADS": threads} if threads else None)
         try:
             for search in self.searches:  # its earlier trials: skipped when finished, resumed when not
                 self.runs += [EntryState(spec, self.root / spec.name, share=spec.share(self.runs_per_gpu))
@@ -123,6 +134,7 @@ class Queue:
                 search.settle_earlier(self.runs)
         except BaseException:
             self._close_searches()
+            self._stop_server()
             raise
         for run in self.runs:
             if run.state == "skipped":
@@ -150,11 +162,26 @@ class Queue:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._close_searches()
+            self._stop_server()
             self.ended = time.time()
             self.display(self, "end")  # always: a live table left running hides the cursor
         if self._stop_signal is not None:
             return 128 + self._stop_signal
         return 0 if all(r.state in ("done", "skipped") for r in self.runs) else 1
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def _threads(self, share: Fraction, processes: int, slots: int) -> Optional[str]:
+        """The ``OMP_NUM_THREADS`` a run gets from the queue (None: the queue's own, or torch's default).
+        Runs sharing cores (CPU slots, or several runs on one GPU) each get their share of them, or they
+        thrash each other."""
+        if (self.on_gpus and share >= 1) or "OMP_NUM_THREADS" in os.environ:
+            return None
+        cores = int(max(1, usable_cores() // len(self.slots)) * min(share, Fraction(1)) * slots)
+        return str(max(1, cores // processes))
 
     def _ask_searches(self) -> None:
         """A new trial of each search while the pool has room and nothing else is waiting for it."""
@@ -268,12 +295,13 @@ class Queue:
         env.pop(MEMORY_FRACTION_VAR, None)  # never inherited: only a packed run gets a memory share
         if self.on_gpus and run.share < 1:
             env[MEMORY_FRACTION_VAR] = f"{float(run.share):.6g}"
-        if (not self.on_gpus or run.share < 1) and "OMP_NUM_THREADS" not in os.environ:
-            # Runs sharing cores (CPU slots, or several runs on one GPU) each get their share of them,
-            # or they thrash each other.
-            cores = int(max(1, usable_cores() // len(self.slots)) * min(run.share, Fraction(1)) * len(slots))
-            env["OMP_NUM_THREADS"] = str(max(1, cores // run.spec.processes(self.on_gpus)))
+        threads = self._threads(run.share, run.spec.processes(self.on_gpus), len(slots))
+        if threads:
+            env["OMP_NUM_THREADS"] = threads
         command = run.spec.command(run.folder, self.on_gpus)
+        if self.server is not None and self.server.running():  # its launcher forked from the server's torch
+            command = boot_command(command)
+            env[FORKSERVER_VAR] = self.server.path
         run.log = open_append(run.folder / LOG_FILE)
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         run.log.flush()

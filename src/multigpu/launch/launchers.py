@@ -1,0 +1,111 @@
+"""A queue's runs started from one import of torch: each run's ``multigpu run`` launcher is forked from a
+server the queue starts once, instead of being a new interpreter that imports torch again.
+
+Why: a CPU queue of short runs (a sweep's trials, a rehearsal, a test suite) paid ~2.5 s of CPU per run
+importing torch in the run's launcher and ~2 s more importing ``torch._dynamo`` in the launcher's fork
+server - often more than the run's own work. Ray Tune's ``reuse_actors`` answers the same cost by
+keeping trial processes alive between trials; here every run is still a process of its own, forked fresh
+from a process that imported torch and has run nothing of any run.
+
+How: the queue forks a :class:`.forkserver.ForkServer` (``launchers=True``) from itself before it starts
+any thread; the server imports torch, ``torch._dynamo`` and the launcher's modules once. A run's command
+is ``python -m multigpu.launch.boot --launcher run FLAGS ...`` (a ~0.1 s process, no torch) in place of
+``python -m multigpu run FLAGS ...``: the boot process hands the server its arguments, environment,
+folder and stdin/stdout/stderr, and the server forks a launcher that runs the command as ``python -m
+multigpu`` would (:func:`run_launcher`), with ``MULTIGPU_WORKER_START=fork`` - its workers are forked from
+the same import (:mod:`.local`). The boot process is what the queue watches and signals: it passes
+signals on and leaves with the launcher's exit status. Where the server declines, the boot process
+becomes ``python -m multigpu run ...`` itself (``exec``: same pid, only the start-up time lost).
+
+A run starts the plain way (a new interpreter) on GPU slots (a CUDA driver must not be near a fork: not
+tried on a GPU yet), with ``MULTIGPU_WORKER_START=plain`` in the queue's or the run's environment, when
+its environment differs from the queue's in a variable torch reads at import (an ``env:`` of its own;
+an ``OMP_NUM_THREADS`` other than the one the server imported torch with), when the queue imported torch
+itself before (with other variables, perhaps) and nothing vouches for that import, or when the queue
+had a thread running (a fork copies only the calling thread).
+
+Stopping: the queue's SIGTERM reaches the launcher through its boot process, and the launcher stops its
+workers cleanly (they checkpoint); the queue's SIGKILL of a boot process (a run that outlived the grace
+time) reaches it as SIGKILL. A server whose queue died sends its launchers SIGTERM (as the plain runs
+get it from the kernel, ``PR_SET_PDEATHSIG``) and leaves when they have.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import threading
+from typing import Callable, Mapping, NoReturn, Optional, Sequence
+
+from multigpu.launch.fork_rules import START_VAR, start_wish
+from multigpu.launch.forkserver import ForkServer
+
+BOOT_MODULE = "multigpu.launch.boot"
+#: The boot process's first argument when what it asks for is a launcher (``multigpu ARGS``), not a worker.
+BOOT_LAUNCHER = "--launcher"
+
+
+def start_server(import_env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
+    """The queue's launcher server (None: its runs start the plain way). ``import_env``: variables the
+    server sets before it imports torch (the ``OMP_NUM_THREADS`` the queue gives its runs), where this
+    process has not imported torch itself."""
+    from multigpu.launch.local import interpreter_options
+
+    wish = start_wish()
+    if wish == "plain" or ("torch" in sys.modules and wish != "fork"):
+        return None
+    if interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
+        return None
+    return ForkServer.start(launchers=True, import_env=dict(import_env or {}))
+
+
+def boot_command(command: Sequence[str]) -> list[str]:
+    """``python -m multigpu ARGS`` as the command that asks the server for its launcher."""
+    python, flag, module, *args = command
+    if (flag, module) != ("-m", "multigpu"):
+        raise ValueError(f"not a multigpu command: {' '.join(command)[:200]}")
+    return [python, "-m", BOOT_MODULE, BOOT_LAUNCHER, *args]
+
+
+def run_launcher(argv: list[str]) -> NoReturn:
+    """In the forked child: ``python -m multigpu ARGV`` as a new interpreter would run it, then leave with
+    its status."""
+    os.environ[START_VAR] = "fork"  # the server imported torch with this environment: see declines()
+
+    def main() -> None:
+        sys.argv = ["multigpu", *argv]
+        runpy.run_module("multigpu", run_name="__main__", alter_sys=True)
+
+    os._exit(as_interpreter(main))
+
+
+def as_interpreter(main: Callable[[], object]) -> int:
+    """Run ``main`` as an interpreter runs its program, in a forked process: the exit status a
+    ``SystemExit`` carries (a message on stderr, status 1), an uncaught exception to ``sys.last_*`` and
+    ``sys.excepthook`` (multigpu's one-line hook; ``Run.close`` reads ``sys.last_*``), status 1; then what
+    an interpreter does at exit - join the threads, run the exit handlers, flush the streams. The caller
+    leaves with ``os._exit(status)``."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException as exc:
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: threads, then handlers
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    return code
