@@ -4,6 +4,7 @@ interrupted queue, stages, and the makespan against the ideal."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -298,7 +299,7 @@ seeded < forked:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         for name in ("forked", "seeded"):
             first = (out / name / "log.txt").read_text().splitlines()[1]  # what the queue started
-            assert (" -m multigpu.launch.boot --launcher run " if how == "auto" else " -m multigpu run ") in first
+            assert (" -m multigpu.launch.boot run " if how == "auto" else " -m multigpu run ") in first
             launcher = json.loads((out / name / "launcher.json").read_text())
             launched[how, name] = (launcher["argv"][1:4] == ["-m", "multigpu", "run"], launcher["parent"])
             assert json.loads((out / name / "env.json").read_text())["CUDA_VISIBLE_DEVICES"] == ""
@@ -307,36 +308,79 @@ seeded < forked:
         assert launched[key][0] is True and launched[key][1] != "multigpu-fork", (key, launched)
 
 
-def test_a_queue_killed_by_sigkill_stops_its_run_cleanly_and_the_next_queue_resumes_it(tmp_path, no_leftovers):
-    """The queue's death reaches its run's launcher as SIGTERM: the workers checkpoint and leave, nothing is
-    left behind, and the next queue resumes the run. Holds for the forked launcher (launchers.py: its boot
-    process and its server both pass the stop on) and the plain one (MULTIGPU_WORKER_START=plain)."""
-    for how in ("auto", "plain"):
-        out = tmp_path / how
-        runs = _runs_file(tmp_path, f"""
+def _a_queue_with_a_held_run(tmp_path: Path, token: str) -> tuple[Path, Path, subprocess.Popen]:
+    """A queue (a process of its own) whose one run holds at step 2 until a stop signal reaches it
+    (faults.py --hold-at), returned once the run holds, however slow the machine."""
+    out = tmp_path / "q"
+    runs = _runs_file(tmp_path, f"""
 held:
   script: {SCRIPTS / 'faults.py'}
-  args: [{out / 'held'}, --hold-at, "2", {no_leftovers}]
+  args: [{out / 'held'}, --hold-at, "2", {token}]
   out_dir_key: null
 """)
-        env = child_env({"MULTIGPU_WORKER_START": "plain"} if how == "plain" else {})
-        queue = subprocess.Popen([PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out),
-                                  "--no-live"], env=env, cwd=str(REPO), stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
-        try:  # the run holds at step 2 until a stop signal reaches it, however slow the machine
-            wait_for_files(out / "held", ["held-rank0"], timeout=180)
-            queue.kill()
-            queue.wait(timeout=30)
-            deadline = time.monotonic() + 120
-            while processes_with(no_leftovers) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        finally:
-            queue.kill()
-        log = (out / "held" / "log.txt").read_text()
-        assert "every worker wrote its checkpoint" in log, (how, log[-2000:])
-        again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live", timeout=240, env=env)
-        assert again.returncode == 0, again.stdout + again.stderr
-        assert "resumed from" in (out / "held" / "log.txt").read_text()
+    queue = subprocess.Popen([PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out),
+                              "--no-live"], env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_files(out / "held", ["held-rank0"], timeout=180)
+    except BaseException:
+        queue.kill()
+        raise
+    return out, runs, queue
+
+
+def test_a_queue_killed_by_sigkill_stops_its_run_cleanly_and_the_next_queue_resumes_it(tmp_path, no_leftovers):
+    """The queue's death reaches its run's launcher as SIGTERM - from its boot process, which the kernel
+    signals as it signalled the plain launcher (launchers.py) - while the server stays until the launcher
+    has gone: the workers checkpoint and leave, nothing is left behind, and the next queue resumes it."""
+    out, runs, queue = _a_queue_with_a_held_run(tmp_path, no_leftovers)
+    try:
+        queue.kill()
+        queue.communicate(timeout=30)
+        deadline = time.monotonic() + 120
+        while processes_with(no_leftovers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        queue.kill()
+    log = (out / "held" / "log.txt").read_text()
+    assert " -m multigpu.launch.boot run " in log.splitlines()[1] and "every worker wrote its checkpoint" in log, log
+    again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live", timeout=240)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from" in (out / "held" / "log.txt").read_text()
+
+
+def test_a_killed_launcher_server_stops_its_runs_cleanly_and_they_count_as_interrupted(tmp_path, no_leftovers):
+    """The queue's server (launchers.py) killed by SIGKILL - the OOM killer, a user - must not kill the runs
+    forked from it: each launcher gets SIGTERM and checkpoints, its boot process waits for it and leaves
+    with 143, the queue counts the run as interrupted and goes on, and the next queue resumes it."""
+    out, runs, queue = _a_queue_with_a_held_run(tmp_path, no_leftovers)
+    try:
+        servers = [pid for pid in processes_with("") if _parent(pid) == queue.pid and _name(pid) == "multigpu-fork"]
+        assert len(servers) == 1, servers
+        os.kill(servers[0], signal.SIGKILL)
+        output, _ = queue.communicate(timeout=180)
+    finally:
+        queue.kill()
+    assert queue.returncode == 1, output
+    assert _status(out / "held")["state"] == "interrupted" and _status(out / "held")["exit_code"] == 143, output
+    assert "every worker wrote its checkpoint" in (out / "held" / "log.txt").read_text()
+    again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live", timeout=240)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from" in (out / "held" / "log.txt").read_text()
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 class _Clock:

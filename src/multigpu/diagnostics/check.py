@@ -52,17 +52,21 @@ from multigpu.diagnostics.causes import (
 from multigpu.distributed.world import CHECK_DIR_VAR, CHECK_SCALE_VAR, CHECK_STEPS_VAR
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder
+from multigpu.launch.devices import visible_gpus
 from multigpu.launch.flags import RunFlags
+from multigpu.launch.forkserver import ForkServer
+from multigpu.launch.launchers import start_server, through
 
 #: Exit statuses of ``multigpu check``.
 EQUAL, DIFFERENT, DID_NOT_RUN, UNVERIFIED = 0, 1, 2, 3
 
 
 def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool,
-         timeout_s: float, procs_per_gpu: int = 1) -> Outcome:
+         timeout_s: float, procs_per_gpu: int = 1, server: Optional[ForkServer] = None) -> Outcome:
     Folder(folder.parent).make(folder.name)
-    argv = RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu).to_argv(command)
     env = {**os.environ, CHECK_DIR_VAR: str(folder), CHECK_STEPS_VAR: str(steps), CHECK_SCALE_VAR: str(scale)}
+    argv = through(server, RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu
+                                    ).to_argv(command), env)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
@@ -83,15 +87,17 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
                    hint="compare 2 or more processes against one.")
     validate.count(steps, "--steps", LaunchError, low=1, high=10_000)
     if procs_per_gpu != 1:  # refuse an impossible device plan now, not as a failed run
-        from multigpu.launch.devices import plan_devices, visible_gpus
+        from multigpu.launch.devices import plan_devices
 
         plan_devices(visible_gpus(), nproc=nproc, procs_per_gpu=procs_per_gpu, cpu=cpu)
+    # On CPUs both runs' launchers are forked from one import of torch (launch.launchers), as a queue's are.
+    server = start_server() if cpu or not visible_gpus() else None
     root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
     try:
         out(f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
             f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
-        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, procs_per_gpu)
-        one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s)
+        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, procs_per_gpu, server)
+        one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s, server=server)
         if show_output:
             for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
                 out(f"\n----- the script's output, {label} run (exit {outcome.status}) -----")
@@ -99,6 +105,8 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
             out("----- end of the script's output -----")
         return report(many, one, nproc, steps, tolerance, out)
     finally:
+        if server is not None:
+            server.stop()
         if keep:
             out(f"records kept in {root}")
         else:

@@ -12,7 +12,7 @@ nothing lost but the start-up time).
 The wire format on the Unix socket: :mod:`.fork_wire`.
 
 Usage (by the launcher): ``python -u -m multigpu.launch.boot script.py args...`` or ``-m pkg.mod args...``;
-by a queue (:mod:`.launchers`): ``python -m multigpu.launch.boot --launcher run FLAGS ...``
+by a queue (:mod:`.launchers`): ``MULTIGPU_BOOT_LAUNCHER=1 python -m multigpu.launch.boot run FLAGS ...``
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 from typing import NoReturn, Optional
 
 from multigpu.fileio import open_devnull
@@ -32,6 +33,9 @@ from multigpu.launch.worker import die_with_launcher
 
 #: The fork server's socket (set by the launcher for its workers; absent: the plain start).
 FORKSERVER_VAR = "MULTIGPU_FORKSERVER"
+#: ``1``: what to ask for is a launcher (``multigpu ARGV``, a queue's run: :mod:`.launchers`), not a worker.
+#: A variable, not an argument: any argument may be a script's name. Removed before anything sees it.
+LAUNCHER_VAR = "MULTIGPU_BOOT_LAUNCHER"
 WORKER_MODULE = "multigpu.launch.worker"
 #: Signals torch's agent (or a user) sends a worker: passed to the forked worker's process group.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
@@ -102,9 +106,7 @@ def die_by(sig: int) -> NoReturn:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    launcher = argv[:1] == ["--launcher"]  # launchers.BOOT_LAUNCHER: a queue's run
-    if launcher:
-        argv = argv[1:]
+    launcher = os.environ.pop(LAUNCHER_VAR, None) == "1"
     path = os.environ.get(FORKSERVER_VAR)
     if not path:
         plain(argv, launcher)
@@ -145,6 +147,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     while True:
         message = reader.next()
         if message is None:  # the server died; its workers die with it (PR_SET_PDEATHSIG)
+            if launcher:  # a launcher stops cleanly instead (SIGTERM): wait for it, leave as one stopped
+                while os.path.exists(f"/proc/{answer['pid']}"):  # so does (the queue's "interrupted")
+                    time.sleep(0.2)
+                _flush()
+                os._exit(128 + signal.SIGTERM)
             die_by(signal.SIGKILL)
         if isinstance(message.get("status"), int):
             mirror(message["status"])

@@ -43,11 +43,12 @@ def declines(server_env: dict, worker_env: dict, launcher: bool = False) -> Opti
     """Why a worker with ``worker_env`` must start the plain way (None: it may be forked). ``launcher``: a
     queue's run (``multigpu run``) instead, whose environment may differ in what nothing reads at import:
     ``MULTIGPU_*`` (its run's folder and name) and ``CUDA_VISIBLE_DEVICES`` (read when CUDA starts, which
-    never happens in the server); ``MULTIGPU_WORKER_START=plain`` is a run's wish to start the plain way."""
+    never happens in the server); ``MULTIGPU_WORKER_START=plain`` is a run's wish to start the plain way (and
+any other value but ``fork`` one the plain start refuses with its one line)."""
     if launcher:
         changed = sorted(k for k in server_env.keys() | worker_env.keys() if server_env.get(k) != worker_env.get(k)
                          and not k.startswith(READ_AT_RUN_TIME) and k != "CUDA_VISIBLE_DEVICES")
-        if worker_env.get(START_VAR) == "plain":
+        if worker_env.get(START_VAR) not in (None, "", "fork"):  # plain, or a value the plain start refuses
             changed.append(START_VAR)
     else:
         changed = sorted(k for k in server_env.keys() | worker_env.keys()

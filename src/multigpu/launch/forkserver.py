@@ -36,7 +36,6 @@ holds the launcher's modules too (``argparse``...: :func:`shadows` counts them).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import io
@@ -50,12 +49,12 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, Optional
 
+from multigpu.errors import LaunchError
 from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED
 from multigpu.launch.fork_rules import PER_WORKER, READ_AT_RUN_TIME, START_VAR, declines, shadows  # noqa: F401
@@ -87,7 +86,7 @@ class ForkServer:
         gets it already. ``verbose``: the server says on ``stderr`` (default: ours) why a worker starts the
         plain way. ``dynamo``: import ``torch._dynamo`` for the workers (their first optimizer step would:
         ~2 s each); a lone worker imports it if it needs it. ``launchers``: a queue's server, whose boot
-        processes (``boot --launcher``) get ``multigpu run`` launchers forked (see :mod:`.launchers`);
+        processes (``MULTIGPU_BOOT_LAUNCHER=1``) get ``multigpu run`` launchers forked (see :mod:`.launchers`);
         ``import_env``: variables it sets before it imports torch (where this process has not)."""
         if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
             return None
@@ -139,6 +138,14 @@ class ForkServer:
             self.ended = True
         return not self.ended
 
+    def release(self) -> None:
+        """Let the server go while its launchers still run (a queue that failed while stopping them): it
+        starts nothing more and leaves when they have, as when the queue dies."""
+        if not self.ended:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, LAUNCHER_GONE)
+            self.ended = True
+
     def stop(self) -> None:
         """After the launch: its workers are gone by now (they die with it in any case)."""
         if not self.ended:  # reaped already: its pid may be another process's by now
@@ -170,8 +177,6 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
         signal.signal(LAUNCHER_GONE, lambda *_: server.owner_gone())
         if not die_with_parent(LAUNCHER_GONE) or os.getppid() != launcher:
             _remove_folder_and_exit(listener)
-        if launchers:  # the queue's exit handlers are the queue's (its forked launchers run their own)
-            atexit._clear()
         _standard_fds(stderr, keep=listener.fileno())
         cwd = os.getcwd()
         os.chdir("/")
@@ -187,11 +192,18 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
                 signal.signal(sig, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         server.serve(dynamo)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
+    except BaseException as exc:  # the launches go on the plain way (their boot processes find no server)
+        _say_failed("the fork server", exc)
     finally:
         os._exit(70)
+
+
+def _say_failed(what: str, exc: BaseException) -> None:
+    """One line on stderr, never a traceback (what failed is ours, not the user's script)."""
+    with contextlib.suppress(Exception):
+        print(LaunchError(f"{what} failed: {type(exc).__name__}: {exc}",
+                          f"set {START_VAR}=plain to start every process as a new interpreter, and report this "
+                          "with the line above.").one_line(), file=sys.stderr, flush=True)
 
 
 def _standard_fds(stderr: Optional[int], keep: int) -> None:
@@ -356,14 +368,14 @@ class Server:
 
     def owner_gone(self) -> None:
         """The launcher (or queue) that started this server died: a worker server leaves (its workers die
-        with it); a queue's server stops its launchers cleanly and leaves when they have."""
+        with it). A queue's server starts nothing more and leaves when its launchers have: their boot
+        processes die with the queue by SIGTERM and pass it on (the server must be here to do so; a
+        SIGTERM of its own would be a second one)."""
         if not self.launchers or not self.boot_of:
             _remove_folder_and_exit(self.listener)
         self.closing = True
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(self.listener)
-        for pid in list(self.boot_of):
-            self.signal(pid, signal.SIGTERM)
 
     @staticmethod
     def signal(pid: int, number: int) -> None:
@@ -413,7 +425,10 @@ class Server:
             for other in (self.listener, conn, *self.worker_of):
                 other.close()
             os.setsid()
-            if not die_with_parent(signal.SIGKILL) or os.getppid() != server:
+            # A worker dies with the server (the launcher is gone); a queue's launcher is stopped cleanly
+            # (its workers checkpoint), and its boot process waits for it (boot.main).
+            if not die_with_parent(signal.SIGTERM if request["kind"] == "launcher" else signal.SIGKILL) \
+                    or os.getppid() != server:
                 os._exit(1)
             name_process(os.path.basename(sys.executable).encode())  # as a new interpreter is named
             for target, fd in enumerate(fds):
@@ -438,9 +453,8 @@ class Server:
             from multigpu.launch import worker
 
             worker.main(request["argv"], forked=True)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                traceback.print_exc()
+        except BaseException as exc:
+            _say_failed(f"starting a forked {request['kind']}", exc)
         finally:
             os._exit(70)
 

@@ -7,9 +7,12 @@ server - often more than the run's own work. Ray Tune's ``reuse_actors`` answers
 keeping trial processes alive between trials; here every run is still a process of its own, forked fresh
 from a process that imported torch and has run nothing of any run.
 
+``multigpu check`` starts its two runs the same way.
+
 How: the queue forks a :class:`.forkserver.ForkServer` (``launchers=True``) from itself before it starts
 any thread; the server imports torch, ``torch._dynamo`` and the launcher's modules once. A run's command
-is ``python -m multigpu.launch.boot --launcher run FLAGS ...`` (a ~0.1 s process, no torch) in place of
+is ``python -m multigpu.launch.boot run FLAGS ...`` with ``MULTIGPU_BOOT_LAUNCHER=1`` (a ~0.1 s process, no
+torch) in place of
 ``python -m multigpu run FLAGS ...``: the boot process hands the server its arguments, environment,
 folder and stdin/stdout/stderr, and the server forks a launcher that runs the command as ``python -m
 multigpu`` would (:func:`run_launcher`), with ``MULTIGPU_WORKER_START=fork`` - its workers are forked from
@@ -24,10 +27,17 @@ an ``OMP_NUM_THREADS`` other than the one the server imported torch with), when 
 itself before (with other variables, perhaps) and nothing vouches for that import, or when the queue
 had a thread running (a fork copies only the calling thread).
 
+What differs from a new interpreter, as for forked workers (:mod:`.forkserver`): every run of one queue has
+the queue's string-hash seed (set ``PYTHONHASHSEED`` to choose it), ``/proc/PID/cmdline`` and
+``sys.orig_argv`` of a launcher are the queue's, ``sys.modules`` holds what the queue had imported, and
+a warning torch prints while the server imports it goes to the queue's terminal, not to a run's log.
+
 Stopping: the queue's SIGTERM reaches the launcher through its boot process, and the launcher stops its
 workers cleanly (they checkpoint); the queue's SIGKILL of a boot process (a run that outlived the grace
-time) reaches it as SIGKILL. A server whose queue died sends its launchers SIGTERM (as the plain runs
-get it from the kernel, ``PR_SET_PDEATHSIG``) and leaves when they have.
+time) reaches it as SIGKILL. When the queue dies, each boot process gets SIGTERM from the kernel (as a
+plain run does, ``PR_SET_PDEATHSIG``) and passes it on; the server starts nothing more and leaves when
+its launchers have. When the server dies, its launchers get SIGTERM and their boot processes wait for
+them, then leave with status 143 (the queue counts the run as interrupted: the next queue resumes it).
 """
 
 from __future__ import annotations
@@ -39,18 +49,23 @@ import sys
 import threading
 from typing import Callable, Mapping, NoReturn, Optional, Sequence
 
+from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
 from multigpu.launch.fork_rules import START_VAR, start_wish
 from multigpu.launch.forkserver import ForkServer
 
 BOOT_MODULE = "multigpu.launch.boot"
-#: The boot process's first argument when what it asks for is a launcher (``multigpu ARGS``), not a worker.
-BOOT_LAUNCHER = "--launcher"
+
+
+#: Imported by the queue already, they sized their thread pools from its environment: a server forked from
+#: it cannot take another ``OMP_NUM_THREADS`` for its runs (an Optuna search imports numpy).
+SIZED_AT_IMPORT = ("torch", "numpy")
 
 
 def start_server(import_env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
-    """The queue's launcher server (None: its runs start the plain way). ``import_env``: variables the
-    server sets before it imports torch (the ``OMP_NUM_THREADS`` the queue gives its runs), where this
-    process has not imported torch itself."""
+    """The launcher server of a queue or ``multigpu check`` (None: their runs start the plain way).
+    ``import_env``: variables the server sets before it imports torch (the ``OMP_NUM_THREADS`` the queue
+    gives its runs) - dropped where this process imported torch or numpy already (runs that get another
+    value then start the plain way)."""
     from multigpu.launch.local import interpreter_options
 
     wish = start_wish()
@@ -58,15 +73,27 @@ def start_server(import_env: Optional[Mapping[str, str]] = None) -> Optional[For
         return None
     if interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
         return None
+    if any(name in sys.modules for name in SIZED_AT_IMPORT):
+        import_env = None
     return ForkServer.start(launchers=True, import_env=dict(import_env or {}))
 
 
+def through(server: Optional[ForkServer], command: Sequence[str], env: dict[str, str]) -> list[str]:
+    """What to start for ``command`` (``python -m multigpu run ...``): the command itself, or - with a
+    running server - the boot process that asks the server for its launcher (``env`` gets the socket)."""
+    if server is None or not server.running():
+        return list(command)
+    env[FORKSERVER_VAR], env[LAUNCHER_VAR] = server.path, "1"
+    return boot_command(command)
+
+
 def boot_command(command: Sequence[str]) -> list[str]:
-    """``python -m multigpu ARGS`` as the command that asks the server for its launcher."""
+    """``python -m multigpu ARGS`` as the command that asks the server for its launcher (with
+    ``MULTIGPU_BOOT_LAUNCHER=1`` in its environment: :func:`through`)."""
     python, flag, module, *args = command
     if (flag, module) != ("-m", "multigpu"):
         raise ValueError(f"not a multigpu command: {' '.join(command)[:200]}")
-    return [python, "-m", BOOT_MODULE, BOOT_LAUNCHER, *args]
+    return [python, "-m", BOOT_MODULE, *args]
 
 
 def run_launcher(argv: list[str]) -> NoReturn:

@@ -27,7 +27,7 @@ from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VA
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
 from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer, recorded
-from multigpu.launch.boot import FORKSERVER_VAR
+from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.fork_rules import READ_AT_RUN_TIME, START_VAR, start_wish
 from multigpu.launch.forkserver import ForkServer
@@ -349,6 +349,7 @@ def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[Fork
     vouches that its import saw the environment it gave the launcher, so the workers may be forked all the
     same - unless the launch adds a variable torch reads at import (``--debug``'s, for one)."""
     os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
+    os.environ.pop(LAUNCHER_VAR, None)  # nor is a queue's wish for launchers (a worker's boot would read it)
     if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or \
             interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
         return None

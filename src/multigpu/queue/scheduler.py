@@ -31,10 +31,9 @@ from multigpu import validate
 from multigpu.distributed.world import MEMORY_FRACTION_VAR, RUN_DIR_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, visible
 from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
-from multigpu.launch.boot import FORKSERVER_VAR
 from multigpu.launch.fork_rules import start_wish
 from multigpu.launch.forkserver import ForkServer
-from multigpu.launch.launchers import boot_command, start_server
+from multigpu.launch.launchers import start_server, through
 from multigpu.launch.local import usable_cores
 from multigpu.launch.process import die_with_parent
 from multigpu.queue.lock import RunLock
@@ -104,8 +103,10 @@ class Queue:
         self._stop = threading.Event()
         self._stop_signal: Optional[int] = None
         self.runs_per_gpu = runs_per_gpu
-        #: On CPU slots: the server the runs' launchers are forked from (launch.launchers; None: plain starts).
+        #: On CPU slots: the server the runs' launchers are forked from (launch.launchers), started with the
+        #: first run that starts (with its OMP_NUM_THREADS); None: plain starts.
         self.server: Optional[ForkServer] = None
+        self._server_tried = on_gpus
         #: Searches (queue.search.Search) whose trials are asked while the queue runs, when the pool has room.
         self.searches = list(searches)
         for run in [*self.runs, *(EntryState(s.entry, self.root / s.entry.name) for s in self.searches)]:
@@ -121,10 +122,6 @@ class Queue:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
         start_wish()  # before any run: a misspelt MULTIGPU_WORKER_START is one line, not a failure per run
         Folder(self.root).create()
-        if not self.on_gpus and self.runs + list(self.searches):  # before any thread: a fork copies only ours
-            first = (self.runs[0] if self.runs else EntryState(self.searches[0].entry, self.root)).spec
-            threads = self._threads(first.share(self.runs_per_gpu), first.processes(False), max(1, math.ceil(first.gpus)))
-            self.server = start_server({"OMP_NUM_THREADS": threads} if threads else None)
         try:
             for search in self.searches:  # its earlier trials: skipped when finished, resumed when not
                 self.runs += [EntryState(spec, self.root / spec.name, share=spec.share(self.runs_per_gpu))
@@ -170,8 +167,13 @@ class Queue:
         return 0 if all(r.state in ("done", "skipped") for r in self.runs) else 1
 
     def _stop_server(self) -> None:
+        """At the end: every run has ended (a run still running - _stop_all failed - keeps the server until
+        its launcher has stopped cleanly, as when the queue dies)."""
         if self.server is not None:
-            self.server.stop()
+            if any(r.state == "running" for r in self.runs):
+                self.server.release()
+            else:
+                self.server.stop()
             self.server = None
 
     def _threads(self, share: Fraction, processes: int, slots: int) -> Optional[str]:
@@ -298,10 +300,10 @@ class Queue:
         threads = self._threads(run.share, run.spec.processes(self.on_gpus), len(slots))
         if threads:
             env["OMP_NUM_THREADS"] = threads
-        command = run.spec.command(run.folder, self.on_gpus)
-        if self.server is not None and self.server.running():  # its launcher forked from the server's torch
-            command = boot_command(command)
-            env[FORKSERVER_VAR] = self.server.path
+        if not self._server_tried:  # the queue has no thread of its own: a fork copies only this one
+            self._server_tried = True
+            self.server = start_server({"OMP_NUM_THREADS": threads} if threads else None)
+        command = through(self.server, run.spec.command(run.folder, self.on_gpus), env)  # forked, on CPU slots
         run.log = open_append(run.folder / LOG_FILE)
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         run.log.flush()
