@@ -52,7 +52,7 @@ from multigpu.diagnostics.causes import (
 from multigpu.distributed.world import CHECK_DIR_VAR, CHECK_SCALE_VAR, CHECK_STEPS_VAR
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder
-from multigpu.launch.devices import visible_gpus
+from multigpu.launch.devices import no_gpu_here
 from multigpu.launch.flags import RunFlags
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.launchers import start_server, through
@@ -87,13 +87,15 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
                    hint="compare 2 or more processes against one.")
     validate.count(steps, "--steps", LaunchError, low=1, high=10_000)
     if procs_per_gpu != 1:  # refuse an impossible device plan now, not as a failed run
-        from multigpu.launch.devices import plan_devices
+        from multigpu.launch.devices import plan_devices, visible_gpus
 
         plan_devices(visible_gpus(), nproc=nproc, procs_per_gpu=procs_per_gpu, cpu=cpu)
-    # On CPUs both runs' launchers are forked from one import of torch (launch.launchers), as a queue's are.
-    server = start_server() if cpu or not visible_gpus() else None
+    server: Optional[ForkServer] = None
     root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
     try:
+        # On CPUs both runs' launchers are forked from one import of torch (launch.launchers), as a queue's
+        # are; where there may be a GPU (only torch can tell) the plain start, without importing torch here.
+        server = start_server() if cpu or no_gpu_here() else None
         out(f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
             f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
         many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, procs_per_gpu, server)

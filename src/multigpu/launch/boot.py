@@ -21,13 +21,14 @@ import contextlib
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import sys
 import time
 from typing import NoReturn, Optional
 
-from multigpu.fileio import open_devnull
+from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.fork_wire import HEADER, LineReader, frame
 from multigpu.launch.worker import die_with_launcher
 
@@ -144,17 +145,52 @@ def main(argv: Optional[list[str]] = None) -> None:
         if stops:  # stopped before a worker existed: the plain one is not started either
             die_by(stops[0])
         plain(argv, launcher)  # exec resets our handlers
+    watch = _pidfd(answer["pid"]) if launcher else None  # taken now, while the server holds the launcher
     while True:
         message = reader.next()
         if message is None:  # the server died; its workers die with it (PR_SET_PDEATHSIG)
-            if launcher:  # a launcher stops cleanly instead (SIGTERM): wait for it, leave as one stopped
-                while os.path.exists(f"/proc/{answer['pid']}"):  # so does (the queue's "interrupted")
-                    time.sleep(0.2)
-                _flush()
-                os._exit(128 + signal.SIGTERM)
+            if launcher:  # a launcher is stopped cleanly instead (SIGTERM): see it out
+                outlive(answer["pid"], watch)
             die_by(signal.SIGKILL)
         if isinstance(message.get("status"), int):
             mirror(message["status"])
+
+
+def _pidfd(pid: int) -> Optional[int]:
+    """A descriptor that becomes readable when process ``pid`` ends (a zombie counts), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):  # a kernel before 5.3, or the process is gone already
+        return None
+
+
+def outlive(pid: int, watch: Optional[int]) -> NoReturn:
+    """The server died and its launcher got SIGTERM: pass signals to the launcher itself from now on (the
+    queue's stop, its SIGKILL after the grace time), wait until it has ended, then leave with 143 - the
+    queue counts the run as interrupted, and the next queue resumes it."""
+    def direct(signum: int, _frame: object) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, direct)
+    if watch is not None:
+        while True:
+            with contextlib.suppress(InterruptedError):
+                if select.select([watch], [], [])[0]:
+                    break
+    else:  # no pidfd: its /proc entry, until it is gone or a zombie
+        while _alive(pid):
+            time.sleep(0.2)
+    _flush()
+    os._exit(128 + signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 if __name__ == "__main__":

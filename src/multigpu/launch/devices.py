@@ -34,6 +34,14 @@ class DevicePlan:
         return f"{self.nproc} process(es) on GPU(s) {self.visible}{per}"
 
 
+def no_gpu_here() -> bool:
+    """No GPU driver on this machine, or every GPU hidden (``CUDA_VISIBLE_DEVICES`` empty): known without
+    importing torch. False means "maybe": :func:`visible_gpus` asks torch."""
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/nvidiactl")):
+        return True
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() == ""
+
+
 def visible_gpus() -> list[str]:
     """The GPU ids this shell can see, as CUDA_VISIBLE_DEVICES names them (or 0..N-1 when unset).
 
@@ -41,9 +49,7 @@ def visible_gpus() -> list[str]:
     without importing torch (~2 s), so commands that only need to know "no GPU here" stay fast, and a CPU
     launch can still fork its workers (:func:`multigpu.launch.local.launch`).
     """
-    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/nvidiactl")):
-        return []
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() == "":  # every GPU hidden: no torch needed either
+    if no_gpu_here():
         return []
     import torch
 

@@ -39,15 +39,21 @@ def start_wish() -> Optional[str]:
 READ_AT_RUN_TIME = ("MULTIGPU_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
+def read_at_import(name: str) -> bool:
+    """Whether a variable may count when torch is imported: all but :data:`READ_AT_RUN_TIME` and
+    ``CUDA_VISIBLE_DEVICES`` (read when CUDA starts, which never happens in a server or a launcher)."""
+    return not name.startswith(READ_AT_RUN_TIME) and name != "CUDA_VISIBLE_DEVICES"
+
+
 def declines(server_env: dict, worker_env: dict, launcher: bool = False) -> Optional[str]:
     """Why a worker with ``worker_env`` must start the plain way (None: it may be forked). ``launcher``: a
     queue's run (``multigpu run``) instead, whose environment may differ in what nothing reads at import:
     ``MULTIGPU_*`` (its run's folder and name) and ``CUDA_VISIBLE_DEVICES`` (read when CUDA starts, which
     never happens in the server); ``MULTIGPU_WORKER_START=plain`` is a run's wish to start the plain way (and
-any other value but ``fork`` one the plain start refuses with its one line)."""
+    any other value but ``fork`` one the plain start refuses with its one line)."""
     if launcher:
         changed = sorted(k for k in server_env.keys() | worker_env.keys() if server_env.get(k) != worker_env.get(k)
-                         and not k.startswith(READ_AT_RUN_TIME) and k != "CUDA_VISIBLE_DEVICES")
+                         and read_at_import(k))
         if worker_env.get(START_VAR) not in (None, "", "fork"):  # plain, or a value the plain start refuses
             changed.append(START_VAR)
     else:

@@ -20,7 +20,8 @@ the worker's process group and leaves with the worker's status or signal. A boot
 What a forked worker gets fresh: its own session (as torch's agent gives each worker), signal
 handlers as a new interpreter has them, the environment, folder, umask and ``sys.path`` of its boot
 process, Python's, numpy's and torch's random state from the OS (as at start-up). It dies with the
-server (``PR_SET_PDEATHSIG``), which dies with the launcher.
+server (``PR_SET_PDEATHSIG``), which dies with the launcher. (A queue's launchers, :mod:`.launchers`, are
+stopped cleanly instead: SIGTERM.)
 
 When the plain start is used instead (the boot process ``exec``s the worker itself): GPU runs (a CUDA
 driver initialised before ``fork`` does not work in the child, and nothing here may initialise it - not
@@ -64,6 +65,8 @@ from multigpu.launch.process import die_with_parent, name_process
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
 LAUNCHER_GONE = signal.SIGRTMIN + 3
+#: How long a queue's server may take to leave once asked (it has only its launchers' last signals to pass on).
+STOP_WAIT_S = 10.0
 #: A boot process sends its whole request at once: one that trickles is dropped (and starts the plain way).
 REQUEST_TIMEOUT_S = 5.0
 
@@ -76,6 +79,7 @@ class ForkServer:
     folder: str
     path: str
     ended: bool = False
+    launchers: bool = False
 
     @classmethod
     def start(cls, verbose: bool = False, stderr: Optional[int] = None, dynamo: bool = True,
@@ -90,10 +94,13 @@ class ForkServer:
         ``import_env``: variables it sets before it imports torch (where this process has not)."""
         if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
             return None
-        folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
-        if len(os.path.join(folder, "socket").encode()) > _SOCKET_PATH_MAX:  # a deep TMPDIR
-            Folder(Path(folder).parent).remove_tree(Path(folder).name)
-            folder = tempfile.mkdtemp(prefix="multigpu-fork-", dir="/tmp")
+        try:
+            folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
+            if len(os.path.join(folder, "socket").encode()) > _SOCKET_PATH_MAX:  # a deep TMPDIR
+                Folder(Path(folder).parent).remove_tree(Path(folder).name)
+                folder = tempfile.mkdtemp(prefix="multigpu-fork-", dir="/tmp")
+        except OSError:  # no temporary folder: the plain start
+            return None
         path = os.path.join(folder, "socket")
         pid = 0
         listener: Optional[socket.socket] = None
@@ -126,7 +133,7 @@ class ForkServer:
         finally:
             if listener is not None:
                 listener.close()
-        return cls(pid, folder, path)
+        return cls(pid, folder, path, launchers=launchers)
 
     def running(self) -> bool:
         """The server has not ended (it is our child: an ended one is reaped here, once)."""
@@ -141,13 +148,23 @@ class ForkServer:
     def release(self) -> None:
         """Let the server go while its launchers still run (a queue that failed while stopping them): it
         starts nothing more and leaves when they have, as when the queue dies."""
-        if not self.ended:
+        if self.running():
             with contextlib.suppress(OSError):
                 os.kill(self.pid, LAUNCHER_GONE)
             self.ended = True
+        else:  # gone already: its folder is ours to remove
+            self.stop()
 
     def stop(self) -> None:
-        """After the launch: its workers are gone by now (they die with it in any case)."""
+        """After the launch: a worker server's workers die with it. A queue's server is asked to leave first
+        (it SIGKILLs the launcher of a boot process the queue killed, then leaves when its launchers have);
+        SIGKILL only where it has not left in ``STOP_WAIT_S``: a launcher must never outlive it unsignalled."""
+        if self.launchers and self.running():
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, LAUNCHER_GONE)
+            deadline = time.monotonic() + STOP_WAIT_S
+            while self.running() and time.monotonic() < deadline:
+                time.sleep(0.02)
         if not self.ended:  # reaped already: its pid may be another process's by now
             with contextlib.suppress(OSError):
                 os.kill(self.pid, signal.SIGKILL)
@@ -202,8 +219,8 @@ def _say_failed(what: str, exc: BaseException) -> None:
     """One line on stderr, never a traceback (what failed is ours, not the user's script)."""
     with contextlib.suppress(Exception):
         print(LaunchError(f"{what} failed: {type(exc).__name__}: {exc}",
-                          f"set {START_VAR}=plain to start every process as a new interpreter, and report this "
-                          "with the line above.").one_line(), file=sys.stderr, flush=True)
+                          f"check the folder and environment it was started in; {START_VAR}=plain starts every "
+                          "process as a new interpreter.").one_line(), file=sys.stderr, flush=True)
 
 
 def _standard_fds(stderr: Optional[int], keep: int) -> None:
@@ -297,6 +314,8 @@ class Server:
                     self.from_boot(key.fileobj)  # type: ignore[arg-type]
 
     def accept(self) -> None:
+        if self.closing:  # asked to leave in the same wake-up that found a connection
+            return
         try:
             conn, _ = self.listener.accept()
         except OSError:

@@ -9,11 +9,11 @@ from a process that imported torch and has run nothing of any run.
 
 ``multigpu check`` starts its two runs the same way.
 
-How: the queue forks a :class:`.forkserver.ForkServer` (``launchers=True``) from itself before it starts
-any thread; the server imports torch, ``torch._dynamo`` and the launcher's modules once. A run's command
-is ``python -m multigpu.launch.boot run FLAGS ...`` with ``MULTIGPU_BOOT_LAUNCHER=1`` (a ~0.1 s process, no
-torch) in place of
-``python -m multigpu run FLAGS ...``: the boot process hands the server its arguments, environment,
+How: the queue forks a :class:`.forkserver.ForkServer` (``launchers=True``) from itself when its first run
+starts (the queue has no thread of its own; the server imports torch with that run's ``OMP_NUM_THREADS``),
+and the server imports torch, ``torch._dynamo`` and the launcher's modules once. A run's command is
+``python -m multigpu.launch.boot run FLAGS ...`` with ``MULTIGPU_BOOT_LAUNCHER=1`` (a ~0.1 s process, no
+torch) in place of ``python -m multigpu run FLAGS ...``: the boot process hands the server its arguments, environment,
 folder and stdin/stdout/stderr, and the server forks a launcher that runs the command as ``python -m
 multigpu`` would (:func:`run_launcher`), with ``MULTIGPU_WORKER_START=fork`` - its workers are forked from
 the same import (:mod:`.local`). The boot process is what the queue watches and signals: it passes
@@ -25,19 +25,24 @@ tried on a GPU yet), with ``MULTIGPU_WORKER_START=plain`` in the queue's or the 
 its environment differs from the queue's in a variable torch reads at import (an ``env:`` of its own;
 an ``OMP_NUM_THREADS`` other than the one the server imported torch with), when the queue imported torch
 itself before (with other variables, perhaps) and nothing vouches for that import, or when the queue
-had a thread running (a fork copies only the calling thread).
+had a thread running (a fork copies only the calling thread). A queue with a search (Optuna imports
+numpy, which sizes its threads at import) forks only where ``OMP_NUM_THREADS`` is set for it.
 
 What differs from a new interpreter, as for forked workers (:mod:`.forkserver`): every run of one queue has
 the queue's string-hash seed (set ``PYTHONHASHSEED`` to choose it), ``/proc/PID/cmdline`` and
-``sys.orig_argv`` of a launcher are the queue's, ``sys.modules`` holds what the queue had imported, and
-a warning torch prints while the server imports it goes to the queue's terminal, not to a run's log.
+``sys.orig_argv`` of a launcher are the queue's, ``sys.modules`` holds what the queue had imported, the
+exit handlers the queue had registered (``logging``'s flush) run at a launcher's exit too, and what
+the server prints while it imports torch goes nowhere (its stderr is ``/dev/null``: it must not hold the
+queue's, or a ``multigpu queue ... | tee`` would wait for the server).
 
 Stopping: the queue's SIGTERM reaches the launcher through its boot process, and the launcher stops its
 workers cleanly (they checkpoint); the queue's SIGKILL of a boot process (a run that outlived the grace
-time) reaches it as SIGKILL. When the queue dies, each boot process gets SIGTERM from the kernel (as a
-plain run does, ``PR_SET_PDEATHSIG``) and passes it on; the server starts nothing more and leaves when
-its launchers have. When the server dies, its launchers get SIGTERM and their boot processes wait for
-them, then leave with status 143 (the queue counts the run as interrupted: the next queue resumes it).
+time) reaches it as SIGKILL, through the server. When the queue dies, each boot process gets SIGTERM from
+the kernel (as a plain run does, ``PR_SET_PDEATHSIG``) and passes it on; the server starts nothing more
+and leaves when its launchers have. At the queue's end it is asked to leave the same way, and killed only
+if it has not within ``STOP_WAIT_S``. When the server dies, its launchers get SIGTERM and their boot
+processes pass signals to them directly, wait for them to end (a pidfd) and leave with status 143: the
+queue counts the run as interrupted, and the next queue resumes it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import sys
 import threading
 from typing import Callable, Mapping, NoReturn, Optional, Sequence
 
+from multigpu.fileio import open_devnull
 from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
 from multigpu.launch.fork_rules import START_VAR, start_wish
 from multigpu.launch.forkserver import ForkServer
@@ -64,8 +70,9 @@ SIZED_AT_IMPORT = ("torch", "numpy")
 def start_server(import_env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
     """The launcher server of a queue or ``multigpu check`` (None: their runs start the plain way).
     ``import_env``: variables the server sets before it imports torch (the ``OMP_NUM_THREADS`` the queue
-    gives its runs) - dropped where this process imported torch or numpy already (runs that get another
-    value then start the plain way)."""
+    gives its runs). Where this process imported torch or numpy already (a queue with an Optuna search),
+    they sized their threads from this environment: if ``import_env`` differs from it, no server (every run
+    would be declined; its imports would cost ~5 s of CPU for nothing)."""
     from multigpu.launch.local import interpreter_options
 
     wish = start_wish()
@@ -73,9 +80,15 @@ def start_server(import_env: Optional[Mapping[str, str]] = None) -> Optional[For
         return None
     if interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
         return None
-    if any(name in sys.modules for name in SIZED_AT_IMPORT):
-        import_env = None
-    return ForkServer.start(launchers=True, import_env=dict(import_env or {}))
+    if any(name in sys.modules for name in SIZED_AT_IMPORT) and \
+            any(os.environ.get(k) != v for k, v in (import_env or {}).items()):
+        return None
+    # Its stderr on /dev/null: the server must not hold the queue's (a `| tee` would wait for its launchers)
+    devnull = open_devnull()
+    try:
+        return ForkServer.start(launchers=True, import_env=dict(import_env or {}), stderr=devnull)
+    finally:
+        os.close(devnull)
 
 
 def through(server: Optional[ForkServer], command: Sequence[str], env: dict[str, str]) -> list[str]:

@@ -29,7 +29,7 @@ from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer, recorded
 from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
 from multigpu.launch.devices import DevicePlan
-from multigpu.launch.fork_rules import READ_AT_RUN_TIME, START_VAR, start_wish
+from multigpu.launch.fork_rules import START_VAR, read_at_import, start_wish
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
@@ -205,7 +205,7 @@ def launch(request: LaunchRequest) -> int:
     # imported it vouches for its environment (MULTIGPU_WORKER_START=fork) and this launch changes nothing
     # torch reads at import (--debug's variables, an OMP_NUM_THREADS of ours, a replica group's: it would)
     torch_loaded = "torch" in sys.modules and (os.environ.get(START_VAR) != "fork" or any(
-        not k.startswith(READ_AT_RUN_TIME) and os.environ.get(k) != v for k, v in env.items()))
+        read_at_import(k) and os.environ.get(k) != v for k, v in env.items()))
     os.environ.update(env)
     server: Optional[ForkServer] = None
     user_level: Optional[int] = None
