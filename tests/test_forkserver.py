@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import PY, child_env, processes_with, wait_for_files, wait_until_gone
+from conftest import PY, SCRIPTS, child_env, processes_with, wait_for_files, wait_until_gone
 from conftest import multigpu as _multigpu
 
-from multigpu.launch.boot import FORKSERVER_VAR
-from multigpu.launch.forkserver import ForkServer, declines
+from multigpu.launch.forkserver import declines
 
 # Each test launches one 2-process run or one fork server (torch imported once, ~5 s of CPU; up to ~40 s
 # on two busy cores); a hang ends here.
@@ -178,35 +177,60 @@ def test_sigkill_of_the_launcher_removes_the_servers_folder(tmp_path, temp, no_l
     assert list(temp.glob("multigpu-fork-*")) == []
 
 
+class Launcher:
+    """tests/scripts/fork_launcher.py: a new interpreter that starts the fork server and starts the tests' boot
+    processes as its children (the server forks only for its launcher's children). Not this process: a
+    server forked from pytest, and its workers, would carry pytest's heap, exit handlers and threads."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log  # why a request got the plain start (verbose)
+        self.proc = subprocess.Popen([PY, str(SCRIPTS / "fork_launcher.py"), str(log)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=child_env())
+        hello = self._answer()
+        assert "error" not in hello, hello
+        self.pid, self.path, self.folder, self.env = hello["pid"], hello["path"], hello["folder"], hello["env"]
+
+    def _answer(self, command: dict | None = None) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if command is not None:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "the launcher died"
+        return json.loads(line)
+
+    def run(self, argv: list[str], extra: dict | None = None, **options: object) -> subprocess.CompletedProcess:
+        """``argv`` started by the launcher, to completion (``signal``/``wait``: see fork_launcher.run)."""
+        answer = self._answer({"do": "run", "argv": argv, "env": {**self.env, **(extra or {})}, **options})
+        proc = subprocess.CompletedProcess(argv, answer["status"], answer["stdout"], answer["stderr"])
+        proc.hung = answer.get("hung")  # type: ignore[attr-defined]
+        return proc
+
+    def running(self) -> bool:
+        return self._answer({"do": "running"})["running"]
+
+    def stop(self) -> bool:
+        """Stop the server; True when its folder is gone."""
+        stopped = self._answer({"do": "stop"})["stopped"]
+        self.proc.wait(timeout=30)
+        return stopped
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[ForkServer]:
-    log = tmp_path_factory.mktemp("server") / "stderr"  # why a request got the plain start (verbose)
-    with log.open("wb") as handle:
-        found = ForkServer.start(verbose=True, stderr=handle.fileno())  # forked from this process
-    assert found is not None
-    found.log = log  # type: ignore[attr-defined]
-    found.env = {**os.environ, FORKSERVER_VAR: found.path}  # type: ignore[attr-defined]  (the server's)
-    yield found
-    found.stop()
-    assert not Path(found.folder).exists()
+def server(tmp_path_factory) -> Iterator[Launcher]:
+    launcher = Launcher(tmp_path_factory.mktemp("server") / "stderr")
+    yield launcher
+    assert launcher.stop()
 
 
-def _parent(server: ForkServer, proc: subprocess.CompletedProcess) -> str:
+def _parent(server: Launcher, proc: subprocess.CompletedProcess) -> str:
     """The command line of the probe's parent; the server's log goes with a failed assertion."""
-    assert proc.stdout.strip(), proc.stderr + server.log.read_text()  # type: ignore[attr-defined]
-    return json.loads(proc.stdout)["parent"] + " | server said: " + server.log.read_text()  # type: ignore[attr-defined]
+    assert proc.stdout.strip(), proc.stderr + server.log.read_text()
+    return json.loads(proc.stdout)["parent"] + " | server said: " + server.log.read_text()
 
 
-def _server_env(server: ForkServer) -> dict:
-    """The server's own environment, ours when it was forked (pytest changes PYTEST_CURRENT_TEST in ours
-    after every test)."""
-    return dict(server.env)  # type: ignore[attr-defined]
-
-
-def _boot(server: ForkServer, probe: Path, *args: str, extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**_server_env(server), **(extra or {})}
-    return subprocess.run([PY, "-u", "-m", "multigpu.launch.boot", str(probe), *args], capture_output=True,
-                          text=True, timeout=120, env=env)
+def _boot(server: Launcher, probe: Path, *args: str, extra: dict | None = None) -> subprocess.CompletedProcess:
+    return server.run([PY, "-u", "-m", "multigpu.launch.boot", str(probe), *args], extra)
 
 
 def test_the_boot_process_leaves_with_the_workers_status(server, probe):
@@ -223,15 +247,15 @@ def test_the_boot_process_dies_by_the_workers_signal(server, tmp_path):
 
 
 def test_a_signal_to_the_boot_process_reaches_the_worker(server, tmp_path):
+    """The worker leaves at once on SIGTERM; 30 s is for two busy cores. Where it does not, the failure says
+    where the worker, the boot process and the server are, with the worker's Python stack."""
     script = tmp_path / "wait.py"
-    script.write_text("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(42))\n"
-                      "print('ready', flush=True)\ntime.sleep(60)\nsys.exit(1)\n")
-    env = _server_env(server)
-    boot = subprocess.Popen([PY, "-u", "-m", "multigpu.launch.boot", str(script)], stdout=subprocess.PIPE,
-                            text=True, env=env)
-    assert boot.stdout is not None and boot.stdout.readline().strip() == "ready"
-    boot.send_signal(signal.SIGTERM)
-    assert boot.wait(timeout=30) == 42
+    script.write_text("import faulthandler, os, signal, sys, time\nfaulthandler.register(signal.SIGUSR2)\n"
+                      "signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))\n"
+                      "print('ready', os.getpid(), flush=True)\ntime.sleep(60)\nsys.exit(1)\n")
+    proc = server.run([PY, "-u", "-m", "multigpu.launch.boot", str(script)], signal=int(signal.SIGTERM), wait=30)
+    assert proc.stdout.startswith("ready "), proc.stderr
+    assert proc.returncode == 42 and not proc.hung, (proc.hung, proc.stderr, server.log.read_text())  # type: ignore[attr-defined]
 
 
 def test_a_different_environment_starts_the_plain_way(server, probe):
@@ -277,8 +301,7 @@ for payload, fds in attempts:
 
 def test_malformed_requests_do_not_stop_the_server(server, probe):
     """Sent by a child of the server's launcher (as boot processes are), so they reach the parser."""
-    proc = subprocess.run([PY, "-c", MALFORMED, server.path], capture_output=True, text=True, timeout=120,
-                          env=_server_env(server))
+    proc = server.run([PY, "-c", MALFORMED, server.path])
     assert proc.returncode == 0, proc.stderr
     answers = [json.loads(line) for line in proc.stdout.splitlines()]
     assert answers == [""] * 9  # each refused and closed without an answer: nothing forked, nothing echoed
@@ -300,7 +323,7 @@ def test_a_process_the_launcher_did_not_start_is_not_served(server, probe):
     - a worker's own subprocess that found the socket in its environment - gets the plain start."""
     code = ("import subprocess, sys\n"
             f"sys.exit(subprocess.run([sys.executable, '-m', 'multigpu.launch.boot', {str(probe)!r}, '6']).returncode)")
-    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, env=_server_env(server))
+    proc = server.run([PY, "-c", code])
     assert proc.returncode == 6, proc.stderr
     assert json.loads(proc.stdout)["parent"] != "multigpu-fork"
 
@@ -327,8 +350,8 @@ def test_garbage_signal_lines_and_a_vanished_boot_process(server, tmp_path, prob
             "    s.sendall(b'{\"signal\": 1e400}\\n{\"signal\": \"9\"}\\n[1]\\nnot json\\n{\"signal\": 99999}\\n')\n"
             "    time.sleep(1)\n")
     for mode in ("garbage", "vanish"):
-        subprocess.run([PY, "-c", code, server.path, str(script), mode], timeout=60, env=_server_env(server),
-                       check=True, capture_output=True)
+        proc = server.run([PY, "-c", code, server.path, str(script), mode])
+        assert proc.returncode == 0, proc.stderr
     time.sleep(3)  # a worker forked for the vanished boot process would have written its file by now
     deadline = time.monotonic() + 30
     while any(_alive(int(p.name[3:])) for p in tmp_path.glob("pid*")) and time.monotonic() < deadline:

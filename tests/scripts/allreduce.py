@@ -25,6 +25,7 @@ record = {
     "source": run.world.source,
     "sum": value.item(),
     "backend": run.backend if run.world_size > 1 else None,
+    "agent_store": run.world.agent_store,
     "pid": os.getpid(),
 }
 out = os.environ.get("ALLREDUCE_OUT")

@@ -252,6 +252,7 @@ def left_behind_now() -> None:
 
 
 def serve() -> None:
+    gc.freeze()  # the imports: never scanned in a forked child (as the product's fork server does)
     for line in sys.stdin:
         try:
             request = json.loads(line)

@@ -165,15 +165,15 @@ def _pidfd(pid: int) -> Optional[int]:
 
 
 def outlive(pid: int, watch: Optional[int]) -> NoReturn:
-    """The server died and its launcher got SIGTERM: pass signals to the launcher itself from now on (the
-    queue's stop, its SIGKILL after the grace time), wait until it has ended, then leave with 143 - the
+    """The server died and its launcher got SIGTERM: pass later signals to the launcher itself (but not the
+    queue's SIGTERM or SIGHUP: it is stopping already), wait until it has ended, then leave with 143 - the
     queue counts the run as interrupted, and the next queue resumes it."""
     def direct(signum: int, _frame: object) -> None:
         with contextlib.suppress(OSError):
             os.killpg(pid, signum)
 
-    for sig in FORWARDED:
-        signal.signal(sig, direct)
+    for sig in FORWARDED:  # not the queue's stop (SIGTERM, SIGHUP): a second one would cut the clean stop short
+        signal.signal(sig, signal.SIG_IGN if sig in (signal.SIGTERM, signal.SIGHUP) else direct)
     if watch is not None:
         while True:
             with contextlib.suppress(InterruptedError):

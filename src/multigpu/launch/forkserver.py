@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import io
 import json
 import os
@@ -215,12 +216,13 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
         os._exit(70)
 
 
-def _say_failed(what: str, exc: BaseException) -> None:
-    """One line on stderr, never a traceback (what failed is ours, not the user's script)."""
+def _say_failed(what: str, exc: BaseException, fd: int = 2) -> None:
+    """One line on ``fd`` (stderr), never a traceback (what failed is ours, not the user's script)."""
     with contextlib.suppress(Exception):
-        print(LaunchError(f"{what} failed: {type(exc).__name__}: {exc}",
-                          f"check the folder and environment it was started in; {START_VAR}=plain starts every "
-                          "process as a new interpreter.").one_line(), file=sys.stderr, flush=True)
+        line = LaunchError(f"{what} failed: {type(exc).__name__}: {exc}",
+                           f"check the folder and environment it was started in; {START_VAR}=plain starts every "
+                           "process as a new interpreter.").one_line()
+        os.write(fd, (line + "\n").encode(errors="backslashreplace"))
 
 
 def _standard_fds(stderr: Optional[int], keep: int) -> None:
@@ -292,6 +294,11 @@ class Server:
 
     def serve(self, dynamo: bool = True) -> NoReturn:
         self.refusal = _preimport(dynamo, self.launchers)
+        # Every object so far (the imports, what the launcher had) into the collector's permanent generation:
+        # a forked process's collector never scans it, so it neither copies the shared pages (a scan writes
+        # to every object) nor spends ~0.25 s on each collection (the worker's last one at exit, measured
+        # here), and never finalizes the launcher's garbage - whose descriptors the server closed.
+        gc.freeze()
         self.selector = selectors.DefaultSelector()  # here, after _standard_fds closed every other descriptor
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
@@ -472,8 +479,8 @@ class Server:
             from multigpu.launch import worker
 
             worker.main(request["argv"], forked=True)
-        except BaseException as exc:
-            _say_failed(f"starting a forked {request['kind']}", exc)
+        except BaseException as exc:  # before the dup2 our stderr is the server's (/dev/null for a queue's)
+            _say_failed(f"starting a forked {request['kind']}", exc, fd=fds[2] if len(fds) == 3 else 2)
         finally:
             os._exit(70)
 

@@ -1,0 +1,92 @@
+"""A launcher as the fork server sees one: a new interpreter that starts a :class:`ForkServer` and starts boot
+processes as its own children (the server forks only for its launcher's children). test_forkserver.py's
+server tests drive it, one JSON command per line on stdin, one JSON answer per line on stdout.
+
+Why not start the server from the pytest process: a server forked from there, and every worker forked from
+that server, would carry pytest's heap, its exit handlers and the state of execnet's reader thread (a thread
+``threading`` does not list) - none of which a user's launcher (``multigpu run``) has. A worker that waits at
+its exit on something of pytest's is a failure of the test, not of the product.
+
+    python fork_launcher.py LOG       # then: {"do": "run", "argv": [...], "env": {...}, "timeout": 120}
+                                      #       {"do": "run", ..., "signal": 15, "wait": 30}  (after the first line)
+                                      #       {"do": "running"}   {"do": "stop"}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from multigpu.launch.boot import FORKSERVER_VAR
+from multigpu.launch.forkserver import ForkServer
+
+
+def where(pid: str) -> str:
+    """A process's state, the kernel function it waits in, and its signal masks."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return "gone"
+    fields = [line for line in status.splitlines() if line.startswith(("State", "Threads", "Sig", "Shd"))]
+    return f"{' '.join(fields)} wchan={wchan}"
+
+
+def run(command: dict, server: ForkServer) -> dict:
+    """Start ``argv`` as our child, to completion; with ``signal``: send it that signal after its first line of
+    output, and wait ``wait`` seconds for it to end (where it does not, say where it and its worker are)."""
+    proc = subprocess.Popen(command["argv"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=command["env"])
+    answer: dict = {}
+    if command.get("signal"):
+        assert proc.stdout is not None
+        answer["first"] = first = proc.stdout.readline()
+        proc.send_signal(command["signal"])
+        try:
+            proc.wait(timeout=command["wait"])
+        except subprocess.TimeoutExpired:
+            worker = first.split()[-1] if first.split() else ""
+            answer["hung"] = {pid: where(pid) for pid in (str(proc.pid), worker, str(server.pid)) if pid}
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(worker), signal.SIGUSR2)  # a script with faulthandler.register prints its stack
+            time.sleep(1)
+            for pid in (worker, str(proc.pid)):
+                with contextlib.suppress(OSError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+    out, err = proc.communicate(timeout=command.get("timeout", 120))
+    answer.update(status=proc.returncode, stdout=(answer.get("first", "") + out), stderr=err)
+    return answer
+
+
+def main(log: str) -> int:
+    with open(log, "wb") as handle:
+        server = ForkServer.start(verbose=True, stderr=handle.fileno())
+    if server is None:
+        print(json.dumps({"error": "no fork server"}), flush=True)
+        return 1
+    print(json.dumps({"pid": server.pid, "path": server.path, "folder": server.folder,
+                      "env": {**os.environ, FORKSERVER_VAR: server.path}}), flush=True)
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["do"] == "run":
+                answer = run(command, server)
+            elif command["do"] == "running":
+                answer = {"running": server.running()}
+            else:
+                break
+            print(json.dumps(answer), flush=True)
+    finally:
+        server.stop()
+    print(json.dumps({"stopped": not Path(server.folder).exists()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
