@@ -1,6 +1,7 @@
 """Launcher decisions without starting anything: devices per process, rendezvous, ports, device choice."""
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from multigpu.distributed.world import World
 from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
 from multigpu.launch.local import LaunchRequest, worker_env
-from multigpu.launch.ports import free_port, port_is_free, require_free_port
+from multigpu.launch.ports import LOW_PORT, free_port, port_is_free, require_free_port
 from multigpu.launch.rendezvous import parse_nnodes, plan_rendezvous
 
 FOUR = ["0", "1", "2", "3"]
@@ -164,8 +165,15 @@ def test_taken_master_port_is_refused_before_anything_starts():
         require_free_port(70000)
 
 
-def test_free_port_is_free():
-    assert port_is_free(free_port())
+def test_free_port_is_free_and_below_the_ephemeral_range():
+    """Below ip_local_port_range the kernel gives the port to no connection and no bind to port 0 before the
+    store that asked for it binds it (--simulate-nodes' node 0, a few seconds later)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(port_is_free(port) for port in ports)
+    if low > LOW_PORT + 1000:
+        assert all(LOW_PORT <= port < low for port in ports), ports
+        assert len(set(ports)) > 1  # drawn, not one fixed port every launch would clash on
 
 
 def test_parse_nnodes():

@@ -7,16 +7,42 @@ c10d, join the other job's store). Checking first turns that into one clear line
 from __future__ import annotations
 
 import errno
+import random
 import socket
 
 from multigpu.errors import LaunchError
+from multigpu.fileio import Folder
+
+#: Where :func:`free_port` looks first: below the kernel's ephemeral range, from here up.
+LOW_PORT = 20000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free right now (another process may still take it before we bind)."""
+    """A port free right now, for a store that is bound a few seconds later (``--simulate-nodes``' node 0).
+
+    Drawn below the kernel's ephemeral range (``ip_local_port_range``), where the kernel hands no port to
+    anybody else - not as a connection's own port, not for a bind to port 0 - so only a process that names
+    this very port can take it in between. A port the OS picks (port 0) was taken by another launch's
+    connections in that window once in a CI run. Where the range cannot be read: the OS's pick."""
+    low = _ephemeral_low()
+    if low > LOW_PORT + 1000:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            port = draw.randrange(LOW_PORT, low)
+            if port_is_free(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        text = Folder("/proc/sys/net/ipv4").load_text("ip_local_port_range", limit=100)
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def port_is_free(port: int, host: str = "") -> bool:
