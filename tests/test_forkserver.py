@@ -337,27 +337,40 @@ def test_a_module_beside_the_script_that_the_server_has_imported_starts_plain(se
 
 
 def test_garbage_signal_lines_and_a_vanished_boot_process(server, tmp_path, probe):
-    """Lines that are no signal are ignored; a boot process gone right after its request takes its worker."""
+    """Lines that are no signal are ignored (the worker they were sent for still runs after them); a boot
+    process gone once its worker was forked takes that worker with it."""
     script = tmp_path / "sleep.py"
     script.write_text(f"import os, time\nopen({str(tmp_path / 'pid')!r} + str(os.getpid()), 'w').close()\n"
                       "time.sleep(60)\n")
-    code = ("import json, socket, sys, time\nfrom multigpu.launch import boot\n"
+    code = ("import json, os, socket, sys, time\nfrom multigpu.launch import boot\n"
             "s = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
             "data = boot.frame(boot.request([sys.argv[2]], []))\n"
             "socket.send_fds(s, [data], [0, 1, 2])\n"
+            "answer = b''\n"
+            "while not answer.endswith(b'\\n'):\n"
+            "    answer += s.recv(100)\n"
+            "pid = json.loads(answer)['pid']\n"
+            "print(pid, flush=True)\n"
             "if sys.argv[3] == 'garbage':\n"
-            "    print(s.recv(100).decode(), flush=True)\n"
+            "    deadline = time.monotonic() + 60\n"
+            "    while not os.path.exists(sys.argv[4] + str(pid)) and time.monotonic() < deadline:\n"
+            "        time.sleep(0.05)\n"
             "    s.sendall(b'{\"signal\": 1e400}\\n{\"signal\": \"9\"}\\n[1]\\nnot json\\n{\"signal\": 99999}\\n')\n"
-            "    time.sleep(1)\n")
-    for mode in ("garbage", "vanish"):
-        proc = server.run([PY, "-c", code, server.path, str(script), mode])
+            "    time.sleep(1)\n"
+            "    state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+            "    print('alive' if state not in 'ZX' else 'ended', flush=True)\n")
+    pids = []
+    for mode, expected in (("garbage", ["alive"]), ("vanish", [])):
+        proc = server.run([PY, "-c", code, server.path, str(script), mode, str(tmp_path / "pid")])
         assert proc.returncode == 0, proc.stderr
-    time.sleep(3)  # a worker forked for the vanished boot process would have written its file by now
+        first, *rest = proc.stdout.split()
+        assert rest == expected, proc.stdout  # the garbage lines ended nothing
+        pids.append(int(first))  # a worker was forked for each
     deadline = time.monotonic() + 30
-    while any(_alive(int(p.name[3:])) for p in tmp_path.glob("pid*")) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
-    assert pids and not any(_alive(pid) for pid in pids)  # the garbage one ran, and none is left running
+    assert not any(_alive(pid) for pid in pids)  # both clients gone: neither worker is left running
+    assert (tmp_path / f"pid{pids[0]}").exists()  # the garbage one ran its script
     assert _boot(server, probe, "3").returncode == 3 and server.running()
 
 

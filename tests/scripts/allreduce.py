@@ -26,6 +26,7 @@ record = {
     "sum": value.item(),
     "backend": run.backend if run.world_size > 1 else None,
     "agent_store": run.world.agent_store,
+    "master_port": run.world.master_port,
     "pid": os.getpid(),
 }
 out = os.environ.get("ALLREDUCE_OUT")

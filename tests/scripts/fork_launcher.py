@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -39,13 +40,17 @@ def where(pid: str) -> str:
 
 
 def run(command: dict, server: ForkServer) -> dict:
-    """Start ``argv`` as our child, to completion; with ``signal``: send it that signal after its first line of
-    output, and wait ``wait`` seconds for it to end (where it does not, say where it and its worker are)."""
+    """Start ``argv`` as our child, to completion (``timeout``, default 120 s: then killed, status None); with
+    ``signal``: send it that signal after its first line of output, and wait ``wait`` seconds for it to end
+    (where it does not, say where it and its worker are, with the worker's Python stack)."""
     proc = subprocess.Popen(command["argv"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=command["env"])
     answer: dict = {}
+    timeout = command.get("timeout", 120)
     if command.get("signal"):
         assert proc.stdout is not None
+        if not select.select([proc.stdout], [], [], timeout)[0]:  # no first line: leave it to communicate's end
+            return _killed(proc, answer, f"no first line in {timeout} s")
         answer["first"] = first = proc.stdout.readline()
         proc.send_signal(command["signal"])
         try:
@@ -56,11 +61,25 @@ def run(command: dict, server: ForkServer) -> dict:
             with contextlib.suppress(OSError, ValueError):
                 os.kill(int(worker), signal.SIGUSR2)  # a script with faulthandler.register prints its stack
             time.sleep(1)
-            for pid in (worker, str(proc.pid)):
-                with contextlib.suppress(OSError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-    out, err = proc.communicate(timeout=command.get("timeout", 120))
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(worker), signal.SIGKILL)
+            return _killed(proc, answer, f"not ended {command['wait']} s after the signal")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return _killed(proc, answer, f"not ended in {timeout} s")
     answer.update(status=proc.returncode, stdout=(answer.get("first", "") + out), stderr=err)
+    return answer
+
+
+def _killed(proc: subprocess.Popen, answer: dict, why: str) -> dict:
+    """Kill ``proc``; its output so far, status None and why."""
+    proc.kill()
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a process it started still holds its pipes
+        out, err = "", ""
+    answer.update(status=None, stdout=answer.get("first", "") + out, stderr=f"{err}\n[fork_launcher: {why}]")
     return answer
 
 

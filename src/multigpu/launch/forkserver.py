@@ -2,8 +2,7 @@
 torch's start-up again.
 
 Why: importing torch costs 2.5-3 s of CPU here, and the first optimizer step imports ``torch._dynamo``
-(2 s more), in every worker and again at every restart. A 2-process CPU launch started three
-interpreters that each imported torch; the test suite and every restart after a crash paid that.
+(2 s more), in every worker and again at every restart (a 2-process launch: three imports of torch).
 
 How: the launcher imports torch (it needs it for torch's agent), binds a Unix socket in a private folder
 (mode 0700) and forks this server from itself before torch's agent starts any thread: one import of
@@ -14,8 +13,7 @@ rank, but a small one (:mod:`.boot`, no torch): it sends the server its argument
 and stdin/stdout/stderr; the server forks a worker that takes them over and runs :mod:`.worker` as the
 plain start would. The boot process stays what the agent watches and signals: it passes signals on to
 the worker's process group and leaves with the worker's status or signal. A boot process that dies
-(SIGKILL) takes its worker with it. The launcher lowers torch's C++ log level only after the fork
-(:mod:`.torch_logs`), so the server keeps the level a new interpreter has.
+(SIGKILL) takes its worker with it. The launcher lowers torch's C++ log level after the fork (:mod:`.torch_logs`).
 
 What a forked worker gets fresh: its own session (as torch's agent gives each worker), signal
 handlers as a new interpreter has them, the environment, folder, umask and ``sys.path`` of its boot
@@ -217,7 +215,9 @@ def _become_server(listener: socket.socket, launcher: int, path: str, verbose: b
 
 
 def _say_failed(what: str, exc: BaseException, fd: int = 2) -> None:
-    """One line on ``fd`` (stderr), never a traceback (what failed is ours, not the user's script)."""
+    """One line on ``fd`` (stderr; -1: nowhere), never a traceback (what failed is ours, not the user's script)."""
+    if fd < 0:
+        return
     with contextlib.suppress(Exception):
         line = LaunchError(f"{what} failed: {type(exc).__name__}: {exc}",
                            f"check the folder and environment it was started in; {START_VAR}=plain starts every "
@@ -294,10 +294,9 @@ class Server:
 
     def serve(self, dynamo: bool = True) -> NoReturn:
         self.refusal = _preimport(dynamo, self.launchers)
-        # Every object so far (the imports, what the launcher had) into the collector's permanent generation:
-        # a forked process's collector never scans it, so it neither copies the shared pages (a scan writes
-        # to every object) nor spends ~0.25 s on each collection (the worker's last one at exit, measured
-        # here), and never finalizes the launcher's garbage - whose descriptors the server closed.
+        # Every object so far into the collector's permanent generation: a forked process never scans it, so
+        # it neither copies the shared pages nor spends ~0.25 s per collection (a worker's last one, at exit),
+        # and never finalizes the launcher's garbage, whose descriptors the server closed.
         gc.freeze()
         self.selector = selectors.DefaultSelector()  # here, after _standard_fds closed every other descriptor
         self.wake_r, self.wake_w = os.pipe()
@@ -480,7 +479,8 @@ class Server:
 
             worker.main(request["argv"], forked=True)
         except BaseException as exc:  # before the dup2 our stderr is the server's (/dev/null for a queue's)
-            _say_failed(f"starting a forked {request['kind']}", exc, fd=fds[2] if len(fds) == 3 else 2)
+            closed_stderr = 2 in request["closed"]  # then descriptor 2 may be one of the worker's files
+            _say_failed(f"starting a forked {request['kind']}", exc, fd=fds[2] if len(fds) == 3 else (-1 if closed_stderr else 2))
         finally:
             os._exit(70)
 

@@ -41,8 +41,11 @@ time) reaches it as SIGKILL, through the server. When the queue dies, each boot 
 the kernel (as a plain run does, ``PR_SET_PDEATHSIG``) and passes it on; the server starts nothing more
 and leaves when its launchers have. At the queue's end it is asked to leave the same way, and killed only
 if it has not within ``STOP_WAIT_S``. When the server dies, its launchers get SIGTERM and their boot
-processes pass signals to them directly, wait for them to end (a pidfd) and leave with status 143: the
-queue counts the run as interrupted, and the next queue resumes it.
+processes pass later signals to them directly (but the queue's SIGTERM or SIGHUP: a second one would cut
+the clean stop short), wait for them to end (a pidfd) and leave with status 143: the queue counts the run
+as interrupted, and the next queue resumes it. Not covered: a launcher whose clean stop outlasts the
+queue's grace after its server died is not killed with its boot process (nothing is left to pass the
+SIGKILL on); it ends when its stop does.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visib
 from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer, recorded
 from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
-from multigpu.launch.devices import DevicePlan, no_gpu_here
+from multigpu.launch.devices import DevicePlan
 from multigpu.launch.fork_rules import START_VAR, read_at_import, start_wish
 from multigpu.launch.forkserver import ForkServer
+from multigpu.launch.ports import free_port
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
@@ -86,6 +87,12 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
            PROCS_PER_DEVICE_VAR: str(request.devices.procs_per_gpu)}
     if request.rendezvous.backend == "c10d" and request.rendezvous.max_nodes > 1:
         env[ANNOUNCE_NODE_VAR] = "1"
+    if request.rendezvous.backend == "c10d":
+        # torch 2.13's c10d rendezvous otherwise shares one TCPStore across restarts, un-prefixed: a
+        # restarted worker can read the previous attempt's gloo addresses and fail to connect (seen
+        # here in 1 of 6 restarts). Unshared, each rendezvous round bootstraps a fresh store, on a port
+        # the agent picks: see _store_ports_below_the_ephemeral_range.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if request.devices.visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = request.devices.visible
     if "OMP_NUM_THREADS" not in os.environ and request.devices.nproc > 1:
@@ -172,6 +179,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _store_ports_below_the_ephemeral_range() -> None:
+    """torch's agent (in this process) picks the port of rank 0's store with ``get_free_port``: a bind to
+    port 0, closed again, then bound by rank 0 seconds later - and meanwhile the kernel may give that port
+    to any other program's connection (a CI run lost that race once). :func:`.ports.free_port` draws it
+    below the kernel's ephemeral range instead, where no connection can be given it."""
+    from torch.distributed.elastic.rendezvous import api
+
+    if callable(getattr(api, "get_free_port", None)):  # a torch without it picks ports its own way
+        api.get_free_port = free_port
+
+
 def launch(request: LaunchRequest) -> int:
     """Run the workers of this node to completion; return the exit status for the shell.
     torch's C++ log level must still be the user's when this is called (see :mod:`.torch_logs`): the
@@ -199,10 +217,8 @@ def launch(request: LaunchRequest) -> int:
     # torch imported before the variables torch reads at import were set: no fork, unless the process that
     # imported it vouches for its environment (MULTIGPU_WORKER_START=fork) and this launch changes nothing
     # torch reads at import (--debug's variables, an OMP_NUM_THREADS of ours, a replica group's: it would)
-    # nor, where there may be GPUs, CUDA_VISIBLE_DEVICES (torch here may have counted them already)
     torch_loaded = "torch" in sys.modules and (os.environ.get(START_VAR) != "fork" or any(
-        (read_at_import(k) or (k == "CUDA_VISIBLE_DEVICES" and not no_gpu_here())) and os.environ.get(k) != v
-        for k, v in env.items()))
+        read_at_import(k) and os.environ.get(k) != v for k, v in env.items()))
     os.environ.update(env)
     server: Optional[ForkServer] = None
     user_level: Optional[int] = None
@@ -216,6 +232,8 @@ def launch(request: LaunchRequest) -> int:
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
             from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+            _store_ports_below_the_ephemeral_range()
     except (_Stopped, KeyboardInterrupt) as stopped:
         _stop_server(server)
         set_cpp_log_level(user_level)
