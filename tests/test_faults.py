@@ -86,10 +86,11 @@ def test_resume_inside_an_epoch_with_accumulation_is_bitwise_equal(tmp_path, no_
 @pytest.mark.parametrize("rendezvous", ["c10d", "c10d-again", "static"])
 def test_elastic_restart_after_sigkill_resumes_by_itself(tmp_path, reference, no_leftovers, rendezvous):
     """Repeated because a restart used to read the previous attempt's store keys in ~1 of 6 runs."""
-    from multigpu.launch.ports import free_port
+    from multigpu.launch.ports import reserved_port
 
-    port = ("--master-port", str(free_port())) if rendezvous == "static" else ()
-    proc = _run(tmp_path, "--kill-at", "9", no_leftovers, launcher=("--max-restarts", "2", *port))
+    with reserved_port() as held:  # kept from every other process until the launch is over
+        port = ("--master-port", str(held)) if rendezvous == "static" else ()
+        proc = _run(tmp_path, "--kill-at", "9", no_leftovers, launcher=("--max-restarts", "2", *port))
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stdout and "step 9)" in proc.stdout
     assert _bitwise_equal(_final(tmp_path), reference)

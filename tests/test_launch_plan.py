@@ -1,7 +1,6 @@
 """Launcher decisions without starting anything: devices per process, rendezvous, ports, device choice."""
 
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from multigpu.distributed.world import World
 from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
 from multigpu.launch.local import LaunchRequest, worker_env
-from multigpu.launch.ports import LOW_PORT, free_port, port_is_free, require_free_port
+from multigpu.launch.ports import port_is_free, require_free_port, reserve_port, reserved_port, store_ports_held
 from multigpu.launch.rendezvous import parse_nnodes, plan_rendezvous
 
 FOUR = ["0", "1", "2", "3"]
@@ -165,15 +164,31 @@ def test_taken_master_port_is_refused_before_anything_starts():
         require_free_port(70000)
 
 
-def test_free_port_is_free_and_below_the_ephemeral_range():
-    """Below ip_local_port_range the kernel gives the port to no connection and no bind to port 0 before the
-    store that asked for it binds it (--simulate-nodes' node 0, a few seconds later)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = [free_port() for _ in range(20)]
-    assert all(port_is_free(port) for port in ports)
-    if low > LOW_PORT + 1000:
-        assert all(LOW_PORT <= port < low for port in ports), ports
-        assert len(set(ports)) > 1  # drawn, not one fixed port every launch would clash on
+def test_a_reserved_port_is_given_to_nobody_else_but_a_store_still_binds_it():
+    """reserve_port holds the port bound, not listening: a plain bind of it fails, the kernel gives it to no
+    other bind to port 0, and torch's TCPStore (SO_REUSEADDR) still listens there - rank 0's store, whose
+    port torch's agent picks (store_ports_held: held until the launch ends, torch's own pick restored)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import api
+
+    torchs = api.get_free_port
+    with store_ports_held():
+        port = api.get_free_port()
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("", port))
+        others = [reserve_port() for _ in range(20)]
+        assert port not in [p for p, _ in others]
+        for _, sock in others:
+            sock.close()
+        store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+        del store
+    assert api.get_free_port is torchs
+    with reserved_port() as held:
+        assert port_is_free(held)  # what --master-port checks (SO_REUSEADDR): a held port may be named
 
 
 def test_parse_nnodes():

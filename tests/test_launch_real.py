@@ -10,13 +10,10 @@ import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from conftest import PY, SCRIPTS, child_env, wait_for_files, wait_until_gone
 from conftest import multigpu as _multigpu
-
-from multigpu.launch.ports import LOW_PORT
 
 # A test here launches one or two short 2-process runs (each up to ~1 min on 2 busy cores, capped at 60-180 s
 # by its own subprocess timeout); a hang ends here.
@@ -37,10 +34,9 @@ def _assert_all_reduced_on_2(proc: subprocess.CompletedProcess) -> None:
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["sum"] == 3.0 and r["world_size"] == 2 and r["backend"] == "gloo" for r in records)
     assert all(r["source"] == "torchrun" for r in records)  # multigpu run is torch's elastic agent underneath
-    # rank 0's store is on a port drawn below the kernel's ephemeral range: between the agent's pick and rank
-    # 0's bind no other launch's connection can be given it (a CI run once lost a port picked by a 0-bind)
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    assert all(not r["agent_store"] and LOW_PORT <= r["master_port"] < low for r in records), records
+    # each rendezvous round a fresh store of rank 0's (no keys of an earlier attempt), on a port the launcher
+    # holds from the agent's pick on (ports.store_ports_held: a CI run once lost a port picked and let go)
+    assert all(not r["agent_store"] and r["master_port"] for r in records), records
     assert "terminate called" not in proc.stderr
 
 
@@ -210,9 +206,10 @@ def test_taken_master_port_fails_at_once_with_a_hint(no_leftovers):
 
 
 def test_explicit_free_master_port_works(no_leftovers):
-    from multigpu.launch.ports import free_port
+    from multigpu.launch.ports import reserved_port
 
-    proc = multigpu("run", "--nproc", "2", "--master-port", str(free_port()), ALLREDUCE, no_leftovers, check=True)
+    with reserved_port() as port:  # a port nobody else is given until the launch is over
+        proc = multigpu("run", "--nproc", "2", "--master-port", str(port), ALLREDUCE, no_leftovers, check=True)
     assert [r["sum"] for r in _records(proc.stdout)] == [3.0, 3.0]
 
 
@@ -250,14 +247,14 @@ def test_run_on_main_failure_stops_every_rank(tmp_path, no_leftovers):
 
 def test_run_on_main_failure_raises_on_the_waiting_ranks_too(tmp_path, no_leftovers):
     """Without a launcher to stop them (plain RANK/WORLD_SIZE processes), the waiting rank raises too."""
-    from multigpu.launch.ports import free_port
+    from multigpu.launch.ports import reserved_port
 
-    port = str(free_port())
-    procs = [subprocess.Popen([PY, str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers],
-                              env=child_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    results = [p.communicate(timeout=60) for p in procs]
+    with reserved_port() as port:  # rank 0's store binds it; nobody else is given it meanwhile
+        procs = [subprocess.Popen([PY, str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers],
+                                  env=child_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        results = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [1, 1]
     assert "RuntimeError: the dataset is broken" in results[0][1]
     # rank 0's error reached it, or the store rank 0 hosted vanished first: either way it says so

@@ -31,7 +31,7 @@ from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.fork_rules import START_VAR, read_at_import, start_wish
 from multigpu.launch.forkserver import ForkServer
-from multigpu.launch.ports import free_port
+from multigpu.launch.ports import store_ports_held
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
@@ -91,7 +91,7 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
         # torch 2.13's c10d rendezvous otherwise shares one TCPStore across restarts, un-prefixed: a
         # restarted worker can read the previous attempt's gloo addresses and fail to connect (seen
         # here in 1 of 6 restarts). Unshared, each rendezvous round bootstraps a fresh store, on a port
-        # the agent picks: see _store_ports_below_the_ephemeral_range.
+        # the agent picks and this process holds (ports.store_ports_held).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if request.devices.visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = request.devices.visible
@@ -179,17 +179,6 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _store_ports_below_the_ephemeral_range() -> None:
-    """torch's agent (in this process) picks the port of rank 0's store with ``get_free_port``: a bind to
-    port 0, closed again, then bound by rank 0 seconds later - and meanwhile the kernel may give that port
-    to any other program's connection (a CI run lost that race once). :func:`.ports.free_port` draws it
-    below the kernel's ephemeral range instead, where no connection can be given it."""
-    from torch.distributed.elastic.rendezvous import api
-
-    if callable(getattr(api, "get_free_port", None)):  # a torch without it picks ports its own way
-        api.get_free_port = free_port
-
-
 def launch(request: LaunchRequest) -> int:
     """Run the workers of this node to completion; return the exit status for the shell.
     torch's C++ log level must still be the user's when this is called (see :mod:`.torch_logs`): the
@@ -232,8 +221,6 @@ def launch(request: LaunchRequest) -> int:
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
             from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-            _store_ports_below_the_ephemeral_range()
     except (_Stopped, KeyboardInterrupt) as stopped:
         _stop_server(server)
         set_cpp_log_level(user_level)
@@ -287,7 +274,7 @@ def launch(request: LaunchRequest) -> int:
     failed = False
     first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
     try:
-        with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note):
+        with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held():
             elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as failure:
         failed = True

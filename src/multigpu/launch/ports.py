@@ -6,43 +6,65 @@ c10d, join the other job's store). Checking first turns that into one clear line
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import random
 import socket
+from typing import Iterator
 
 from multigpu.errors import LaunchError
-from multigpu.fileio import Folder
-
-#: Where :func:`free_port` looks first: below the kernel's ephemeral range, from here up.
-LOW_PORT = 20000
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now, for a store that is bound a few seconds later (``--simulate-nodes``' node 0).
+def reserve_port() -> tuple[int, socket.socket]:
+    """A free port that nobody else is given while the returned socket stays open, for a store bound to it
+    later: rank 0's (torch's agent picks its port: :func:`store_ports_held`), ``--simulate-nodes``' node 0's.
 
-    Drawn below the kernel's ephemeral range (``ip_local_port_range``), where the kernel hands no port to
-    anybody else - not as a connection's own port, not for a bind to port 0 - so only a process that names
-    this very port can take it in between. A port the OS picks (port 0) was taken by another launch's
-    connections in that window once in a CI run. Where the range cannot be read: the OS's pick."""
-    low = _ephemeral_low()
-    if low > LOW_PORT + 1000:
-        draw = random.SystemRandom()
-        for _ in range(64):
-            port = draw.randrange(LOW_PORT, low)
-            if port_is_free(port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    The socket is bound (to port 0: the kernel picks) with SO_REUSEADDR and never listens. The kernel then
+    gives that port to no connection and to no other bind to port 0, and a bind without SO_REUSEADDR fails;
+    the store that names it (torch's TCPStore sets SO_REUSEADDR) still binds and listens. A port picked and
+    let go instead (torch's ``get_free_port``) was taken by another launch's connection in a CI run."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        text = Folder("/proc/sys/net/ipv4").load_text("ip_local_port_range", limit=100)
-        return int(text.split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock.getsockname()[1], sock
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """:func:`reserve_port`'s port, held until the block ends."""
+    port, sock = reserve_port()
+    with sock:
+        yield port
+
+
+@contextlib.contextmanager
+def store_ports_held() -> Iterator[None]:
+    """While torch's agent runs in this block, the ports it picks for rank 0's store (once per rendezvous
+    round: ``get_free_port`` in torch.distributed.elastic.rendezvous.api) are :func:`reserve_port`'s, held
+    until the block ends; torch's own function comes back after it. A torch without that function picks
+    its ports its own way."""
+    from torch.distributed.elastic.rendezvous import api
+
+    original = getattr(api, "get_free_port", None)
+    held: list[socket.socket] = []
+
+    def pick() -> int:
+        port, sock = reserve_port()
+        held.append(sock)
+        return port
+
+    if callable(original):
+        api.get_free_port = pick
+    try:
+        yield
+    finally:
+        if callable(original):
+            api.get_free_port = original
+        for sock in held:
+            sock.close()
 
 
 def port_is_free(port: int, host: str = "") -> bool:

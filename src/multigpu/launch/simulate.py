@@ -19,14 +19,14 @@ from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.launch.devices import parse_gpu_ids
 from multigpu.launch.flags import RunFlags
-from multigpu.launch.ports import free_port
+from multigpu.launch.ports import reserved_port
 
 
 def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gpus: int, gpus_flag: Optional[str],
-                  python: str = sys.executable) -> list[list[str]]:
+                  python: str = sys.executable, port: int = 29500) -> list[list[str]]:
     """One ``multigpu run`` command line per simulated node (``flags``: the launcher's flags without
-    nodes and GPUs). The GPUs - the ones named by ``gpus_flag``, else every visible one - are split
-    evenly between the nodes."""
+    nodes and GPUs), meeting at ``port`` on loopback. The GPUs - the ones named by ``gpus_flag``, else every
+    visible one - are split evenly between the nodes."""
     validate.count(nodes, "--simulate-nodes", LaunchError, low=2, high=validate.MAX_SIMULATED_NODES,
                    hint=f"use 2 to {validate.MAX_SIMULATED_NODES} simulated nodes.")
     ids = parse_gpu_ids(gpus_flag) if gpus_flag is not None else list(range(visible_gpus))
@@ -34,7 +34,6 @@ def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gp
         raise LaunchError(f"{len(ids)} GPU(s) cannot be split evenly across {nodes} simulated nodes.",
                           "name a multiple of the node count with --gpus, or pass --cpu to rehearse with CPU processes.")
     per_node = len(ids) // nodes
-    port = free_port()
     commands = []
     for rank in range(nodes):
         mine = ids[rank * per_node : (rank + 1) * per_node]
@@ -60,7 +59,8 @@ def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus
     flags = RunFlags(nproc=nproc, gpus_per_proc=gpus_per_proc, procs_per_gpu=procs_per_gpu, max_restarts=max_restarts,
                      stop_timeout=stop_timeout, rdzv_timeout=rdzv_timeout, cpu=cpu, verbose=verbose, debug=debug,
                      profile=profile)
-    return run_nodes(node_commands(nodes, flags, command, 0 if cpu else len(visible), gpus))
+    with reserved_port() as port:  # held for node 0's store: nobody else is given it meanwhile
+        return run_nodes(node_commands(nodes, flags, command, 0 if cpu else len(visible), gpus, port=port))
 
 
 def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:
