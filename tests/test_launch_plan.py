@@ -10,7 +10,7 @@ from multigpu.distributed.world import World
 from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
 from multigpu.launch.local import LaunchRequest, worker_env
-from multigpu.launch.ports import port_is_free, require_free_port, reserve_port, reserved_port, store_ports_held
+from multigpu.launch.ports import port_is_free, require_free_port, reserved_port, store_ports_held
 from multigpu.launch.rendezvous import parse_nnodes, plan_rendezvous
 
 FOUR = ["0", "1", "2", "3"]
@@ -165,9 +165,10 @@ def test_taken_master_port_is_refused_before_anything_starts():
 
 
 def test_a_reserved_port_is_given_to_nobody_else_but_a_store_still_binds_it():
-    """reserve_port holds the port bound, not listening: a plain bind of it fails, the kernel gives it to no
-    other bind to port 0, and torch's TCPStore (SO_REUSEADDR) still listens there - rank 0's store, whose
-    port torch's agent picks (store_ports_held: held until the launch ends, torch's own pick restored)."""
+    """reserve_port holds the port bound, not listening, on IPv6 and IPv4: a plain bind of it fails on
+    either, and torch's TCPStore (SO_REUSEADDR; libuv's and the older backend) still listens there - rank
+    0's store, whose port torch's agent picks when it builds the rendezvous' store information
+    (store_ports_held: held until the launch ends, torch's own pick restored)."""
     import datetime
 
     import torch.distributed as dist
@@ -175,17 +176,17 @@ def test_a_reserved_port_is_given_to_nobody_else_but_a_store_still_binds_it():
 
     torchs = api.get_free_port
     with store_ports_held():
-        port = api.get_free_port()
-        with socket.socket() as plain, pytest.raises(OSError):
-            plain.bind(("", port))
-        others = [reserve_port() for _ in range(20)]
-        assert port not in [p for p, _ in others]
-        for _, sock in others:
-            sock.close()
-        store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
-        store.set("key", "value")
-        assert store.get("key") == b"value"
-        del store
+        info = api.RendezvousStoreInfo.build(0, dist.HashStore(), "127.0.0.1")  # what the agent calls
+        port = info.master_port
+        for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            with socket.socket(family, socket.SOCK_STREAM) as plain, pytest.raises(OSError):
+                plain.bind((address, port))
+        for libuv in (True, False):
+            store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30),
+                                  use_libuv=libuv)
+            store.set("key", "value")
+            assert store.get("key") == b"value"
+            del store
     assert api.get_free_port is torchs
     with reserved_port() as held:
         assert port_is_free(held)  # what --master-port checks (SO_REUSEADDR): a held port may be named
@@ -307,18 +308,18 @@ def test_simulated_nodes_split_the_gpus():
     from multigpu.launch.simulate import node_commands
 
     plain, cpu = RunFlags(), RunFlags(cpu=True)
-    commands = node_commands(2, plain, ["t.py"], visible_gpus=4, gpus_flag=None)
+    commands = node_commands(2, plain, ["t.py"], visible_gpus=4, gpus_flag=None, port=29500)
     assert [c[c.index("--gpus") + 1] for c in commands] == ["0,1", "2,3"]
     assert [c[c.index("--node-rank") + 1] if "--node-rank" in c else "0" for c in commands] == ["0", "1"]
     assert all(c[-2:] == ["--", "t.py"] for c in commands)  # a script is never read as a launcher flag
-    commands = node_commands(2, plain, ["t.py"], visible_gpus=8, gpus_flag="4-7")
+    commands = node_commands(2, plain, ["t.py"], visible_gpus=8, gpus_flag="4-7", port=29500)
     assert [c[c.index("--gpus") + 1] for c in commands] == ["4,5", "6,7"]
     assert all("--gpus" not in c and "--cpu" in c
-               for c in node_commands(2, cpu, ["t.py"], visible_gpus=0, gpus_flag=None))
+               for c in node_commands(2, cpu, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500))
     with pytest.raises(LaunchError, match="cannot be split evenly"):
-        node_commands(2, plain, ["t.py"], visible_gpus=3, gpus_flag=None)
+        node_commands(2, plain, ["t.py"], visible_gpus=3, gpus_flag=None, port=29500)
     with pytest.raises(LaunchError, match="at least 2"):
-        node_commands(1, plain, ["t.py"], visible_gpus=0, gpus_flag=None)
+        node_commands(1, plain, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500)
 
 
 def test_run_flags_write_each_flag_once_and_the_target_last():

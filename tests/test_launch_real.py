@@ -34,9 +34,9 @@ def _assert_all_reduced_on_2(proc: subprocess.CompletedProcess) -> None:
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["sum"] == 3.0 and r["world_size"] == 2 and r["backend"] == "gloo" for r in records)
     assert all(r["source"] == "torchrun" for r in records)  # multigpu run is torch's elastic agent underneath
-    # each rendezvous round a fresh store of rank 0's (no keys of an earlier attempt), on a port the launcher
-    # holds from the agent's pick on (ports.store_ports_held: a CI run once lost a port picked and let go)
-    assert all(not r["agent_store"] and r["master_port"] for r in records), records
+    # each rendezvous round a fresh store of rank 0's: no keys of an earlier attempt (its port: the launcher
+    # holds it from the agent's pick on, tests/test_launch_plan.py)
+    assert not any(r["agent_store"] for r in records), records
     assert "terminate called" not in proc.stderr
 
 

@@ -18,18 +18,28 @@ def reserve_port() -> tuple[int, socket.socket]:
     """A free port that nobody else is given while the returned socket stays open, for a store bound to it
     later: rank 0's (torch's agent picks its port: :func:`store_ports_held`), ``--simulate-nodes``' node 0's.
 
-    The socket is bound (to port 0: the kernel picks) with SO_REUSEADDR and never listens. The kernel then
-    gives that port to no connection and to no other bind to port 0, and a bind without SO_REUSEADDR fails;
-    the store that names it (torch's TCPStore sets SO_REUSEADDR) still binds and listens. A port picked and
-    let go instead (torch's ``get_free_port``) was taken by another launch's connection in a CI run."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("", 0))
-    except OSError:
-        sock.close()
-        raise
-    return sock.getsockname()[1], sock
+    The socket is bound (to port 0: the kernel picks) with SO_REUSEADDR on IPv6 and IPv4 at once (dual
+    stack; IPv4 alone where there is no IPv6) and never listens. The kernel then gives that port to no
+    connection and to no bind to port 0, and a bind without SO_REUSEADDR fails; the store that names it
+    (torch's TCPStore sets SO_REUSEADDR) still binds and listens. A port picked and let go instead (torch's
+    ``get_free_port``) was taken by another launch's connection in a CI run."""
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind((address, 0))
+        except OSError:
+            sock.close()
+            if family == socket.AF_INET:
+                raise
+            continue
+        return sock.getsockname()[1], sock
+    raise OSError("no socket to hold a port with")
 
 
 @contextlib.contextmanager
@@ -56,9 +66,9 @@ def store_ports_held() -> Iterator[None]:
         held.append(sock)
         return port
 
-    if callable(original):
-        api.get_free_port = pick
     try:
+        if callable(original):
+            api.get_free_port = pick
         yield
     finally:
         if callable(original):

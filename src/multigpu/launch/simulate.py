@@ -23,7 +23,7 @@ from multigpu.launch.ports import reserved_port
 
 
 def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gpus: int, gpus_flag: Optional[str],
-                  python: str = sys.executable, port: int = 29500) -> list[list[str]]:
+                  python: str = sys.executable, *, port: int) -> list[list[str]]:
     """One ``multigpu run`` command line per simulated node (``flags``: the launcher's flags without
     nodes and GPUs), meeting at ``port`` on loopback. The GPUs - the ones named by ``gpus_flag``, else every
     visible one - are split evenly between the nodes."""
