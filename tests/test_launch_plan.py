@@ -11,7 +11,9 @@ from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
 from multigpu.launch.local import LaunchRequest, worker_env
 from multigpu.launch.ports import port_is_free, require_free_port, reserved_port, store_ports_held
+from multigpu.launch.process import collector_paused
 from multigpu.launch.rendezvous import parse_nnodes, plan_rendezvous
+from multigpu.launch.torch_agent import cheap_method_names, method_name
 
 FOUR = ["0", "1", "2", "3"]
 
@@ -162,6 +164,52 @@ def test_taken_master_port_is_refused_before_anything_starts():
     assert port_is_free(port)
     with pytest.raises(LaunchError, match="not a valid port"):
         require_free_port(70000)
+
+
+def test_imports_run_with_the_collector_paused_and_it_comes_back_as_it_was():
+    import gc
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ImportError), collector_paused():
+        import multigpu_no_such_module  # noqa: F401
+    assert gc.isenabled(), "a failed import leaves the collector on"
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled(), "a collector the user turned off stays off"
+    finally:
+        gc.enable()
+
+
+def test_the_rendezvous_names_its_events_as_torch_does_during_a_launch_only():
+    """torch's get_method_name walks the stack with inspect (0.6-0.8 s of a forked launcher's CPU): ours reads
+    the frame, gives the same name at every depth the stack has, and torch's function is back afterwards."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = dynamic_rendezvous.get_method_name
+
+    def outer() -> list:
+        return inner()
+
+    def inner() -> list:
+        names = []
+        for depth in (1, 2, 3, 10_000):  # a loop, not a comprehension: one frame fewer on Python < 3.12
+            names.append(dynamic_rendezvous.get_method_name(depth))
+        return names
+
+    expected = outer()
+    assert expected[:2] == ["inner", "outer"] and expected[-1] == "no_method_name"
+    with cheap_method_names():
+        assert dynamic_rendezvous.get_method_name is method_name
+        assert outer() == expected
+    assert dynamic_rendezvous.get_method_name is original
+    with pytest.raises(RuntimeError), cheap_method_names():
+        raise RuntimeError("a launch that fails")
+    assert dynamic_rendezvous.get_method_name is original
 
 
 def test_a_reserved_port_is_given_to_nobody_else_but_a_store_still_binds_it():

@@ -59,7 +59,7 @@ from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED
 from multigpu.launch.fork_rules import PER_WORKER, READ_AT_RUN_TIME, START_VAR, declines, shadows  # noqa: F401
 from multigpu.launch.fork_wire import receive
-from multigpu.launch.process import die_with_parent, name_process
+from multigpu.launch.process import collector_paused, die_with_parent, name_process
 
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
@@ -258,24 +258,25 @@ def _standard_fds(stderr: Optional[int], keep: int) -> None:
 
 def _preimport(dynamo: bool, launchers: bool = False) -> Optional[str]:
     """What every worker imports: once, here. Returns why forking is off (None: it is on)."""
-    try:
-        import torch
-        import torch.distributed  # noqa: F401
+    with collector_paused():
+        try:
+            import torch
+            import torch.distributed  # noqa: F401
 
-        if dynamo:
-            import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~2 s)
-    except Exception as exc:  # the plain start will show the real error
-        return f"importing torch failed ({type(exc).__name__})"
-    if torch.cuda.is_initialized():
-        return "CUDA was initialised while importing torch"
-    with contextlib.suppress(Exception):
-        import numpy  # noqa: F401
-    import multigpu.launch.worker  # noqa: F401
+            if dynamo:
+                import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~2 s)
+        except Exception as exc:  # the plain start will show the real error
+            return f"importing torch failed ({type(exc).__name__})"
+        if torch.cuda.is_initialized():
+            return "CUDA was initialised while importing torch"
+        with contextlib.suppress(Exception):
+            import numpy  # noqa: F401
+        import multigpu.launch.worker  # noqa: F401
 
-    if launchers:  # what `multigpu run` imports (its command line, ~30 ms, the launcher reads itself)
-        import torch.distributed.launcher.api  # noqa: F401
+        if launchers:  # what `multigpu run` imports (its command line, ~30 ms, the launcher reads itself)
+            import torch.distributed.launcher.api  # noqa: F401
 
-        import multigpu.launch.local  # noqa: F401
+            import multigpu.launch.local  # noqa: F401
     return None
 
 

@@ -32,7 +32,9 @@ from multigpu.launch.devices import DevicePlan
 from multigpu.launch.fork_rules import START_VAR, read_at_import, start_wish
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.ports import store_ports_held
+from multigpu.launch.process import collector_paused
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
+from multigpu.launch.torch_agent import cheap_method_names
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 
@@ -213,14 +215,15 @@ def launch(request: LaunchRequest) -> int:
     user_level: Optional[int] = None
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with _stops_raise():
-            import torch  # noqa: F401  (before the fork: the server shares this import)
-
+            with collector_paused():  # (not around the fork: the server would inherit the paused collector)
+                import torch  # noqa: F401  (before the fork: the server shares this import)
             server = start_forkserver(request, fork=not torch_loaded)
             user_level = quiet_cpp_logs(request.verbose)
-            from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-            from torch.distributed.elastic.multiprocessing.api import SignalException
-            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-            from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+            with collector_paused():
+                from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+                from torch.distributed.elastic.multiprocessing.api import SignalException
+                from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+                from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     except (_Stopped, KeyboardInterrupt) as stopped:
         _stop_server(server)
         set_cpp_log_level(user_level)
@@ -274,7 +277,8 @@ def launch(request: LaunchRequest) -> int:
     failed = False
     first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
     try:
-        with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held():
+        with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \
+                cheap_method_names():
             elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as failure:
         failed = True

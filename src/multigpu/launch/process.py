@@ -1,4 +1,5 @@
-"""Process plumbing shared by the launcher's workers and the queue's runs: die with the parent; a name.
+"""Process plumbing shared by the launcher's workers and the queue's runs: die with the parent; a name;
+imports without the garbage collector.
 
 Why: a worker whose launcher was SIGKILLed, or a run whose queue died, must not live on as an orphan
 holding GPUs. Linux delivers a chosen signal to a child when its parent dies (``PR_SET_PDEATHSIG``);
@@ -7,8 +8,11 @@ elsewhere this is a no-op and the parents' own cleanup is all there is.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import signal
 import sys
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -37,3 +41,19 @@ def name_process(name: bytes) -> None:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block; the collector is as it was after it. Why: importing
+    torch and ``torch._dynamo`` allocates millions of objects that all stay alive, and the collector walked
+    them again and again: 3.97 s of CPU with it, 3.49 s without (``import torch, torch._dynamo,
+    torch.distributed.launcher.api``, medians of 7 interleaved runs on 2 cores). The launcher and the fork
+    server import in this block; a process forked inside it would inherit the paused collector, so none is."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
