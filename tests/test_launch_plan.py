@@ -173,9 +173,9 @@ def test_imports_run_with_the_collector_paused_and_it_comes_back_as_it_was():
     with collector_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
-    with pytest.raises(ImportError), collector_paused():
-        import multigpu_no_such_module  # noqa: F401
-    assert gc.isenabled(), "a failed import leaves the collector on"
+    with pytest.raises(KeyboardInterrupt), collector_paused():
+        raise KeyboardInterrupt  # Ctrl-C during the import (the launcher's own stop signals raise too)
+    assert gc.isenabled(), "an interrupted import leaves the collector on"
     gc.disable()
     try:
         with collector_paused():
@@ -183,11 +183,21 @@ def test_imports_run_with_the_collector_paused_and_it_comes_back_as_it_was():
         assert not gc.isenabled(), "a collector the user turned off stays off"
     finally:
         gc.enable()
+    frozen = gc.get_freeze_count()
+    try:
+        with collector_paused(freeze=True):
+            kept = [[] for _ in range(1000)]
+        assert gc.get_freeze_count() >= frozen + len(kept), "what the block allocated is frozen"
+    finally:
+        gc.unfreeze()
+        if frozen:  # what this process had frozen before (pytest's plugins may): frozen again
+            gc.freeze()
 
 
-def test_the_rendezvous_names_its_events_as_torch_does_during_a_launch_only():
+def test_the_rendezvous_names_its_events_as_torch_does_during_a_launch_only(monkeypatch):
     """torch's get_method_name walks the stack with inspect (0.6-0.8 s of a forked launcher's CPU): ours reads
-    the frame, gives the same name at every depth the stack has, and torch's function is back afterwards."""
+    the frame, gives the same name at every depth the stack has - the default depth too, through torch's own
+    _record - and torch's function is back afterwards, also when the launch fails."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     original = dynamic_rendezvous.get_method_name
@@ -201,15 +211,58 @@ def test_the_rendezvous_names_its_events_as_torch_does_during_a_launch_only():
             names.append(dynamic_rendezvous.get_method_name(depth))
         return names
 
+    recorded: list = []
+    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event",
+                        lambda **event: recorded.append(event["name"]))
+    handler = dynamic_rendezvous.DynamicRendezvousHandler.__new__(dynamic_rendezvous.DynamicRendezvousHandler)
+    handler._settings = type("Settings", (), {"run_id": "r"})()
+    handler._this_node = type("Node", (), {"addr": "host", "pid": 1, "local_id": 0})()
+    handler._record(message="m")  # torch's call site, default depth: "<class>.<the method that records>"
+
     expected = outer()
     assert expected[:2] == ["inner", "outer"] and expected[-1] == "no_method_name"
     with cheap_method_names():
         assert dynamic_rendezvous.get_method_name is method_name
         assert outer() == expected
+        handler._record(message="m")
     assert dynamic_rendezvous.get_method_name is original
+    assert recorded[0] == recorded[1], recorded
     with pytest.raises(RuntimeError), cheap_method_names():
         raise RuntimeError("a launch that fails")
     assert dynamic_rendezvous.get_method_name is original
+
+
+def test_patches_of_launches_that_end_in_any_order_put_torchs_function_back_at_the_last():
+    """Two launches in two threads: the first to start may end first. torch's function comes back when the
+    last one ends, not before, and the ports picked meanwhile stay held until then."""
+    from torch.distributed.elastic.rendezvous import api, dynamic_rendezvous
+
+    originals = (api.get_free_port, dynamic_rendezvous.get_method_name)
+    first, second = store_ports_held(), cheap_method_names()
+    first_names, second_ports = cheap_method_names(), store_ports_held()
+    for block in (first, first_names):
+        block.__enter__()
+    port = api.get_free_port()
+    for block in (second, second_ports):
+        block.__enter__()
+    for block in (first, first_names):  # the first launch ends first
+        block.__exit__(None, None, None)
+    assert api.get_free_port is not originals[0] and dynamic_rendezvous.get_method_name is method_name
+    assert not plain_bind_works(port), "a port picked for a launch still running stays held"
+    for block in (second, second_ports):
+        block.__exit__(None, None, None)
+    assert (api.get_free_port, dynamic_rendezvous.get_method_name) == originals
+    assert plain_bind_works(port), "the last launch's end lets every held port go"
+
+
+def plain_bind_works(port: int) -> bool:
+    """A bind without SO_REUSEADDR: what a held port refuses (port_is_free, like a store, sets it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as plain:
+        try:
+            plain.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def test_a_reserved_port_is_given_to_nobody_else_but_a_store_still_binds_it():

@@ -88,13 +88,14 @@ def test_repeated_launches_never_abort_at_shutdown(no_leftovers):
 
 
 PARENTAGE = """\
-import json, os, sys
+import gc, json, os, sys
 import torch.distributed as dist
 import multigpu as mg
 run = mg.init()
 # one write per line: the ranks share the output, unbuffered (print writes the line and its end apart)
 sys.stdout.write(json.dumps({"rank": run.rank, "orig_argv": sys.orig_argv, "debug": dist.get_debug_level().name,
-                             "parent": open(f"/proc/{os.getppid()}/comm").read().strip()}) + "\\n")
+                             "parent": open(f"/proc/{os.getppid()}/comm").read().strip(),
+                             "gc": gc.isenabled()}) + "\\n")
 run.close()
 """
 
@@ -110,8 +111,10 @@ def test_the_suites_launch_server_forks_launchers_and_their_workers_and_names_wh
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(any(a.endswith("case_server.py") for a in r["orig_argv"]) for r in ranks), ranks
     assert all(r["parent"] == "multigpu-fork" for r in ranks), ranks
+    assert all(r["gc"] for r in ranks), "the server imports with the collector paused; its workers have it on"
     fresh = _records(_multigpu("run", "--nproc", "2", str(script), env={"OMP_NUM_THREADS": "2"}, check=True).stdout)
     assert [r["orig_argv"][1:4] for r in fresh] == [["-m", "multigpu", "run"]] * 2, fresh  # a new interpreter
+    assert all(r["gc"] for r in fresh), fresh
     # --debug sets TORCH_DISTRIBUTED_DEBUG, which torch reads at import: workers forked from the server's
     # import would run without it, so this launch starts them the plain way and they have it
     debug = _records(_multigpu("run", "--debug", "--nproc", "2", str(script), check=True).stdout)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import io
 import json
 import os
@@ -258,25 +257,24 @@ def _standard_fds(stderr: Optional[int], keep: int) -> None:
 
 def _preimport(dynamo: bool, launchers: bool = False) -> Optional[str]:
     """What every worker imports: once, here. Returns why forking is off (None: it is on)."""
-    with collector_paused():
-        try:
-            import torch
-            import torch.distributed  # noqa: F401
+    try:
+        import torch
+        import torch.distributed  # noqa: F401
 
-            if dynamo:
-                import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~2 s)
-        except Exception as exc:  # the plain start will show the real error
-            return f"importing torch failed ({type(exc).__name__})"
-        if torch.cuda.is_initialized():
-            return "CUDA was initialised while importing torch"
-        with contextlib.suppress(Exception):
-            import numpy  # noqa: F401
-        import multigpu.launch.worker  # noqa: F401
+        if dynamo:
+            import torch._dynamo  # noqa: F401  (the first optimizer step imports it: ~2 s)
+    except Exception as exc:  # the plain start will show the real error
+        return f"importing torch failed ({type(exc).__name__})"
+    if torch.cuda.is_initialized():
+        return "CUDA was initialised while importing torch"
+    with contextlib.suppress(Exception):
+        import numpy  # noqa: F401
+    import multigpu.launch.worker  # noqa: F401
 
-        if launchers:  # what `multigpu run` imports (its command line, ~30 ms, the launcher reads itself)
-            import torch.distributed.launcher.api  # noqa: F401
+    if launchers:  # what `multigpu run` imports (its command line, ~30 ms, the launcher reads itself)
+        import torch.distributed.launcher.api  # noqa: F401
 
-            import multigpu.launch.local  # noqa: F401
+        import multigpu.launch.local  # noqa: F401
     return None
 
 
@@ -294,11 +292,11 @@ class Server:
         self.boot_of: dict[int, socket.socket] = {}    # worker pid (not yet reaped) -> boot connection
 
     def serve(self, dynamo: bool = True) -> NoReturn:
-        self.refusal = _preimport(dynamo, self.launchers)
         # Every object so far into the collector's permanent generation: a forked process never scans it, so
         # it neither copies the shared pages nor spends ~0.25 s per collection (a worker's last one, at exit),
         # and never finalizes the launcher's garbage, whose descriptors the server closed.
-        gc.freeze()
+        with collector_paused(freeze=True):
+            self.refusal = _preimport(dynamo, self.launchers)
         self.selector = selectors.DefaultSelector()  # here, after _standard_fds closed every other descriptor
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):

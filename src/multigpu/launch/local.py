@@ -215,7 +215,9 @@ def launch(request: LaunchRequest) -> int:
     user_level: Optional[int] = None
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with _stops_raise():
-            with collector_paused():  # (not around the fork: the server would inherit the paused collector)
+            # frozen where this process imports it (the command's own heap; a process that calls the launcher
+            # from Python with torch imported keeps its heap as it is); paused never around the fork
+            with collector_paused(freeze="torch" not in sys.modules):
                 import torch  # noqa: F401  (before the fork: the server shares this import)
             server = start_forkserver(request, fork=not torch_loaded)
             user_level = quiet_cpp_logs(request.verbose)

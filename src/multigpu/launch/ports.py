@@ -50,31 +50,32 @@ def reserved_port() -> Iterator[int]:
         yield port
 
 
-@contextlib.contextmanager
-def store_ports_held() -> Iterator[None]:
+#: The ports torch's agent picked through :func:`_pick` while launches run: closed when the last one ends.
+_held: list[socket.socket] = []
+
+
+def _pick() -> int:
+    port, sock = reserve_port()
+    _held.append(sock)
+    return port
+
+
+def _release_held() -> None:
+    while _held:
+        _held.pop().close()
+
+
+def store_ports_held() -> contextlib.AbstractContextManager[None]:
     """While torch's agent runs in this block, the ports it picks for rank 0's store (once per rendezvous
     round: ``get_free_port`` in torch.distributed.elastic.rendezvous.api) are :func:`reserve_port`'s, held
-    until the block ends; torch's own function comes back after it. A torch without that function picks
-    its ports its own way."""
+    until the last launch of this process running such a block has ended; torch's own function comes back
+    then (``torch_agent.swapped``: launches in several threads may end in any order). A torch without that
+    function picks its ports its own way."""
     from torch.distributed.elastic.rendezvous import api
 
-    original = getattr(api, "get_free_port", None)
-    held: list[socket.socket] = []
+    from multigpu.launch.torch_agent import swapped
 
-    def pick() -> int:
-        port, sock = reserve_port()
-        held.append(sock)
-        return port
-
-    try:
-        if callable(original):
-            api.get_free_port = pick
-        yield
-    finally:
-        if callable(original):
-            api.get_free_port = original
-        for sock in held:
-            sock.close()
+    return swapped(api, "get_free_port", _pick, on_last_exit=_release_held)
 
 
 def port_is_free(port: int, host: str = "") -> bool:

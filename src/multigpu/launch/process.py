@@ -44,16 +44,23 @@ def name_process(name: bytes) -> None:
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(freeze: bool = False) -> Iterator[None]:
     """No cyclic garbage collection inside the block; the collector is as it was after it. Why: importing
     torch and ``torch._dynamo`` allocates millions of objects that all stay alive, and the collector walked
     them again and again: 3.97 s of CPU with it, 3.49 s without (``import torch, torch._dynamo,
     torch.distributed.launcher.api``, medians of 7 interleaved runs on 2 cores). The launcher and the fork
-    server import in this block; a process forked inside it would inherit the paused collector, so none is."""
+    server import in this block; a process forked inside it would inherit the paused collector, so none is.
+
+    ``freeze``: everything allocated so far goes to the collector's permanent generation before it comes
+    back (``gc.freeze()``), so that no later collection walks it - the first one after the block would walk
+    all of it otherwise. Only where this process's own objects are all that is there (never under a caller's
+    heap: a caller's garbage would never be collected)."""
     was_on = gc.isenabled()
-    gc.disable()
     try:
+        gc.disable()
         yield
+        if freeze:
+            gc.freeze()
     finally:
         if was_on:
             gc.enable()

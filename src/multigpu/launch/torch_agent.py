@@ -7,17 +7,54 @@ twice, which reads the source of every frame on the stack and, for a frame whose
 argument, so it is computed even when no event handler is set and the event is dropped (torch's default).
 In a launcher forked from a process that imported ``torch._dynamo`` (thousands of modules: the suite's
 launch server, a launch started from a notebook), that was 0.6-0.8 s of the launcher's 0.7-0.9 s of CPU per
-launch, measured here (``tests/test_launch_plan.py`` checks the name is the same).
+launch, measured here. :func:`cheap_method_names` gives the same name from the frame itself.
 
-:func:`cheap_method_names` gives the same name from the frame itself, and puts torch's function back when
-the launch is over. A torch without that function is left alone.
+:func:`swapped` is how every such change is made (``ports.store_ports_held`` too): the function is replaced
+while at least one launch of this process runs - launches in several threads may start and end in any
+order - and torch's own comes back when the last one ends, unless something else replaced it meanwhile.
+A torch without the function is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator
+import threading
+from types import ModuleType
+from typing import Any, Callable, Iterator, Optional
+
+_lock = threading.Lock()
+#: (module, attribute) -> [blocks running, the original]
+_swaps: dict[tuple[str, str], list[Any]] = {}
+
+
+@contextlib.contextmanager
+def swapped(module: ModuleType, name: str, replacement: Callable[..., Any],
+            on_last_exit: Optional[Callable[[], None]] = None) -> Iterator[None]:
+    """``module.name`` is ``replacement`` while any block of this kind for it runs in this process.
+    ``on_last_exit`` runs when the last one ends (``ports.store_ports_held`` closes the ports it held)."""
+    key = (module.__name__, name)
+    with _lock:
+        entry = _swaps.get(key)
+        if entry is None:
+            original = getattr(module, name, None)
+            if callable(original):
+                entry = _swaps[key] = [0, original]
+                setattr(module, name, replacement)
+        if entry is not None:
+            entry[0] += 1
+    try:
+        yield
+    finally:
+        if entry is not None:
+            with _lock:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del _swaps[key]
+                    if getattr(module, name, None) is replacement:
+                        setattr(module, name, entry[1])
+                    if on_last_exit is not None:
+                        on_last_exit()
 
 
 def method_name(depth: int = 2) -> str:
@@ -29,16 +66,8 @@ def method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
-@contextlib.contextmanager
-def cheap_method_names() -> Iterator[None]:
+def cheap_method_names() -> contextlib.AbstractContextManager[None]:
     """Inside this block torch's rendezvous names its events with :func:`method_name`."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    original = getattr(dynamic_rendezvous, "get_method_name", None)
-    try:
-        if callable(original):
-            dynamic_rendezvous.get_method_name = method_name
-        yield
-    finally:
-        if callable(original):
-            dynamic_rendezvous.get_method_name = original
+    return swapped(dynamic_rendezvous, "get_method_name", method_name)
