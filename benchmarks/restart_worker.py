@@ -33,12 +33,14 @@ multigpu_done = time.time()
 
 
 def process_start() -> float:
-    """This process's start time (the kernel's, 10 ms resolution): before the interpreter ran anything."""
+    """This process's start time (the kernel's, 10 ms resolution): before the interpreter ran anything.
+    The kernel counts it from boot; the clock since boot read now turns it into wall time. (``btime`` of
+    /proc/stat, the boot's wall time, is whole seconds: up to a second moved between the agent's phase and
+    the interpreter's, and once gave the agent a negative time.)"""
     with open("/proc/self/stat") as handle:
         ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as handle:
-        boot = next(int(line.split()[1]) for line in handle if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - since_start
 
 
 out = Path(sys.argv[1])
