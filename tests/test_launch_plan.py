@@ -183,15 +183,29 @@ def test_imports_run_with_the_collector_paused_and_it_comes_back_as_it_was():
         assert not gc.isenabled(), "a collector the user turned off stays off"
     finally:
         gc.enable()
-    frozen = gc.get_freeze_count()
-    try:
-        with collector_paused(freeze=True):
-            kept = [[] for _ in range(1000)]
-        assert gc.get_freeze_count() >= frozen + len(kept), "what the block allocated is frozen"
-    finally:
-        gc.unfreeze()
-        if frozen:  # what this process had frozen before (pytest's plugins may): frozen again
-            gc.freeze()
+    if gc.get_freeze_count() == 0:  # (nothing of this process frozen before: unfreezing puts it back exactly)
+        try:
+            with collector_paused(freeze=True):
+                kept = [[] for _ in range(1000)]
+            assert gc.get_freeze_count() >= len(kept), "what the block allocated is frozen"
+        finally:
+            gc.unfreeze()
+
+
+def test_only_the_commands_own_process_freezes_what_its_launcher_imports():
+    """A Python process that calls multigpu.cli.main (a notebook) keeps its heap collectable; the multigpu
+    command's entry point marks its own process."""
+    import subprocess
+    import sys
+
+    from multigpu.launch import process
+
+    assert not process.is_command_process(), "this pytest process is nobody's command"
+    probe = ("import multigpu.cli, multigpu.launch.process as p, sys\n"
+             "multigpu.cli.main = lambda: print(p.is_command_process()) or 0\n"
+             "multigpu.cli.entry()")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stdout + done.stderr
 
 
 def test_the_rendezvous_names_its_events_as_torch_does_during_a_launch_only(monkeypatch):
@@ -235,24 +249,50 @@ def test_the_rendezvous_names_its_events_as_torch_does_during_a_launch_only(monk
 def test_patches_of_launches_that_end_in_any_order_put_torchs_function_back_at_the_last():
     """Two launches in two threads: the first to start may end first. torch's function comes back when the
     last one ends, not before, and the ports picked meanwhile stay held until then."""
+    import contextlib
+
     from torch.distributed.elastic.rendezvous import api, dynamic_rendezvous
 
     originals = (api.get_free_port, dynamic_rendezvous.get_method_name)
-    first, second = store_ports_held(), cheap_method_names()
-    first_names, second_ports = cheap_method_names(), store_ports_held()
-    for block in (first, first_names):
-        block.__enter__()
-    port = api.get_free_port()
-    for block in (second, second_ports):
-        block.__enter__()
-    for block in (first, first_names):  # the first launch ends first
-        block.__exit__(None, None, None)
-    assert api.get_free_port is not originals[0] and dynamic_rendezvous.get_method_name is method_name
-    assert not plain_bind_works(port), "a port picked for a launch still running stays held"
-    for block in (second, second_ports):
-        block.__exit__(None, None, None)
+    with contextlib.ExitStack() as second_launch:
+        with contextlib.ExitStack() as first_launch:
+            first_launch.enter_context(store_ports_held())
+            first_launch.enter_context(cheap_method_names())
+            port = api.get_free_port()
+            second_launch.enter_context(store_ports_held())
+            second_launch.enter_context(cheap_method_names())
+        # the first launch has ended, the second runs on
+        assert api.get_free_port is not originals[0] and dynamic_rendezvous.get_method_name is method_name
+        assert not plain_bind_works(port), "a port picked for a launch still running stays held"
     assert (api.get_free_port, dynamic_rendezvous.get_method_name) == originals
     assert plain_bind_works(port), "the last launch's end lets every held port go"
+
+
+def test_a_swap_is_per_module_object_and_a_failing_last_exit_still_puts_the_original_back():
+    import types
+
+    from multigpu.launch.torch_agent import swapped
+
+    def original() -> str:
+        return "torch's"
+
+    def ours() -> str:
+        return "ours"
+
+    first, again = types.ModuleType("same.name"), types.ModuleType("same.name")  # e.g. a module imported twice
+    first.f = again.f = original
+
+    def fails() -> None:
+        raise OSError("a socket that would not close")
+
+    with swapped(first, "f", ours), swapped(again, "f", ours):
+        assert first.f() == again.f() == "ours"
+    assert first.f is original and again.f is original
+    with pytest.raises(OSError), swapped(first, "f", ours, on_last_exit=fails):
+        pass
+    assert first.f is original
+    with swapped(first, "f", ours):  # nothing left behind by the failure: the next block swaps again
+        assert first.f is ours
 
 
 def plain_bind_works(port: int) -> bool:

@@ -32,7 +32,7 @@ from multigpu.launch.devices import DevicePlan
 from multigpu.launch.fork_rules import START_VAR, read_at_import, start_wish
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.ports import store_ports_held
-from multigpu.launch.process import collector_paused
+from multigpu.launch.process import collector_paused, is_command_process
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.torch_agent import cheap_method_names
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
@@ -215,9 +215,9 @@ def launch(request: LaunchRequest) -> int:
     user_level: Optional[int] = None
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with _stops_raise():
-            # frozen where this process imports it (the command's own heap; a process that calls the launcher
-            # from Python with torch imported keeps its heap as it is); paused never around the fork
-            with collector_paused(freeze="torch" not in sys.modules):
+            # frozen where the command's own process imports it (a Python process that calls the launcher keeps
+            # its heap as it is); paused never around the fork
+            with collector_paused(freeze=is_command_process() and "torch" not in sys.modules):
                 import torch  # noqa: F401  (before the fork: the server shares this import)
             server = start_forkserver(request, fork=not torch_loaded)
             user_level = quiet_cpp_logs(request.verbose)

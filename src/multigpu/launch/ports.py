@@ -62,7 +62,8 @@ def _pick() -> int:
 
 def _release_held() -> None:
     while _held:
-        _held.pop().close()
+        with contextlib.suppress(OSError):  # never instead of the launch's own outcome
+            _held.pop().close()
 
 
 def store_ports_held() -> contextlib.AbstractContextManager[None]:

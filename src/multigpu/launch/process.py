@@ -43,6 +43,20 @@ def name_process(name: bytes) -> None:
         pass
 
 
+_command_process = False
+
+
+def mark_command_process() -> None:
+    """Called by the ``multigpu`` command's entry point (``cli.entry``) only: this process is the command's
+    own, not a user's Python that calls ``multigpu.cli.main`` - whose heap nothing may freeze."""
+    global _command_process
+    _command_process = True
+
+
+def is_command_process() -> bool:
+    return _command_process
+
+
 @contextlib.contextmanager
 def collector_paused(freeze: bool = False) -> Iterator[None]:
     """No cyclic garbage collection inside the block; the collector is as it was after it. Why: importing
@@ -53,8 +67,9 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
 
     ``freeze``: everything allocated so far goes to the collector's permanent generation before it comes
     back (``gc.freeze()``), so that no later collection walks it - the first one after the block would walk
-    all of it otherwise. Only where this process's own objects are all that is there (never under a caller's
-    heap: a caller's garbage would never be collected)."""
+    all of it otherwise. Only where this process's own objects are all that is there (the fork server, the
+    command's own process: :func:`is_command_process`), never under a caller's heap: its garbage would never
+    be collected."""
     was_on = gc.isenabled()
     try:
         gc.disable()

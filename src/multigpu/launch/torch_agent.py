@@ -24,23 +24,24 @@ from types import ModuleType
 from typing import Any, Callable, Iterator, Optional
 
 _lock = threading.Lock()
-#: (module, attribute) -> [blocks running, the original]
-_swaps: dict[tuple[str, str], list[Any]] = {}
+#: (id(module), attribute) -> [blocks running, the original, the replacement installed, the module]
+_swaps: dict[tuple[int, str], list[Any]] = {}
 
 
 @contextlib.contextmanager
 def swapped(module: ModuleType, name: str, replacement: Callable[..., Any],
             on_last_exit: Optional[Callable[[], None]] = None) -> Iterator[None]:
-    """``module.name`` is ``replacement`` while any block of this kind for it runs in this process.
-    ``on_last_exit`` runs when the last one ends (``ports.store_ports_held`` closes the ports it held)."""
-    key = (module.__name__, name)
+    """``module.name`` is ``replacement`` while any block of this kind for it runs in this process (the
+    replacement of the first block that is still running is what the others get too). ``on_last_exit``
+    runs when the last one ends (``ports.store_ports_held`` closes the ports it held then)."""
+    key = (id(module), name)
     with _lock:
         entry = _swaps.get(key)
         if entry is None:
             original = getattr(module, name, None)
             if callable(original):
-                entry = _swaps[key] = [0, original]
                 setattr(module, name, replacement)
+                entry = _swaps[key] = [0, original, replacement, module]
         if entry is not None:
             entry[0] += 1
     try:
@@ -51,7 +52,7 @@ def swapped(module: ModuleType, name: str, replacement: Callable[..., Any],
                 entry[0] -= 1
                 if entry[0] == 0:
                     del _swaps[key]
-                    if getattr(module, name, None) is replacement:
+                    if getattr(module, name, None) is entry[2]:
                         setattr(module, name, entry[1])
                     if on_last_exit is not None:
                         on_last_exit()
