@@ -163,7 +163,10 @@ class Search:
         for frozen in self.study.get_trials(deepcopy=False):
             name = frozen.user_attrs.get("run")
             if not isinstance(name, str) or not set(self._distributions) <= set(frozen.params):
-                continue  # not one of ours (a study someone else wrote into): leave it alone
+                # not one of ours (a study someone else wrote into): leave it alone. Or asked by a queue that
+                # was killed before it named the trial (ask and set_user_attr are two writes): no run holds
+                # it, so it is not counted - the trial it should have been is asked again
+                continue
             spec = self._spec(name, frozen.params)
             if frozen.state == optuna.trial.TrialState.RUNNING:
                 self._trials[name] = optuna.trial.Trial(self.study, frozen._trial_id)
@@ -172,7 +175,7 @@ class Search:
                 verdict = read_verdict(self.root / name)
                 self._pruned[name] = bool(verdict and verdict[1])
             earlier.append(spec)
-        self._asked = len(self.study.get_trials(deepcopy=False))
+        self._asked = len(earlier)
         return earlier
 
     def _spec(self, name: str, params: dict) -> Trial:
