@@ -17,17 +17,17 @@ keeps a few such cases in a real interpreter of their own, so that path stays pr
 
 With ``--launches`` (the test suite's launch server, ``conftest.multigpu``): a request with ``"launch":
 true`` runs ``multigpu run`` (and every other command) in the forked child too, as ``python -m multigpu
-ARGS`` would, with ``MULTIGPU_WORKER_START=fork`` so that the launcher forks its workers from the torch
-this server imported (``torch._dynamo`` too): a 2-process launch cost ~7 s of CPU in imports, ~2 s this
-way. That is only right where this server imported torch with the environment the workers get, so a
-request whose environment differs from the server's in anything but ``MULTIGPU_*`` variables (which
-nothing reads at import), pytest's ``PYTEST_CURRENT_TEST`` and, with a CPU build of torch,
-``CUDA_VISIBLE_DEVICES`` - or that sets ``MULTIGPU_WORKER_START`` itself - starts a new interpreter
-instead (``"new_interpreter_for"`` in the reply names the variables). Every launch's processes are
-this server's to account for (it is their subreaper): any still alive 15 s after the command ended is
-killed with what it started, and named in the reply (``"left"``: pid, name, command line; a forked
-process shows this server's command line). Python's, numpy's and torch's random state is drawn again
-in each child, as a new interpreter would; the string-hash seed is this server's for every launch.
+ARGS`` would, with ``MULTIGPU_WORKER_START=fork`` so that the launcher forks its workers from the torch this
+server imported (``torch._dynamo`` too, and matplotlib's figure for the Trainer's ``curves.png``): a
+2-process launch cost ~7 s of CPU in imports, ~2 s this way. That is only right where this server imported
+torch with the environment the workers get, so a request whose environment differs from the server's in
+anything but ``MULTIGPU_*`` variables (which nothing reads at import), pytest's ``PYTEST_CURRENT_TEST`` and,
+with a CPU build of torch, ``CUDA_VISIBLE_DEVICES`` - or that sets ``MULTIGPU_WORKER_START`` itself - starts
+a new interpreter instead (``"new_interpreter_for"`` in the reply names the variables). Every launch's
+processes are this server's to account for (it is their subreaper): any still alive 15 s after the command
+ended is killed with what it started, and named in the reply (``"left"``: pid, name, command line; a forked
+process shows this server's command line). Python's, numpy's and torch's random state is drawn again in each
+child, as a new interpreter would; the string-hash seed is this server's for every launch.
 
 Protocol: one JSON object per line on stdin - ``{"id": N, "argv": [...], "cwd": ..., "env": {...}, "out":
 path, "err": path, "timeout": seconds, "python": bool, "launch": bool}`` - and one JSON line back:
@@ -64,6 +64,12 @@ if LAUNCHES:
     import ctypes
 
     import torch._dynamo  # noqa: F401 - what a launcher's fork server would import for its workers
+
+    try:  # what rank 0 of every Trainer imports to draw curves.png at the end of fit (~0.7 s each)
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
+    except ImportError:  # the plot extra is optional: those runs skip curves.png
+        pass
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: a launch's orphans become ours
 
