@@ -3,13 +3,13 @@ launch: the CPU time of one launch, as the tests pay it.
 
     python benchmarks/launch_server.py [--repeats 5]
 
-Two commands the tests run: the 2-process all-reduce launch (tests/scripts/allreduce.py) and a 2-epoch
-run of the digits recipe on 2 processes (its data split kept in one folder, as the tests keep it). Each
-is run through the launch server (forked from one interpreter that imported torch and torch._dynamo)
-and as ``python -m multigpu ...`` in a new interpreter, alternately. The CPU time of a launch is user
-plus system time of its whole process tree: for a new interpreter, what this process's waited-for
-children used (``RUSAGE_CHILDREN``); for the server, what its waited-for children used (``cutime`` and
-``cstime`` of ``/proc/PID/stat``). Medians and ratios are printed and recorded.
+Two commands the tests run: the 2-process all-reduce launch (tests/scripts/allreduce.py) and a 2-epoch run of
+the digits recipe on 2 processes (its data split kept in one folder, as the tests keep it). Each is run
+through the launch server (forked from one interpreter that imported torch, torch._dynamo and matplotlib's
+figure) and as ``python -m multigpu ...`` in a new interpreter, alternately. The CPU time of a launch is user
+plus system time of its whole process tree: for a new interpreter, what this process's waited-for children
+used (``RUSAGE_CHILDREN``); for the server, what its waited-for children used (``cutime`` and ``cstime`` of
+``/proc/PID/stat``). Medians and ratios are printed and recorded.
 """
 
 import argparse

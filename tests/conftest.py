@@ -67,16 +67,17 @@ def child_env(extra: Optional[dict] = None, base: Optional[dict] = None) -> dict
 
 
 class LaunchServer:
-    """``python -m multigpu ARGS`` forked from one interpreter that imported torch (and torch._dynamo) once
-    per test process: tests/scripts/case_server.py ``--launches``. Why: a 2-process launch spent ~7 s of CPU
-    importing torch in the launcher and torch._dynamo in its fork server, ~5 s more than the work of most
-    tests' launches, and the suite launches a few hundred times. The launcher, torch's agent, the boot
-    processes, the fork server and the workers run as in a user's launch; the launcher is a fork of a
-    process that imported torch with the launch's environment (one that differs starts a new interpreter,
-    and a launch that adds a variable torch reads at import, ``--debug``'s, starts its workers the plain way).
-    The new-interpreter path stays tested where it is the point: every
-    command of the docs pages, test_launch_real.py (but its shutdown test, about the workers' exit, and its
-    test of this server), test_forkserver.py, the hostile tables' ``run`` cases, tests that Popen a launcher.
+    """``python -m multigpu ARGS`` forked from one interpreter that imported torch (and torch._dynamo, and
+    matplotlib's figure for the Trainer's curves.png) once per test process: tests/scripts/case_server.py
+    ``--launches``. Why: a 2-process launch spent ~7 s of CPU importing torch in the launcher and
+    torch._dynamo in its fork server, ~5 s more than the work of most tests' launches, and the suite launches
+    a few hundred times. The launcher, torch's agent, the boot processes, the fork server and the workers run
+    as in a user's launch; the launcher is a fork of a process that imported torch with the launch's
+    environment (one that differs starts a new interpreter, and a launch that adds a variable torch reads at
+    import, ``--debug``'s, starts its workers the plain way). The new-interpreter path stays tested where it
+    is the point: every command of the docs pages, test_launch_real.py (but its shutdown test, about the
+    workers' exit, and its test of this server), test_forkserver.py, the hostile tables' ``run`` cases, tests
+    that Popen a launcher.
     A process a launch leaves behind fails the call (the server is the launches' subreaper). A call that is
     interrupted (a test's timeout, Ctrl-C) stops the server and what it runs; the next call starts another.
     What else differs from a new interpreter: every launch of one test process has the server's string-hash

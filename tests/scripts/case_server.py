@@ -68,10 +68,19 @@ if LAUNCHES:
     try:  # what rank 0 of every Trainer imports to draw curves.png at the end of fit (~0.7 s each)
         import matplotlib.backends.backend_agg  # noqa: F401
         import matplotlib.figure  # noqa: F401
-    except ImportError:  # the plot extra is optional: those runs skip curves.png
+    except Exception:  # the plot extra is optional, and a matplotlib that cannot start must not stop the server
         pass
-
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: a launch's orphans become ours
+#: A config folder matplotlib made for itself (None: it had a writable one, the usual case).
+MPL_TEMPORARY = None
+if LAUNCHES and os.environ.get("MPLCONFIGDIR") != IMPORT_ENV.get("MPLCONFIGDIR"):
+    # No writable config folder: matplotlib made a temporary one and registered its removal at exit, which every
+    # forked child would run (the first to leave would remove it under the others). This server removes it.
+    import atexit
+    import shutil
+
+    atexit.unregister(shutil.rmtree)
+    MPL_TEMPORARY = os.environ.pop("MPLCONFIGDIR")
 
 
 def import_env_changes(env: dict) -> list[str]:
@@ -246,6 +255,10 @@ def main() -> None:
                 with contextlib.suppress(OSError):
                     os.killpg(child, signal.SIGKILL)
             left_behind_now()
+        if MPL_TEMPORARY is not None:
+            import shutil
+
+            shutil.rmtree(MPL_TEMPORARY, ignore_errors=True)
 
 
 def left_behind_now() -> None:
