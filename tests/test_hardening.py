@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 from pathlib import Path
@@ -279,6 +280,29 @@ def test_slurm_status_tells_an_unreachable_controller_from_an_unknown_job(tmp_pa
                                                "exit 1\n")
     proc = multigpu("slurm", "status", "123", env=env)
     assert proc.returncode == 2 and "Slurm knows no job 123" in proc.stderr
+
+
+@pytest.mark.parametrize("signal_name, requeued", [("TERM", True), ("KILL", False)])
+def test_a_requeue_outlives_the_sigterm_it_causes_and_a_killed_one_says_so(tmp_path, monkeypatch, capsys,
+                                                                           signal_name, requeued):
+    """`scontrol requeue` ends every process of the job step, scontrol among them: a fake scontrol that gets
+    that SIGTERM (it signals itself) must still answer, and one ended by SIGKILL (KillWait's) is not a failed
+    requeue with an empty reason but one line naming the signal."""
+    from multigpu.guards.preemption import requeue_slurm_job
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "scontrol"
+    tool.write_text(f'#!/bin/sh\n[ "$1 $2" = "requeue 1003" ] || exit 9\nkill -{signal_name} $$\nexit 0\n')
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert requeue_slurm_job("1003", signal.SIGUSR1) is requeued
+    err = capsys.readouterr().err
+    if requeued:
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and "scontrol requeue 1003 was ended by SIGKILL before it answered" in err
+        assert "HINT: `scontrol show job 1003`" in err
 
 
 def test_slurm_options_are_validated_for_the_queue_too(tmp_path):

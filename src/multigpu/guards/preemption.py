@@ -132,19 +132,36 @@ class StopSignal:
         return signal.Signals(self.received).name if self.received is not None else "a stop request from another rank"
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal past SIGRTMIN has no name of its own
+        return f"signal {number}"
+
+
 def requeue_slurm_job(job_id: str, signum: int) -> bool:
     """``scontrol requeue`` this job after a USR1 (Slurm's "time is nearly up" warning).
 
     Not on SIGTERM: that is also what ``scancel`` sends, and a cancelled job must stay cancelled.
+
+    scontrol runs with SIGTERM ignored (a disposition ``exec`` keeps): the requeue it asks for ends every
+    process of the job step at once - SIGCONT, SIGTERM, and SIGKILL ``KillWait`` seconds later - scontrol
+    among them, so on a busy node it died of that SIGTERM before it read the controller's answer, and a
+    requeue that had gone through was reported as failed (once in the suite's stability runs).
     """
     if not job_id or signum != signal.SIGUSR1 or shutil.which("scontrol") is None:
         return False
     try:
-        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol", job_id],
+                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         print(f"multigpu: could not requeue Slurm job {job_id}: {exc}", file=sys.stderr, flush=True)
         return False
-    if done.returncode != 0:
+    if done.returncode < 0:  # KillWait's SIGKILL, or a signal from outside: the answer never came
+        print(f"multigpu: scontrol requeue {job_id} was ended by {_signal_name(-done.returncode)} before "
+              f"it answered (HINT: `scontrol show job {job_id}` shows whether the job was requeued)",
+              file=sys.stderr, flush=True)
+    elif done.returncode != 0:
         print(f"multigpu: scontrol requeue {job_id} failed: {done.stderr.strip()} "
               "(HINT: submit with --requeue, which `multigpu slurm` does)", file=sys.stderr, flush=True)
     return done.returncode == 0
