@@ -303,6 +303,10 @@ def test_a_requeue_outlives_the_sigterm_it_causes_and_a_killed_one_says_so(tmp_p
     else:
         assert err.count("\n") == 1 and "scontrol requeue 1003 was ended by SIGKILL before it answered" in err
         assert "HINT: `scontrol show job 1003`" in err
+    for forged in ("-h", "1003; touch pwned", "1003\x1b[2J"):  # set by hand: never handed to scontrol
+        assert requeue_slurm_job(forged, signal.SIGUSR1) is False
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is not a Slurm job number" in err and "\x1b" not in err
 
 
 def test_slurm_options_are_validated_for_the_queue_too(tmp_path):

@@ -151,6 +151,10 @@ def requeue_slurm_job(job_id: str, signum: int) -> bool:
     """
     if not job_id or signum != signal.SIGUSR1 or shutil.which("scontrol") is None:
         return False
+    if not (job_id.isascii() and job_id.isdigit()):  # Slurm sets a number; anything else was set by hand
+        print(f"multigpu: SLURM_JOB_ID={job_id[:40]!r} is not a Slurm job number, so the job was not requeued "
+              "(HINT: unset SLURM_JOB_ID outside Slurm jobs)", file=sys.stderr, flush=True)
+        return False
     try:
         done = subprocess.run(["sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol", job_id],
                               capture_output=True, text=True, timeout=30)
