@@ -282,31 +282,50 @@ def test_slurm_status_tells_an_unreachable_controller_from_an_unknown_job(tmp_pa
     assert proc.returncode == 2 and "Slurm knows no job 123" in proc.stderr
 
 
-@pytest.mark.parametrize("signal_name, requeued", [("TERM", True), ("KILL", False)])
-def test_a_requeue_outlives_the_sigterm_it_causes_and_a_killed_one_says_so(tmp_path, monkeypatch, capsys,
-                                                                           signal_name, requeued):
-    """`scontrol requeue` ends every process of the job step, scontrol among them: a fake scontrol that gets
-    that SIGTERM (it signals itself) must still answer, and one ended by SIGKILL (KillWait's) is not a failed
-    requeue with an empty reason but one line naming the signal."""
+def _requeue_with_fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str):
+    """requeue_slurm_job (this process) with a fake ``scontrol`` first on PATH that runs ``body``."""
     from multigpu.guards.preemption import requeue_slurm_job
 
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     tool = bin_dir / "scontrol"
-    tool.write_text(f'#!/bin/sh\n[ "$1 $2" = "requeue 1003" ] || exit 9\nkill -{signal_name} $$\nexit 0\n')
+    tool.write_text(f'#!/bin/sh\n[ "$1 $2" = "requeue 1003" ] || exit 9\n{body}\n')
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    assert requeue_slurm_job("1003", signal.SIGUSR1) is requeued
-    err = capsys.readouterr().err
+    return requeue_slurm_job
+
+
+@pytest.mark.parametrize("signal_name, requeued", [("TERM", True), ("KILL", False)])
+def test_a_requeue_outlives_the_sigterm_it_causes_and_a_killed_one_says_so(tmp_path, monkeypatch, capsys,
+                                                                           signal_name, requeued):
+    """`scontrol requeue` ends every process of the job, scontrol among them: a fake scontrol that gets that
+    SIGTERM (it signals itself) must still answer, and one killed all the same (srun kills its step) is not a
+    failed requeue with an empty reason but one line naming the signal. The line that announces the requeue
+    comes first, on stdout: after the request, this process may be killed before it writes anything."""
+    requeue = _requeue_with_fake_scontrol(tmp_path, monkeypatch, f"kill -{signal_name} $$\nexit 0")
+    assert requeue("1003", signal.SIGUSR1) is requeued
+    out, err = capsys.readouterr()
+    assert out == "multigpu: requeueing Slurm job 1003 (this ends the job's processes now)\n"
     if requeued:
         assert err == ""
     else:
         assert err.count("\n") == 1 and "scontrol requeue 1003 was ended by SIGKILL before it answered" in err
         assert "HINT: `scontrol show job 1003`" in err
-    for forged in ("-h", "1003; touch pwned", "1003\x1b[2J"):  # set by hand: never handed to scontrol
-        assert requeue_slurm_job(forged, signal.SIGUSR1) is False
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "is not a Slurm job number" in err and "\x1b" not in err
+
+
+def test_a_requeue_never_hands_a_forged_job_id_to_scontrol_and_prints_its_refusal_safely(tmp_path, monkeypatch,
+                                                                                        capsys):
+    requeue = _requeue_with_fake_scontrol(
+        tmp_path, monkeypatch, "printf 'scontrol: error: a\\nscontrol: error: \\033]0;pwned\\007 b\\n' >&2\nexit 1")
+    for forged in ("-h", "1003; touch pwned", "1003\x1b[2J", "\u0661", "9" * 200_000):  # SLURM_JOB_ID set by hand
+        assert requeue(forged, signal.SIGUSR1) is False
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "is not a Slurm job number" in err
+        assert "\x1b" not in err and len(err) < 300
+    # scontrol's own refusal: its lines joined into one, terminal-safe
+    assert requeue("1003", signal.SIGUSR1) is False
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "failed: scontrol: error: a scontrol: error: \\x1b]0;pwned\\x07 b (HINT:" in err
 
 
 def test_slurm_options_are_validated_for_the_queue_too(tmp_path):

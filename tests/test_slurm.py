@@ -118,7 +118,7 @@ def test_usr1_checkpoints_requeues_and_the_requeued_job_resumes(cluster, tmp_pat
     log = (tmp_path / "job" / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log
     assert info["Restarts"] == "1", log
-    assert "stopped by SIGUSR1" in log and "requeued Slurm job" in log
+    assert "stopped by SIGUSR1" in log and f"requeueing Slurm job {job_id}" in log and "requeue failed" not in log
     assert "(restart 1)" in log and "resumed from" in log
     final, expected = (torch.load(p / "final.pt", weights_only=True) for p in (out, reference))
     assert all(torch.equal(final[k], expected[k]) for k in expected)  # the requeue lost nothing

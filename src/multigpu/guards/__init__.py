@@ -81,14 +81,13 @@ class Guards:
         """After the agreed stop and its checkpoint: requeue the Slurm job on SIGUSR1, raise Preempted (75)."""
         stop = self._stop
         reason = stop.describe() if stop is not None else "a stop request"
-        job = self.session.world.slurm_job_id
-        # One requeue per job: global rank 0 (with replica groups, the first group's).
-        if self.session.world.global_rank == 0 and stop is not None and stop.received is not None:
-            if requeue_slurm_job(job, stop.received):
-                say(f"multigpu: requeued Slurm job {job}")
         where = f"; checkpoint {checkpoint_path} - run the same command again to resume" if checkpoint_path else ""
         after = f" after step {step}" if step is not None else ""
         say(f"multigpu: stopped by {reason}{after}{where}")
+        # One requeue per job: global rank 0 (with replica groups, the first group's), after every line this
+        # rank has to say - the requeue ends the job's processes, this one among them.
+        if self.session.world.global_rank == 0 and stop is not None and stop.received is not None:
+            requeue_slurm_job(self.session.world.slurm_job_id, stop.received)
         raise Preempted(f"preempted by {reason}" + (f"; resume from {checkpoint_path}" if checkpoint_path else ""))
 
     def report(self, value: Any, step: int, say: Callable[[str], None]) -> bool:

@@ -19,6 +19,7 @@ interval instead (K=1: the old every-step agreement).
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from typing import Any, Optional, Sequence
 from typing_extensions import override
 
 from multigpu.distributed.agreement import Pending
-from multigpu.errors import EXIT_PREEMPTED
+from multigpu.errors import EXIT_PREEMPTED, shown, visible
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -144,28 +145,32 @@ def requeue_slurm_job(job_id: str, signum: int) -> bool:
 
     Not on SIGTERM: that is also what ``scancel`` sends, and a cancelled job must stay cancelled.
 
-    scontrol runs with SIGTERM ignored (a disposition ``exec`` keeps): the requeue it asks for ends every
-    process of the job step at once - SIGCONT, SIGTERM, and SIGKILL ``KillWait`` seconds later - scontrol
-    among them, so on a busy node it died of that SIGTERM before it read the controller's answer, and a
-    requeue that had gone through was reported as failed (once in the suite's stability runs).
+    The requeue ends every process of the job at once: slurmstepd sends each step SIGCONT and SIGTERM, and
+    the batch script's ``srun`` answers its SIGTERM by killing its step (this rank, its log copier, and
+    ``scontrol`` itself) - so the line that says so is written before the request, and ``scontrol`` runs with
+    SIGTERM ignored (a disposition ``exec`` keeps): on a busy node it died of that SIGTERM before it read the
+    controller's answer, and a requeue that had gone through was reported as failed (once in the suite's
+    stability runs). A ``scontrol`` killed all the same says so in one line.
     """
     if not job_id or signum != signal.SIGUSR1 or shutil.which("scontrol") is None:
         return False
-    if not (job_id.isascii() and job_id.isdigit()):  # Slurm sets a number; anything else was set by hand
-        print(f"multigpu: SLURM_JOB_ID={job_id[:40]!r} is not a Slurm job number, so the job was not requeued "
-              "(HINT: unset SLURM_JOB_ID outside Slurm jobs)", file=sys.stderr, flush=True)
+    if not re.fullmatch(r"[0-9]{1,12}", job_id):  # Slurm sets a number; anything else was set by hand
+        print(f"multigpu: SLURM_JOB_ID={shown(job_id, 40)} is not a Slurm job number, so the job was not "
+              "requeued (HINT: unset SLURM_JOB_ID outside Slurm jobs)", file=sys.stderr, flush=True)
         return False
+    # On stdout, as the stop's own line: it goes to the job's log file itself, not through a log copier
+    print(f"multigpu: requeueing Slurm job {job_id} (this ends the job's processes now)", flush=True)
     try:
-        done = subprocess.run(["sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol", job_id],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["/bin/sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol", job_id],
+                              capture_output=True, encoding="utf-8", errors="replace", timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        print(f"multigpu: could not requeue Slurm job {job_id}: {exc}", file=sys.stderr, flush=True)
+        print(f"multigpu: could not requeue Slurm job {job_id}: {visible(str(exc))[:300]}", file=sys.stderr, flush=True)
         return False
-    if done.returncode < 0:  # KillWait's SIGKILL, or a signal from outside: the answer never came
+    if done.returncode < 0:  # killed with the job's processes before the answer came, or by hand
         print(f"multigpu: scontrol requeue {job_id} was ended by {_signal_name(-done.returncode)} before "
               f"it answered (HINT: `scontrol show job {job_id}` shows whether the job was requeued)",
               file=sys.stderr, flush=True)
     elif done.returncode != 0:
-        print(f"multigpu: scontrol requeue {job_id} failed: {done.stderr.strip()} "
+        print(f"multigpu: scontrol requeue {job_id} failed: {visible(' '.join(done.stderr.split()))[:300]} "
               "(HINT: submit with --requeue, which `multigpu slurm` does)", file=sys.stderr, flush=True)
     return done.returncode == 0
