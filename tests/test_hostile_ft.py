@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, SCRIPTS
 from test_hostile_inputs import (
     DIGITS,
+    HANG_S,
     PWNED,
     Case,
     case_server,  # noqa: F401 - the fixture, shared
@@ -142,7 +143,7 @@ def test_every_new_input_has_cases():
         assert any(i.startswith(prefix) for i in ids), prefix
 
 
-@pytest.mark.timeout(60)  # each case must end in 30 s, as in test_hostile_inputs.py
+@pytest.mark.timeout(HANG_S + 60)  # a case is killed at HANG_S, as in test_hostile_inputs.py
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_ft_input(case: Case, tmp_path, case_server):  # noqa: F811 - the imported fixture
     run_case(case, tmp_path, case_server)

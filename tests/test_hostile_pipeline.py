@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from test_hostile_inputs import Case, CaseServer, case_server, write  # noqa: F401  (case_server: the fixture)
+from test_hostile_inputs import HANG_S, Case, CaseServer, case_server, write  # noqa: F401  (case_server: the fixture)
 from test_hostile_inputs import test_hostile_input as check_case
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,7 +94,7 @@ def test_the_table_is_unique():
     assert len({c.id for c in CASES}) == len(CASES) >= 10
 
 
-@pytest.mark.timeout(60)  # each case must end in 30 s (its launch of 2 processes included); the margin: setup
+@pytest.mark.timeout(HANG_S + 60)  # a case is killed at HANG_S (its launch of 2 processes included); the margin: setup
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_pipeline_input(case: Case, tmp_path: Path, case_server: CaseServer):  # noqa: F811
     check_case(case, tmp_path, case_server)

@@ -29,9 +29,10 @@ from infra.slurm_cluster import SlurmCluster, ensure_slurm_installed  # noqa: E4
 def cluster(tmp_path_factory):
     ensure_slurm_installed(accounting=True)
     # 16 CPUs per node (more than the machine has: Slurm only counts them) for the CPUs a GPU job asks for.
-    # Job ids (and so the rendezvous ports, 15000 + id) of their own: the Slurm files may run side by side.
+    # Each cluster's job ids (and so its jobs' rendezvous ports, 15000 + id) are a block of its own on this
+    # machine (infra.slurm_cluster.JOB_ID_BLOCK): the Slurm files, and two test runs, may run side by side.
     with SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus_per_node=16, verbose=False, accounting=True,
-                      gpus_per_node=4, conf_overrides={"FirstJobId": "1000"}) as c:
+                      gpus_per_node=4) as c:
         yield c
 
 
@@ -281,8 +282,7 @@ def test_status_reports_a_failed_and_a_requeued_job_after_they_end(cluster, tmp_
 
 
 def test_without_accounting_status_comes_from_scontrol(tmp_path_factory, tmp_path):
-    with SlurmCluster(tmp_path_factory.mktemp("slurm-noacct"), nodes=1, verbose=False,
-                      conf_overrides={"FirstJobId": "3000"}) as plain:
+    with SlurmCluster(tmp_path_factory.mktemp("slurm-noacct"), nodes=1, verbose=False) as plain:
         proc = _multigpu(plain, "slurm", "--gpus-per-node", "0", "--run-dir", str(tmp_path / "job"),
                          str(SCRIPTS / "slurm_task.py"), f"out_dir={tmp_path / 'out'}")
         assert proc.returncode == 0, proc.stderr

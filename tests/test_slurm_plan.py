@@ -257,3 +257,31 @@ def test_a_unique_prefix_counts_as_its_option(tmp_path):
         SlurmOptions(extra=("--mail-t=END", "--mail-type=FAIL")).validate()
     sbatch, _ = _script(SlurmOptions(gpus_per_node=0, extra=("--mail-t=END", "--mail-user=me@example.org")), tmp_path)
     assert "--mail-t=END" in sbatch and "--mail-user=me@example.org" in sbatch
+
+
+def test_test_clusters_running_at_once_get_job_ids_and_rendezvous_ports_of_their_own(tmp_path, monkeypatch):
+    """Two test runs at once each start a local Slurm cluster (tests/infra/slurm_cluster.py): their jobs'
+    ids must differ, or two jobs 1003 put their rendezvous on the same port (slurm_port: 15000 + id), as
+    happened in a loaded stability run. Each cluster holds a block of ids while it runs (a lock file)."""
+    from infra import slurm_cluster
+    from infra.slurm_cluster import JOB_ID_BLOCK, SlurmError, _lease_job_ids
+
+    from multigpu.distributed.world import slurm_port
+
+    monkeypatch.setattr(slurm_cluster, "JOB_ID_LEASES", tmp_path / "leases")  # not the machine's blocks
+    first_a, lease_a = _lease_job_ids()
+    first_b, lease_b = _lease_job_ids()
+    try:
+        ports_a = {slurm_port(str(i)) for i in range(first_a, first_a + JOB_ID_BLOCK)}
+        ports_b = {slurm_port(str(i)) for i in range(first_b, first_b + JOB_ID_BLOCK)}
+        assert len(ports_a) == len(ports_b) == JOB_ID_BLOCK and not ports_a & ports_b
+        assert max(ports_a | ports_b) < 20000  # below the ports the clusters' daemons pick (20000 and up)
+    finally:
+        os.close(lease_b)
+    first_c, lease_c = _lease_job_ids()  # the block given back is taken again; the one still held is not
+    os.close(lease_c)
+    os.close(lease_a)
+    assert first_c == first_b
+    (tmp_path / "leases").chmod(0o777)  # a folder others may write in is refused, in one line
+    with pytest.raises(SlurmError, match="remove it"):
+        _lease_job_ids()

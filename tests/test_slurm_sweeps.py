@@ -44,8 +44,7 @@ s < base:
     out = tmp_path / "q"
     command = ("queue", str(runs), "--only", "s", "--slurm", "--max-parallel", "2", "--gpus-per-node", "0",
                "--time", "10:00", "--out", str(out))
-    with SlurmCluster(tmp_path_factory.mktemp("slurm-sweep"), nodes=1, cpus_per_node=16, verbose=False,
-                      conf_overrides={"FirstJobId": "5000"}) as cluster:
+    with SlurmCluster(tmp_path_factory.mktemp("slurm-sweep"), nodes=1, cpus_per_node=16, verbose=False) as cluster:
         proc = _multigpu(cluster, *command)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.count("submitted array job ") == 2  # 2 trials at once, then the third

@@ -39,6 +39,7 @@ Example (pytest)::
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import re
@@ -177,6 +178,40 @@ def _pick_ports(count: int, low: int = 20000, high: int = 32000) -> list[int]:
     raise SlurmError(f"could not find {count} free TCP ports in [{low}, {high})")
 
 
+#: Job ids come in blocks, one per live cluster on this machine (a lock file each, held while the cluster runs):
+#: jobs of two clusters never share an id, even when two test runs each start theirs at the same time. Why it
+#: matters: multigpu derives a Slurm job's rendezvous port from its id (15000 + id), so two clusters whose
+#: jobs 1003 ran at once put both on port 16003. Blocks 2-9 of 500: ids 1000-4999, ports 16000-19999, below
+#: the daemons' ports (``_pick_ports``: 20000 and up) and the ephemeral range.
+JOB_ID_BLOCK = 500
+JOB_ID_BLOCKS = range(2, 10)
+#: A fixed path, not TMPDIR's: the ports are the machine's, whatever TMPDIR each test run has.
+JOB_ID_LEASES = Path("/tmp/slurmlab-job-ids")
+
+
+def _lease_job_ids() -> tuple[int, int]:
+    """(the first job id of a free block, the open lock file that holds it: close it to give it back).
+    A lock (``flock``) ends with its process, so a killed test run leaves no block taken (its daemons, in
+    sessions of their own, may outlive it: ``stop`` is what ends them, and a killed run never calls it)."""
+    try:
+        JOB_ID_LEASES.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = JOB_ID_LEASES.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise SlurmError(f"{JOB_ID_LEASES} is not a folder of this user's test clusters (a link, another owner, "
+                         "or writable by others): remove it")
+    for block in JOB_ID_BLOCKS:
+        fd = os.open(JOB_ID_LEASES / f"block-{block}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return block * JOB_ID_BLOCK, fd
+    raise SlurmError(f"every job-id block ({len(JOB_ID_BLOCKS)}) is held by a running test cluster")
+
+
 def _parse_scontrol(text: str) -> dict[str, str]:
     """Parse one-line ``scontrol show ... -o`` output into a dict.
 
@@ -311,6 +346,7 @@ class SlurmCluster:
         self._log_handles: list[IO[bytes]] = []
         self._started = False
         self.start_seconds: float | None = None
+        self._lease_fd: int | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -425,6 +461,9 @@ class SlurmCluster:
                 pass
         self._log_handles.clear()
         self._procs.clear()
+        if self._lease_fd is not None:  # the job ids go back once every job of theirs is gone
+            os.close(self._lease_fd)
+            self._lease_fd = None
         if self.verbose:
             print(f"[slurm_cluster] stopped in {time.monotonic() - t0:.2f}s", file=sys.stderr)
 
@@ -659,6 +698,9 @@ class SlurmCluster:
             "SlurmctldTimeout": "30",
             "SlurmdTimeout": "60",
         }
+        if "FirstJobId" not in self.conf_overrides:  # a block of ids of its own (JOB_ID_BLOCK)
+            first, self._lease_fd = _lease_job_ids()
+            opts.update(FirstJobId=str(first), MaxJobId=str(first + JOB_ID_BLOCK - 1))
         for key, value in self.conf_overrides.items():
             if value is None:
                 opts.pop(key, None)

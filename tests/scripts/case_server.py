@@ -31,8 +31,9 @@ child, as a new interpreter would; the string-hash seed is this server's for eve
 
 Protocol: one JSON object per line on stdin - ``{"id": N, "argv": [...], "cwd": ..., "env": {...}, "out":
 path, "err": path, "timeout": seconds, "python": bool, "launch": bool}`` - and one JSON line back:
-``{"id": N, "status": N, "seconds": S}`` (status -9 when the case ran past its timeout and was killed
-with its process group), and with ``--launches`` ``"left"`` and ``"new_interpreter_for"``.
+``{"id": N, "status": N, "seconds": S, "cpu_s": C}`` (status -9 when the case ran past its timeout and was
+killed with its process group; C: the CPU seconds of the case and of the processes it waited for), and
+with ``--launches`` ``"left"`` and ``"new_interpreter_for"``.
 """
 
 import contextlib
@@ -129,7 +130,9 @@ def run_python(argv: list) -> int:
     return code
 
 
-def run_case(request: dict) -> int:
+def run_case(request: dict) -> tuple[int, float]:
+    """(the case's exit status, or -9 when it ran past its timeout; the CPU seconds of the case and of the
+    processes it waited for)."""
     pid = os.fork()
     if pid == 0:  # the case
         try:
@@ -187,16 +190,16 @@ def run_case(request: dict) -> int:
         os._exit(code)
     deadline = time.monotonic() + request.get("timeout", 30)
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
-            return os.waitstatus_to_exitcode(status)
+            return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
         if time.monotonic() > deadline:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            os.waitpid(pid, 0)
-            return -9
+            usage = os.wait4(pid, 0)[2]
+            return -9, usage.ru_utime + usage.ru_stime
         time.sleep(0.02 if LAUNCHES else 0.005)
 
 
@@ -278,8 +281,8 @@ def serve() -> None:
         except ValueError:  # a client interrupted while writing: it has dropped this server
             continue
         started = time.monotonic()
-        status = run_case(request)
-        reply = {"id": request.get("id"), "status": status, "seconds": time.monotonic() - started}
+        status, cpu = run_case(request)
+        reply = {"id": request.get("id"), "status": status, "seconds": time.monotonic() - started, "cpu_s": cpu}
         if LAUNCHES:
             reply["left"] = left_behind()
             reply["new_interpreter_for"] = import_env_changes(request["env"])
