@@ -163,6 +163,55 @@ def test_stopped_while_starting_leaves_no_folders(tmp_path, temp, no_leftovers):
     assert [p.name for p in temp.iterdir() if p.name.startswith("multigpu-")] == []
 
 
+STOP_IN_START = """\
+import os, signal, sys, tempfile
+from multigpu.launch import forkserver
+from multigpu.launch.forkserver import ForkServer
+
+class Stopped(Exception):
+    pass
+
+def stop(*_):
+    raise Stopped()
+
+signal.signal(signal.SIGUSR1, stop)  # as the launcher's stop signals raise while it starts
+where = sys.argv[1]
+if where == "folder":  # the signal comes the moment the server's folder exists
+    real = tempfile.mkdtemp
+    def mkdtemp(*args, **kwargs):
+        folder = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return folder
+    forkserver.tempfile.mkdtemp = mkdtemp
+else:  # the moment the server has been forked, before the caller holds it
+    fork = ForkServer._fork.__func__
+    def forked(cls, *args):
+        server = fork(cls, *args)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return server
+    ForkServer._fork = classmethod(forked)
+kept = []
+try:
+    ForkServer.start(kept.append, dynamo=False)
+except Stopped:
+    print("stopped, kept", len(kept), flush=True)
+for server in kept:
+    server.stop()
+    print("server gone", not os.path.exists(f"/proc/{server.pid}"), flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["folder", "forked"])
+def test_a_stop_signal_while_the_server_starts_waits_until_the_caller_holds_it(temp, where):
+    """The signal is sent at the moment named (not a race a busy machine may or may not hit): it raises only
+    once the caller holds the server, whose stop() then leaves neither a process nor a folder."""
+    done = subprocess.run([PY, "-c", STOP_IN_START, where], capture_output=True, text=True, timeout=120,
+                          env=child_env({"TMPDIR": str(temp)}))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["stopped, kept 1", "server gone True"], done.stdout + done.stderr
+    assert list(temp.iterdir()) == []
+
+
 def test_sigkill_of_the_launcher_removes_the_servers_folder(tmp_path, temp, no_leftovers):
     script = tmp_path / "hold.py"
     script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, 'held' + os.environ['RANK']), 'w')"

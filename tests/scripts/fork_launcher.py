@@ -85,10 +85,12 @@ def _killed(proc: subprocess.Popen, answer: dict, why: str) -> dict:
 
 def main(log: str) -> int:
     with open(log, "wb") as handle:
-        server = ForkServer.start(verbose=True, stderr=handle.fileno())
-    if server is None:
+        servers: list[ForkServer] = []
+        ForkServer.start(servers.append, verbose=True, stderr=handle.fileno())
+    if not servers:
         print(json.dumps({"error": "no fork server"}), flush=True)
         return 1
+    server = servers[0]
     print(json.dumps({"pid": server.pid, "path": server.path, "folder": server.folder,
                       "env": {**os.environ, FORKSERVER_VAR: server.path}}), flush=True)
     try:

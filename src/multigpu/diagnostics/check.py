@@ -90,12 +90,14 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
         from multigpu.launch.devices import plan_devices, visible_gpus
 
         plan_devices(visible_gpus(), nproc=nproc, procs_per_gpu=procs_per_gpu, cpu=cpu)
-    server: Optional[ForkServer] = None
+    servers: list[ForkServer] = []  # held from the moment it exists (Ctrl-C can come at any time)
     root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
     try:
         # On CPUs both runs' launchers are forked from one import of torch (launch.launchers), as a queue's
         # are; where there may be a GPU (only torch can tell) the plain start, without importing torch here.
-        server = start_server() if cpu or no_gpu_here() else None
+        if cpu or no_gpu_here():
+            start_server(servers.append)
+        server = servers[0] if servers else None
         out(f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
             f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
         many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, procs_per_gpu, server)
@@ -107,8 +109,8 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
             out("----- end of the script's output -----")
         return report(many, one, nproc, steps, tolerance, out)
     finally:
-        if server is not None:
-            server.stop()
+        for started in servers:
+            started.stop()
         if keep:
             out(f"records kept in {root}")
         else:

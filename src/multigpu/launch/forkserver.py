@@ -51,14 +51,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED
 from multigpu.launch.fork_rules import PER_WORKER, READ_AT_RUN_TIME, START_VAR, declines, shadows  # noqa: F401
 from multigpu.launch.fork_wire import receive
-from multigpu.launch.process import collector_paused, die_with_parent, name_process
+from multigpu.launch.process import collector_paused, die_with_parent, name_process, parent_of
 
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
@@ -80,18 +80,33 @@ class ForkServer:
     launchers: bool = False
 
     @classmethod
-    def start(cls, verbose: bool = False, stderr: Optional[int] = None, dynamo: bool = True,
-              launchers: bool = False, import_env: Optional[dict] = None) -> Optional["ForkServer"]:
-        """Fork a server from this process for the workers about to be launched (None: they start the plain
-        way). Call it with no other thread running, and torch imported with this environment or not at all
-        (the server imports it then). The caller puts ``path`` into the workers' environment; the server
-        gets it already. ``verbose``: the server says on ``stderr`` (default: ours) why a worker starts the
-        plain way. ``dynamo``: import ``torch._dynamo`` for the workers (their first optimizer step would:
-        ~2 s each); a lone worker imports it if it needs it. ``launchers``: a queue's server, whose boot
-        processes (``MULTIGPU_BOOT_LAUNCHER=1``) get ``multigpu run`` launchers forked (see :mod:`.launchers`);
-        ``import_env``: variables it sets before it imports torch (where this process has not)."""
+    def start(cls, keep: Callable[["ForkServer"], None], verbose: bool = False, stderr: Optional[int] = None,
+              dynamo: bool = True, launchers: bool = False, import_env: Optional[dict] = None) -> None:
+        """Fork a server from this process for the workers about to be launched and hand it to ``keep`` (not
+        called: they start the plain way). Call it with no other thread running, and torch imported with this
+        environment or not at all (the server imports it then). The caller puts ``path`` into the workers'
+        environment. ``verbose``: the server says on ``stderr`` (default: ours) why a worker starts the plain
+        way. ``dynamo``: import ``torch._dynamo`` for the workers (~2 s each at their first step). ``launchers``:
+        a queue's server, which forks ``multigpu run`` launchers for boot processes (see :mod:`.launchers`);
+        ``import_env``: variables it sets before it imports torch (where this process has not).
+        Why ``keep``, not a return value: a stop signal whose handler raises (the launcher's, Ctrl-C) landing
+        between the folder's creation and the caller's holding the handle left the folder behind. Every signal
+        now waits until ``keep`` has run, then raises where the caller can stop the server."""
         if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
-            return None
+            return
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as it is (a pending stop signal raises here)
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            server = cls._fork(mask, verbose, stderr, dynamo, launchers, import_env)
+            if server is not None:
+                keep(server)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what waited raises here, with the server kept
+
+    @classmethod
+    def _fork(cls, mask: set[int | signal.Signals], verbose: bool, stderr: Optional[int], dynamo: bool,
+              launchers: bool, import_env: Optional[dict]) -> Optional["ForkServer"]:
+        """:meth:`start`'s work, with every signal blocked; ``mask``: the one the server is to run with."""
         try:
             folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
             if len(os.path.join(folder, "socket").encode()) > _SOCKET_PATH_MAX:  # a deep TMPDIR
@@ -102,7 +117,6 @@ class ForkServer:
         path = os.path.join(folder, "socket")
         pid = 0
         listener: Optional[socket.socket] = None
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as it is (a pending stop signal raises here)
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
                 # Not 0-2 (a launcher started with stdin closed would hand the socket out as the server's stdin).
@@ -110,16 +124,12 @@ class ForkServer:
             listener.bind(path)
             listener.listen(256)
             launcher = os.getpid()
-            try:  # every signal waits until the child has put the server's handlers in place (ours raise)
-                signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-                pid = os.fork()
-                if pid == 0:
-                    if "torch" not in sys.modules:
-                        os.environ.update(import_env or {})
-                    _become_server(listener, launcher, path, verbose, stderr, mask, dynamo, launchers)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        except BaseException as exc:  # a failed start, or a stop signal while starting (the caller's _Stopped)
+            pid = os.fork()  # the child's signals wait until it has put the server's handlers in place
+            if pid == 0:
+                if "torch" not in sys.modules:
+                    os.environ.update(import_env or {})
+                _become_server(listener, launcher, path, verbose, stderr, mask, dynamo, launchers)
+        except BaseException as exc:  # a failed start (no signal handler runs here: they all wait)
             if pid:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
@@ -329,7 +339,7 @@ class Server:
         pid = 0
         try:
             peer, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid() or _parent_of(peer) != self.launcher:
+            if uid != os.getuid() or parent_of(peer) != self.launcher:
                 raise ValueError("not a process the launcher started")  # its agent starts every boot process
             request, fds = receive(conn, deadline=time.monotonic() + REQUEST_TIMEOUT_S)
             launcher = request["kind"] == "launcher"
@@ -508,11 +518,3 @@ def _remove_folder_and_exit(listener: socket.socket) -> NoReturn:
         if folder.name.startswith("multigpu-fork-"):
             Folder(folder.parent).remove_tree(folder.name)
     os._exit(0)
-
-
-def _parent_of(pid: int) -> int:
-    """The parent of process ``pid`` (0 when it cannot be read)."""
-    try:
-        return int(Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0

@@ -70,26 +70,26 @@ BOOT_MODULE = "multigpu.launch.boot"
 SIZED_AT_IMPORT = ("torch", "numpy")
 
 
-def start_server(import_env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
-    """The launcher server of a queue or ``multigpu check`` (None: their runs start the plain way).
-    ``import_env``: variables the server sets before it imports torch (the ``OMP_NUM_THREADS`` the queue
-    gives its runs). Where this process imported torch or numpy already (a queue with an Optuna search),
-    they sized their threads from this environment: if ``import_env`` differs from it, no server (every run
-    would be declined; its imports would cost ~5 s of CPU for nothing)."""
+def start_server(keep: Callable[[ForkServer], None], import_env: Optional[Mapping[str, str]] = None) -> None:
+    """The launcher server of a queue or ``multigpu check``, handed to ``keep`` (not called: their runs start the
+    plain way; why a callback: :meth:`.ForkServer.start`). ``import_env``: variables the server sets before it
+    imports torch (the ``OMP_NUM_THREADS`` the queue gives its runs). Where this process imported torch or numpy
+    already (a queue with an Optuna search), they sized their threads from this environment: if ``import_env``
+    differs from it, no server (every run would be declined; its imports would cost ~5 s of CPU for nothing)."""
     from multigpu.launch.local import interpreter_options
 
     wish = start_wish()
     if wish == "plain" or ("torch" in sys.modules and wish != "fork"):
-        return None
+        return
     if interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
-        return None
+        return
     if any(name in sys.modules for name in SIZED_AT_IMPORT) and \
             any(os.environ.get(k) != v for k, v in (import_env or {}).items()):
-        return None
+        return
     # Its stderr on /dev/null: the server must not hold the queue's (a `| tee` would wait for its launchers)
     devnull = open_devnull()
     try:
-        return ForkServer.start(launchers=True, import_env=dict(import_env or {}), stderr=devnull)
+        ForkServer.start(keep, launchers=True, import_env=dict(import_env or {}), stderr=devnull)
     finally:
         os.close(devnull)
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from typing_extensions import override
 
@@ -211,7 +211,7 @@ def launch(request: LaunchRequest) -> int:
     torch_loaded = "torch" in sys.modules and (os.environ.get(START_VAR) != "fork" or any(
         read_at_import(k) and os.environ.get(k) != v for k, v in env.items()))
     os.environ.update(env)
-    server: Optional[ForkServer] = None
+    servers: list[ForkServer] = []  # holds the fork server from the moment it exists (a stop can come at any time)
     user_level: Optional[int] = None
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with _stops_raise():
@@ -219,7 +219,7 @@ def launch(request: LaunchRequest) -> int:
             # its heap as it is); paused never around the fork
             with collector_paused(freeze=is_command_process() and "torch" not in sys.modules):
                 import torch  # noqa: F401  (before the fork: the server shares this import)
-            server = start_forkserver(request, fork=not torch_loaded)
+            start_forkserver(request, servers.append, fork=not torch_loaded)
             user_level = quiet_cpp_logs(request.verbose)
             with collector_paused():
                 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -227,7 +227,7 @@ def launch(request: LaunchRequest) -> int:
                 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
                 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     except (_Stopped, KeyboardInterrupt) as stopped:
-        _stop_server(server)
+        _stop_server(servers)
         set_cpp_log_level(user_level)
         if not keep_logs:
             with contextlib.suppress(OSError):
@@ -275,7 +275,7 @@ def launch(request: LaunchRequest) -> int:
         last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
         _say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
              "start the same command on the other nodes")
-    command = ("-u", "-m", BOOT_MODULE if server else WORKER_MODULE, *request.command)
+    command = ("-u", "-m", BOOT_MODULE if servers else WORKER_MODULE, *request.command)
     failed = False
     first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
     try:
@@ -311,7 +311,7 @@ def launch(request: LaunchRequest) -> int:
             _say(f"logs of every rank are kept in {log_dir}")
         return 1
     finally:
-        _stop_server(server)
+        _stop_server(servers)
         set_cpp_log_level(user_level)  # this process may launch again (a test, a program of its own)
         if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
             with contextlib.suppress(OSError):
@@ -339,13 +339,13 @@ def _stops_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _stop_server(server: Optional[ForkServer]) -> None:
-    if server is not None:
+def _stop_server(servers: list[ForkServer]) -> None:
+    for server in servers:
         server.stop()
         os.environ.pop(FORKSERVER_VAR, None)
 
 
-def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[ForkServer]:
+def start_forkserver(request: LaunchRequest, keep: Callable[[ForkServer], None], fork: bool = True) -> None:
     """CPU workers are forked from a server forked from this process after its import of torch (see
     :mod:`.forkserver`), one worker or many: the server costs a fork, and a worker forked from it skips
     torch's import (and ``torch._dynamo``'s, which the server pays once where several workers, or a
@@ -355,16 +355,19 @@ def start_forkserver(request: LaunchRequest, fork: bool = True) -> Optional[Fork
     other than ``-u``; a tracer or profiler, e.g. coverage or a debugger). ``MULTIGPU_WORKER_START=fork``
     is for a process that imported torch and then forks launchers (the test suite's launch server): it
     vouches that its import saw the environment it gave the launcher, so the workers may be forked all the
-    same - unless the launch adds a variable torch reads at import (``--debug``'s, for one)."""
+    same - unless the launch adds a variable torch reads at import (``--debug``'s, for one). ``keep``
+    gets the server (see :meth:`.ForkServer.start`), with ``path`` already in this process's environment."""
     os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
     os.environ.pop(LAUNCHER_VAR, None)  # nor is a queue's wish for launchers (a worker's boot would read it)
     if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or \
             interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
-        return None
-    server = ForkServer.start(verbose=request.verbose, dynamo=request.devices.nproc > 1 or request.max_restarts > 0)
-    if server is not None:
+        return
+
+    def hold(server: ForkServer) -> None:
         os.environ[FORKSERVER_VAR] = server.path
-    return server
+        keep(server)
+
+    ForkServer.start(hold, verbose=request.verbose, dynamo=request.devices.nproc > 1 or request.max_restarts > 0)
 
 
 def interpreter_options() -> set[str]:

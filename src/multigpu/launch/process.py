@@ -79,3 +79,13 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
     finally:
         if was_on:
             gc.enable()
+
+
+def parent_of(pid: int) -> int:
+    """The parent of process ``pid`` (0 when it cannot be read)."""
+    from multigpu.fileio import Folder
+
+    try:
+        return int(Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -206,6 +206,9 @@ class Queue:
         for search in self.searches:
             search.close()
 
+    def _hold_server(self, server: ForkServer) -> None:
+        self.server = server
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
         self._stop.set()
@@ -302,7 +305,7 @@ class Queue:
             env["OMP_NUM_THREADS"] = threads
         if not self._server_tried:  # the queue has no thread of its own: a fork copies only this one
             self._server_tried = True
-            self.server = start_server({"OMP_NUM_THREADS": threads} if threads else None)
+            start_server(self._hold_server, {"OMP_NUM_THREADS": threads} if threads else None)
         command = through(self.server, run.spec.command(run.folder, self.on_gpus), env)  # forked, on CPU slots
         run.log = open_append(run.folder / LOG_FILE)
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
