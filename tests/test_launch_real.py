@@ -264,6 +264,56 @@ def test_run_on_main_failure_raises_on_the_waiting_ranks_too(tmp_path, no_leftov
     assert "run_on_main(prepare) failed on rank 0" in results[1][1] or "run_on_main(prepare) lost rank 0" in results[1][1]
 
 
+LATE_RANK = """\
+import os, sys, time
+from pathlib import Path
+out, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+
+def wait_for(name):
+    deadline = time.monotonic() + 120
+    while not (out / name).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+import torch, torch.distributed as dist
+import multigpu as mg
+if rank == 1:
+    wait_for("rank0-joining")
+    time.sleep(4)  # joins 4 s after rank 0 began to wait: longer than the 2 s collective timeout
+else:
+    (out / "rank0-joining").touch()
+run = mg.init(timeout_s=2)
+if rank == 1:
+    wait_for("rank0-done")  # never enters the collective: rank 0's must fail, after the collective timeout
+    sys.exit(0)
+started = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))
+    print("reduced")
+except RuntimeError:
+    print(f"failed after {time.monotonic() - started:.1f} s")
+(out / "rank0-done").touch()
+os._exit(0)
+"""
+
+
+def test_a_late_rank_joins_and_the_collective_timeout_holds_after(tmp_path, no_leftovers):
+    """``mg.init(timeout_s=2)``: a rank that starts later than that still joins (start-up is not a
+    collective: a short timeout must not make joining depend on load), and a collective then fails after
+    the 2 s, not after the join's 600 s."""
+    from multigpu.launch.ports import reserved_port
+
+    with reserved_port() as port:
+        procs = [subprocess.Popen([PY, "-c", LATE_RANK, str(tmp_path), no_leftovers],
+                                  env=child_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        results = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    line = results[0][0].strip()
+    assert line.startswith("failed after "), results[0]
+    assert float(line.split()[2]) < 60, line  # 2 s and some load; the join's 600 s would be a hang
+
+
 def test_help_documents_every_option():
     proc = multigpu("run", "--help", check=True)
     for flag in ("--gpus", "--nproc", "--gpus-per-proc", "--cpu", "--nnodes", "--node-rank", "--master-addr",

@@ -492,13 +492,13 @@ def init(
 ) -> Run:
     """Find where this process stands and join the others.
 
-    ``backend``: nccl for GPUs and gloo for CPUs unless given. ``timeout_s``: how long a collective may
-    wait for a missing rank before it fails (instead of hanging). ``accelerator``: 'auto', 'cuda' or
-    'cpu'. ``strategy``: what ``run.setup`` wraps models with (see ``multigpu.strategies``; auto: ddp
-    with several processes, single otherwise). ``seed``: seed python, numpy and torch the same on every
-    rank now - models built before ``run.setup`` are identical - and per rank after it, so dropout and
-    augmentation differ between ranks as they differ between samples of one process
-    (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``, ``pp``: parallelism degrees
+    ``backend``: nccl for GPUs and gloo for CPUs unless given. ``timeout_s``: how long a collective may wait for a
+    missing rank before it fails (instead of hanging; joining waits 600 s at least:
+    ``GroupSettings.join_timeout``). ``accelerator``: 'auto', 'cuda' or 'cpu'. ``strategy``: what ``run.setup``
+    wraps models with (see ``multigpu.strategies``; auto: ddp with several processes, single otherwise). ``seed``:
+    seed python, numpy and torch the same on every rank now - models built before ``run.setup`` are identical -
+    and per rank after it, so dropout and augmentation differ between ranks as they differ between samples of one
+    process (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``, ``pp``: parallelism degrees
     (the rest shards data; ``pp``: stages on consecutive groups of ranks). ``env``: instead of os.environ.
     """
     world = detect_world(env)

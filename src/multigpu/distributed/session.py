@@ -79,6 +79,17 @@ class GroupSettings:
     timeout: timedelta = timedelta(minutes=30)
     #: How long the goodbye barrier waits for the others before giving up.
     teardown_timeout: timedelta = timedelta(seconds=60)
+    #: How long joining waits for the other ranks, at least: their start-up (an import of torch, 3 s here
+    #: and 30 s on a busy machine) is not a collective, and a short collective ``timeout`` must not turn it
+    #: into a failure that depends on load. torchrun's agents wait 600 s to join, as here.
+    join_timeout: timedelta = timedelta(seconds=600)
+
+    def joining(self) -> timedelta:
+        """The join's timeout: the collective one where it is longer, or where torch cannot set the group's
+        own after the join (before torch 2.3)."""
+        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+            return max(self.timeout, self.join_timeout)
+        return self.timeout
 
 
 def group_active() -> bool:
@@ -125,15 +136,16 @@ class DistSession:
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        joining = self.settings.joining()
         kwargs: dict[str, Any] = dict(backend=self.backend, rank=self.world.rank, world_size=self.world.world_size,
-                                      timeout=self.settings.timeout)
+                                      timeout=joining)
         if self.backend == "nccl":
             kwargs["device_id"] = self.device  # eager NCCL start: errors surface here, not at step 1
         if self.world.agent_store:
             # The agent hosts the store and keeps it across restarts: keys of the previous attempt are
             # still there. A prefix per attempt keeps a restarted group from reading them.
             store = dist.TCPStore(self.world.master_addr, int(self.world.master_port or 0), self.world.world_size,
-                                  is_master=False, timeout=self.settings.timeout)
+                                  is_master=False, timeout=joining)
             kwargs["store"] = dist.PrefixStore(f"multigpu/attempt_{self.world.restart_count}", store)
         elif self.world.source in ("torchrun", "env"):
             # torchrun's agent (or the user) put MASTER_ADDR/PORT in the environment; worker rank 0
@@ -151,6 +163,8 @@ class DistSession:
                 "start every rank (multigpu run / torchrun / srun do), or unset stale RANK/WORLD_SIZE/MASTER_* "
                 "variables in this shell.") from None
         self._started = True
+        if joining != self.settings.timeout:  # joined: from now on a missing rank fails after the collective timeout
+            dist.distributed_c10d._set_pg_timeout(self.settings.timeout)
         if self.backend != "gloo":
             self._control = dist.new_group(backend="gloo", timeout=self.settings.timeout)
         return self
