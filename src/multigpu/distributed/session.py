@@ -84,12 +84,14 @@ class GroupSettings:
     #: into a failure that depends on load. torchrun's agents wait 600 s to join, as here.
     join_timeout: timedelta = timedelta(seconds=600)
 
-    def joining(self) -> timedelta:
-        """The join's timeout: the collective one where it is longer, or where torch cannot set the group's
-        own after the join (before torch 2.3)."""
-        if hasattr(dist.distributed_c10d, "_set_pg_timeout"):
-            return max(self.timeout, self.join_timeout)
-        return self.timeout
+
+def _everyone_arrived(store: Any, world_size: int, attempt: int, timeout: timedelta) -> None:
+    """Wait on the rendezvous store, up to ``timeout``, until every rank has come: the group is then made
+    with the collective timeout by ranks that are all there. No group ever carries the join's timeout:
+    lowering it after (torch's private ``_set_pg_timeout``) does nothing under TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    if store.add(f"multigpu/arrived/{attempt}", 1) >= world_size:  # the last one to come says so
+        store.set(f"multigpu/all-arrived/{attempt}", b"1")
+    store.wait([f"multigpu/all-arrived/{attempt}"], timeout)
 
 
 def group_active() -> bool:
@@ -136,35 +138,33 @@ class DistSession:
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        joining = self.settings.joining()
-        kwargs: dict[str, Any] = dict(backend=self.backend, rank=self.world.rank, world_size=self.world.world_size,
-                                      timeout=joining)
+        world, join = self.world, max(self.settings.timeout, self.settings.join_timeout)
+        kwargs: dict[str, Any] = dict(backend=self.backend, rank=world.rank, world_size=world.world_size,
+                                      timeout=self.settings.timeout)
         if self.backend == "nccl":
             kwargs["device_id"] = self.device  # eager NCCL start: errors surface here, not at step 1
-        if self.world.agent_store:
-            # The agent hosts the store and keeps it across restarts: keys of the previous attempt are
-            # still there. A prefix per attempt keeps a restarted group from reading them.
-            store = dist.TCPStore(self.world.master_addr, int(self.world.master_port or 0), self.world.world_size,
-                                  is_master=False, timeout=joining)
-            kwargs["store"] = dist.PrefixStore(f"multigpu/attempt_{self.world.restart_count}", store)
-        elif self.world.source in ("torchrun", "env"):
-            # torchrun's agent (or the user) put MASTER_ADDR/PORT in the environment; worker rank 0
-            # hosts the store. torch's env:// rendezvous knows how to do that.
-            kwargs["init_method"] = "env://"
-        else:
-            kwargs["init_method"] = f"tcp://{_host(self.world.master_addr)}:{self.world.master_port}"
         try:
-            dist.init_process_group(**kwargs)
+            if world.agent_store:
+                # The agent hosts the store and keeps it across restarts: keys of the previous attempt are
+                # still there. A prefix per attempt keeps a restarted group from reading them.
+                store = dist.PrefixStore(f"multigpu/attempt_{world.restart_count}", dist.TCPStore(
+                    world.master_addr, int(world.master_port or 0), world.world_size, is_master=False, timeout=join))
+            else:  # torchrun's agent or the user put MASTER_ADDR/PORT in the environment (env://), or tcp://
+                url = "env://" if world.source in ("torchrun", "env") else \
+                    f"tcp://{_host(world.master_addr)}:{world.master_port}"
+                store = dist.PrefixStore("default_pg", next(dist.rendezvous(url, world.rank, world.world_size,
+                                                                            timeout=join))[0])
+            _everyone_arrived(store, world.world_size, world.restart_count, join)
+            store.set_timeout(self.settings.timeout)
+            dist.init_process_group(store=store, **kwargs)
         except Exception as exc:  # nobody came, a wrong address, a stale RANK/WORLD_SIZE in the shell
             text = " ".join(str(exc).split())
             raise LaunchError(
-                f"rank {self.world.rank} could not join the other {self.world.world_size - 1} process(es) at "
-                f"{self.world.master_addr}:{self.world.master_port} ({type(exc).__name__}: {text[:200]}).",
+                f"rank {world.rank} could not join the other {world.world_size - 1} process(es) at "
+                f"{world.master_addr}:{world.master_port} ({type(exc).__name__}: {text[:200]}).",
                 "start every rank (multigpu run / torchrun / srun do), or unset stale RANK/WORLD_SIZE/MASTER_* "
                 "variables in this shell.") from None
         self._started = True
-        if joining != self.settings.timeout:  # joined: from now on a missing rank fails after the collective timeout
-            dist.distributed_c10d._set_pg_timeout(self.settings.timeout)
         if self.backend != "gloo":
             self._control = dist.new_group(backend="gloo", timeout=self.settings.timeout)
         return self

@@ -58,7 +58,14 @@ from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.boot import FORKSERVER_VAR, FORWARDED
 from multigpu.launch.fork_rules import PER_WORKER, READ_AT_RUN_TIME, START_VAR, declines, shadows  # noqa: F401
 from multigpu.launch.fork_wire import receive
-from multigpu.launch.process import collector_paused, die_with_parent, name_process, parent_of
+from multigpu.launch.process import (
+    collector_paused,
+    die_with_parent,
+    fresh_random_state,
+    name_process,
+    parent_of,
+    signals_deferred,
+)
 
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
 #: What the kernel sends the server when its launcher dies (a real-time signal nobody else sends).
@@ -90,18 +97,23 @@ class ForkServer:
         a queue's server, which forks ``multigpu run`` launchers for boot processes (see :mod:`.launchers`);
         ``import_env``: variables it sets before it imports torch (where this process has not).
         Why ``keep``, not a return value: a stop signal whose handler raises (the launcher's, Ctrl-C) landing
-        between the folder's creation and the caller's holding the handle left the folder behind. Every signal
-        now waits until ``keep`` has run, then raises where the caller can stop the server."""
-        if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
-            return
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as it is (a pending stop signal raises here)
-        try:
-            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-            server = cls._fork(mask, verbose, stderr, dynamo, launchers, import_env)
+        between the folder's creation and the caller's holding the handle left the folder behind. Until
+        ``keep`` has run, Python's handlers only note a signal (a mask alone would not do: torch's threads take
+        it; :func:`.process.signals_deferred`), then it is raised again, where the caller can stop the server."""
+        if threading.active_count() > 1 or threading.current_thread() is not threading.main_thread():
+            return  # a fork copies only this thread (a lock another one holds stays held); handlers: main only
+        with signals_deferred():  # until keep has run
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # the child's, in the fork
+            try:
+                server = cls._fork(mask, verbose, stderr, dynamo, launchers, import_env)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             if server is not None:
-                keep(server)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # what waited raises here, with the server kept
+                try:
+                    keep(server)
+                except BaseException:
+                    server.stop()
+                    raise
 
     @classmethod
     def _fork(cls, mask: set[int | signal.Signals], verbose: bool, stderr: Optional[int], dynamo: bool,
@@ -126,10 +138,13 @@ class ForkServer:
             launcher = os.getpid()
             pid = os.fork()  # the child's signals wait until it has put the server's handlers in place
             if pid == 0:
-                if "torch" not in sys.modules:
-                    os.environ.update(import_env or {})
-                _become_server(listener, launcher, path, verbose, stderr, mask, dynamo, launchers)
-        except BaseException as exc:  # a failed start (no signal handler runs here: they all wait)
+                try:
+                    if "torch" not in sys.modules:
+                        os.environ.update(import_env or {})
+                    _become_server(listener, launcher, path, verbose, stderr, mask, dynamo, launchers)
+                finally:
+                    os._exit(70)  # never back into the launcher's code
+        except BaseException as exc:  # a failed start (a signal that comes here is only noted: see start)
             if pid:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
@@ -479,7 +494,7 @@ class Server:
             os.chdir(request["cwd"])
             os.umask(request["umask"])
             sys.path[:] = request["path"]
-            _fresh_random()
+            fresh_random_state()
             if request["kind"] == "launcher":
                 from multigpu.launch.launchers import run_launcher
 
@@ -492,24 +507,6 @@ class Server:
             _say_failed(f"starting a forked {request['kind']}", exc, fd=fds[2] if len(fds) == 3 else (-1 if closed_stderr else 2))
         finally:
             os._exit(70)
-
-
-def _fresh_random() -> None:
-    """Random state as a new interpreter would have it (the server's was shared by every fork)."""
-    import random
-
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        with contextlib.suppress(Exception):
-            numpy.random.seed()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.seed()  # torch seeds its default generator from the OS at start-up
-    if "multiprocessing" in sys.modules:  # its connections' key, drawn at start-up
-        import multiprocessing
-
-        multiprocessing.current_process().authkey = os.urandom(32)
 
 
 def _remove_folder_and_exit(listener: socket.socket) -> NoReturn:

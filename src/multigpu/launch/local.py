@@ -236,49 +236,49 @@ def launch(request: LaunchRequest) -> int:
         _say(f"stopped by {signal.Signals(number).name} while starting; no worker had started.")
         return EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
 
-    if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
-        for name in list(logging.root.manager.loggerDict):
-            if name.startswith("torch.distributed.elastic"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
-    rdzv = request.rendezvous
-    total = f"{request.devices.nproc * rdzv.max_nodes}" if rdzv.min_nodes == rdzv.max_nodes else "elastic"
-    config = LaunchConfig(
-        min_nodes=rdzv.min_nodes,
-        max_nodes=rdzv.max_nodes,
-        nproc_per_node=request.devices.nproc,
-        run_id=rdzv.run_id,
-        role=request.role,
-        local_addr=request.local_addr,
-        rdzv_endpoint=rdzv.endpoint,
-        rdzv_backend=rdzv.backend,
-        rdzv_configs=rdzv.configs(),
-        max_restarts=request.max_restarts,
-        monitor_interval=request.monitor_interval,
-        start_method="spawn",
-        # USR1 too: Slurm's "time is nearly up" warning must reach the workers, not kill the launcher.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        shutdown_timeout=request.stop_timeout_s,
-        # Workers write to this terminal directly; each copies its stderr into log_dir itself
-        # (worker.py + tee.py), so progress bars keep redrawing in place. torch keeps its error files here.
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.NONE),
-    )
-    if rdzv.backend == "static" and rdzv.max_nodes > 1:
-        where = f"node {rdzv.node_rank} of {rdzv.max_nodes}, "
-    elif rdzv.max_nodes > 1:  # c10d numbers the nodes when they have joined: each worker's node says it then
-        where = f"one of {rdzv.min_nodes}-{rdzv.max_nodes} nodes, " if rdzv.min_nodes != rdzv.max_nodes else \
-            f"one of {rdzv.max_nodes} nodes, "
-    else:
-        where = ""
-    threads = f", {env['OMP_NUM_THREADS']} CPU thread(s) each" if "OMP_NUM_THREADS" in env else ""
-    _say(f"{request.devices.describe()}{threads} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
-    if rdzv.max_nodes > 1:
-        last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
-        _say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
-             "start the same command on the other nodes")
-    command = ("-u", "-m", BOOT_MODULE if servers else WORKER_MODULE, *request.command)
     failed = False
-    first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
-    try:
+    try:  # from here on the server is stopped on every way out (Ctrl-C included)
+        if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
+            for name in list(logging.root.manager.loggerDict):
+                if name.startswith("torch.distributed.elastic"):
+                    logging.getLogger(name).setLevel(logging.CRITICAL)
+        rdzv = request.rendezvous
+        total = f"{request.devices.nproc * rdzv.max_nodes}" if rdzv.min_nodes == rdzv.max_nodes else "elastic"
+        config = LaunchConfig(
+            min_nodes=rdzv.min_nodes,
+            max_nodes=rdzv.max_nodes,
+            nproc_per_node=request.devices.nproc,
+            run_id=rdzv.run_id,
+            role=request.role,
+            local_addr=request.local_addr,
+            rdzv_endpoint=rdzv.endpoint,
+            rdzv_backend=rdzv.backend,
+            rdzv_configs=rdzv.configs(),
+            max_restarts=request.max_restarts,
+            monitor_interval=request.monitor_interval,
+            start_method="spawn",
+            # USR1 too: Slurm's "time is nearly up" warning must reach the workers, not kill the launcher.
+            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            shutdown_timeout=request.stop_timeout_s,
+            # Workers write to this terminal directly; each copies its stderr into log_dir itself
+            # (worker.py + tee.py), so progress bars keep redrawing in place. torch keeps its error files here.
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.NONE, tee=Std.NONE),
+        )
+        if rdzv.backend == "static" and rdzv.max_nodes > 1:
+            where = f"node {rdzv.node_rank} of {rdzv.max_nodes}, "
+        elif rdzv.max_nodes > 1:  # c10d numbers the nodes when they have joined: each worker's node says it then
+            where = f"one of {rdzv.min_nodes}-{rdzv.max_nodes} nodes, " if rdzv.min_nodes != rdzv.max_nodes else \
+                f"one of {rdzv.max_nodes} nodes, "
+        else:
+            where = ""
+        threads = f", {env['OMP_NUM_THREADS']} CPU thread(s) each" if "OMP_NUM_THREADS" in env else ""
+        _say(f"{request.devices.describe()}{threads} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
+        if rdzv.max_nodes > 1:
+            last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
+            _say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
+                 "start the same command on the other nodes")
+        command = ("-u", "-m", BOOT_MODULE if servers else WORKER_MODULE, *request.command)
+        first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
         with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \
                 cheap_method_names():
             elastic_launch(config, sys.executable)(*command)
@@ -364,8 +364,8 @@ def start_forkserver(request: LaunchRequest, keep: Callable[[ForkServer], None],
         return
 
     def hold(server: ForkServer) -> None:
-        os.environ[FORKSERVER_VAR] = server.path
         keep(server)
+        os.environ[FORKSERVER_VAR] = server.path
 
     ForkServer.start(hold, verbose=request.verbose, dynamo=request.devices.nproc > 1 or request.max_restarts > 0)
 

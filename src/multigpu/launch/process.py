@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import signal
 import sys
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -89,3 +90,49 @@ def parent_of(pid: int) -> int:
         return int(Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Inside the block Python's signal handlers only note a signal; after it they are back and each signal
+    noted is raised again, once, in the order it came. For a step that must not be cut in two by a handler
+    that raises (the launcher's stop signals while it starts, Ctrl-C). Not a signal mask: that holds for one
+    thread only, and a process's signal goes to any thread that does not block it (torch's own, for one),
+    whose C handler has CPython run the Python one in the main thread all the same. Main thread only."""
+    noted: list[int] = []
+    handlers = [(sig, handler) for sig in signal.valid_signals() if callable(handler := signal.getsignal(sig))]
+    try:
+        for sig, _ in handlers:
+            signal.signal(sig, lambda number, _frame: noted.append(number))
+        yield
+    finally:
+        _restore(handlers)
+    for number in dict.fromkeys(noted):
+        signal.raise_signal(number)
+
+
+def _restore(handlers: Sequence[tuple[int, Any]]) -> None:
+    """Put ``handlers`` back, all of them even when one that is back raises meanwhile (a signal just then)."""
+    if handlers:
+        try:
+            signal.signal(*handlers[0])
+        finally:
+            _restore(handlers[1:])
+
+
+def fresh_random_state() -> None:
+    """Random state as a new interpreter would have it (a forked child shares its parent's)."""
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # torch seeds its default generator from the OS at start-up
+    if "multiprocessing" in sys.modules:  # its connections' key, drawn at start-up
+        import multiprocessing
+
+        multiprocessing.current_process().authkey = os.urandom(32)
