@@ -167,14 +167,8 @@ STOP_IN_START = """\
 import os, signal, sys, tempfile
 from multigpu.launch import forkserver
 from multigpu.launch.forkserver import ForkServer
+from multigpu.launch.process import StopSignals, Stopped, install_stops, restore_stops, stop_handlers
 
-class Stopped(Exception):
-    pass
-
-def stop(*_):
-    raise Stopped()
-
-signal.signal(signal.SIGUSR1, stop)  # as the launcher's stop signals raise while it starts
 where, threads = sys.argv[1], sys.argv[2]
 if threads == "numpy":  # OpenBLAS starts a thread Python's threading does not see; the signal may go to it
     import numpy
@@ -183,37 +177,45 @@ if where == "folder":  # the signal comes the moment the server's folder exists
     real = tempfile.mkdtemp
     def mkdtemp(*args, **kwargs):
         folder = real(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
         return folder
     forkserver.tempfile.mkdtemp = mkdtemp
 else:  # the moment the server has been forked, before the caller holds it
     fork = ForkServer._fork.__func__
     def forked(cls, *args):
         server = fork(cls, *args)
-        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
         return server
     ForkServer._fork = classmethod(forked)
 kept = []
-try:
-    ForkServer.start(kept.append, dynamo=False)
-except Stopped:
-    print("stopped, kept", len(kept), flush=True)
+stops, saved = StopSignals(), stop_handlers()
+try:  # as the launcher starts
+    install_stops(stops, saved)
+    with stops.held():
+        ForkServer.start(kept.append, dynamo=False)
+    print("not stopped", flush=True)
+except Stopped as stopped:
+    print("stopped by", signal.Signals(stopped.signum).name, "kept", len(kept), flush=True)
+finally:
+    restore_stops(stops, saved)
 for server in kept:
     server.stop()
     print("server gone", not os.path.exists(f"/proc/{server.pid}"), flush=True)
+print("handler back", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
 """
 
 
 @pytest.mark.parametrize("threads", ["one", "numpy"])
 @pytest.mark.parametrize("where", ["folder", "forked"])
-def test_a_stop_signal_while_the_server_starts_waits_until_the_caller_holds_it(temp, where, threads):
-    """The signal is sent at the moment named (not a race a busy machine may or may not hit): it raises only
-    once the caller holds the server, whose stop() then leaves neither a process nor a folder - also where
-    a thread of a library's (numpy's OpenBLAS, as torch's) is there to take the signal."""
+def test_a_stop_signal_while_the_server_starts_waits_until_the_launcher_holds_it(temp, where, threads):
+    """The signal is sent at the moment named (not a race a busy machine may or may not hit): held as the
+    launcher holds it, it raises once the server is held, whose stop() then leaves neither a process nor a
+    folder - also where a library's thread (numpy's OpenBLAS, as torch's) is there to take the signal."""
     done = subprocess.run([PY, "-c", STOP_IN_START, where, threads], capture_output=True, text=True, timeout=120,
                           env=child_env({"TMPDIR": str(temp), "OPENBLAS_NUM_THREADS": "2"}))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["stopped, kept 1", "server gone True"], done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["stopped by SIGTERM kept 1", "server gone True", "handler back True"], \
+        done.stdout + done.stderr
     assert list(temp.iterdir()) == []
 
 

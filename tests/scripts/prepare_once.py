@@ -12,13 +12,13 @@ import multigpu as mg
 
 out = sys.argv[1]
 fail = "--fail" in sys.argv
-run = mg.init(timeout_s=2)  # preparation below takes longer than this on purpose
+run = mg.init(timeout_s=5)  # preparation below takes longer than this on purpose
 
 
 def prepare(folder):
     with open(os.path.join(folder, "prepared.txt"), "a") as handle:
         handle.write(f"prepared by rank {dist.get_rank()}\n")
-    time.sleep(4)
+    time.sleep(7)
     if fail:
         raise RuntimeError("the dataset is broken")
     return {"items": 101, "by": dist.get_rank()}

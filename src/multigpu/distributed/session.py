@@ -85,15 +85,6 @@ class GroupSettings:
     join_timeout: timedelta = timedelta(seconds=600)
 
 
-def _everyone_arrived(store: Any, world_size: int, attempt: int, timeout: timedelta) -> None:
-    """Wait on the rendezvous store, up to ``timeout``, until every rank has come: the group is then made
-    with the collective timeout by ranks that are all there. No group ever carries the join's timeout:
-    lowering it after (torch's private ``_set_pg_timeout``) does nothing under TORCH_DISTRIBUTED_DEBUG=DETAIL."""
-    if store.add(f"multigpu/arrived/{attempt}", 1) >= world_size:  # the last one to come says so
-        store.set(f"multigpu/all-arrived/{attempt}", b"1")
-    store.wait([f"multigpu/all-arrived/{attempt}"], timeout)
-
-
 def group_active() -> bool:
     """Is a process group of more than one rank up? (The one test every helper asks.)"""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -144,19 +135,10 @@ class DistSession:
         if self.backend == "nccl":
             kwargs["device_id"] = self.device  # eager NCCL start: errors surface here, not at step 1
         try:
-            if world.agent_store:
-                # The agent hosts the store and keeps it across restarts: keys of the previous attempt are
-                # still there. A prefix per attempt keeps a restarted group from reading them.
-                store = dist.PrefixStore(f"multigpu/attempt_{world.restart_count}", dist.TCPStore(
-                    world.master_addr, int(world.master_port or 0), world.world_size, is_master=False, timeout=join))
-            else:  # torchrun's agent or the user put MASTER_ADDR/PORT in the environment (env://), or tcp://
-                url = "env://" if world.source in ("torchrun", "env") else \
-                    f"tcp://{_host(world.master_addr)}:{world.master_port}"
-                store = dist.PrefixStore("default_pg", next(dist.rendezvous(url, world.rank, world.world_size,
-                                                                            timeout=join))[0])
-            _everyone_arrived(store, world.world_size, world.restart_count, join)
-            store.set_timeout(self.settings.timeout)
-            dist.init_process_group(store=store, **kwargs)
+            if self.backend == "mpi":  # MPI finds its peers itself: no store
+                dist.init_process_group(**kwargs)
+            else:
+                dist.init_process_group(store=self._joined(join), **kwargs)
         except Exception as exc:  # nobody came, a wrong address, a stale RANK/WORLD_SIZE in the shell
             text = " ".join(str(exc).split())
             raise LaunchError(
@@ -167,7 +149,34 @@ class DistSession:
         self._started = True
         if self.backend != "gloo":
             self._control = dist.new_group(backend="gloo", timeout=self.settings.timeout)
+        if self.backend != "mpi":  # the groups are made: the store's own waits get the collective timeout
+            dist.distributed_c10d._get_default_store().set_timeout(self.settings.timeout)
         return self
+
+    def _joined(self, timeout: timedelta) -> Any:
+        """The rendezvous store, once every rank has come to it (up to ``timeout``), under a prefix of this
+        join's own: the group is then made by ranks that are all there."""
+        world = self.world
+        if world.agent_store:
+            # The agent hosts the store and keeps it across restarts: keys of the previous attempt are
+            # still there. A prefix per attempt keeps a restarted group from reading them.
+            store = dist.PrefixStore(f"multigpu/attempt_{world.restart_count}", dist.TCPStore(
+                world.master_addr, int(world.master_port or 0), world.world_size, is_master=False, timeout=timeout))
+        else:  # torchrun's agent or the user put MASTER_ADDR/PORT in the environment (env://), or tcp://
+            url = "env://" if world.source in ("torchrun", "env") else \
+                f"tcp://{_host(world.master_addr)}:{world.master_port}"
+            store = dist.PrefixStore("default_pg", next(dist.rendezvous(url, world.rank, world.world_size,
+                                                                        timeout=timeout))[0])
+        # The n-th rank to come to this store for this world size is in join (n - 1) // world_size: a second
+        # mg.init in one process (after run.close()) is the next join, and a world grown on the same agent
+        # store (torchrun's c10d: not a new attempt) counts afresh.
+        size = world.world_size
+        arrived = store.add(f"multigpu/arrived/w{size}", 1)
+        join = f"w{size}_{(arrived - 1) // size}"
+        if arrived % size == 0:  # the last one to come says so
+            store.set(f"multigpu/all-arrived/{join}", "1")
+        store.wait([f"multigpu/all-arrived/{join}"], timeout)
+        return dist.PrefixStore(f"join_{join}", store)
 
     def barrier(self) -> None:
         if not self.active:

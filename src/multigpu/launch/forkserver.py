@@ -64,7 +64,6 @@ from multigpu.launch.process import (
     fresh_random_state,
     name_process,
     parent_of,
-    signals_deferred,
 )
 
 _SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes
@@ -96,29 +95,25 @@ class ForkServer:
         way. ``dynamo``: import ``torch._dynamo`` for the workers (~2 s each at their first step). ``launchers``:
         a queue's server, which forks ``multigpu run`` launchers for boot processes (see :mod:`.launchers`);
         ``import_env``: variables it sets before it imports torch (where this process has not).
-        Why ``keep``, not a return value: a stop signal whose handler raises (the launcher's, Ctrl-C) landing
-        between the folder's creation and the caller's holding the handle left the folder behind. Until
-        ``keep`` has run, Python's handlers only note a signal (a mask alone would not do: torch's threads take
-        it; :func:`.process.signals_deferred`), then it is raised again, where the caller can stop the server."""
-        if threading.active_count() > 1 or threading.current_thread() is not threading.main_thread():
-            return  # a fork copies only this thread (a lock another one holds stays held); handlers: main only
-        with signals_deferred():  # until keep has run
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # the child's, in the fork
+        Why ``keep``, not a return value: a stop signal whose handler raises, landing between the folder's
+        creation and the caller's hold on the handle, left the folder behind. Call it with such signals held
+        (:meth:`.process.StopSignals.held`, as the launcher does): the caller then holds the server when one
+        raises. Otherwise (``multigpu check``'s Ctrl-C) instants are left where one can: a server forked
+        leaves, and removes its folder, when this process ends; a folder made just before may stay."""
+        if threading.active_count() > 1:  # a fork copies only this thread: a lock another one holds stays held
+            return
+        server = cls._fork(verbose, stderr, dynamo, launchers, import_env)
+        if server is not None:
             try:
-                server = cls._fork(mask, verbose, stderr, dynamo, launchers, import_env)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            if server is not None:
-                try:
-                    keep(server)
-                except BaseException:
-                    server.stop()
-                    raise
+                keep(server)
+            except BaseException:
+                server.stop()
+                raise
 
     @classmethod
-    def _fork(cls, mask: set[int | signal.Signals], verbose: bool, stderr: Optional[int], dynamo: bool,
-              launchers: bool, import_env: Optional[dict]) -> Optional["ForkServer"]:
-        """:meth:`start`'s work, with every signal blocked; ``mask``: the one the server is to run with."""
+    def _fork(cls, verbose: bool, stderr: Optional[int], dynamo: bool, launchers: bool,
+              import_env: Optional[dict]) -> Optional["ForkServer"]:
+        """:meth:`start`'s work: the folder, the socket, the fork."""
         try:
             folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
             if len(os.path.join(folder, "socket").encode()) > _SOCKET_PATH_MAX:  # a deep TMPDIR
@@ -136,15 +131,20 @@ class ForkServer:
             listener.bind(path)
             listener.listen(256)
             launcher = os.getpid()
-            pid = os.fork()  # the child's signals wait until it has put the server's handlers in place
-            if pid == 0:
-                try:
-                    if "torch" not in sys.modules:
-                        os.environ.update(import_env or {})
-                    _become_server(listener, launcher, path, verbose, stderr, mask, dynamo, launchers)
-                finally:
-                    os._exit(70)  # never back into the launcher's code
-        except BaseException as exc:  # a failed start (a signal that comes here is only noted: see start)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # as it is (a pending stop signal raises here)
+            try:  # every signal waits until the child has put the server's handlers in place (ours raise)
+                signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        if "torch" not in sys.modules:
+                            os.environ.update(import_env or {})
+                        _become_server(listener, launcher, path, verbose, stderr, mask, dynamo, launchers)
+                    finally:
+                        os._exit(70)  # never back into the launcher's code
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        except BaseException as exc:  # a failed start, or a stop signal not held while starting (see start)
             if pid:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)

@@ -32,7 +32,16 @@ from multigpu.launch.devices import DevicePlan
 from multigpu.launch.fork_rules import START_VAR, read_at_import, start_wish
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.ports import store_ports_held
-from multigpu.launch.process import collector_paused, is_command_process
+from multigpu.launch.process import (
+    Handlers,
+    Stopped,
+    StopSignals,
+    collector_paused,
+    install_stops,
+    is_command_process,
+    restore_stops,
+    stop_handlers,
+)
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.torch_agent import cheap_method_names
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
@@ -189,50 +198,62 @@ def launch(request: LaunchRequest) -> int:
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
-    keep_logs = request.log_dir is not None or request.debug
-    log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
-               else tempfile.mkdtemp(prefix="multigpu-logs-"))
-    env = worker_env(request)
-    env[LOG_DIR_VAR] = log_dir
-    if request.debug:
-        from importlib.metadata import version
+    stops, saved = StopSignals(), stop_handlers()
+    try:  # stop signals raise Stopped until torch's agent puts its own handlers in place, and after it again
+        install_stops(stops, saved)
+        return _launch(request, stops, saved)
+    finally:
+        restore_stops(stops, saved)
 
-        nccl = bool(request.devices.visible) and request.devices.procs_per_gpu == 1
-        debug = debug_env(log_dir, nccl, version("torch"))
-        env.update(debug)
-        print("multigpu: debug: " + " ".join(f"{k}={v}" for k, v in debug.items())
-              + f"; every rank's log is kept in {log_dir}", file=sys.stderr, flush=True)
-    if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not (sys.stderr and sys.stderr.isatty())
-                                           and request.devices.nproc * request.rendezvous.max_nodes > 1):
-        env[PREFIX_VAR] = "1"
-    # torch imported before the variables torch reads at import were set: no fork, unless the process that
-    # imported it vouches for its environment (MULTIGPU_WORKER_START=fork) and this launch changes nothing
-    # torch reads at import (--debug's variables, an OMP_NUM_THREADS of ours, a replica group's: it would)
-    torch_loaded = "torch" in sys.modules and (os.environ.get(START_VAR) != "fork" or any(
-        read_at_import(k) and os.environ.get(k) != v for k, v in env.items()))
-    os.environ.update(env)
+
+def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
+    keep_logs = request.log_dir is not None or request.debug
     servers: list[ForkServer] = []  # holds the fork server from the moment it exists (a stop can come at any time)
     user_level: Optional[int] = None
+    log_dir = ""
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
-        with _stops_raise():
-            # frozen where the command's own process imports it (a Python process that calls the launcher keeps
-            # its heap as it is); paused never around the fork
-            with collector_paused(freeze=is_command_process() and "torch" not in sys.modules):
-                import torch  # noqa: F401  (before the fork: the server shares this import)
+        with stops.held():  # the folder and our hold on it come together
+            log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
+                       else tempfile.mkdtemp(prefix="multigpu-logs-"))
+        env = worker_env(request)
+        env[LOG_DIR_VAR] = log_dir
+        if request.debug:
+            from importlib.metadata import version
+
+            nccl = bool(request.devices.visible) and request.devices.procs_per_gpu == 1
+            debug = debug_env(log_dir, nccl, version("torch"))
+            env.update(debug)
+            print("multigpu: debug: " + " ".join(f"{k}={v}" for k, v in debug.items())
+                  + f"; every rank's log is kept in {log_dir}", file=sys.stderr, flush=True)
+        if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not (sys.stderr and sys.stderr.isatty())
+                                               and request.devices.nproc * request.rendezvous.max_nodes > 1):
+            env[PREFIX_VAR] = "1"
+        # torch imported before the variables torch reads at import were set: no fork, unless the process that
+        # imported it vouches for its environment (MULTIGPU_WORKER_START=fork) and this launch changes nothing
+        # torch reads at import (--debug's variables, an OMP_NUM_THREADS of ours, a replica group's: it would)
+        torch_loaded = "torch" in sys.modules and (os.environ.get(START_VAR) != "fork" or any(
+            read_at_import(k) and os.environ.get(k) != v for k, v in env.items()))
+        os.environ.update(env)
+        # frozen where the command's own process imports it (a Python process that calls the launcher keeps
+        # its heap as it is); paused never around the fork
+        with collector_paused(freeze=is_command_process() and "torch" not in sys.modules):
+            import torch  # noqa: F401  (before the fork: the server shares this import)
+        with stops.held():  # the server and our hold on it come together (ForkServer.start)
             start_forkserver(request, servers.append, fork=not torch_loaded)
-            user_level = quiet_cpp_logs(request.verbose)
-            with collector_paused():
-                from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-                from torch.distributed.elastic.multiprocessing.api import SignalException
-                from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-                from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-    except (_Stopped, KeyboardInterrupt) as stopped:
+        user_level = quiet_cpp_logs(request.verbose)
+        with collector_paused():
+            from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    except (Stopped, KeyboardInterrupt) as stopped:
+        stops.holding = True  # a second stop waits until this one is cleaned up (then restore_stops raises it)
         _stop_server(servers)
         set_cpp_log_level(user_level)
-        if not keep_logs:
+        if log_dir and not keep_logs:
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
-        number = stopped.signum if isinstance(stopped, _Stopped) else int(signal.SIGINT)
+        number = stopped.signum if isinstance(stopped, Stopped) else int(signal.SIGINT)
         _say(f"stopped by {signal.Signals(number).name} while starting; no worker had started.")
         return EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
 
@@ -285,6 +306,9 @@ def launch(request: LaunchRequest) -> int:
     except ChildFailedError as failure:
         failed = True
         return report_failure(failure.failures, log_dir)
+    except Stopped as stopped:  # before torch's agent took the stop signals: no worker had started
+        _say(f"stopped by {signal.Signals(stopped.signum).name} while starting; no worker had started.")
+        return EXIT_INTERRUPTED if stopped.signum == signal.SIGINT else 128 + stopped.signum
     except SignalException as stopped:
         for line in recorded_errors(log_dir):  # e.g. a script that caught Ctrl-C and then hit a refused collective
             print(visible(line), file=sys.stderr, flush=True)
@@ -307,36 +331,18 @@ def launch(request: LaunchRequest) -> int:
             "(run with --verbose for torch's own log).",
         )
         print(error.one_line(), file=sys.stderr, flush=True)
-        if keep_logs or _has_logs(log_dir):
+        failed = _has_logs(log_dir)  # an empty folder is not kept
+        if keep_logs or failed:
             _say(f"logs of every rank are kept in {log_dir}")
         return 1
     finally:
+        install_stops(stops, saved, holding=True)  # torch's handlers raise: from here a stop waits for the clean-up
         _stop_server(servers)
         set_cpp_log_level(user_level)  # this process may launch again (a test, a program of its own)
         if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
     return 0
-
-
-class _Stopped(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _stops_raise() -> Iterator[None]:
-    """SIGTERM, SIGHUP and SIGUSR1 raise while the launcher starts (they would end it without clean-up)."""
-    def stop(signum: int, _frame: object) -> None:
-        raise _Stopped(signum)
-
-    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def _stop_server(servers: list[ForkServer]) -> None:

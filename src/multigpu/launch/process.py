@@ -13,7 +13,7 @@ import gc
 import os
 import signal
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -92,32 +92,83 @@ def parent_of(pid: int) -> int:
         return 0
 
 
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Inside the block Python's signal handlers only note a signal; after it they are back and each signal
-    noted is raised again, once, in the order it came. For a step that must not be cut in two by a handler
-    that raises (the launcher's stop signals while it starts, Ctrl-C). Not a signal mask: that holds for one
-    thread only, and a process's signal goes to any thread that does not block it (torch's own, for one),
-    whose C handler has CPython run the Python one in the main thread all the same. Main thread only."""
-    noted: list[int] = []
-    handlers = [(sig, handler) for sig in signal.valid_signals() if callable(handler := signal.getsignal(sig))]
-    try:
-        for sig, _ in handlers:
-            signal.signal(sig, lambda number, _frame: noted.append(number))
-        yield
-    finally:
-        _restore(handlers)
-    for number in dict.fromkeys(noted):
-        signal.raise_signal(number)
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) that came while :func:`install_stops`' handler was in
+    place. A BaseException, as KeyboardInterrupt: an ``except Exception`` (torch's import has some) must not
+    swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _restore(handlers: Sequence[tuple[int, Any]]) -> None:
-    """Put ``handlers`` back, all of them even when one that is back raises meanwhile (a signal just then)."""
-    if handlers:
+class StopSignals:
+    """The stop signals' handler while the launcher starts: it raises :class:`Stopped`, or notes the signal
+    while ``holding`` (inside :meth:`held`, and while the launcher cleans up), for :meth:`held` or
+    :func:`restore_stops` to raise. Why a flag this handler reads rather than a signal mask: a mask holds for
+    one thread only, and a process's signal goes to any thread that does not block it (torch's own, for
+    one), whose C handler has CPython run this one in the main thread all the same."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.came: Optional[int] = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.holding:
+            self.came = self.came or signum
+            return
+        raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A step that must not be cut in two (make a resource, hand it to whoever removes it): a stop signal
+        waits until it ends."""
+        self.holding = True
         try:
-            signal.signal(*handlers[0])
+            yield
         finally:
-            _restore(handlers[1:])
+            self.holding = False
+            came, self.came = self.came, None  # raised once, here
+            if came is not None:
+                raise Stopped(came)
+
+
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+Handlers = list[tuple[int, Any]]
+
+
+def stop_handlers() -> Handlers:
+    """The stop signals' handlers now, to put back: not the ignored ones (``nohup``, ``cmd &``), which
+    stay ignored, nor one Python cannot see (set from C)."""
+    return [(sig, handler) for sig in STOPS if (handler := signal.getsignal(sig)) not in (None, signal.SIG_IGN)]
+
+
+def install_stops(stops: StopSignals, saved: Handlers, holding: bool = False) -> None:
+    """``stops`` as the handler of the signals in ``saved`` (inside the caller's ``try``: a signal that comes
+    meanwhile meets one handler or the other, and :func:`restore_stops` puts them all back)."""
+    stops.holding = stops.holding or holding
+    for sig, _ in saved:
+        signal.signal(sig, stops)
+
+
+def restore_stops(stops: StopSignals, saved: Handlers) -> None:
+    """Put ``saved`` back, those that may raise last, every one of them even when one already back raises
+    meanwhile (``signal.signal`` runs pending handlers first); then a stop noted meanwhile is raised again,
+    to meet its own handler, and the first exception is raised."""
+    stops.holding = True
+    pending = sorted(saved, key=lambda item: callable(item[1]))
+    first: Optional[BaseException] = None
+    while pending:
+        try:
+            while pending:
+                signal.signal(*pending[0])
+                pending.pop(0)
+        except BaseException as exc:  # a handler already back raised: the rest still go back
+            first = first or exc
+    if stops.came is not None and first is None:
+        signal.raise_signal(stops.came)
+    if first is not None:
+        raise first
 
 
 def fresh_random_state() -> None:
