@@ -167,7 +167,7 @@ STOP_IN_START = """\
 import os, signal, sys, tempfile
 from multigpu.launch import forkserver
 from multigpu.launch.forkserver import ForkServer
-from multigpu.launch.process import StopSignals, Stopped, install_stops, restore_stops, stop_handlers
+from multigpu.launch.process import StopSignals, Stopped, agent_signal_handlers, install_stops, restore_stops
 
 where, threads = sys.argv[1], sys.argv[2]
 if threads == "numpy":  # OpenBLAS starts a thread Python's threading does not see; the signal may go to it
@@ -188,7 +188,7 @@ else:  # the moment the server has been forked, before the caller holds it
         return server
     ForkServer._fork = classmethod(forked)
 kept = []
-stops, saved = StopSignals(), stop_handlers()
+stops, saved = StopSignals(), agent_signal_handlers()
 try:  # as the launcher starts
     install_stops(stops, saved)
     with stops.held():

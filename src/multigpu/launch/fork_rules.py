@@ -79,3 +79,20 @@ def shadows(request: dict) -> Optional[str]:
         name.endswith((".py", ".so")) or os.path.isfile(os.path.join(folder, name, "__init__.py"))))
     return f"{', '.join(found[:3])} beside it has the name of a module torch imported" if found else None
 
+
+def inheritable_state() -> bool:
+    """This process's own state is one a forked worker or launcher may inherit: no interpreter option other
+    than ``-u`` (a plain start has none), no tracer or profiler (coverage, a debugger)."""
+    return not (interpreter_options() - {"-u"}) and sys.gettrace() is None and sys.getprofile() is None
+
+
+def interpreter_options() -> set[str]:
+    """The options this interpreter was started with (``python -O -X dev -m multigpu``: -O, -X dev); a
+    plain worker is started without them, and a forked one would keep what they did."""
+    options, argv = set(), sys.orig_argv[1:]
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c", "-", "--"):
+        option = argv.pop(0)
+        if option in ("-W", "-X") and argv:
+            option += " " + argv.pop(0)
+        options.add(option)
+    return options

@@ -59,7 +59,7 @@ from typing import Callable, Mapping, NoReturn, Optional, Sequence
 
 from multigpu.fileio import open_devnull
 from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
-from multigpu.launch.fork_rules import START_VAR, start_wish
+from multigpu.launch.fork_rules import START_VAR, inheritable_state, start_wish
 from multigpu.launch.forkserver import ForkServer
 
 BOOT_MODULE = "multigpu.launch.boot"
@@ -76,12 +76,10 @@ def start_server(keep: Callable[[ForkServer], None], import_env: Optional[Mappin
     imports torch (the ``OMP_NUM_THREADS`` the queue gives its runs). Where this process imported torch or numpy
     already (a queue with an Optuna search), they sized their threads from this environment: if ``import_env``
     differs from it, no server (every run would be declined; its imports would cost ~5 s of CPU for nothing)."""
-    from multigpu.launch.local import interpreter_options
-
     wish = start_wish()
     if wish == "plain" or ("torch" in sys.modules and wish != "fork"):
         return
-    if interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
+    if not inheritable_state():
         return
     if any(name in sys.modules for name in SIZED_AT_IMPORT) and \
             any(os.environ.get(k) != v for k, v in (import_env or {}).items()):

@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -29,18 +30,18 @@ from multigpu.fileio import Folder, as_shown, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer, recorded
 from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
 from multigpu.launch.devices import DevicePlan
-from multigpu.launch.fork_rules import START_VAR, read_at_import, start_wish
+from multigpu.launch.fork_rules import START_VAR, inheritable_state, read_at_import, start_wish
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.ports import store_ports_held
 from multigpu.launch.process import (
     Handlers,
     Stopped,
     StopSignals,
+    agent_signal_handlers,
     collector_paused,
     install_stops,
     is_command_process,
     restore_stops,
-    stop_handlers,
 )
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
 from multigpu.launch.torch_agent import cheap_method_names
@@ -198,19 +199,28 @@ def launch(request: LaunchRequest) -> int:
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
-    stops, saved = StopSignals(), stop_handlers()
-    try:  # stop signals raise Stopped until torch's agent puts its own handlers in place, and after it again
+    main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread only
+    stops, saved, status = StopSignals(), agent_signal_handlers() if main else [], None
+    try:  # stop signals raise until torch's agent puts its own handlers in place, and after it they wait
         install_stops(stops, saved)
-        return _launch(request, stops, saved)
+        status = _launch(request, stops, saved)
+        return status
+    except Stopped as stopped:  # before the start-up's own try
+        return _stopped_while_starting(stopped.signum)
     finally:
-        restore_stops(stops, saved)
+        restore_stops(stops, saved, deliver=status == 0)
+
+
+def _stopped_while_starting(number: int) -> int:
+    _say(f"stopped by {signal.Signals(number).name} while starting; no worker had started.")
+    return EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
 
 
 def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
     keep_logs = request.log_dir is not None or request.debug
     servers: list[ForkServer] = []  # holds the fork server from the moment it exists (a stop can come at any time)
     user_level: Optional[int] = None
-    log_dir = ""
+    log_dir, failed = "", False
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with stops.held():  # the folder and our hold on it come together
             log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
@@ -246,18 +256,17 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
             from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+        # from here a stop raises what torch's own handler would (its agent then leaves the rendezvous open)
+        stops.raising = lambda number: SignalException(f"got signal {number}", signal.Signals(number))
     except (Stopped, KeyboardInterrupt) as stopped:
-        stops.holding = True  # a second stop waits until this one is cleaned up (then restore_stops raises it)
+        stops.holding = True  # a second stop waits until this one is cleaned up
         _stop_server(servers)
         set_cpp_log_level(user_level)
         if log_dir and not keep_logs:
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
-        number = stopped.signum if isinstance(stopped, Stopped) else int(signal.SIGINT)
-        _say(f"stopped by {signal.Signals(number).name} while starting; no worker had started.")
-        return EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
+        return _stopped_while_starting(stopped.signum if isinstance(stopped, Stopped) else int(signal.SIGINT))
 
-    failed = False
     try:  # from here on the server is stopped on every way out (Ctrl-C included)
         if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
             for name in list(logging.root.manager.loggerDict):
@@ -279,7 +288,9 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             monitor_interval=request.monitor_interval,
             start_method="spawn",
             # USR1 too: Slurm's "time is nearly up" warning must reach the workers, not kill the launcher.
-            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            # (not one this process ignores: `nohup` keeps its meaning)
+            signals_to_handle=",".join(signal.Signals(sig).name for sig, handler in saved if handler is not signal.SIG_IGN)
+            or "SIGTERM,SIGUSR1",
             shutdown_timeout=request.stop_timeout_s,
             # Workers write to this terminal directly; each copies its stderr into log_dir itself
             # (worker.py + tee.py), so progress bars keep redrawing in place. torch keeps its error files here.
@@ -302,14 +313,16 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
         with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \
                 cheap_method_names():
-            elastic_launch(config, sys.executable)(*command)
+            try:
+                elastic_launch(config, sys.executable)(*command)
+            finally:  # torch's handlers raise and torch leaves them: a stop now waits for our report and clean-up
+                install_stops(stops, saved, holding=True)
     except ChildFailedError as failure:
         failed = True
         return report_failure(failure.failures, log_dir)
-    except Stopped as stopped:  # before torch's agent took the stop signals: no worker had started
-        _say(f"stopped by {signal.Signals(stopped.signum).name} while starting; no worker had started.")
-        return EXIT_INTERRUPTED if stopped.signum == signal.SIGINT else 128 + stopped.signum
     except SignalException as stopped:
+        if stops.raised:  # ours, before torch's agent took the stop signals: no worker had started
+            return _stopped_while_starting(int(stopped.sigval))
         for line in recorded_errors(log_dir):  # e.g. a script that caught Ctrl-C and then hit a refused collective
             print(visible(line), file=sys.stderr, flush=True)
         name = signal.Signals(stopped.sigval).name
@@ -336,7 +349,7 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             _say(f"logs of every rank are kept in {log_dir}")
         return 1
     finally:
-        install_stops(stops, saved, holding=True)  # torch's handlers raise: from here a stop waits for the clean-up
+        install_stops(stops, saved, holding=True)  # (where elastic_launch was never called)
         _stop_server(servers)
         set_cpp_log_level(user_level)  # this process may launch again (a test, a program of its own)
         if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
@@ -365,8 +378,7 @@ def start_forkserver(request: LaunchRequest, keep: Callable[[ForkServer], None],
     gets the server (see :meth:`.ForkServer.start`), with ``path`` already in this process's environment."""
     os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
     os.environ.pop(LAUNCHER_VAR, None)  # nor is a queue's wish for launchers (a worker's boot would read it)
-    if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or \
-            interpreter_options() - {"-u"} or sys.gettrace() is not None or sys.getprofile() is not None:
+    if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or not inheritable_state():
         return
 
     def hold(server: ForkServer) -> None:
@@ -374,18 +386,6 @@ def start_forkserver(request: LaunchRequest, keep: Callable[[ForkServer], None],
         os.environ[FORKSERVER_VAR] = server.path
 
     ForkServer.start(hold, verbose=request.verbose, dynamo=request.devices.nproc > 1 or request.max_restarts > 0)
-
-
-def interpreter_options() -> set[str]:
-    """The options this interpreter was started with (``python -O -X dev -m multigpu``: -O, -X dev); a
-    plain worker is started without them, and a forked one would keep what they did."""
-    options, argv = set(), sys.orig_argv[1:]
-    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c", "-", "--"):
-        option = argv.pop(0)
-        if option in ("-W", "-X") and argv:
-            option += " " + argv.pop(0)
-        options.add(option)
-    return options
 
 
 def preempted_cleanly(log_dir: str) -> bool:

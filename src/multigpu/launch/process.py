@@ -13,7 +13,7 @@ import gc
 import os
 import signal
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -103,21 +103,26 @@ class Stopped(BaseException):
 
 
 class StopSignals:
-    """The stop signals' handler while the launcher starts: it raises :class:`Stopped`, or notes the signal
-    while ``holding`` (inside :meth:`held`, and while the launcher cleans up), for :meth:`held` or
-    :func:`restore_stops` to raise. Why a flag this handler reads rather than a signal mask: a mask holds for
-    one thread only, and a process's signal goes to any thread that does not block it (torch's own, for
-    one), whose C handler has CPython run this one in the main thread all the same."""
+    """The stop signals' handler while the launcher starts: the first stop raises (:class:`Stopped`, or
+    what ``raising`` makes: torch's own exception once the launcher is inside torch's agent, which then
+    leaves its rendezvous open as for its own handler), later ones are only noted; so are stops while
+    ``holding`` (inside :meth:`held`, and while the launcher cleans up), for :meth:`held` to raise. Why a
+    flag this handler reads rather than a signal mask: a mask holds for one thread only, and a process's
+    signal goes to any thread that does not block it (torch's own, for one), whose C handler has CPython
+    run this one in the main thread all the same."""
 
     def __init__(self) -> None:
         self.holding = False
         self.came: Optional[int] = None
+        self.raised = False
+        self.raising: Callable[[int], BaseException] = Stopped
 
     def __call__(self, signum: int, _frame: object) -> None:
         if self.holding:
             self.came = self.came or signum
             return
-        raise Stopped(signum)
+        self.holding = self.raised = True  # one stop ends the start-up; a second waits for its clean-up
+        raise self.raising(signum)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -127,48 +132,58 @@ class StopSignals:
         try:
             yield
         finally:
-            self.holding = False
             came, self.came = self.came, None  # raised once, here
+            self.holding = came is not None
             if came is not None:
-                raise Stopped(came)
+                self.raised = True
+                raise self.raising(came)
 
 
-STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+#: The signals torch's agent handles in the launcher (``signals_to_handle``); the first four also while it
+#: starts. Slurm sends USR1 before a job's time limit.
+AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
+STOPS = AGENT_SIGNALS[:4]
 Handlers = list[tuple[int, Any]]
 
 
-def stop_handlers() -> Handlers:
-    """The stop signals' handlers now, to put back: not the ignored ones (``nohup``, ``cmd &``), which
-    stay ignored, nor one Python cannot see (set from C)."""
-    return [(sig, handler) for sig in STOPS if (handler := signal.getsignal(sig)) not in (None, signal.SIG_IGN)]
+def agent_signal_handlers() -> Handlers:
+    """The handlers of :data:`AGENT_SIGNALS` now, to put back after the launch (torch's agent never does);
+    not one Python cannot see (set from C)."""
+    return [(sig, handler) for sig in AGENT_SIGNALS if (handler := signal.getsignal(sig)) is not None]
 
 
 def install_stops(stops: StopSignals, saved: Handlers, holding: bool = False) -> None:
-    """``stops`` as the handler of the signals in ``saved`` (inside the caller's ``try``: a signal that comes
-    meanwhile meets one handler or the other, and :func:`restore_stops` puts them all back)."""
+    """``stops`` as the handler of the stop signals in ``saved``, but not of an ignored one (``nohup``,
+    ``cmd &``: it stays ignored). Inside the caller's ``try``: a signal that comes meanwhile meets one
+    handler or the other, and :func:`restore_stops` puts them all back."""
     stops.holding = stops.holding or holding
-    for sig, _ in saved:
-        signal.signal(sig, stops)
+    for sig, handler in saved:
+        if sig in STOPS and handler is not signal.SIG_IGN:
+            signal.signal(sig, stops)
 
 
-def restore_stops(stops: StopSignals, saved: Handlers) -> None:
+def restore_stops(stops: StopSignals, saved: Handlers, deliver: bool = False) -> None:
     """Put ``saved`` back, those that may raise last, every one of them even when one already back raises
-    meanwhile (``signal.signal`` runs pending handlers first); then a stop noted meanwhile is raised again,
-    to meet its own handler, and the first exception is raised."""
+    meanwhile (``signal.signal`` runs pending handlers first); then raise that exception. ``deliver``: a
+    stop noted meanwhile goes to its own handler (the launch succeeded; otherwise it ended on a stop or a
+    failure already, whose exit status must stand)."""
     stops.holding = True
     pending = sorted(saved, key=lambda item: callable(item[1]))
     first: Optional[BaseException] = None
     while pending:
         try:
             while pending:
-                signal.signal(*pending[0])
+                try:
+                    signal.signal(*pending[0])
+                except (ValueError, OSError, TypeError):  # not the main thread, or not a signal to set: skip
+                    pass
                 pending.pop(0)
         except BaseException as exc:  # a handler already back raised: the rest still go back
             first = first or exc
-    if stops.came is not None and first is None:
-        signal.raise_signal(stops.came)
     if first is not None:
         raise first
+    if deliver and stops.came is not None:
+        signal.raise_signal(stops.came)
 
 
 def fresh_random_state() -> None:
