@@ -506,3 +506,50 @@ def test_ranks_waiting_for_run_on_main_say_so_early_and_then_less_often(capsys):
     assert len(lines) <= 3  # 0.1 s, then 0.2 s and 0.4 s later at most: doubling, not every poll
     assert _wait_for(Store(0.3), "k", print, 2, notice_every_s=10.0, others=3, first_notice_s=0.05) == "ok:none"
     assert capsys.readouterr().err == ""  # rank 2 stays quiet: rank 1 speaks for the waiting ranks
+
+
+STOPS_PROBE = """\
+import os, signal
+from multigpu.launch.process import StopSignals, Stopped, agent_signal_handlers, install_stops, restore_stops
+
+ALL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
+def mine(*_):
+    pass
+signal.signal(signal.SIGUSR1, mine)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup's
+before = [signal.getsignal(s) for s in ALL]
+stops, saved = StopSignals(), agent_signal_handlers()
+try:
+    install_stops(stops, saved)
+    with stops.held():
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("held", stops.came == signal.SIGTERM, flush=True)
+except Stopped as stopped:  # at the end of held, once
+    print("after held", stopped.signum == signal.SIGTERM, stops.came, flush=True)
+os.kill(os.getpid(), signal.SIGHUP)  # ignored before, ours now (torch's agent handles it all the same)
+print("then noted", stops.came == signal.SIGHUP, flush=True)  # a stop already raised: the next one waits
+stops = StopSignals()  # a fresh start: the first stop raises, the second is only noted
+install_stops(stops, saved)
+try:
+    os.kill(os.getpid(), signal.SIGQUIT)
+except Stopped as stopped:
+    print("raised", stopped.signum == signal.SIGQUIT, flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+print("noted", stops.came == signal.SIGINT, flush=True)
+signal.signal(signal.SIGTERM, lambda *_: None)  # as torch's agent leaves its handlers
+restore_stops(stops, saved, deliver=False)  # the launch ended on a stop: its status stands
+print("restored", [signal.getsignal(s) for s in ALL] == before, flush=True)
+"""
+
+
+def test_the_launchers_stop_handler_holds_raises_once_and_puts_every_handler_back():
+    """launch.process's stop handler, as launch() uses it: a stop inside held() waits for its end and is
+    raised once; the first stop raises and a second is only noted; every handler (ignored ones and a
+    program's own included) is back afterwards, and torch's is gone."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STOPS_PROBE], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["held True", "after held True None", "then noted True", "raised True",
+                                        "noted True", "restored True"], done.stdout + done.stderr

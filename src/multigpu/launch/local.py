@@ -199,12 +199,11 @@ def launch(request: LaunchRequest) -> int:
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
-    main = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread only
-    stops, saved, status = StopSignals(), agent_signal_handlers() if main else [], None
+    stops, status = StopSignals(), None  # signal handlers: the main thread only
+    saved = agent_signal_handlers() if threading.current_thread() is threading.main_thread() else []
     try:  # stop signals raise until torch's agent puts its own handlers in place, and after it they wait
         install_stops(stops, saved)
-        status = _launch(request, stops, saved)
-        return status
+        return (status := _launch(request, stops, saved))
     except Stopped as stopped:  # before the start-up's own try
         return _stopped_while_starting(stopped.signum)
     finally:
@@ -288,9 +287,7 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             monitor_interval=request.monitor_interval,
             start_method="spawn",
             # USR1 too: Slurm's "time is nearly up" warning must reach the workers, not kill the launcher.
-            # (not one this process ignores: `nohup` keeps its meaning)
-            signals_to_handle=",".join(signal.Signals(sig).name for sig, handler in saved if handler is not signal.SIG_IGN)
-            or "SIGTERM,SIGUSR1",
+            signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             shutdown_timeout=request.stop_timeout_s,
             # Workers write to this terminal directly; each copies its stderr into log_dir itself
             # (worker.py + tee.py), so progress bars keep redrawing in place. torch keeps its error files here.
@@ -313,6 +310,8 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
         with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \
                 cheap_method_names():
+            if rdzv.max_nodes > 1:  # waiting for nodes blocks in C++ (no Python handler runs): the old effect
+                restore_stops(stops, saved, deliver=True)
             try:
                 elastic_launch(config, sys.executable)(*command)
             finally:  # torch's handlers raise and torch leaves them: a stop now waits for our report and clean-up

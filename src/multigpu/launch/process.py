@@ -13,6 +13,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 _PR_SET_PDEATHSIG = 1
@@ -121,7 +122,9 @@ class StopSignals:
         if self.holding:
             self.came = self.came or signum
             return
-        self.holding = self.raised = True  # one stop ends the start-up; a second waits for its clean-up
+        self.raised = True
+        if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
+            self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
         raise self.raising(signum)
 
     @contextlib.contextmanager
@@ -142,7 +145,7 @@ class StopSignals:
 #: The signals torch's agent handles in the launcher (``signals_to_handle``); the first four also while it
 #: starts. Slurm sends USR1 before a job's time limit.
 AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
-STOPS = AGENT_SIGNALS[:4]
+STOPS = AGENT_SIGNALS
 Handlers = list[tuple[int, Any]]
 
 
@@ -153,12 +156,13 @@ def agent_signal_handlers() -> Handlers:
 
 
 def install_stops(stops: StopSignals, saved: Handlers, holding: bool = False) -> None:
-    """``stops`` as the handler of the stop signals in ``saved``, but not of an ignored one (``nohup``,
-    ``cmd &``: it stays ignored). Inside the caller's ``try``: a signal that comes meanwhile meets one
-    handler or the other, and :func:`restore_stops` puts them all back."""
+    """``stops`` as the handler of the stop signals in ``saved``, an ignored one too (``cmd &`` in a script
+    ignores SIGINT: torch's agent handles it all the same, as torchrun does). Inside the caller's ``try``:
+    a signal that comes meanwhile meets one handler or the other, and :func:`restore_stops` puts them all
+    back."""
     stops.holding = stops.holding or holding
-    for sig, handler in saved:
-        if sig in STOPS and handler is not signal.SIG_IGN:
+    for sig, _ in saved:
+        if sig in STOPS:
             signal.signal(sig, stops)
 
 
@@ -170,13 +174,10 @@ def restore_stops(stops: StopSignals, saved: Handlers, deliver: bool = False) ->
     stops.holding = True
     pending = sorted(saved, key=lambda item: callable(item[1]))
     first: Optional[BaseException] = None
-    while pending:
+    while pending and threading.current_thread() is threading.main_thread():  # (others set none)
         try:
             while pending:
-                try:
-                    signal.signal(*pending[0])
-                except (ValueError, OSError, TypeError):  # not the main thread, or not a signal to set: skip
-                    pass
+                signal.signal(*pending[0])
                 pending.pop(0)
         except BaseException as exc:  # a handler already back raised: the rest still go back
             first = first or exc
