@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 _PR_SET_PDEATHSIG = 1
@@ -117,15 +118,26 @@ class StopSignals:
         self.came: Optional[int] = None
         self.raised = False
         self.raising: Callable[[int], BaseException] = Stopped
+        self._lock = threading.RLock()  # (re-entered when a second stop comes inside this handler)
 
     def __call__(self, signum: int, _frame: object) -> None:
-        if self.holding:
-            self.came = self.came or signum
-            return
-        self.raised = True
-        if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
-            self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
+        with self._lock:
+            if self.holding:
+                self.came = self.came or signum
+                return
+            self.raised = True
+            if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
+                self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
         raise self.raising(signum)
+
+    def claim(self) -> bool:
+        """For a thread that acts on a stop the main thread cannot handle (it waits inside C++): True when
+        no stop was raised or noted before, and from now on a stop is only noted - handled once, by one."""
+        with self._lock:
+            if self.raised or self.holding:
+                return False
+            self.raised = self.holding = True
+            return True
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -185,6 +197,57 @@ def restore_stops(stops: StopSignals, saved: Handlers, deliver: bool = False) ->
         raise first
     if deliver and stops.came is not None:
         signal.raise_signal(stops.came)
+
+
+@contextlib.contextmanager
+def watching_stops(stops: StopSignals, act: Callable[[int], None], grace_s: float = 1.0) -> Iterator[None]:
+    """While the main thread may wait inside C++ (a rendezvous's store, for the other nodes: no Python
+    handler runs until the wait returns, up to its timeout), a thread acts on a stop that ``stops`` has
+    not handled within ``grace_s``: ``act(signum)`` cleans up and ends the process. Why it sees the stop:
+    the C part of Python's handler writes the signal's number to the wakeup fd (``signal.set_wakeup_fd``)
+    the moment it comes, whichever thread waits. A stop the main thread raises in time (a wait in Python)
+    stays its own; so does one after torch's agent took the signals over. Main thread only (a no-op
+    elsewhere, where no handler of ours is set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+
+    def watch() -> None:
+        while data := _read(read):
+            for signum in data:
+                if signum in STOPS and _unhandled(stops, signum, grace_s) and stops.claim():
+                    act(signum)
+
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=watch, name="multigpu-stop-watch", daemon=True)
+    try:
+        watcher.start()
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(write)  # the watcher reads the end of the pipe and leaves
+        watcher.join(grace_s + 1)
+        if not watcher.is_alive():
+            os.close(read)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 64)
+    except OSError:
+        return b""
+
+
+def _unhandled(stops: StopSignals, signum: int, grace_s: float) -> bool:
+    """Still ours after ``grace_s``: neither raised by the main thread nor taken over by another handler."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if stops.raised or signal.getsignal(signum) is not stops:
+            return False
+        time.sleep(0.02)
+    return not stops.raised and signal.getsignal(signum) is stops
 
 
 def fresh_random_state() -> None:
