@@ -160,19 +160,26 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             else:
                 print(line, end="", flush=True)
 
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True) as proc:
-        reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
-        reader.start()
-        try:
-            status = proc.wait(timeout=args.timeout)
-        except BaseException as exc:  # the timeout, or Ctrl-C (its own session: the terminal's signal misses it)
-            _stop_group(proc)
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
-            raise LaunchError(f"doctor did not finish in {args.timeout} s (a node that never joined, or a rank stuck "
-                              "on the output folder).", "check that every node was started and that --out is "
-                              "mounted; a lower --rdzv-timeout fails sooner.") from None
-        reader.join(timeout=10)
+    from multigpu.launch.process import own_session_dying_with_parent, stopping_cleanly
+
+    # its own session (the terminal's Ctrl-C misses it: we stop it, once) and a SIGTERM if this process dies
+    with stopping_cleanly() as stops:  # SIGTERM too raises here: the launcher is stopped, not left running
+        stops.holding = True  # a stop waits until the launcher is ours to stop (inside the try)
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+                              preexec_fn=own_session_dying_with_parent) as proc:
+            reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
+            try:
+                reader.start()
+                stops.release()
+                status = proc.wait(timeout=args.timeout)
+            except BaseException as exc:  # the timeout, or a stop
+                _stop_group(proc)
+                if not isinstance(exc, subprocess.TimeoutExpired):
+                    raise
+                raise LaunchError(f"doctor did not finish in {args.timeout} s (a node that never joined, or a rank "
+                                  "stuck on the output folder).", "check that every node was started and that --out "
+                                  "is mounted; a lower --rdzv-timeout fails sooner.") from None
+            reader.join(timeout=10)
     verdict = verdicts[-1] if verdicts else None
     if verdict is None:
         if status == 0:  # another node holds rank 0: the report is printed there

@@ -185,7 +185,8 @@ def _give_up_waiting(servers: list[ForkServer], log_dir: str, keep_logs: bool) -
         try:
             _stop_server(servers)
             if not keep_logs and not has_logs(log_dir):
-                Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
+                with contextlib.suppress(OSError):
+                    Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
             status = _stopped_while_starting(number, "while waiting for the other nodes")
         finally:  # nothing may keep this process: its main thread waits in C++ up to the rendezvous timeout
             with contextlib.suppress(Exception):
@@ -290,8 +291,9 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \
                 cheap_method_names():
             # waiting for other nodes blocks in C++, where no Python handler runs: a thread acts on a stop then
-            waiting = (watching_stops(stops, _give_up_waiting(servers, log_dir, keep_logs)) if rdzv.max_nodes > 1
-                       else contextlib.nullcontext())
+            # (the command's own process only: a Python program that calls the launcher must not be ended)
+            waiting = (watching_stops(stops, _give_up_waiting(servers, log_dir, keep_logs))
+                       if rdzv.max_nodes > 1 and is_command_process() else contextlib.nullcontext())
             when = "while waiting for the other nodes" if rdzv.max_nodes > 1 else when
             try:
                 with waiting:

@@ -118,9 +118,12 @@ class StopSignals:
         self.came: Optional[int] = None
         self.raised = False
         self.raising: Callable[[int], BaseException] = Stopped
+        self.claimed = False
         self._lock = threading.RLock()  # (re-entered when a second stop comes inside this handler)
 
     def __call__(self, signum: int, _frame: object) -> None:
+        if self.claimed:  # another thread acts on the stop and ends the process: go no further meanwhile
+            threading.Event().wait()
         with self._lock:
             if self.holding:
                 self.came = self.came or signum
@@ -136,7 +139,7 @@ class StopSignals:
         with self._lock:
             if self.raised or self.holding:
                 return False
-            self.raised = self.holding = True
+            self.raised = self.holding = self.claimed = True
             return True
 
     @contextlib.contextmanager
@@ -147,11 +150,16 @@ class StopSignals:
         try:
             yield
         finally:
-            came, self.came = self.came, None  # raised once, here
-            self.holding = came is not None
-            if came is not None:
-                self.raised = True
-                raise self.raising(came)
+            self.release()
+
+    def release(self) -> None:
+        """Stop holding (:meth:`held`'s end, or a hold that began elsewhere): a stop noted meanwhile raises
+        now, once."""
+        came, self.came = self.came, None
+        self.holding = came is not None
+        if came is not None:
+            self.raised = True
+            raise self.raising(came)
 
 
 #: The signals torch's agent handles in the launcher (``signals_to_handle``); the first four also while it
@@ -206,31 +214,41 @@ def watching_stops(stops: StopSignals, act: Callable[[int], None], grace_s: floa
     not handled within ``grace_s``: ``act(signum)`` cleans up and ends the process. Why it sees the stop:
     the C part of Python's handler writes the signal's number to the wakeup fd (``signal.set_wakeup_fd``)
     the moment it comes, whichever thread waits. A stop the main thread raises in time (a wait in Python)
-    stays its own; so does one after torch's agent took the signals over. Main thread only (a no-op
-    elsewhere, where no handler of ours is set)."""
+    stays its own; so does one after torch's agent took the signals over. Once the thread claimed a
+    stop, the main thread goes no further (:meth:`StopSignals.__call__`). Main thread only (a no-op
+    elsewhere, where no handler of ours is set); other signals' bytes go on to a wakeup fd set before."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
+    previous = -1
 
     def watch() -> None:
         while data := _read(read):
+            if previous >= 0 and (others := bytes(b for b in data if b not in STOPS)):
+                with contextlib.suppress(OSError):
+                    os.write(previous, others)
             for signum in data:
                 if signum in STOPS and _unhandled(stops, signum, grace_s) and stops.claim():
                     act(signum)
 
-    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     watcher = threading.Thread(target=watch, name="multigpu-stop-watch", daemon=True)
     try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         watcher.start()
         yield
-    finally:
-        signal.set_wakeup_fd(previous)
-        os.close(write)  # the watcher reads the end of the pipe and leaves
-        watcher.join(grace_s + 1)
-        if not watcher.is_alive():
-            os.close(read)
+    finally:  # each step whatever the one before raised (a stop's handler runs between any two)
+        try:
+            signal.set_wakeup_fd(previous)
+        finally:
+            os.close(write)  # the watcher reads the end of the pipe and leaves
+            try:
+                if watcher.ident is not None:
+                    watcher.join(grace_s + 1)
+            finally:
+                if not watcher.is_alive():
+                    os.close(read)
 
 
 def _read(fd: int) -> bytes:
@@ -248,6 +266,30 @@ def _unhandled(stops: StopSignals, signum: int, grace_s: float) -> bool:
             return False
         time.sleep(0.02)
     return not stops.raised and signal.getsignal(signum) is stops
+
+
+@contextlib.contextmanager
+def stopping_cleanly() -> Iterator[StopSignals]:
+    """A command's stop signals raise :class:`Stopped` (the first; later ones wait for its clean-up), so
+    its ``finally`` blocks run: SIGTERM's default would end it at once, its children and folders left
+    behind. The old handlers are back after the block; a stop noted during a clean-up that ended well goes
+    to its own handler then. Main thread only (elsewhere nothing changes)."""
+    stops = StopSignals()
+    saved = agent_signal_handlers() if threading.current_thread() is threading.main_thread() else []
+    done = False
+    try:
+        install_stops(stops, saved)
+        yield stops
+        done = True
+    finally:
+        restore_stops(stops, saved, deliver=done)
+
+
+def own_session_dying_with_parent() -> None:
+    """A child's ``preexec_fn``: a session of its own (a terminal's Ctrl-C reaches only the parent, which
+    stops it gracefully, once) and SIGTERM - a graceful stop - if the parent itself dies."""
+    os.setsid()
+    die_with_parent(signal.SIGTERM)
 
 
 def fresh_random_state() -> None:
