@@ -236,13 +236,13 @@ def test_a_stopped_check_leaves_no_run_behind(tmp_path, no_leftovers, how):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell
     try:
-        wait_for_files(tmp_path, ["pid0", "pid1"], timeout=120)
+        wait_for_files(tmp_path, ["pid0", "pid1"], timeout=100)  # (the three waits within the file's 300 s)
         if how == "Ctrl-C":
             os.killpg(check.pid, signal.SIGINT)
         else:
             check.send_signal(getattr(signal, how))
-        _, err = check.communicate(timeout=120)  # the bound of a hang: the launcher stops its workers in seconds
-        assert wait_until_gone(no_leftovers, timeout=60) == []  # each removes its folders before it leaves
+        _, err = check.communicate(timeout=90)  # the bound of a hang: the launcher stops its workers in seconds
+        assert wait_until_gone(no_leftovers, timeout=80) == []  # each removes its folders before it leaves
         left = [p.name for p in temp.iterdir() if p.name.startswith("multigpu-")]
     finally:
         check.kill()

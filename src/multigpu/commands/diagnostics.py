@@ -106,17 +106,21 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_doctor)
 
 
-def _stop_group(proc) -> None:
-    """SIGTERM the launcher's process group (it stops its workers), then SIGKILL after 30 s."""
+def _stop_group(proc, signum: int) -> None:
+    """The stop to the launcher's process group (it stops its workers: torch gives them 30 s), then SIGKILL
+    after STOP_WAIT_S."""
     import os
     import signal
     import subprocess
 
+    from multigpu.diagnostics.check import STOP_WAIT_S
+
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        os.killpg(proc.pid, signum)
+        proc.wait(timeout=STOP_WAIT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     except ProcessLookupError:
         pass
 
@@ -160,20 +164,23 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             else:
                 print(line, end="", flush=True)
 
-    from multigpu.launch.process import own_session_dying_with_parent, stopping_cleanly
+    import signal
+
+    from multigpu.launch.process import Stopped, own_session_dying_with_parent, stopping_cleanly
 
     # its own session (the terminal's Ctrl-C misses it: we stop it, once) and a SIGTERM if this process dies
     with stopping_cleanly() as stops:  # SIGTERM too raises here: the launcher is stopped, not left running
         stops.holding = True  # a stop waits until the launcher is ours to stop (inside the try)
         with subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
-                              preexec_fn=own_session_dying_with_parent) as proc:
+                              preexec_fn=own_session_dying_with_parent()) as proc:
             reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
             try:
                 reader.start()
                 stops.release()
                 status = proc.wait(timeout=args.timeout)
             except BaseException as exc:  # the timeout, or a stop
-                _stop_group(proc)
+                stops.holding = True  # a stop now waits for this one
+                _stop_group(proc, exc.signum if isinstance(exc, Stopped) else signal.SIGTERM)
                 if not isinstance(exc, subprocess.TimeoutExpired):
                     raise
                 raise LaunchError(f"doctor did not finish in {args.timeout} s (a node that never joined, or a rank "

@@ -74,11 +74,12 @@ def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Pat
     # its own session, and a graceful stop if this process dies (SIGKILL too): never an orphan run
     stops.holding = True  # a stop waits until the run is ours to stop (inside the try)
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          preexec_fn=own_session_dying_with_parent) as proc:
+                          preexec_fn=own_session_dying_with_parent()) as proc:
         try:
             stops.release()
             output, errors = proc.communicate(timeout=timeout_s)
         except BaseException as exc:  # the timeout, or a stop of ours (Ctrl-C reached only this process)
+            stops.holding = True  # a stop now waits for this one
             _stop_run(proc, exc.signum if isinstance(exc, Stopped) else signal.SIGTERM)
             if not isinstance(exc, subprocess.TimeoutExpired):
                 raise

@@ -23,14 +23,8 @@ _PR_SET_NAME = 15
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send ``sig`` to this process when its parent dies; True if it took effect."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    prctl = _prctl()
+    return prctl is not None and prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def name_process(name: bytes) -> None:
@@ -122,15 +116,17 @@ class StopSignals:
         self._lock = threading.RLock()  # (re-entered when a second stop comes inside this handler)
 
     def __call__(self, signum: int, _frame: object) -> None:
-        if self.claimed:  # another thread acts on the stop and ends the process: go no further meanwhile
-            threading.Event().wait()
         with self._lock:
-            if self.holding:
+            claimed = self.claimed
+            if not claimed and self.holding:
                 self.came = self.came or signum
                 return
-            self.raised = True
-            if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
-                self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
+            if not claimed:
+                self.raised = True
+                if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
+                    self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
+        if claimed:  # another thread acts on the stop and ends the process: go no further meanwhile
+            threading.Event().wait()
         raise self.raising(signum)
 
     def claim(self) -> bool:
@@ -277,19 +273,45 @@ def stopping_cleanly() -> Iterator[StopSignals]:
     stops = StopSignals()
     saved = agent_signal_handlers() if threading.current_thread() is threading.main_thread() else []
     done = False
-    try:
-        install_stops(stops, saved)
+    try:  # an ignored signal stays ignored (`nohup`): the runs are in sessions of their own, no terminal's
+        install_stops(stops, [(sig, handler) for sig, handler in saved if handler is not signal.SIG_IGN])
         yield stops
         done = True
+    except Stopped as stopped:
+        if not is_command_process():  # a Python program called the command: its own handler gets the stop too
+            stops.came, done = stopped.signum, True
+        raise
     finally:
         restore_stops(stops, saved, deliver=done)
 
 
-def own_session_dying_with_parent() -> None:
-    """A child's ``preexec_fn``: a session of its own (a terminal's Ctrl-C reaches only the parent, which
-    stops it gracefully, once) and SIGTERM - a graceful stop - if the parent itself dies."""
-    os.setsid()
-    die_with_parent(signal.SIGTERM)
+def own_session_dying_with_parent() -> Callable[[], None]:
+    """A child's ``preexec_fn``: a session of its own (a terminal's Ctrl-C reaches only this process, which
+    stops the child gracefully, once) and SIGTERM - a graceful stop - when this process dies; a child whose
+    parent died before that took effect leaves at once. Made here, in the parent: the child, forked from a
+    process that may have threads, only makes system calls (no ``dlopen``)."""
+    parent = os.getpid()
+    prctl = _prctl()
+
+    def in_child() -> None:
+        os.setsid()
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(128 + signal.SIGTERM)
+
+    return in_child
+
+
+def _prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def fresh_random_state() -> None:

@@ -305,7 +305,7 @@ class Queue:
         run.log.flush()
         try:
             run.proc = subprocess.Popen(command, stdout=run.log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=own_session_dying_with_parent)
+                                        preexec_fn=own_session_dying_with_parent())
         except OSError as exc:  # a run that cannot start fails alone
             run.log.write(f"multigpu: cannot start the run: {exc}\n")
             run.started = time.time()
