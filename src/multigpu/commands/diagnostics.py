@@ -106,6 +106,19 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_doctor)
 
 
+def _verdict(line: str, marker: str) -> "dict | None":
+    """The report a doctor rank printed on ``line`` (after ``marker``), or None: any other line."""
+    import json
+
+    if not line.startswith(marker):
+        return None
+    try:
+        verdict = json.loads(line[len(marker):])
+    except ValueError:
+        return None
+    return verdict if isinstance(verdict, dict) else None
+
+
 def _stop_group(proc, signum: int) -> None:
     """The stop to the launcher's process group (it stops its workers: torch gives them 30 s), then SIGKILL
     after STOP_WAIT_S."""
@@ -126,7 +139,6 @@ def _stop_group(proc, signum: int) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    import json
     import math
     import subprocess
 
@@ -158,11 +170,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     verdicts: list[dict] = []
 
     def pump(stream) -> None:  # a thread: a stuck rank (a dead NFS mount) must not block the timeout
-        for line in stream:
-            if line.startswith(MARKER):
-                verdicts.append(json.loads(line[len(MARKER):]))
-            else:
-                print(line, end="", flush=True)
+        try:
+            for line in stream:
+                verdict = _verdict(line, MARKER)
+                if verdict is None:
+                    print(line, end="", flush=True)
+                else:
+                    verdicts.append(verdict)
+        except (ValueError, OSError):  # the pipe closed under it (doctor is stopping; its own line says so)
+            pass
 
     import signal
 

@@ -9,6 +9,7 @@ elsewhere this is a no-op and the parents' own cleanup is all there is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -273,8 +274,13 @@ def stopping_cleanly() -> Iterator[StopSignals]:
     stops = StopSignals()
     saved = agent_signal_handlers() if threading.current_thread() is threading.main_thread() else []
     done = False
-    try:  # an ignored signal stays ignored (`nohup`): the runs are in sessions of their own, no terminal's
-        install_stops(stops, [(sig, handler) for sig, handler in saved if handler is not signal.SIG_IGN])
+    # An ignored SIGINT or SIGHUP stays ignored (`nohup`, `cmd &`): the runs are in sessions of their own,
+    # no terminal's. SIGTERM is taken all the same: the runs must not inherit it ignored (exec resets only a
+    # handled one), or neither our stop nor their parent's death would reach them.
+    kept = [(sig, handler) for sig, handler in saved
+            if handler is not signal.SIG_IGN or sig not in (signal.SIGINT, signal.SIGHUP)]
+    try:
+        install_stops(stops, kept)
         yield stops
         done = True
     except Stopped as stopped:
@@ -303,14 +309,16 @@ def own_session_dying_with_parent() -> Callable[[], None]:
     return in_child
 
 
+@functools.lru_cache(maxsize=None)
 def _prctl() -> Any:
+    """Linux's ``prctl``, looked up once (a process forked after that calls it without a ``dlopen``)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
         return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         return None
 
 
