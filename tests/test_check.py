@@ -11,13 +11,17 @@ nanoGPT example) run through `multigpu check` end to end.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, SCRIPTS, child_env, kill_all, multigpu, wait_until_gone
+from conftest import PY, REPO, SCRIPTS, child_env, kill_all, multigpu, wait_for_files, wait_until_gone
 
 pytestmark = pytest.mark.timeout(300)
 MUTANTS = str(SCRIPTS / "check_mutants.py")
@@ -218,6 +222,38 @@ def test_the_nanogpt_port_trains_on_two_processes_and_checks_equal(tmp_path, no_
     assert "verdict: EQUAL - 2 processes compute" in proc.stdout
     assert "2 processes x 2 micro-step(s) x 8 samples = 32   |   1 process x 2 micro-step(s) x 16 samples = 32" in \
         proc.stdout
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "SIGKILL"])
+def test_a_stopped_check_leaves_no_run_behind(tmp_path, no_leftovers, how):
+    """A check stopped while its run trains (a script that never ends): SIGTERM to it alone (a scheduler,
+    `timeout`), SIGINT to its process group (a terminal's Ctrl-C) or SIGKILL. Its run's launcher and
+    workers stop (a SIGKILLed check's through the kernel: its children ask for SIGTERM when it dies), and
+    only a SIGKILL may leave its own folder. Before, a SIGTERM left the run training forever."""
+    temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))  # short: the fork server's socket lives there
+    check = subprocess.Popen([PY, "-m", "multigpu", "check", "--nproc", "2", str(SCRIPTS / "sleeper.py"),
+                              str(tmp_path), no_leftovers], env=child_env({"TMPDIR": str(temp)}),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell
+    try:
+        wait_for_files(tmp_path, ["pid0", "pid1"], timeout=100)  # (the three waits within the file's 300 s)
+        if how == "Ctrl-C":
+            os.killpg(check.pid, signal.SIGINT)
+        else:
+            check.send_signal(getattr(signal, how))
+        _, err = check.communicate(timeout=90)  # the bound of a hang: the launcher stops its workers in seconds
+        assert wait_until_gone(no_leftovers, timeout=80) == []  # each removes its folders before it leaves
+        left = [p.name for p in temp.iterdir() if p.name.startswith("multigpu-")]
+    finally:
+        check.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert check.returncode == {"SIGTERM": 143, "Ctrl-C": 130, "SIGKILL": -9}[how], err
+    assert "Traceback" not in err
+    if how == "SIGKILL":
+        assert len(left) == 1 and left[0].startswith("multigpu-check-"), left
+    else:
+        assert left == [], left
+        assert err.splitlines()[-1] == ("multigpu: interrupted" if how == "Ctrl-C" else "multigpu: stopped by SIGTERM")
 
 
 def test_a_bad_nanogpt_setting_is_one_line(tmp_path):

@@ -400,7 +400,7 @@ def test_backend_choice():
 def test_root_cause_prefers_the_rank_that_started_it():
     from types import SimpleNamespace
 
-    from multigpu.launch.local import root_cause
+    from multigpu.launch.reporting import root_cause
 
     def failure(exitcode, message="", timestamp=100):
         return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp)
@@ -422,7 +422,7 @@ def test_a_rank_stopped_during_its_teardown_keeps_the_status_it_recorded(tmp_pat
     from types import SimpleNamespace
 
     from multigpu.launch.attempts import write_record
-    from multigpu.launch.local import report_failure, root_cause
+    from multigpu.launch.reporting import report_failure, root_cause
 
     line = "multigpu: error: ranks disagree before training (1 difference(s)): x HINT: y"
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from conftest import PY, SCRIPTS, child_env, wait_for_files, wait_until_gone
@@ -182,6 +185,54 @@ def test_signal_stops_every_worker_and_leaves_no_orphan(tmp_path, no_leftovers, 
     assert wait_until_gone(no_leftovers) == []
     for pid in workers:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+def _listening(port: int) -> bool:
+    """Some process here listens on ``port`` (IPv4 or IPv6), from /proc/net: a connection of our own would
+    be a client to the store that listens."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            fields = [row.split() for row in list(rows)[1:]]
+            if any(f[1].endswith(f":{port:04X}") and f[3] == "0A" for f in fields):  # 0A: LISTEN
+                return True
+    return False
+
+
+@pytest.mark.parametrize("backend, sig", [("static", signal.SIGINT), ("static", signal.SIGTERM),
+                                          ("c10d", signal.SIGINT)])
+def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(no_leftovers, backend, sig):
+    """One node of two: the launcher waits. Once its store listens, a static rendezvous waits inside C++
+    (torch's TCPStore, for the other node), where no Python handler runs until the 300 s rendezvous timeout;
+    c10d's wait is Python's. Either way the stop ends it within seconds (60 s: the bound of a hang, not of
+    speed), with its line and status, and removes its folders."""
+    from multigpu.launch.ports import reserved_port
+
+    temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))  # short: the fork server's socket lives there
+    with reserved_port() as port:
+        where = (["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+                 if backend == "static" else ["--rdzv-endpoint", f"127.0.0.1:{port}"])
+        launcher = subprocess.Popen(
+            [PY, "-m", "multigpu", "run", "--nproc", "1", "--nnodes", "2", *where, "--rdzv-timeout", "300",
+             ALLREDUCE, no_leftovers],
+            env=child_env({"TMPDIR": str(temp)}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not _listening(port) and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _listening(port), "the launcher's store never listened"
+            launcher.send_signal(sig)
+            sent = time.monotonic()
+            _, err = launcher.communicate(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            launcher.kill()
+            leftovers = [p.name for p in temp.iterdir()]
+            shutil.rmtree(temp, ignore_errors=True)
+    assert launcher.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
+    assert f"multigpu: stopped by {sig.name} while waiting for the other nodes; no worker had started." in err
+    assert "Traceback" not in err and took < 60
+    assert leftovers == []
+    assert wait_until_gone(no_leftovers) == []
 
 
 def test_sigkill_of_the_launcher_takes_the_workers_with_it(tmp_path, no_leftovers):

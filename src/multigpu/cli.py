@@ -12,6 +12,7 @@ import argparse
 import atexit
 import gc
 import os
+import signal
 import sys
 import threading
 from typing import Any, NoReturn, Optional, Sequence
@@ -24,7 +25,7 @@ from multigpu.commands.launching import add_run_parser
 from multigpu.commands.queue import add_queue_parser
 from multigpu.commands.slurm import SLURM_ACTIONS, add_slurm_parser
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_REFUSED, MultiGPUError
-from multigpu.launch.process import mark_command_process
+from multigpu.launch.process import Stopped, mark_command_process
 
 
 class Parser(argparse.ArgumentParser):
@@ -99,6 +100,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("multigpu: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Stopped as stopped:  # a command that stops cleanly on a signal (check: its runs, its folders)
+        if stopped.signum == signal.SIGINT:
+            print("multigpu: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        print(f"multigpu: stopped by {signal.Signals(stopped.signum).name}", file=sys.stderr)
+        return 128 + stopped.signum
 
 
 def entry() -> NoReturn:

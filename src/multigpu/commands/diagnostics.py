@@ -106,23 +106,39 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_doctor)
 
 
-def _stop_group(proc) -> None:
-    """SIGTERM the launcher's process group (it stops its workers), then SIGKILL after 30 s."""
+def _verdict(line: str, marker: str) -> "dict | None":
+    """The report a doctor rank printed on ``line`` (after ``marker``), or None: any other line."""
+    import json
+
+    if not line.startswith(marker):
+        return None
+    try:
+        verdict = json.loads(line[len(marker):])
+    except ValueError:
+        return None
+    return verdict if isinstance(verdict, dict) else None
+
+
+def _stop_group(proc, signum: int) -> None:
+    """The stop to the launcher's process group (it stops its workers: torch gives them 30 s), then SIGKILL
+    after STOP_WAIT_S."""
     import os
     import signal
     import subprocess
 
+    from multigpu.diagnostics.check import STOP_WAIT_S
+
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        os.killpg(proc.pid, signum)
+        proc.wait(timeout=STOP_WAIT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     except ProcessLookupError:
         pass
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    import json
     import math
     import subprocess
 
@@ -154,25 +170,39 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     verdicts: list[dict] = []
 
     def pump(stream) -> None:  # a thread: a stuck rank (a dead NFS mount) must not block the timeout
-        for line in stream:
-            if line.startswith(MARKER):
-                verdicts.append(json.loads(line[len(MARKER):]))
-            else:
-                print(line, end="", flush=True)
-
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True) as proc:
-        reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
-        reader.start()
         try:
-            status = proc.wait(timeout=args.timeout)
-        except BaseException as exc:  # the timeout, or Ctrl-C (its own session: the terminal's signal misses it)
-            _stop_group(proc)
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
-            raise LaunchError(f"doctor did not finish in {args.timeout} s (a node that never joined, or a rank stuck "
-                              "on the output folder).", "check that every node was started and that --out is "
-                              "mounted; a lower --rdzv-timeout fails sooner.") from None
-        reader.join(timeout=10)
+            for line in stream:
+                verdict = _verdict(line, MARKER)
+                if verdict is None:
+                    print(line, end="", flush=True)
+                else:
+                    verdicts.append(verdict)
+        except (ValueError, OSError):  # the pipe closed under it (doctor is stopping; its own line says so)
+            pass
+
+    import signal
+
+    from multigpu.launch.process import Stopped, own_session_dying_with_parent, stopping_cleanly
+
+    # its own session (the terminal's Ctrl-C misses it: we stop it, once) and a SIGTERM if this process dies
+    with stopping_cleanly() as stops:  # SIGTERM too raises here: the launcher is stopped, not left running
+        stops.holding = True  # a stop waits until the launcher is ours to stop (inside the try)
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+                              preexec_fn=own_session_dying_with_parent()) as proc:
+            reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
+            try:
+                reader.start()
+                stops.release()
+                status = proc.wait(timeout=args.timeout)
+            except BaseException as exc:  # the timeout, or a stop
+                stops.holding = True  # a stop now waits for this one
+                _stop_group(proc, exc.signum if isinstance(exc, Stopped) else signal.SIGTERM)
+                if not isinstance(exc, subprocess.TimeoutExpired):
+                    raise
+                raise LaunchError(f"doctor did not finish in {args.timeout} s (a node that never joined, or a rank "
+                                  "stuck on the output folder).", "check that every node was started and that --out "
+                                  "is mounted; a lower --rdzv-timeout fails sooner.") from None
+            reader.join(timeout=10)
     verdict = verdicts[-1] if verdicts else None
     if verdict is None:
         if status == 0:  # another node holds rank 0: the report is printed there

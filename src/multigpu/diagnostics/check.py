@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -56,23 +57,49 @@ from multigpu.launch.devices import no_gpu_here
 from multigpu.launch.flags import RunFlags
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.launchers import start_server, through
+from multigpu.launch.process import Stopped, StopSignals, own_session_dying_with_parent, stopping_cleanly
 
 #: Exit statuses of ``multigpu check``.
 EQUAL, DIFFERENT, DID_NOT_RUN, UNVERIFIED = 0, 1, 2, 3
+#: How long a run's launcher may take to stop its workers once asked (torch's agent gives them 30 s).
+STOP_WAIT_S = 60.0
 
 
-def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool,
-         timeout_s: float, procs_per_gpu: int = 1, server: Optional[ForkServer] = None) -> Outcome:
+def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool, timeout_s: float,
+         stops: StopSignals, procs_per_gpu: int = 1, server: Optional[ForkServer] = None) -> Outcome:
     Folder(folder.parent).make(folder.name)
     env = {**os.environ, CHECK_DIR_VAR: str(folder), CHECK_STEPS_VAR: str(steps), CHECK_SCALE_VAR: str(scale)}
     argv = through(server, RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu
                                     ).to_argv(command), env)
+    # its own session, and a graceful stop if this process dies (SIGKILL too): never an orphan run
+    stops.holding = True  # a stop waits until the run is ours to stop (inside the try)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          preexec_fn=own_session_dying_with_parent()) as proc:
+        try:
+            stops.release()
+            output, errors = proc.communicate(timeout=timeout_s)
+        except BaseException as exc:  # the timeout, or a stop of ours (Ctrl-C reached only this process)
+            stops.holding = True  # a stop now waits for this one
+            _stop_run(proc, exc.signum if isinstance(exc, Stopped) else signal.SIGTERM)
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
+            raise LaunchError(f"the {nproc}-process run did not finish in {timeout_s:.0f} s.",
+                              "lower --steps, or give --timeout more seconds.") from None
+    return Outcome.read(folder, proc.returncode, output + errors)
+
+
+def _stop_run(proc: subprocess.Popen, signum: int) -> None:
+    """The run's launcher stops its workers and removes its folders as on its own Ctrl-C or SIGTERM; killed
+    only if it has not within STOP_WAIT_S."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc.send_signal(signum)
+        proc.communicate(timeout=STOP_WAIT_S)
     except subprocess.TimeoutExpired:
-        raise LaunchError(f"the {nproc}-process run did not finish in {timeout_s:.0f} s.",
-                          "lower --steps, or give --timeout more seconds.") from None
-    return Outcome.read(folder, done.returncode, done.stdout + done.stderr)
+        pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tolerance: Optional[float] = None,
@@ -90,18 +117,27 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
         from multigpu.launch.devices import plan_devices, visible_gpus
 
         plan_devices(visible_gpus(), nproc=nproc, procs_per_gpu=procs_per_gpu, cpu=cpu)
-    servers: list[ForkServer] = []  # held from the moment it exists (Ctrl-C can come at any time)
-    root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
+    with stopping_cleanly() as stops:  # a stop signal raises: the runs are stopped, the folders removed
+        return _check(command, nproc, steps, cpu, tolerance, keep, timeout_s, out, procs_per_gpu, show_output, stops)
+
+
+def _check(command: Sequence[str], nproc: int, steps: int, cpu: bool, tolerance: Optional[float], keep: bool,
+           timeout_s: float, out: Callable[[str], None], procs_per_gpu: int, show_output: bool,
+           stops: StopSignals) -> int:
+    servers: list[ForkServer] = []  # held from the moment it exists
+    root: Optional[Path] = None
     try:
-        # On CPUs both runs' launchers are forked from one import of torch (launch.launchers), as a queue's
-        # are; where there may be a GPU (only torch can tell) the plain start, without importing torch here.
-        if cpu or no_gpu_here():
-            start_server(servers.append)
+        with stops.held():  # the folder, the server and our hold on each come together
+            root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
+            # On CPUs both runs' launchers are forked from one import of torch (launch.launchers), as a
+            # queue's are; where there may be a GPU (only torch can tell) the plain start, without torch here.
+            if cpu or no_gpu_here():
+                start_server(servers.append)
         server = servers[0] if servers else None
         out(f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
             f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
-        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, procs_per_gpu, server)
-        one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s, server=server)
+        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, stops, procs_per_gpu, server)
+        one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s, stops, server=server)
         if show_output:
             for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
                 out(f"\n----- the script's output, {label} run (exit {outcome.status}) -----")
@@ -109,11 +145,12 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
             out("----- end of the script's output -----")
         return report(many, one, nproc, steps, tolerance, out)
     finally:
+        stops.holding = True  # a stop now waits for the clean-up
         for started in servers:
             started.stop()
-        if keep:
+        if root is not None and keep:
             out(f"records kept in {root}")
-        else:
+        elif root is not None:
             with contextlib.suppress(OSError):
                 Folder(root.parent).remove_tree(root.name)
 

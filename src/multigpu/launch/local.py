@@ -10,7 +10,6 @@ worker wrapper that exits cleanly.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -20,14 +19,11 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
-
-from typing_extensions import override
+from typing import Callable, Optional, Sequence
 
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
-from multigpu.fileio import Folder, as_shown, tail_lines
-from multigpu.launch.attempts import files_of, lost_a_peer, recorded
+from multigpu.fileio import Folder
 from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.fork_rules import START_VAR, inheritable_state, read_at_import, start_wish
@@ -42,15 +38,24 @@ from multigpu.launch.process import (
     install_stops,
     is_command_process,
     restore_stops,
+    watching_stops,
 )
 from multigpu.launch.rendezvous import Rendezvous, require_resolvable
+from multigpu.launch.reporting import (
+    RESTART_NOTE,
+    has_logs,
+    preempted_cleanly,
+    recorded_errors,
+    report_failure,
+    reporting_restarts,
+    say,
+)
 from multigpu.launch.torch_agent import cheap_method_names
 from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
 BOOT_MODULE = "multigpu.launch.boot"
-STDERR_TAIL_LINES = 20
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class LaunchRequest:
     #: ``--profile``: the workers' Trainers trace a few steps (``MULTIGPU_PROFILE=1``).
     profile: bool = False
     #: What the restart line says happens next (replica groups heal from a live group instead).
-    restart_note: str = "they resume from the last checkpoint"
+    restart_note: str = RESTART_NOTE
 
 
 def prepare_log_dir(path: str) -> Path:
@@ -140,50 +145,6 @@ def debug_env(log_dir: str, nccl: bool, torch_version: str) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in wanted.items()}
 
 
-class RestartReporter(logging.Handler):
-    """One line when torch's agent restarts the workers: which rank ended the attempt, why, and which
-    restart of how many this is (torch logs it at INFO, which we keep quiet, with no rank in it)."""
-
-    MESSAGE = "will restart worker group"
-
-    def __init__(self, log_dir: str, first_rank: int, note: str = LaunchRequest.restart_note) -> None:
-        super().__init__(logging.INFO)
-        self.log_dir, self.first_rank, self.restarts, self.note = log_dir, first_rank, 0, note
-
-    @override
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.MESSAGE not in str(record.msg) or "attempts left" not in str(record.msg):
-            return  # a membership change (a node joined) is not a failure
-        from multigpu.launch.attempts import culprits, outcomes
-
-        left, most = (record.args[2], record.args[3]) if isinstance(record.args, tuple) and len(record.args) >= 4 \
-            else (None, None)
-        found = culprits(outcomes(self.log_dir, self.restarts, self.first_rank))
-        why = "; ".join(w.describe() for w in found[:3]) or "a worker failed on another node"
-        counted = f"restart {most - left + 1} of {most}" if isinstance(left, int) and isinstance(most, int) else "a restart"
-        self.restarts += 1
-        _say(f"{why}. Restarting every worker ({counted}): {self.note}.")
-
-
-@contextlib.contextmanager
-def reporting_restarts(log_dir: str, first_rank: int, verbose: bool,
-                       note: str = LaunchRequest.restart_note) -> Iterator[None]:
-    """Attach a :class:`RestartReporter` to torch's agent logger for the launch (quiet otherwise)."""
-    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    saved = (agent_log.level, agent_log.propagate)
-    reporter = RestartReporter(log_dir, first_rank, note)
-    if not verbose:  # only our line: torch's own INFO records stay quiet
-        agent_log.propagate = False
-    agent_log.setLevel(logging.INFO)
-    agent_log.addHandler(reporter)
-    try:
-        yield
-    finally:
-        agent_log.removeHandler(reporter)
-        agent_log.setLevel(saved[0])
-        agent_log.propagate = saved[1]
-
-
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -210,16 +171,35 @@ def launch(request: LaunchRequest) -> int:
         restore_stops(stops, saved, deliver=status == 0)
 
 
-def _stopped_while_starting(number: int) -> int:
-    _say(f"stopped by {signal.Signals(number).name} while starting; no worker had started.")
+def _stopped_while_starting(number: int, when: str = "while starting") -> int:
+    say(f"stopped by {signal.Signals(number).name} {when}; no worker had started.")
     return EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
+
+
+def _give_up_waiting(servers: list[ForkServer], log_dir: str, keep_logs: bool) -> Callable[[int], None]:
+    """What a stop does while this node waits inside C++ for the others (``watching_stops``' thread acts:
+    the main thread would only see the stop when the rendezvous times out): the launcher's clean-up, its
+    line, its status, and out."""
+    def give_up(number: int) -> None:
+        status = EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
+        try:
+            _stop_server(servers)
+            if not keep_logs and not has_logs(log_dir):
+                with contextlib.suppress(OSError):
+                    Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
+            status = _stopped_while_starting(number, "while waiting for the other nodes")
+        finally:  # nothing may keep this process: its main thread waits in C++ up to the rendezvous timeout
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os._exit(status)
+    return give_up
 
 
 def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
     keep_logs = request.log_dir is not None or request.debug
     servers: list[ForkServer] = []  # holds the fork server from the moment it exists (a stop can come at any time)
     user_level: Optional[int] = None
-    log_dir, failed = "", False
+    log_dir, failed, when = "", False, "while starting"
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with stops.held():  # the folder and our hold on it come together
             log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
@@ -301,19 +281,23 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         else:
             where = ""
         threads = f", {env['OMP_NUM_THREADS']} CPU thread(s) each" if "OMP_NUM_THREADS" in env else ""
-        _say(f"{request.devices.describe()}{threads} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
+        say(f"{request.devices.describe()}{threads} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
         if rdzv.max_nodes > 1:
             last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
-            _say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
+            say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
                  "start the same command on the other nodes")
         command = ("-u", "-m", BOOT_MODULE if servers else WORKER_MODULE, *request.command)
         first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
         with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \
                 cheap_method_names():
-            if rdzv.max_nodes > 1:  # waiting for nodes blocks in C++ (no Python handler runs): the old effect
-                restore_stops(stops, saved, deliver=True)
+            # waiting for other nodes blocks in C++, where no Python handler runs: a thread acts on a stop then
+            # (the command's own process only: a Python program that calls the launcher must not be ended)
+            waiting = (watching_stops(stops, _give_up_waiting(servers, log_dir, keep_logs))
+                       if rdzv.max_nodes > 1 and is_command_process() else contextlib.nullcontext())
+            when = "while waiting for the other nodes" if rdzv.max_nodes > 1 else when
             try:
-                elastic_launch(config, sys.executable)(*command)
+                with waiting:
+                    elastic_launch(config, sys.executable)(*command)
             finally:  # torch's handlers raise and torch leaves them: a stop now waits for our report and clean-up
                 install_stops(stops, saved, holding=True)
     except ChildFailedError as failure:
@@ -321,18 +305,18 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         return report_failure(failure.failures, log_dir)
     except SignalException as stopped:
         if stops.raised:  # ours, before torch's agent took the stop signals: no worker had started
-            return _stopped_while_starting(int(stopped.sigval))
+            return _stopped_while_starting(int(stopped.sigval), when)
         for line in recorded_errors(log_dir):  # e.g. a script that caught Ctrl-C and then hit a refused collective
             print(visible(line), file=sys.stderr, flush=True)
         name = signal.Signals(stopped.sigval).name
         if preempted_cleanly(log_dir):
-            _say(f"stopped by {name}: every worker wrote its checkpoint and left with status {EXIT_PREEMPTED} "
+            say(f"stopped by {name}: every worker wrote its checkpoint and left with status {EXIT_PREEMPTED} "
                  "(run the same command again to resume).")
             return EXIT_PREEMPTED
-        _say(f"stopped by {name}; every worker was terminated.")
+        say(f"stopped by {name}; every worker was terminated.")
         return 128 + int(stopped.sigval)
     except KeyboardInterrupt:
-        _say("interrupted; every worker was terminated.")
+        say("interrupted; every worker was terminated.")
         return EXIT_INTERRUPTED
     except Exception as exc:  # rendezvous or agent failures: one line, no traceback; status 1, not 2
         failed = True
@@ -343,9 +327,9 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             "(run with --verbose for torch's own log).",
         )
         print(error.one_line(), file=sys.stderr, flush=True)
-        failed = _has_logs(log_dir)  # an empty folder is not kept
+        failed = has_logs(log_dir)  # an empty folder is not kept
         if keep_logs or failed:
-            _say(f"logs of every rank are kept in {log_dir}")
+            say(f"logs of every rank are kept in {log_dir}")
         return 1
     finally:
         install_stops(stops, saved, holding=True)  # (where elastic_launch was never called)
@@ -385,126 +369,6 @@ def start_forkserver(request: LaunchRequest, keep: Callable[[ForkServer], None],
         os.environ[FORKSERVER_VAR] = server.path
 
     ForkServer.start(hold, verbose=request.verbose, dynamo=request.devices.nproc > 1 or request.max_restarts > 0)
-
-
-def preempted_cleanly(log_dir: str) -> bool:
-    """Every worker of the newest attempt left with EXIT_PREEMPTED (its checkpoint written)."""
-    from multigpu.launch.attempts import all_preempted, outcomes
-
-    attempts = [attempt for _, attempt, _ in files_of(log_dir, "pid")]
-    return bool(attempts) and all_preempted(outcomes(log_dir, max(attempts)))
-
-
-def _has_logs(log_dir: str) -> bool:
-    return any(Path(log_dir).glob("rank*.stderr"))
-
-
-def _exit_status(exitcode: int) -> int:
-    return 128 - exitcode if exitcode < 0 else (exitcode or 1)
-
-
-_STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP), int(signal.SIGUSR1)}
-
-
-def _status(rank: int, failure: Any, log_dir: str) -> int:
-    """A rank stopped by the launcher during its teardown keeps the status it recorded (worker.py) before."""
-    status = recorded(log_dir, rank) if -failure.exitcode in _STOP_SIGNALS else None
-    return status if status is not None and 0 < status < 256 else _exit_status(failure.exitcode)
-
-
-def root_cause(failures: dict) -> tuple[int, Any]:
-    """The failure that started it. torch orders by error-file timestamps (whole seconds), which often
-    picks a rank that merely noticed that another one had died. Ours, most telling first: a rank killed
-    by a signal nobody sends on purpose at shutdown (SIGKILL, SIGSEGV, SIGABRT...); a rank whose own
-    error is not a lost peer; a rank stopped by SIGTERM/SIGINT (the launcher stops the survivors that
-    way); a rank that lost its peer. Ties go to the earliest, then the lowest rank."""
-
-    def key(item: tuple[int, Any]) -> tuple[int, float, int]:
-        rank, failure = item
-        message = str(getattr(failure, "message", "")).lower()
-        if failure.exitcode < 0:
-            priority = 2 if -failure.exitcode in _STOP_SIGNALS else 0
-        else:
-            priority = 3 if lost_a_peer(message) else 1
-        return (priority, failure.timestamp, rank)
-
-    return min(failures.items(), key=key)
-
-
-def one_line_error(failure: Any) -> str:
-    """The ``multigpu: error: ...`` line a worker recorded for a MultiGPUError ('' for other failures)."""
-    message = getattr(failure, "message", None)
-    if isinstance(message, dict):
-        return str((message.get("extraInfo") or {}).get("multigpu_error") or "")
-    return ""
-
-
-def recorded_errors(log_dir: str) -> list[str]:
-    """The distinct ``multigpu: error:`` lines workers recorded in torch's error files, with their ranks."""
-    lines: dict[str, list[str]] = {}
-    root = Folder(log_dir)
-    for path in sorted(Path(log_dir).glob("*/attempt_*/*/error.json")):
-        try:
-            message = json.loads(root.load_text(path.relative_to(log_dir), limit=1_000_000)).get("message")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            continue
-        line = (message.get("extraInfo") or {}).get("multigpu_error") if isinstance(message, dict) else None
-        if line:
-            lines.setdefault(line, []).append(path.parent.name)
-    return [f"{line} (local rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})" for line, ranks in lines.items()]
-
-
-def report_failure(failures: dict, log_dir: str) -> int:
-    """Print the failure once: a MultiGPUError every failed rank shares as one line ("on all N ranks"),
-    otherwise the root-cause rank with the tail of its stderr. Ranks the launcher stopped itself
-    (SIGTERM after the first failure) are not counted as failures."""
-    rank, failure = root_cause(failures)
-    own = {r: f for r, f in failures.items() if not (r != rank and -f.exitcode in _STOP_SIGNALS)}
-    lines = {r: one_line_error(f) for r, f in own.items()}
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-    if lines.get(rank):
-        same = [r for r, line in lines.items() if line == lines[rank]]
-        stopped = len(failures) - len(own)
-        if len(same) == len(failures) and len(same) > 1:
-            where = f" (on all {len(same)} ranks)"
-        elif len(failures) > 1:
-            where = (f" (on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, sorted(same)))}"
-                     + (f"; {stopped} other rank(s) stopped by the launcher" if stopped else "") + ")")
-        else:
-            where = ""
-        print(f"{visible(lines[rank])}{where}", file=sys.stderr, flush=True)
-        others = len(own) - len(same)
-        if others:
-            _say(f"{others} other rank(s) failed differently; logs of every rank are kept in {log_dir}")
-        return _status(rank, failure, log_dir)
-    others = len(own) - 1
-    also = f"; {others} other rank(s) failed after it" if others else ""
-    pid = recorded(log_dir, rank, "pid") or failure.pid  # the worker's own (a forked one is not the agent's child)
-    _say(f"error: rank {rank} (local rank {failure.local_rank}, pid {pid}) {how}{also}.")
-    stderr_log = _stderr_log(log_dir, rank)
-    tail = _tail(stderr_log, STDERR_TAIL_LINES) if stderr_log else []
-    if tail:
-        _say(f"last lines of rank {rank}'s stderr ({stderr_log}):")
-        for line in tail:
-            print(f"    {line}", file=sys.stderr)
-    _say(f"logs of every rank are kept in {log_dir}")
-    return _status(rank, failure, log_dir)
-
-
-def _stderr_log(log_dir: str, rank: int) -> Optional[Path]:
-    """The newest attempt's copy of rank ``rank``'s stderr (see worker.stderr_log_path)."""
-    logs = files_of(log_dir, "stderr", rank)
-    return logs[-1][2] if logs else None
-
-
-def _tail(path: Path, lines: int) -> list[str]:
-    """The last lines as a terminal would have shown them (see :func:`multigpu.fileio.as_shown`)."""
-    raw, _ = tail_lines(path, lines * 20, 64 * 1024)
-    return [visible(shown) for shown in map(as_shown, raw) if shown.strip()][-lines:]
-
-
-def _say(message: str) -> None:
-    print(f"multigpu: {message}", file=sys.stderr, flush=True)
 
 
 def split_command(script: Optional[str], module: Optional[str], args: Sequence[str]) -> tuple[str, ...]:

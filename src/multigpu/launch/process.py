@@ -9,11 +9,13 @@ elsewhere this is a no-op and the parents' own cleanup is all there is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 _PR_SET_PDEATHSIG = 1
@@ -22,14 +24,8 @@ _PR_SET_NAME = 15
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send ``sig`` to this process when its parent dies; True if it took effect."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    prctl = _prctl()
+    return prctl is not None and prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def name_process(name: bytes) -> None:
@@ -117,15 +113,31 @@ class StopSignals:
         self.came: Optional[int] = None
         self.raised = False
         self.raising: Callable[[int], BaseException] = Stopped
+        self.claimed = False
+        self._lock = threading.RLock()  # (re-entered when a second stop comes inside this handler)
 
     def __call__(self, signum: int, _frame: object) -> None:
-        if self.holding:
-            self.came = self.came or signum
-            return
-        self.raised = True
-        if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
-            self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
+        with self._lock:
+            claimed = self.claimed
+            if not claimed and self.holding:
+                self.came = self.came or signum
+                return
+            if not claimed:
+                self.raised = True
+                if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
+                    self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
+        if claimed:  # another thread acts on the stop and ends the process: go no further meanwhile
+            threading.Event().wait()
         raise self.raising(signum)
+
+    def claim(self) -> bool:
+        """For a thread that acts on a stop the main thread cannot handle (it waits inside C++): True when
+        no stop was raised or noted before, and from now on a stop is only noted - handled once, by one."""
+        with self._lock:
+            if self.raised or self.holding:
+                return False
+            self.raised = self.holding = self.claimed = True
+            return True
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -135,11 +147,16 @@ class StopSignals:
         try:
             yield
         finally:
-            came, self.came = self.came, None  # raised once, here
-            self.holding = came is not None
-            if came is not None:
-                self.raised = True
-                raise self.raising(came)
+            self.release()
+
+    def release(self) -> None:
+        """Stop holding (:meth:`held`'s end, or a hold that began elsewhere): a stop noted meanwhile raises
+        now, once."""
+        came, self.came = self.came, None
+        self.holding = came is not None
+        if came is not None:
+            self.raised = True
+            raise self.raising(came)
 
 
 #: The signals torch's agent handles in the launcher (``signals_to_handle``); the first four also while it
@@ -185,6 +202,124 @@ def restore_stops(stops: StopSignals, saved: Handlers, deliver: bool = False) ->
         raise first
     if deliver and stops.came is not None:
         signal.raise_signal(stops.came)
+
+
+@contextlib.contextmanager
+def watching_stops(stops: StopSignals, act: Callable[[int], None], grace_s: float = 1.0) -> Iterator[None]:
+    """While the main thread may wait inside C++ (a rendezvous's store, for the other nodes: no Python
+    handler runs until the wait returns, up to its timeout), a thread acts on a stop that ``stops`` has
+    not handled within ``grace_s``: ``act(signum)`` cleans up and ends the process. Why it sees the stop:
+    the C part of Python's handler writes the signal's number to the wakeup fd (``signal.set_wakeup_fd``)
+    the moment it comes, whichever thread waits. A stop the main thread raises in time (a wait in Python)
+    stays its own; so does one after torch's agent took the signals over. Once the thread claimed a
+    stop, the main thread goes no further (:meth:`StopSignals.__call__`). Main thread only (a no-op
+    elsewhere, where no handler of ours is set); other signals' bytes go on to a wakeup fd set before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = -1
+
+    def watch() -> None:
+        while data := _read(read):
+            if previous >= 0 and (others := bytes(b for b in data if b not in STOPS)):
+                with contextlib.suppress(OSError):
+                    os.write(previous, others)
+            for signum in data:
+                if signum in STOPS and _unhandled(stops, signum, grace_s) and stops.claim():
+                    act(signum)
+
+    watcher = threading.Thread(target=watch, name="multigpu-stop-watch", daemon=True)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        watcher.start()
+        yield
+    finally:  # each step whatever the one before raised (a stop's handler runs between any two)
+        try:
+            signal.set_wakeup_fd(previous)
+        finally:
+            os.close(write)  # the watcher reads the end of the pipe and leaves
+            try:
+                if watcher.ident is not None:
+                    watcher.join(grace_s + 1)
+            finally:
+                if not watcher.is_alive():
+                    os.close(read)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 64)
+    except OSError:
+        return b""
+
+
+def _unhandled(stops: StopSignals, signum: int, grace_s: float) -> bool:
+    """Still ours after ``grace_s``: neither raised by the main thread nor taken over by another handler."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if stops.raised or signal.getsignal(signum) is not stops:
+            return False
+        time.sleep(0.02)
+    return not stops.raised and signal.getsignal(signum) is stops
+
+
+@contextlib.contextmanager
+def stopping_cleanly() -> Iterator[StopSignals]:
+    """A command's stop signals raise :class:`Stopped` (the first; later ones wait for its clean-up), so
+    its ``finally`` blocks run: SIGTERM's default would end it at once, its children and folders left
+    behind. The old handlers are back after the block; a stop noted during a clean-up that ended well goes
+    to its own handler then. Main thread only (elsewhere nothing changes)."""
+    stops = StopSignals()
+    saved = agent_signal_handlers() if threading.current_thread() is threading.main_thread() else []
+    done = False
+    # An ignored SIGINT or SIGHUP stays ignored (`nohup`, `cmd &`): the runs are in sessions of their own,
+    # no terminal's. SIGTERM is taken all the same: the runs must not inherit it ignored (exec resets only a
+    # handled one), or neither our stop nor their parent's death would reach them.
+    kept = [(sig, handler) for sig, handler in saved
+            if handler is not signal.SIG_IGN or sig not in (signal.SIGINT, signal.SIGHUP)]
+    try:
+        install_stops(stops, kept)
+        yield stops
+        done = True
+    except Stopped as stopped:
+        if not is_command_process():  # a Python program called the command: its own handler gets the stop too
+            stops.came, done = stopped.signum, True
+        raise
+    finally:
+        restore_stops(stops, saved, deliver=done)
+
+
+def own_session_dying_with_parent() -> Callable[[], None]:
+    """A child's ``preexec_fn``: a session of its own (a terminal's Ctrl-C reaches only this process, which
+    stops the child gracefully, once) and SIGTERM - a graceful stop - when this process dies; a child whose
+    parent died before that took effect leaves at once. Made here, in the parent: the child, forked from a
+    process that may have threads, only makes system calls (no ``dlopen``)."""
+    parent = os.getpid()
+    prctl = _prctl()
+
+    def in_child() -> None:
+        os.setsid()
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(128 + signal.SIGTERM)
+
+    return in_child
+
+
+@functools.lru_cache(maxsize=None)
+def _prctl() -> Any:
+    """Linux's ``prctl``, looked up once (a process forked after that calls it without a ``dlopen``)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (ImportError, OSError, AttributeError):
+        return None
 
 
 def fresh_random_state() -> None:

@@ -35,7 +35,7 @@ from multigpu.launch.fork_rules import start_wish
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.launchers import start_server, through
 from multigpu.launch.local import usable_cores
-from multigpu.launch.process import die_with_parent
+from multigpu.launch.process import own_session_dying_with_parent
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import MAX_RUNS_PER_GPU, QueueEntry
 
@@ -78,13 +78,6 @@ class EntryState:
                   "slots": self.slots, "share": str(self.share), "fingerprint": self.spec.fingerprint()}
         atomic_write_text(self.folder / STATUS_FILE, json.dumps(status, indent=1))
 
-
-
-def _die_with_queue() -> None:
-    """In the child before exec: its own session (Ctrl-C reaches only the queue, which stops runs
-    gracefully), and SIGTERM - a graceful stop - if the queue itself dies."""
-    os.setsid()
-    die_with_parent(signal.SIGTERM)
 
 
 class Queue:
@@ -312,7 +305,7 @@ class Queue:
         run.log.flush()
         try:
             run.proc = subprocess.Popen(command, stdout=run.log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=_die_with_queue)
+                                        preexec_fn=own_session_dying_with_parent())
         except OSError as exc:  # a run that cannot start fails alone
             run.log.write(f"multigpu: cannot start the run: {exc}\n")
             run.started = time.time()
