@@ -37,12 +37,13 @@ demo: $(VENV)/.demo-installed
 	@echo
 	@echo "multigpu is installed in $(VENV). To use the command: source $(VENV)/bin/activate  (or call $(VENV)/bin/multigpu)"
 
-# Lint first: ruff with the rules in pyproject.toml (a second), then mypy with its settings there, in two
-# worker processes (mypy 2's --num-workers: a count or auto): 49 s where one took 61 s on a clean clone here.
-MYPY_WORKERS ?= 2
+# Lint first: ruff with the rules in pyproject.toml (a second), then mypy with its settings there, in one
+# process. Not mypy 2's --num-workers (49 s in two where one took 61 s on a clean clone here): mypy gives a
+# worker 3 s to start (mypy/defaults.py WORKER_START_TIMEOUT), and on these 2 busy cores 2 lint runs of 5
+# failed with "Failed to establish connection with worker" - a bound that is luck.
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/mypy --num-workers $(MYPY_WORKERS)
+	$(VENV)/bin/mypy
 
 # Bytecode for the package and the test scripts, written once: an editable install is never compiled by
 # pip, and where PYTHONDONTWRITEBYTECODE is set (this machine, many container images) every process the
