@@ -253,3 +253,14 @@ def wait_for_files(folder: Path, names: Iterable[str], timeout: float = 60.0) ->
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {names} in {folder}")
 
+
+
+def listening(port: int) -> bool:
+    """Some process here listens on ``port`` (IPv4 or IPv6), from /proc/net: a connection of our own would
+    be a client to the store that listens."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            fields = [row.split() for row in list(rows)[1:]]
+            if any(f[1].endswith(f":{port:04X}") and f[3] == "0A" for f in fields):  # 0A: LISTEN
+                return True
+    return False

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, SCRIPTS, child_env, kill_all, multigpu, wait_for_files, wait_until_gone
+from conftest import PY, REPO, SCRIPTS, child_env, kill_all, listening, multigpu, wait_for_files, wait_until_gone
 
 pytestmark = pytest.mark.timeout(300)
 MUTANTS = str(SCRIPTS / "check_mutants.py")
@@ -254,6 +254,54 @@ def test_a_stopped_check_leaves_no_run_behind(tmp_path, no_leftovers, how):
     else:
         assert left == [], left
         assert err.splitlines()[-1] == ("multigpu: interrupted" if how == "Ctrl-C" else "multigpu: stopped by SIGTERM")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "--timeout"])
+def test_a_stopped_doctor_leaves_no_launch_behind(tmp_path, no_leftovers, how):
+    """A doctor stopped while its launch waits for a second node that never comes (static rendezvous: the
+    launcher waits inside C++, where no Python handler runs): SIGTERM to it alone (a scheduler, `timeout`)
+    or SIGINT to its process group (a terminal's Ctrl-C; the launch, in a session of its own, gets the
+    stop from doctor, once), or its own --timeout (it stops the launch with SIGTERM, wherever the launch
+    then is: the outcome does not depend on how far it got). The launcher says what stopped it, doctor ends
+    with its own line and status, and nothing is left: no process, no folder. 90 s: the bound of a hang
+    (it ends in seconds)."""
+    from multigpu.launch.ports import reserved_port
+
+    temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))  # short: the fork server's socket lives there
+    with reserved_port() as port:
+        doctor = subprocess.Popen(
+            [PY, "-m", "multigpu", "doctor", "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr",
+             "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "300", "--sizes", "1",
+             *(["--timeout", "20"] if how == "--timeout" else []),
+             "--out", str(tmp_path / no_leftovers)],  # the token on every command line of the launch
+            env=child_env({"TMPDIR": str(temp)}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            if how != "--timeout":
+                deadline = time.monotonic() + 120
+                while not listening(port) and doctor.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert listening(port), "the launcher's store never listened"
+            if how == "Ctrl-C":
+                os.killpg(doctor.pid, signal.SIGINT)
+            elif how == "SIGTERM":
+                doctor.send_signal(signal.SIGTERM)
+            _, err = doctor.communicate(timeout=90)
+            assert wait_until_gone(no_leftovers, timeout=30) == []
+            left = [p.name for p in temp.iterdir()]
+        finally:
+            doctor.kill()
+            shutil.rmtree(temp, ignore_errors=True)
+    assert "Traceback" not in err and left == [], (err, left)
+    if how == "--timeout":
+        assert doctor.returncode == 2, err  # (a LaunchError)
+        assert "multigpu: stopped by SIGTERM" in err  # the launcher's line (while waiting, or before)
+        assert err.splitlines()[-1].startswith("multigpu: error: doctor did not finish in 20 s"), err
+        return
+    sig = "SIGINT" if how == "Ctrl-C" else "SIGTERM"
+    assert doctor.returncode == (130 if how == "Ctrl-C" else 143), err
+    assert f"multigpu: stopped by {sig} while waiting for the other nodes; no worker had started." in err
+    assert err.splitlines()[-1] == ("multigpu: interrupted" if how == "Ctrl-C" else "multigpu: stopped by SIGTERM")
 
 
 def test_a_bad_nanogpt_setting_is_one_line(tmp_path):

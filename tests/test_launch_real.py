@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import PY, SCRIPTS, child_env, wait_for_files, wait_until_gone
+from conftest import PY, SCRIPTS, child_env, listening, wait_for_files, wait_until_gone
 from conftest import multigpu as _multigpu
 
 # A test here launches one or two short 2-process runs (each up to ~1 min on 2 busy cores, capped at 60-180 s
@@ -187,17 +187,6 @@ def test_signal_stops_every_worker_and_leaves_no_orphan(tmp_path, no_leftovers, 
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
 
 
-def _listening(port: int) -> bool:
-    """Some process here listens on ``port`` (IPv4 or IPv6), from /proc/net: a connection of our own would
-    be a client to the store that listens."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as rows:
-            fields = [row.split() for row in list(rows)[1:]]
-            if any(f[1].endswith(f":{port:04X}") and f[3] == "0A" for f in fields):  # 0A: LISTEN
-                return True
-    return False
-
-
 @pytest.mark.parametrize("backend, sig", [("static", signal.SIGINT), ("static", signal.SIGTERM),
                                           ("c10d", signal.SIGINT)])
 def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(no_leftovers, backend, sig):
@@ -217,9 +206,9 @@ def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(no
             env=child_env({"TMPDIR": str(temp)}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 120
-            while not _listening(port) and launcher.poll() is None and time.monotonic() < deadline:
+            while not listening(port) and launcher.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert _listening(port), "the launcher's store never listened"
+            assert listening(port), "the launcher's store never listened"
             launcher.send_signal(sig)
             sent = time.monotonic()
             _, err = launcher.communicate(timeout=60)

@@ -119,30 +119,11 @@ def _verdict(line: str, marker: str) -> "dict | None":
     return verdict if isinstance(verdict, dict) else None
 
 
-def _stop_group(proc, signum: int) -> None:
-    """The stop to the launcher's process group (it stops its workers: torch gives them 30 s), then SIGKILL
-    after STOP_WAIT_S."""
-    import os
-    import signal
-    import subprocess
-
-    from multigpu.diagnostics.check import STOP_WAIT_S
-
-    try:
-        os.killpg(proc.pid, signum)
-        proc.wait(timeout=STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import math
     import subprocess
 
-    from multigpu.diagnostics.doctor import MARKER
+    from multigpu.diagnostics import DOCTOR_MARKER
 
     validate.positive_seconds(args.timeout, "--timeout", LaunchError)
     for flag, value in (("--checkpoint-gb", args.checkpoint_gb), ("--max-clock-skew", args.max_clock_skew),
@@ -165,14 +146,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                "-m", "multigpu.diagnostics.doctor", "--out", args.out, "--checkpoint-gb", str(args.checkpoint_gb),
                "--sizes", args.sizes, "--max-clock-skew", str(args.max_clock_skew),
                "--expect-gbps", str(args.expect_gbps), "--report-only"])
-    import threading
-
     verdicts: list[dict] = []
 
     def pump(stream) -> None:  # a thread: a stuck rank (a dead NFS mount) must not block the timeout
         try:
             for line in stream:
-                verdict = _verdict(line, MARKER)
+                verdict = _verdict(line, DOCTOR_MARKER)
                 if verdict is None:
                     print(line, end="", flush=True)
                 else:
@@ -180,29 +159,18 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         except (ValueError, OSError):  # the pipe closed under it (doctor is stopping; its own line says so)
             pass
 
-    import signal
+    from multigpu.launch.process import launched, stopping_cleanly
 
-    from multigpu.launch.process import Stopped, own_session_dying_with_parent, stopping_cleanly
-
-    # its own session (the terminal's Ctrl-C misses it: we stop it, once) and a SIGTERM if this process dies
     with stopping_cleanly() as stops:  # SIGTERM too raises here: the launcher is stopped, not left running
-        stops.holding = True  # a stop waits until the launcher is ours to stop (inside the try)
-        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
-                              preexec_fn=own_session_dying_with_parent()) as proc:
-            reader = threading.Thread(target=pump, args=(proc.stdout,), daemon=True)
+        with launched(command, stops, read=pump, stdout=subprocess.PIPE, text=True) as proc:
+            stops.release()  # (see launched)
             try:
-                reader.start()
-                stops.release()
                 status = proc.wait(timeout=args.timeout)
-            except BaseException as exc:  # the timeout, or a stop
-                stops.holding = True  # a stop now waits for this one
-                _stop_group(proc, exc.signum if isinstance(exc, Stopped) else signal.SIGTERM)
-                if not isinstance(exc, subprocess.TimeoutExpired):
-                    raise
+            except subprocess.TimeoutExpired:
+                stops.holding = True  # (see launched)
                 raise LaunchError(f"doctor did not finish in {args.timeout} s (a node that never joined, or a rank "
                                   "stuck on the output folder).", "check that every node was started and that --out "
                                   "is mounted; a lower --rdzv-timeout fails sooner.") from None
-            reader.join(timeout=10)
     verdict = verdicts[-1] if verdicts else None
     if verdict is None:
         if status == 0:  # another node holds rank 0: the report is printed there

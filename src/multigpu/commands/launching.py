@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from multigpu import validate
 from multigpu.errors import LaunchError
+from multigpu.launch.process import STOP_TIMEOUT_S
 from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
@@ -167,9 +168,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     misc = p.add_argument_group("failures and logs")
     misc.add_argument(*spellings("--max-restarts"), dest="max_restarts", type=whole_flag, default=0, metavar="K",
                       help="restart all workers up to K times when one fails (default 0)")
-    misc.add_argument(*spellings("--stop-timeout", "--shutdown-timeout"), dest="stop_timeout", type=whole_flag, default=120,
-                      metavar="S", help="on SIGTERM/SIGUSR1, seconds the workers get to checkpoint before SIGKILL "
-                      "(default 120; torchrun calls it --shutdown-timeout)")
+    misc.add_argument(*spellings("--stop-timeout", "--shutdown-timeout"), dest="stop_timeout", type=whole_flag,
+                      default=STOP_TIMEOUT_S, metavar="S", help="on SIGTERM/SIGUSR1, seconds the workers get to "
+                      f"checkpoint before SIGKILL (default {STOP_TIMEOUT_S}; torchrun calls it --shutdown-timeout)")
     misc.add_argument(*spellings("--log-dir"), dest="log_dir", metavar="DIR",
                       help="keep each rank's stderr here (default: a temporary folder, removed after a successful run)")
     misc.add_argument(*spellings("--tee-prefix"), dest="tee_prefix", choices=("auto", "always", "never"), default="auto",

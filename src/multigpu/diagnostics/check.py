@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -57,12 +56,10 @@ from multigpu.launch.devices import no_gpu_here
 from multigpu.launch.flags import RunFlags
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.launchers import start_server, through
-from multigpu.launch.process import Stopped, StopSignals, own_session_dying_with_parent, stopping_cleanly
+from multigpu.launch.process import StopSignals, launched, stopping_cleanly
 
 #: Exit statuses of ``multigpu check``.
 EQUAL, DIFFERENT, DID_NOT_RUN, UNVERIFIED = 0, 1, 2, 3
-#: How long a run's launcher may take to stop its workers once asked (torch's agent gives them 30 s).
-STOP_WAIT_S = 60.0
 
 
 def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool, timeout_s: float,
@@ -71,35 +68,15 @@ def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Pat
     env = {**os.environ, CHECK_DIR_VAR: str(folder), CHECK_STEPS_VAR: str(steps), CHECK_SCALE_VAR: str(scale)}
     argv = through(server, RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu
                                     ).to_argv(command), env)
-    # its own session, and a graceful stop if this process dies (SIGKILL too): never an orphan run
-    stops.holding = True  # a stop waits until the run is ours to stop (inside the try)
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          preexec_fn=own_session_dying_with_parent()) as proc:
+    with launched(argv, stops, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        stops.release()  # (see launched)
         try:
-            stops.release()
             output, errors = proc.communicate(timeout=timeout_s)
-        except BaseException as exc:  # the timeout, or a stop of ours (Ctrl-C reached only this process)
-            stops.holding = True  # a stop now waits for this one
-            _stop_run(proc, exc.signum if isinstance(exc, Stopped) else signal.SIGTERM)
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
+        except subprocess.TimeoutExpired:
+            stops.holding = True  # (see launched)
             raise LaunchError(f"the {nproc}-process run did not finish in {timeout_s:.0f} s.",
                               "lower --steps, or give --timeout more seconds.") from None
     return Outcome.read(folder, proc.returncode, output + errors)
-
-
-def _stop_run(proc: subprocess.Popen, signum: int) -> None:
-    """The run's launcher stops its workers and removes its folders as on its own Ctrl-C or SIGTERM; killed
-    only if it has not within STOP_WAIT_S."""
-    try:
-        proc.send_signal(signum)
-        proc.communicate(timeout=STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tolerance: Optional[float] = None,

@@ -35,10 +35,9 @@ import torch
 import torch.distributed as dist
 
 from multigpu import validate
+from multigpu.diagnostics import DOCTOR_MARKER
 from multigpu.diagnostics.bandwidth import measure
 from multigpu.fileio import Folder
-
-MARKER = "MULTIGPU_DOCTOR "
 
 
 def existing(out: Path) -> Path:
@@ -272,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"multigpu: error: {problem}. HINT: {hint}", file=sys.stderr, flush=True)
         for problem, _hint in found[1:]:
             print(f"  also: {problem}", file=sys.stderr)
-    print(MARKER + json.dumps({"faults": [p for p, _ in found], "world": run.world_size}), flush=True)
+    print(DOCTOR_MARKER + json.dumps({"faults": [p for p, _ in found], "world": run.world_size}), flush=True)
     return status
 
 

@@ -30,6 +30,7 @@ from multigpu.launch.fork_rules import START_VAR, inheritable_state, read_at_imp
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.ports import store_ports_held
 from multigpu.launch.process import (
+    STOP_TIMEOUT_S,
     Handlers,
     Stopped,
     StopSignals,
@@ -67,7 +68,7 @@ class LaunchRequest:
     log_dir: Optional[str] = None
     monitor_interval: float = 0.1
     #: After forwarding SIGTERM/SIGUSR1, how long workers may take to checkpoint before SIGKILL.
-    stop_timeout_s: int = 120
+    stop_timeout_s: int = STOP_TIMEOUT_S
     verbose: bool = False
     extra_env: dict = field(default_factory=dict)
     #: "[rankN]: " before each stderr line: "always", "never", or "auto" (not on a terminal, else if N > 1).

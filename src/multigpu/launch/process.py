@@ -1,5 +1,5 @@
 """Process plumbing shared by the launcher's workers and the queue's runs: die with the parent; a name;
-imports without the garbage collector.
+imports without the garbage collector; stop signals that raise; a launch stopped as its own Ctrl-C would.
 
 Why: a worker whose launcher was SIGKILLed, or a run whose queue died, must not live on as an orphan
 holding GPUs. Linux delivers a chosen signal to a child when its parent dies (``PR_SET_PDEATHSIG``);
@@ -16,10 +16,18 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+if TYPE_CHECKING:
+    import subprocess
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+#: ``multigpu run --stop-timeout``'s default: on SIGTERM/SIGUSR1 the workers' seconds to checkpoint before SIGKILL.
+STOP_TIMEOUT_S = 120
+#: How long a command that started a launch (check, doctor, the queue) waits for it to stop once asked: the
+#: workers' default --stop-timeout and 30 s for the launcher itself, so a checkpoint in progress is not cut off.
+LAUNCH_STOP_WAIT_S = STOP_TIMEOUT_S + 30
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
@@ -307,6 +315,63 @@ def own_session_dying_with_parent() -> Callable[[], None]:
                 os._exit(128 + signal.SIGTERM)
 
     return in_child
+
+
+@contextlib.contextmanager
+def launched(argv: list[str], stops: StopSignals, read: Optional[Callable[[IO[str]], None]] = None,
+             **popen: Any) -> Iterator[subprocess.Popen]:
+    """A launch (``multigpu run``'s argv) that a command (check, doctor) starts and never leaves behind: in a
+    session of its own (:func:`own_session_dying_with_parent`: a terminal's Ctrl-C reaches only the command,
+    which stops the launch, once; the command's death stops it too), and whatever leaves the block - a stop
+    signal of ``stops`` (:func:`stopping_cleanly`), the caller's own error on a timeout - stops it as that
+    signal (SIGTERM for an error) would: see :func:`_stop_launch`. A stop that comes while the launch starts
+    waits until it is ours to stop: the block's first statement is ``stops.release()`` (a stop raised
+    before the block is entered, in ``__enter__``, would leave the launch running), and a caller that
+    raises its own error first sets ``stops.holding`` (a stop in between would leave the block before the
+    launch is stopped): CPython runs a signal's handler only at a call, a loop's jump back or a function's
+    entry, none of which lies between an ``except`` line and that store. ``read``: its stdout, read
+    by a thread of its own from before any stop can land (so the pipe never fills while the launch
+    stops), joined for up to 10 s after the block; without it, the pipes are read while it stops."""
+    import subprocess
+
+    stops.holding = True
+    with subprocess.Popen(argv, preexec_fn=own_session_dying_with_parent(), **popen) as proc:
+        reader = None if read is None else threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+        try:
+            if reader is not None:
+                reader.start()
+            yield proc
+        except BaseException as exc:
+            stops.holding = True  # a second stop waits for this one
+            drained = reader is not None and reader.ident is not None  # (started)
+            _stop_launch(proc, exc.signum if isinstance(exc, Stopped) else signal.SIGTERM, drained)
+            raise
+        if reader is not None:
+            reader.join(timeout=10)
+
+
+def _stop_launch(proc: subprocess.Popen, signum: int, drained: bool) -> None:
+    """``signum`` to the launch's process group, as a terminal's Ctrl-C or a scheduler's SIGTERM would send
+    it, then ``LAUNCH_STOP_WAIT_S`` for the launcher to stop its workers and remove its folders; SIGKILL only
+    after that. Its pipes are read meanwhile (a launcher blocked on a full pipe would never stop) unless
+    ``drained``."""
+    import subprocess
+
+    try:
+        if proc.poll() is None:  # (a pid reaped already may be another process's by now)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+        if drained:
+            proc.wait(timeout=LAUNCH_STOP_WAIT_S)
+        else:
+            proc.communicate(timeout=LAUNCH_STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if proc.poll() is None:  # its group, as the signal went: nothing left holding the pipes we read
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,16 +35,13 @@ from multigpu.launch.fork_rules import start_wish
 from multigpu.launch.forkserver import ForkServer
 from multigpu.launch.launchers import start_server, through
 from multigpu.launch.local import usable_cores
-from multigpu.launch.process import own_session_dying_with_parent
+from multigpu.launch.process import LAUNCH_STOP_WAIT_S, own_session_dying_with_parent
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import MAX_RUNS_PER_GPU, QueueEntry
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"
 CONFIG_FILE = "run.yaml"
-#: How long runs get to stop on Ctrl-C/SIGTERM: more than `multigpu run`'s --stop-timeout (120 s), so a
-#: checkpoint in progress is never cut off by the queue's SIGKILL.
-STOP_GRACE_S = 150.0
 
 
 @dataclass
@@ -346,7 +343,7 @@ class Queue:
                 proc.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.time() + STOP_GRACE_S
+        deadline = time.time() + LAUNCH_STOP_WAIT_S  # a checkpoint in progress is never cut off
         for run, proc in running:
             try:
                 code = proc.wait(timeout=max(0.1, deadline - time.time()))
