@@ -508,6 +508,55 @@ def test_ranks_waiting_for_run_on_main_say_so_early_and_then_less_often(capsys):
     assert capsys.readouterr().err == ""  # rank 2 stays quiet: rank 1 speaks for the waiting ranks
 
 
+def test_rank_0_names_a_rank_that_skipped_run_on_main_before_it_broadcasts(capsys, monkeypatch):
+    """nanoGPT's old ``if not os.path.exists(meta): run_on_main(prepare)``: a late rank sees the file rank 0
+    has just made and skips the call (seen once in 20 runs of its test: a 200 s hang). Rank 0 must not
+    broadcast its result into that rank's next collective: it waits in the store for every rank to arrive
+    and says which have not, with the fix, from FIRST_NOTICE_S on (shortened here); then it broadcasts."""
+    import time
+    import types
+
+    from multigpu.distributed import rank_zero
+
+    arrive_at = time.monotonic() + 0.4  # rank 1 arrives late (a rank that never does: the line goes on)
+    events = []
+
+    class Store:
+        def __init__(self) -> None:
+            self.values: dict = {}
+
+        def set(self, key, value):
+            self.values[key] = value
+
+        def add(self, key, amount):
+            return int(time.monotonic() >= arrive_at)
+
+    class World:  # a process group (weakly referenced by run_on_main's call counter)
+        pass
+
+    store = Store()
+    fake = types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2, get_rank=lambda: 0,
+        group=types.SimpleNamespace(WORLD=World()),
+        distributed_c10d=types.SimpleNamespace(_get_default_store=lambda: store),
+        broadcast_object_list=lambda box, src: events.append(("broadcast", time.monotonic(), list(box))))
+    monkeypatch.setattr(rank_zero, "dist", fake)
+    monkeypatch.setattr(rank_zero, "FIRST_NOTICE_S", 0.05)
+
+    def prepare() -> str:
+        return "data/meta.json"
+
+    assert rank_zero.run_on_main(prepare) == "data/meta.json"
+    (broadcast,) = events
+    assert broadcast[1] >= arrive_at and broadcast[2] == ["data/meta.json"]
+    assert list(store.values.values()) == ["ok:value"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith("multigpu: rank 0 waits for 1 of 1 other rank(s) to call "
+                                         "run_on_main(test_rank_0_names_a_rank_that_skipped_run_on_main_before_it_"
+                                         "broadcasts.<locals>.prepare) too") and "HINT: call it on every rank" in line
+                         for line in lines), lines
+
+
 STOPS_PROBE = """\
 import os, signal
 from multigpu.launch.process import StopSignals, Stopped, agent_signal_handlers, install_stops, restore_stops

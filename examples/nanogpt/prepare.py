@@ -34,8 +34,11 @@ def make_text(chars: int = 200_000, seed: int = 0) -> str:
 
 
 def prepare(folder: str | Path, chars: int = 200_000) -> Path:
-    """Write the corpus into ``folder`` (atomically enough for one writer: the files appear last)."""
+    """Write the corpus into ``folder`` (atomically enough for one writer: meta.json appears last), unless
+    it is there already: runs and resumes share one preparation."""
     folder = Path(folder)
+    if all((folder / name).is_file() for name in ("train.bin", "val.bin", "meta.json")):
+        return folder
     folder.mkdir(parents=True, exist_ok=True)
     text = make_text(chars)
     vocab = sorted(set(text))

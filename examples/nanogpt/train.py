@@ -112,9 +112,10 @@ torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 ctx = contextlib.nullcontext() if device_type == "cpu" else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
 
-# multigpu: once, on rank 0, while the others wait (they poll; no collective timeout however long it takes)
-if not os.path.exists(os.path.join(data_dir, "meta.json")):
-    mg.run_on_main(prepare, data_dir)
+# multigpu: once, on rank 0, while the others wait (they poll; no collective timeout however long it takes).
+# On every rank, unconditionally: prepare skips a folder it made before. (Under `if not exists(meta.json)`
+# a late rank would see the file rank 0 has just made and skip the call.)
+mg.run_on_main(prepare, data_dir)
 with open(os.path.join(data_dir, "meta.json")) as f:
     meta = json.load(f)
 

@@ -97,6 +97,12 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
     The others wait by polling the rendezvous store, not inside a collective, so an hour of data
     preparation never trips the collective timeout; they print a line every ``notice_every_s`` so the
     wait is never silent. If ``fn`` raises on rank 0, every rank raises.
+
+    Call it on every rank, unconditionally: make ``fn`` skip work already done (as SpeechBrain's recipes
+    skip a finished data preparation). Under ``if not os.path.exists(made_by_fn):`` a rank that comes late
+    sees the file rank 0 has just made and skips the call, and rank 0 would pair the broadcast of its
+    result with that rank's next collective (a hang, or garbage). Rank 0 first waits, in the store, for
+    every rank to arrive, saying which have not: the mistake is named in 10 s, not a silent hang.
     """
     if not _group_ready():
         world = detect_world()
@@ -116,6 +122,7 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
     store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already shares
     me = dist.get_rank()
     box: list[Any] = [None]  # rank 0's result, sent to the others
+    others = dist.get_world_size() - 1
     if me == 0:
         try:
             result = fn(*args, **kwargs)
@@ -126,8 +133,25 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
         if result is None:
             return result
         box[0] = result
+        arrived = [0]  # as the last poll saw it
+
+        def all_arrived() -> bool:
+            arrived[0] = store.add(f"{key}/arrived", 0)
+            return arrived[0] >= others
+
+        try:
+            _poll(all_arrived, lambda waited: (
+                f"multigpu: rank 0 waits for {others - arrived[0]} of {others} other rank(s) to call "
+                f"run_on_main({_name(fn)}) too ({waited:.0f} s so far). HINT: call it on every rank, not under a "
+                "condition a rank can see differently (a file rank 0 has just made); let the function skip work "
+                "already done."), notice_every_s, FIRST_NOTICE_S)
+        except RuntimeError as exc:  # the store (hosted by the launcher) went away: the job is stopping
+            raise MultiGPUError(f"run_on_main({_name(fn)}) lost the store while waiting for the other ranks "
+                                f"({' '.join(str(exc).split())[:120]}).", "a rank failed or was stopped; its own "
+                                "error is above.") from None
     else:
-        status = _wait_for(store, key, fn, me, notice_every_s, dist.get_world_size() - 1)
+        store.add(f"{key}/arrived", 1)
+        status = _wait_for(store, key, fn, me, notice_every_s, others)
         if status.startswith("error:"):
             raise MultiGPUError(
                 f"run_on_main({_name(fn)}) failed on rank 0 ({status[6:200]}).",
@@ -139,34 +163,45 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
     return cast(T, box[0])  # rank 0's result
 
 
-#: The first "still waiting" line comes after this long; later ones at twice the interval, up to
-#: ``notice_every_s`` (a wait is never silent for long, and an hour-long one is not a wall of lines).
+#: The first "still waiting" line comes after this long; later ones at twice the interval (``_poll``).
 FIRST_NOTICE_S = 10.0
 
 
 def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float, others: int,
               first_notice_s: float = FIRST_NOTICE_S) -> str:
-    started = time.monotonic()
-    next_notice, interval = started + min(first_notice_s, notice_every_s), min(first_notice_s, notice_every_s)
-    delay = 0.01
+    """Rank ``me``'s wait for rank 0's status of ``fn`` under ``key``; rank 1 speaks for the waiting ranks."""
+    who = "rank 1" if others == 1 else f"ranks 1-{others}"
     try:
-        while not store.check([key]):
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-            now = time.monotonic()
-            if now >= next_notice:
-                interval = min(interval * 2, notice_every_s)
-                next_notice = now + interval
-                if me == 1:  # one line for all the waiting ranks
-                    who = "rank 1" if others == 1 else f"ranks 1-{others}"
-                    print(f"multigpu: {who} wait for rank 0 to finish {_name(fn)} ({now - started:.0f} s so far)",
-                          file=sys.stderr, flush=True)
+        _poll(lambda: store.check([key]), lambda waited: (
+            f"multigpu: {who} wait for rank 0 to finish {_name(fn)} ({waited:.0f} s so far)" if me == 1 else None),
+            notice_every_s, first_notice_s)
         return store.get(key).decode()
     except RuntimeError as exc:  # the store (hosted by rank 0 or its launcher) went away
         raise MultiGPUError(
             f"run_on_main({_name(fn)}) lost rank 0 while waiting for it ({' '.join(str(exc).split())[:120]}).",
             "rank 0 failed or was stopped; its own error is above.",
         ) from None
+
+
+def _poll(ready: Callable[[], bool], notice: Callable[[float], Optional[str]], notice_every_s: float,
+          first_notice_s: float) -> None:
+    """Wait until ``ready()``, polling ever less often (up to 0.5 s); ``notice(seconds waited)``'s line (None:
+    none) after ``first_notice_s``, then at doubling intervals up to ``notice_every_s``: a wait is never
+    silent for long, and an hour-long one is not a wall of lines."""
+    started = time.monotonic()
+    interval = min(first_notice_s, notice_every_s)
+    next_notice = started + interval
+    delay = 0.01
+    while not ready():
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+        now = time.monotonic()
+        if now >= next_notice:
+            interval = min(interval * 2, notice_every_s)
+            next_notice = now + interval
+            line = notice(now - started)
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
 
 
 def _name(fn: Callable) -> str:
