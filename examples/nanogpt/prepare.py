@@ -34,8 +34,8 @@ def make_text(chars: int = 200_000, seed: int = 0) -> str:
 
 
 def prepare(folder: str | Path, chars: int = 200_000) -> Path:
-    """Write the corpus into ``folder`` (atomically enough for one writer: meta.json appears last), unless
-    it is there already: runs and resumes share one preparation."""
+    """Write the corpus into ``folder`` (each file written whole, then renamed; meta.json last), unless it
+    is there already: runs and resumes share one preparation."""
     folder = Path(folder)
     if all((folder / name).is_file() for name in ("train.bin", "val.bin", "meta.json")):
         return folder
@@ -49,7 +49,9 @@ def prepare(folder: str | Path, chars: int = 200_000) -> Path:
         tmp = folder / (name + ".tmp")
         part.tofile(tmp)
         tmp.replace(folder / name)
-    (folder / "meta.json").write_text(json.dumps({"vocab_size": len(vocab), "itos": vocab}))
+    tmp = folder / "meta.json.tmp"
+    tmp.write_text(json.dumps({"vocab_size": len(vocab), "itos": vocab}))
+    tmp.replace(folder / "meta.json")
     return folder
 
 

@@ -102,7 +102,7 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
     skip a finished data preparation). Under ``if not os.path.exists(made_by_fn):`` a rank that comes late
     sees the file rank 0 has just made and skips the call, and rank 0 would pair the broadcast of its
     result with that rank's next collective (a hang, or garbage). Rank 0 first waits, in the store, for
-    every rank to arrive, saying which have not: the mistake is named in 10 s, not a silent hang.
+    every rank to arrive, naming those that have not after 10 s: the mistake is named, not a silent hang.
     """
     if not _group_ready():
         world = detect_world()
@@ -133,24 +133,14 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
         if result is None:
             return result
         box[0] = result
-        arrived = [0]  # as the last poll saw it
-
-        def all_arrived() -> bool:
-            arrived[0] = store.add(f"{key}/arrived", 0)
-            return arrived[0] >= others
-
         try:
-            _poll(all_arrived, lambda waited: (
-                f"multigpu: rank 0 waits for {others - arrived[0]} of {others} other rank(s) to call "
-                f"run_on_main({_name(fn)}) too ({waited:.0f} s so far). HINT: call it on every rank, not under a "
-                "condition a rank can see differently (a file rank 0 has just made); let the function skip work "
-                "already done."), notice_every_s, FIRST_NOTICE_S)
+            _poll(lambda: store.add(f"{key}/arrived", 0) >= others, lambda waited: _not_arrived(
+                store, key, fn, others, waited), notice_every_s, FIRST_NOTICE_S)
         except RuntimeError as exc:  # the store (hosted by the launcher) went away: the job is stopping
             raise MultiGPUError(f"run_on_main({_name(fn)}) lost the store while waiting for the other ranks "
                                 f"({' '.join(str(exc).split())[:120]}).", "a rank failed or was stopped; its own "
                                 "error is above.") from None
     else:
-        store.add(f"{key}/arrived", 1)
         status = _wait_for(store, key, fn, me, notice_every_s, others)
         if status.startswith("error:"):
             raise MultiGPUError(
@@ -172,6 +162,8 @@ def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float
     """Rank ``me``'s wait for rank 0's status of ``fn`` under ``key``; rank 1 speaks for the waiting ranks."""
     who = "rank 1" if others == 1 else f"ranks 1-{others}"
     try:
+        store.set(f"{key}/arrived/{me}", "1")  # here (rank 0 waits for every rank before it broadcasts)
+        store.add(f"{key}/arrived", 1)
         _poll(lambda: store.check([key]), lambda waited: (
             f"multigpu: {who} wait for rank 0 to finish {_name(fn)} ({waited:.0f} s so far)" if me == 1 else None),
             notice_every_s, first_notice_s)
@@ -192,9 +184,7 @@ def _poll(ready: Callable[[], bool], notice: Callable[[float], Optional[str]], n
     interval = min(first_notice_s, notice_every_s)
     next_notice = started + interval
     delay = 0.01
-    while not ready():
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+    while not ready():  # (a notice only right after a poll that found it not ready)
         now = time.monotonic()
         if now >= next_notice:
             interval = min(interval * 2, notice_every_s)
@@ -202,6 +192,20 @@ def _poll(ready: Callable[[], bool], notice: Callable[[float], Optional[str]], n
             line = notice(now - started)
             if line is not None:
                 print(line, file=sys.stderr, flush=True)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _not_arrived(store: Any, key: str, fn: Callable, others: int, waited: float) -> Optional[str]:
+    """Rank 0's line for the ranks that have not called run_on_main ``key`` yet (asked only when a line is
+    due: one store request per rank), or None once they all have."""
+    missing = [r for r in range(1, others + 1) if not store.check([f"{key}/arrived/{r}"])]
+    if not missing:
+        return None
+    shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return (f"multigpu: rank 0 waits for rank(s) {shown} to call run_on_main({_name(fn)}) too ({waited:.0f} s "
+            "so far). HINT: if a rank skips the call (under a condition it can see differently, such as a file "
+            "rank 0 has just made), call it on every rank and let the function skip work already done.")
 
 
 def _name(fn: Callable) -> str:
