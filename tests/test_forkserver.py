@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import PY, SCRIPTS, child_env, processes_with, wait_for_files, wait_until_gone
-from conftest import multigpu as _multigpu
+from conftest import PY, SCRIPTS, child_env, multigpu as _multigpu, processes_with, wait_for_files, wait_until_gone
 
 from multigpu.launch.forkserver import declines
 

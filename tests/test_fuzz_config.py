@@ -11,8 +11,7 @@ import time
 from typing import Optional
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from multigpu import config
 from multigpu.errors import ConfigError

@@ -12,8 +12,7 @@ import json
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from multigpu import config, validate
 from multigpu.errors import MultiGPUError, shown, visible

@@ -19,9 +19,9 @@ from test_hostile_inputs import (
     PWNED,
     Case,
     case_server,  # noqa: F401 - the fixture, shared
+    test_hostile_input as run_case,
     write,
 )
-from test_hostile_inputs import test_hostile_input as run_case
 
 pytestmark = pytest.mark.timeout(120)
 FT = {"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9"}

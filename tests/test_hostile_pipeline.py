@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-from test_hostile_inputs import HANG_S, Case, CaseServer, case_server, write  # noqa: F401  (case_server: the fixture)
-from test_hostile_inputs import test_hostile_input as check_case
+from test_hostile_inputs import HANG_S, Case, CaseServer, case_server, test_hostile_input as check_case, write  # noqa: F401  (case_server: the fixture)
 
 pytestmark = pytest.mark.timeout(120)
 DIGITS = str(REPO / "examples" / "digits" / "train.py")

@@ -178,8 +178,7 @@ def test_a_trainer_with_everything_on_still_trains(tmp_path):
 def test_the_mapping_settings_are_values_or_one_line():
     """Property: whatever YAML gives activation_checkpointing or profile, the checker returns the one form
     the strategies and the profiler read, or raises one line."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
+    from hypothesis import HealthCheck, given, settings, strategies as st
 
     from multigpu import validate
     from multigpu.errors import MultiGPUError

@@ -15,8 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import PY, SCRIPTS, child_env, listening, wait_for_files, wait_until_gone
-from conftest import multigpu as _multigpu
+from conftest import PY, SCRIPTS, child_env, listening, multigpu as _multigpu, wait_for_files, wait_until_gone
 
 # A test here launches one or two short 2-process runs (each up to ~1 min on 2 busy cores, capped at 60-180 s
 # by its own subprocess timeout); a hang ends here.

@@ -86,7 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = _with_default_actions(list(sys.argv[1:] if argv is None else argv))
     try:
         args = build_parser().parse_args(argv)  # inside: a flag's own check (a refused torchrun flag) is a refusal too
-        return args.handler(args)
+        status: int = args.handler(args)
+        return status
     except MultiGPUError as exc:
         print(exc.one_line(), file=sys.stderr)
         return EXIT_REFUSED

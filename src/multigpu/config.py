@@ -156,7 +156,7 @@ def read_text_file(path: Union[str, Path], what: str = "file", limit: int = MAX_
                           "save the file as UTF-8.") from None
 
 
-def load_yaml(path: Union[str, Path]) -> tuple[dict, Lines]:
+def load_yaml(path: Union[str, Path]) -> tuple[dict[str, Any], Lines]:
     """The mapping in ``path`` and the line of every (nested) key."""
     data, lines = parse_yaml(read_text_file(path, "YAML file"), str(path))
     if data is None:
@@ -184,7 +184,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def set_dotted(data: dict, dotted: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = data
     for part in parts[:-1]:
@@ -198,7 +198,7 @@ def set_dotted(data: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     """Deep merge: nested mappings merge key by key, everything else is replaced."""
     out = dict(base)
     for key, value in update.items():
@@ -360,7 +360,8 @@ def to_dict(obj: Any) -> Any:
 
 
 def dump_yaml(obj: Any) -> str:
-    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+    text: str = yaml.safe_dump(to_dict(obj), sort_keys=False)
+    return text
 
 
 # --------------------------------------------------------------------------------- inheritance
@@ -387,7 +388,7 @@ def _values(value: Any) -> int:
     return 1
 
 
-def _bound_expansion(own: Mapping[str, dict], parents: Mapping[str, Optional[str]], source: str) -> None:
+def _bound_expansion(own: Mapping[str, dict[str, Any]], parents: Mapping[str, Optional[str]], source: str) -> None:
     """Refuse, before merging anything, a file whose runs would expand past MAX_RESOLVED_VALUES."""
     sizes = {name: _values(settings) for name, settings in own.items()}
     total = 0
@@ -403,7 +404,8 @@ def _bound_expansion(own: Mapping[str, dict], parents: Mapping[str, Optional[str
                               "is resolved.", "split the runs file, or give large parents fewer settings.")
 
 
-def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>", lines: Optional[Lines] = None) -> dict[str, dict]:
+def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>",
+                        lines: Optional[Lines] = None) -> dict[str, dict[str, Any]]:
     """``{"net": {...}, "larger_net < net": {...}}`` -> every entry with its ancestors' settings merged in.
 
     ``child < parent`` takes every setting of ``parent`` (deeply: nested groups merge key by key) and
@@ -411,7 +413,7 @@ def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>", lines: 
     naming the line.
     """
     lines = lines or {}
-    own: dict[str, dict] = {}
+    own: dict[str, dict[str, Any]] = {}
     parents: dict[str, Optional[str]] = {}
     defined_at: dict[str, str] = {}
     for key, value in data.items():
@@ -431,9 +433,9 @@ def resolve_inheritance(data: Mapping[str, Any], source: str = "<runs>", lines: 
             hint = f"did you mean {close[0]!r}?" if close else f"defined runs: {', '.join(own)}."
             raise ConfigError(f"{defined_at[name]}: {name!r} inherits from {parent!r}, which is not defined.", hint)
     _bound_expansion(own, parents, source)
-    resolved: dict[str, dict] = {}
+    resolved: dict[str, dict[str, Any]] = {}
 
-    def resolve(name: str, chain: tuple[str, ...]) -> dict:
+    def resolve(name: str, chain: tuple[str, ...]) -> dict[str, Any]:
         if len(chain) > MAX_INHERITANCE:
             raise ConfigError(f"{defined_at[name]}: inheritance chain longer than {MAX_INHERITANCE} runs.",
                               "shorten the chain of `child < parent` entries.")

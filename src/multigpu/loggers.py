@@ -357,7 +357,7 @@ class Loggers:
 
 def hparams_of(settings: Mapping[str, Any], config: Any) -> dict[str, Any]:
     """What a run logs as hyperparameters: the recipe's resolved config and the Trainer settings."""
-    plain = json.loads(json.dumps({"config": config, "trainer": settings}, default=str))
+    plain: dict[str, Any] = json.loads(json.dumps({"config": config, "trainer": settings}, default=str))
     return plain
 
 

@@ -181,7 +181,7 @@ def sweep_records(folder: Path) -> list[Path]:
             if kind == "file" and name.endswith(".json") and not name.startswith(".")]
 
 
-def read_record(path: Path) -> dict:
+def read_record(path: Path) -> dict[str, Any]:
     """A sweep record, checked: anything malformed in it is a ConfigError naming the file, never a
     traceback (it is data from disk - a folder someone sent you)."""
     import json
@@ -270,7 +270,7 @@ def plot_sweep(record: Path, out: Path, top: int = 5) -> Path:
     return out
 
 
-def _value_panel(panel: Axes, key: str, space: dict, trials: list[dict], metric: str) -> None:
+def _value_panel(panel: Axes, key: str, space: dict[str, Any], trials: list[dict[str, Any]], metric: str) -> None:
     """``metric`` against one swept override: a list of values (grid, choice) or text on evenly spaced
     ticks in their order; a range on its own axis (log for loguniform)."""
     values = [t["values"].get(key) for t in trials]

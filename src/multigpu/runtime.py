@@ -42,8 +42,7 @@ from multigpu.distributed.session import DistSession, GroupSettings, choose_devi
 from multigpu.distributed.world import World, detect_world
 from multigpu.errors import ConfigError, visible
 from multigpu.fileio import inside
-from multigpu.guards import Guards, GuardSettings, consistency, interrupt
-from multigpu.guards import probe as check_probe
+from multigpu.guards import Guards, GuardSettings, consistency, interrupt, probe as check_probe
 from multigpu.strategies import Strategy, make_strategy
 from multigpu.strategies.base import OptimizerLike
 
@@ -265,7 +264,7 @@ class Run:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self._need_strategy().unwrap(model)
 
-    def state_dict(self, model: nn.Module) -> dict:
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The model's full weights with plain names (no ``module.``/``_orig_mod.``), ready for a plain model.
 
         Sharded models are gathered to global rank 0 on the CPU - a collective: call it on every rank
@@ -360,8 +359,8 @@ class Run:
         self.guards.ensure_usable(doing)
 
     # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
-    def save_checkpoint(self, directory: str | Path, step: int, state: dict, keep_last: Optional[int] = None,
-                        meta: Optional[dict] = None, rank_state: Optional[dict] = None,
+    def save_checkpoint(self, directory: str | Path, step: int, state: dict[str, Any], keep_last: Optional[int] = None,
+                        meta: Optional[dict[str, Any]] = None, rank_state: Optional[dict[str, Any]] = None,
                         asynchronous: bool = False) -> Path:
         """Write ``state`` as an atomic, verified checkpoint; every rank calls this and returns after it exists.
 
@@ -406,7 +405,7 @@ class Run:
         return self._checkpoints.latest(Path(directory), checksums)
 
     def load_checkpoint(self, where: "str | Path | checkpoint_files.CheckpointInfo", model: Optional[nn.Module] = None,
-                        optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[dict]:
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[dict[str, Any]]:
         """Load a checkpoint: ``where`` is a ``step-N`` folder, a folder of them (the newest good one), or
         what ``latest_checkpoint`` returned (already verified).
 

@@ -200,7 +200,7 @@ class Rule:
     kind: type
     low: Optional[float] = None
     high: Optional[float] = None
-    choices: Optional[tuple] = None
+    choices: Optional[tuple[Any, ...]] = None
     optional: bool = False
     #: The lowest value is excluded (a positive number of seconds).
     positive: bool = False

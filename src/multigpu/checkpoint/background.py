@@ -27,7 +27,7 @@ class Stager:
     """Copies of a state's tensors in CPU memory, in buffers reused from one save to the next."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._cuda = False
 
     def stage(self, state: Any) -> Any:
@@ -38,7 +38,7 @@ class Stager:
             torch.cuda.synchronize()  # the copies were issued non-blocking into pinned memory
         return staged
 
-    def _copy(self, value: Any, path: tuple) -> Any:
+    def _copy(self, value: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
             return self._tensor(value.detach(), path)
         if isinstance(value, dict):
@@ -55,7 +55,7 @@ class Stager:
             return type(value)(self._copy(v, (*path, i)) for i, v in enumerate(value))
         return copy.deepcopy(value)
 
-    def _tensor(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+    def _tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         if tensor.layout != torch.strided or type(tensor) is not torch.Tensor:
             return tensor.to("cpu", copy=True)  # sparse, DTensor...: a plain copy, not cached
         key = (path, tuple(tensor.shape), tensor.dtype)

@@ -210,7 +210,7 @@ def _check_chunks(chunks: Any, size: torch.Size, folder: Path, budget: list[int]
             raise _refuse(folder, "has a scalar stored more than once.")
         return
     boxes.sort()
-    active: list[tuple[tuple, tuple]] = []
+    active: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
     for lo, hi in boxes:
         active = [box for box in active if box[1][0] > lo[0]]
         for other_lo, other_hi in active:
@@ -241,7 +241,7 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def read_checked_metadata(folder: Path, manifest: dict) -> Metadata:
+def read_checked_metadata(folder: Path, manifest: dict[str, Any]) -> Metadata:
     """The folder's ``.metadata``, read safely and checked against the manifest's files."""
     metadata = read_metadata_file(Path(folder) / METADATA)
     check_metadata(metadata, Path(folder), manifest_sizes(manifest))
@@ -280,7 +280,7 @@ class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
     """DCP's default load planner (into an existing state dict), non-tensor entries loaded safely."""
 
 
-def manifest_sizes(manifest: dict) -> dict[str, int]:
+def manifest_sizes(manifest: dict[str, Any]) -> dict[str, int]:
     return {name: int(entry["size"]) for name, entry in manifest["files"].items()}
 
 

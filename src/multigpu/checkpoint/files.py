@@ -32,32 +32,32 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu.checkpoint.place import (  # noqa: F401 - the names this module has always offered
-    CHECKSUM,
-    MANIFEST,
-    OLD,
-    STATE_FILE,
-    CheckpointInfo,
-    HashingWriter,
-    Place,
-    digest_of,
-    file_digest,
-    manifest_entry,
-    split,
-    step_name,
+from multigpu.checkpoint.place import (  # explicit re-exports: the names this module has always offered
+    CHECKSUM as CHECKSUM,
+    MANIFEST as MANIFEST,
+    OLD as OLD,
+    STATE_FILE as STATE_FILE,
+    CheckpointInfo as CheckpointInfo,
+    HashingWriter as HashingWriter,
+    Place as Place,
+    digest_of as digest_of,
+    file_digest as file_digest,
+    manifest_entry as manifest_entry,
+    split as split,
+    step_name as step_name,
 )
-from multigpu.checkpoint.reading import (  # noqa: F401
-    MAX_MANIFEST_BYTES,
-    REQUIRED,
-    check_contents,
-    check_manifest,
-    is_checkpoint,
-    latest,
-    list_checkpoints,
-    load_state,
-    read_manifest,
-    safe_member_name,
-    verify,
+from multigpu.checkpoint.reading import (  # explicit re-exports
+    MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
+    REQUIRED as REQUIRED,
+    check_contents as check_contents,
+    check_manifest as check_manifest,
+    is_checkpoint as is_checkpoint,
+    latest as latest,
+    list_checkpoints as list_checkpoints,
+    load_state as load_state,
+    read_manifest as read_manifest,
+    safe_member_name as safe_member_name,
+    verify as verify,
 )
 from multigpu.errors import CheckpointError, visible
 from multigpu.fileio import Folder, PathLike
@@ -76,7 +76,7 @@ class Draft:
 
     def __init__(self, place: Place, name: str) -> None:
         self.place, self.name = place, name
-        self.entries: dict[str, dict] = {}
+        self.entries: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def sharded(cls, directory: PathLike, step: int) -> "Draft":
@@ -116,7 +116,7 @@ class Draft:
         self.place.root.remove_tree(self.rel)
 
 
-def unpicklable_key(obj: Any, where: str = "", depth: int = 0, seen: Optional[set] = None) -> Optional[str]:
+def unpicklable_key(obj: Any, where: str = "", depth: int = 0, seen: Optional[set[Any]] = None) -> Optional[str]:
     """The key path (``extra.schedule_fn``) of the first value in ``obj`` that pickle refuses, or None.
     Walked only after a save failed: tensors are skipped, every other leaf is pickled on its own."""
     seen = set() if seen is None else seen
@@ -194,7 +194,7 @@ def _files_of(root: Folder, rel: str, prefix: str = "") -> list[str]:
     return found
 
 
-def finalize(draft: Draft, step: int, meta: Optional[dict] = None, overwrite: bool = True) -> Path:
+def finalize(draft: Draft, step: int, meta: Optional[dict[str, Any]] = None, overwrite: bool = True) -> Path:
     """Checksum (and fsync) what is not yet, write the manifest last, rename into place.
 
     Replacing an existing step takes two renames (old aside to ``.old-step-N-*``, new into place); a
@@ -235,7 +235,7 @@ def _fsync_file(root: Folder, rel: str) -> None:
 
 
 def finalize_folder(tmp: PathLike, step: int, digests: Optional[dict[str, tuple[int, str]]] = None,
-                    meta: Optional[dict] = None, overwrite: bool = True) -> Path:
+                    meta: Optional[dict[str, Any]] = None, overwrite: bool = True) -> Path:
     """:func:`finalize` for a temporary folder given by path (``digests``: name -> (size, crc32))."""
     tmp = Path(tmp)
     draft = Draft(Place.of(tmp.parent), tmp.name)
@@ -245,7 +245,7 @@ def finalize_folder(tmp: PathLike, step: int, digests: Optional[dict[str, tuple[
 
 
 def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Draft], Any],
-                            meta: Optional[dict] = None, overwrite: bool = True) -> Path:
+                            meta: Optional[dict[str, Any]] = None, overwrite: bool = True) -> Path:
     """Create ``directory/step-<N>`` atomically: ``fill(draft)`` writes the files (``draft.save``).
     ``overwrite=False``: an existing ``step-<N>`` is an error, checked before anything is written."""
     place = Place.of(directory)
@@ -261,7 +261,7 @@ def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Draf
         raise
 
 
-def save_state(directory: PathLike, step: int, state: dict, meta: Optional[dict] = None) -> Path:
+def save_state(directory: PathLike, step: int, state: dict[str, Any], meta: Optional[dict[str, Any]] = None) -> Path:
     """Save one ``state.pt`` (for replicated strategies: called on one rank only)."""
     return write_checkpoint_folder(directory, step, lambda draft: draft.save(STATE_FILE, state), meta)
 

@@ -23,7 +23,7 @@ from multigpu.errors import CheckpointError
 
 Unwrap = Callable[[nn.Module], nn.Module]
 #: Collects one object from every rank on rank 0 (a list there, None elsewhere).
-Gather = Callable[[Any], Optional[list]]
+Gather = Callable[[Any], Optional[list[Any]]]
 Pending = Union[PendingSave, Finished]
 
 
@@ -31,20 +31,20 @@ class CheckpointIO(Protocol):
     #: Written into the manifest and shown by ``multigpu checkpoint list``.
     kind: str
 
-    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-             meta: dict, gather: Optional[Gather] = None) -> Path:
+    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
+             meta: dict[str, Any], gather: Optional[Gather] = None) -> Path:
         """Every rank calls this; returns once ``directory/step-N`` exists."""
 
-    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-                   meta: dict, stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
+                   meta: dict[str, Any], stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
         """Every rank calls this; returns once the state is staged, the write goes on in the background
         (then ``after`` runs on rank 0: pruning)."""
 
-    def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
-             map_location: Any) -> dict:
+    def load(self, path: Path, manifest: dict[str, Any], model: Optional[nn.Module], optimizer: Any,
+             map_location: Any) -> dict[str, Any]:
         """Restore model and optimizer in place; return the rest of the saved state."""
 
-    def model_state(self, model: nn.Module) -> dict:
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
         """The model's full weights with plain names (a collective for sharded models)."""
 
 
@@ -62,10 +62,10 @@ class ReplicatedIO:
         self.is_main = is_main
         self.unwrap = unwrap
 
-    def model_state(self, model: nn.Module) -> dict:
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
         return clean_state_dict(self.unwrap(model).state_dict())
 
-    def _plain(self, model: Optional[nn.Module], optimizer: Any, rest: dict) -> dict:
+    def _plain(self, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any]) -> dict[str, Any]:
         plain = dict(rest)
         if isinstance(model, nn.Module):
             plain["model"] = self.model_state(model)
@@ -73,14 +73,14 @@ class ReplicatedIO:
             plain["optimizer"] = optimizer.state_dict()
         return plain
 
-    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-             meta: dict, gather: Optional[Gather] = None) -> Path:
+    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
+             meta: dict[str, Any], gather: Optional[Gather] = None) -> Path:
         if self.is_main:
             return files.save_state(directory, step, self._plain(model, optimizer, rest), meta=meta)
         return Path(directory) / files.step_name(step)
 
-    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-                   meta: dict, stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
+                   meta: dict[str, Any], stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
         final = Path(directory) / files.step_name(step)
         if not self.is_main:
             return Finished(final)
@@ -93,8 +93,8 @@ class ReplicatedIO:
 
         return PendingSave(final, write)
 
-    def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
-             map_location: Any) -> dict:
+    def load(self, path: Path, manifest: dict[str, Any], model: Optional[nn.Module], optimizer: Any,
+             map_location: Any) -> dict[str, Any]:
         if manifest.get("sharded"):
             raise CheckpointError(
                 f"{path} is a sharded (DCP) checkpoint; this run's strategy keeps whole replicas and reads "
@@ -121,17 +121,18 @@ class ShardedIO:
         self.is_main = is_main
         self.barrier = barrier
 
-    def model_state(self, model: nn.Module) -> dict:
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         gathered = getattr(model, "full_state_dict", None)  # pipeline stages: the other stages live on other ranks
         if callable(gathered):
-            return gathered()
+            full: dict[str, Any] = gathered()
+            return full
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return clean_state_dict(get_model_state_dict(model, options=options))
 
-    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-             meta: dict, gather: Optional[Gather] = None) -> Path:
+    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
+             meta: dict[str, Any], gather: Optional[Gather] = None) -> Path:
         if not isinstance(model, nn.Module):
             raise CheckpointError("a sharded checkpoint needs the model under state['model'].",
                                   "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
@@ -140,18 +141,19 @@ class ShardedIO:
         return sharded.save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
                             barrier=self.barrier, meta=meta, gather=gather)
 
-    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict,
-                   meta: dict, stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
+                   meta: dict[str, Any], stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
         if not isinstance(model, nn.Module):
             raise CheckpointError("a sharded checkpoint needs the model under state['model'].",
                                   "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
         from multigpu.checkpoint import sharded
 
-        return sharded.start_save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
-                                  barrier=self.barrier, meta=meta, stager=stager, group=group, after=after)
+        pending: Pending = sharded.start_save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
+                                              barrier=self.barrier, meta=meta, stager=stager, group=group, after=after)
+        return pending
 
-    def load(self, path: Path, manifest: dict, model: Optional[nn.Module], optimizer: Any,
-             map_location: Any) -> dict:
+    def load(self, path: Path, manifest: dict[str, Any], model: Optional[nn.Module], optimizer: Any,
+             map_location: Any) -> dict[str, Any]:
         if model is None:
             raise CheckpointError(f"{path} is loaded by a sharded strategy: it loads into a model, not into a dict.",
                                   "pass model= (and optimizer=), or consolidate it with `multigpu checkpoint consolidate`.")

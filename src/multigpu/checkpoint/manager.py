@@ -38,7 +38,7 @@ class CheckpointManager:
 
     session: DistSession
     io: Callable[[], CheckpointIO]
-    quiet: Callable[[], ContextManager]
+    quiet: Callable[[], ContextManager[None]]
     say: Callable[[str], None]
     _pending: Optional[Pending] = field(default=None, init=False, repr=False)
     _stager: Stager = field(default_factory=Stager, init=False, repr=False)
@@ -48,8 +48,8 @@ class CheckpointManager:
     def _world(self) -> Any:
         return self.session.world
 
-    def save(self, directory: Path, step: int, state: dict, keep_last: Optional[int], meta: dict,
-             rank_state: Optional[dict], asynchronous: bool = False) -> Path:
+    def save(self, directory: Path, step: int, state: dict[str, Any], keep_last: Optional[int], meta: dict[str, Any],
+             rank_state: Optional[dict[str, Any]], asynchronous: bool = False) -> Path:
         """Write ``state`` (model and optimizer as objects, the rest as values) atomically; every rank calls it.
         ``asynchronous``: return once it is staged in CPU memory (the path exists after :meth:`wait`)."""
         self.wait()  # at most one save in flight
@@ -122,7 +122,7 @@ class CheckpointManager:
             self._async_group = dist.new_group(backend="gloo", timeout=self.session.settings.timeout)
         return self._async_group
 
-    def _gather(self, value: Any) -> Optional[list]:
+    def _gather(self, value: Any) -> Optional[list[Any]]:
         if not self.session.active:
             return [value]
         gathered: Optional[list[Any]] = [None] * self._world.world_size if self._world.is_main else None
@@ -149,7 +149,7 @@ class CheckpointManager:
         return files.latest(directory, checksums=checksums, report=self.say)
 
     def load(self, where: "str | Path | files.CheckpointInfo", model: Optional[nn.Module],
-             optimizer: Optional[torch.optim.Optimizer], device: torch.device) -> Optional[dict]:
+             optimizer: Optional[torch.optim.Optimizer], device: torch.device) -> Optional[dict[str, Any]]:
         """A ``step-N`` folder (verified first), a folder of them (the newest good one) or what ``latest``
         returned; model and optimizer restored in place, the rest returned (None: no checkpoint)."""
         if isinstance(where, files.CheckpointInfo):
@@ -167,7 +167,7 @@ class CheckpointManager:
         return self._restore_rank_states(state)
 
     # ------------------------------------------------------------------ per-rank state
-    def _gather_rank_states(self, rank_state: Optional[dict]) -> list[dict]:
+    def _gather_rank_states(self, rank_state: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = {"rng": rng.capture(), "own": _to_cpu(rank_state) if rank_state is not None else None}
         if not self.session.active:
             return [mine]
@@ -175,7 +175,7 @@ class CheckpointManager:
         dist.gather_object(mine, gathered, dst=0, group=self.session.control)
         return gathered if gathered is not None else []
 
-    def _restore_rank_states(self, state: dict) -> dict:
+    def _restore_rank_states(self, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's random streams from the checkpoint; its own state as ``state["rank_state"]``.
         When the world size changed, rank r takes old rank r's (ranks beyond take rank 0's streams)."""
         rank, size = self._world.rank, self._world.world_size

@@ -38,7 +38,7 @@ CHECKSUM = "xxh3" if xxhash is not None else "crc32"
 class CheckpointInfo:
     path: Path
     step: int
-    meta: dict
+    meta: dict[str, Any]
 
 
 # ---------------------------------------------------------------------------------------- places
@@ -158,7 +158,7 @@ class HashingWriter:
         self.handle.flush()
 
 
-def manifest_entry(size: int, kind: str, digest: str) -> dict:
+def manifest_entry(size: int, kind: str, digest: str) -> dict[str, Any]:
     return {"size": size, kind: digest}
 
 

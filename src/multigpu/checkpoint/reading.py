@@ -40,7 +40,7 @@ _DIGESTS = {"xxh3": re.compile(r"[0-9a-f]{16}"), "crc32": re.compile(r"[0-9a-f]{
 REQUIRED = {False: (STATE_FILE,), True: (".metadata", "extra.pt")}
 
 
-def read_manifest(path: PathLike) -> dict:
+def read_manifest(path: PathLike) -> dict[str, Any]:
     """The manifest of checkpoint folder ``path``, its structure checked (a CheckpointError otherwise)."""
     folder, name = split(path)
     shown = visible(str(Path(path) / MANIFEST))
@@ -56,7 +56,7 @@ def read_manifest(path: PathLike) -> dict:
         raise CheckpointError(f"{shown} is larger than {MAX_MANIFEST_BYTES >> 20} MiB: not a multigpu manifest.",
                               "delete the folder.")
     try:
-        manifest = json.loads(raw.decode("utf-8"))
+        manifest: dict[str, Any] = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{shown} is not valid JSON ({visible(' '.join(str(exc).split())[:100])}).",
                               "delete the folder.") from None
@@ -93,7 +93,7 @@ def check_manifest(manifest: Any, where: PathLike) -> None:
         raise bad("a sharded checkpoint lists no .distcp shard")
 
 
-def _checksum(entry: dict) -> Optional[tuple[str, str]]:
+def _checksum(entry: dict[str, Any]) -> Optional[tuple[str, str]]:
     """(kind, digest) of a manifest entry: exactly one known checksum, well formed."""
     found = [(kind, entry[kind]) for kind in _DIGESTS if kind in entry]
     if len(found) != 1 or not isinstance(found[0][1], str) or not _DIGESTS[found[0][0]].fullmatch(found[0][1]):
@@ -114,10 +114,11 @@ def safe_member_name(name: Any, where: PathLike) -> str:
         raise CheckpointError(f"{visible(str(where))} names the file '{visible(str(name)[:80])}', which is not inside the "
                               "checkpoint folder (or not a plain name).",
                               "the manifest is corrupt or was tampered with; delete the folder.")
-    return name
+    checked: str = name
+    return checked
 
 
-def verify(path: PathLike, checksums: bool = True, contents: bool = True) -> dict:
+def verify(path: PathLike, checksums: bool = True, contents: bool = True) -> dict[str, Any]:
     """Raise :class:`CheckpointError` unless every file listed in the manifest is there, whole and
     unchanged, and (``contents``) the files that will be unpickled pass the checks of
     :mod:`multigpu.checkpoint.untrusted`. Reads only."""
@@ -163,7 +164,7 @@ def verify(path: PathLike, checksums: bool = True, contents: bool = True) -> dic
     return manifest
 
 
-def check_contents(path: Path, manifest: dict) -> None:
+def check_contents(path: Path, manifest: dict[str, Any]) -> None:
     """What loading will unpickle, checked with limits first (a CheckpointError: skip this checkpoint)."""
     folder, name = split(path)
     if manifest.get("sharded"):
@@ -219,7 +220,7 @@ def latest(directory: PathLike, checksums: bool = True,
     return None
 
 
-def load_state(path: PathLike, map_location: Union[str, torch.device, None] = "cpu") -> dict:
+def load_state(path: PathLike, map_location: Union[str, torch.device, None] = "cpu") -> dict[str, Any]:
     """Load ``state.pt`` of a checkpoint folder (or a plain file) safely: the zip and its pickle checked
     with limits first, then tensors and plain types only (``weights_only=True``)."""
     path = Path(path)
@@ -232,7 +233,8 @@ def load_state(path: PathLike, map_location: Union[str, torch.device, None] = "c
     shown = visible(str(path / STATE_FILE if kind == "folder" else path))
     try:
         with folder.open_read(rel) as handle:
-            return load_checked(handle, shown, map_location)
+            state: dict[str, Any] = load_checked(handle, shown, map_location)
+            return state
     except CheckpointError:
         raise
     except FileNotFoundError:

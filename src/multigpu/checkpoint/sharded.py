@@ -113,9 +113,9 @@ def _record(draft: Draft, digests: dict[str, tuple[int, str]]) -> None:
             draft.record(name, size, CHECKSUM, digest)
 
 
-def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict,
-         *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict] = None,
-         gather: Optional[Callable[[Any], Optional[list]]] = None) -> Path:
+def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict[str, Any],
+         *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict[str, Any]] = None,
+         gather: Optional[Callable[[Any], Optional[list[Any]]]] = None) -> Path:
     """Every rank calls this. Shards go through DCP; ``extra`` (counters, RNG, scheduler) is written by rank 0.
     ``gather``: collects each rank's checksums on rank 0 (None in a single process)."""
     import torch.distributed.checkpoint as dcp
@@ -143,7 +143,7 @@ def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch
 
 
 def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-         map_location: Any = "cpu", manifest: Optional[dict] = None) -> dict:
+         map_location: Any = "cpu", manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Load shards into ``model``/``optimizer`` whatever their layout now; return the extra state.
 
     The metadata and non-tensor entries are read by :mod:`multigpu.checkpoint.dcp_safe`: a planted
@@ -177,7 +177,7 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     return load_state(Path(path) / EXTRA_FILE, map_location=map_location)
 
 
-def load_full_into_sharded(model: nn.Module, full_model_state: dict) -> None:
+def load_full_into_sharded(model: nn.Module, full_model_state: dict[str, Any]) -> None:
     """A replicated checkpoint (one ``state.pt``) into a sharded model: every rank keeps its slice."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -224,7 +224,7 @@ def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
                                    meta={"consolidated_from": str(path)}, overwrite=False)
 
 
-def _read_model_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
+def _read_model_tensors(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The model's full tensors from a DCP folder, with plain names, without a model to load into:
     empty tensors of the sizes the (safely read) metadata gives, filled by DCP in one process."""
     import torch.distributed.checkpoint as dcp
@@ -246,8 +246,8 @@ def _read_model_tensors(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     return {names[fqn]: tensor for fqn, tensor in target.items()}
 
 
-def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict,
-               *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict], stager: Any, group: Any,
+def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict[str, Any],
+               *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict[str, Any]], stager: Any, group: Any,
                after: Callable[[], None]) -> Any:
     """Every rank calls this: DCP's ``async_save`` stages the shards to CPU memory and writes them on a
     thread (its collectives on ``group``, a gloo group of its own, never the training's); rank 0 then

@@ -76,7 +76,7 @@ class _Simulator:
 
     def __init__(self, limits: PickleLimits) -> None:
         self.limits = limits
-        self.stack: list[Any] = []
+        self.stack: list[_Node] = []
         self.marks: list[int] = []
         self.memo: dict[Any, _Node] = {}
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
-def add_checkpoint_parser(sub: argparse._SubParsersAction) -> None:
+def add_checkpoint_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("checkpoint", help="list, verify or consolidate checkpoints",
                        description="Inspect checkpoint folders written by multigpu (replicated or sharded).")
     actions = p.add_subparsers(dest="action", metavar="ACTION")

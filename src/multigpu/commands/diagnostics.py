@@ -4,6 +4,7 @@ computes on N processes what it does on one, a pre-flight of a job, and loss cur
 from __future__ import annotations
 
 import argparse
+from typing import IO, Any
 
 from multigpu import validate
 from multigpu.commands.launching import add_launch_flags
@@ -11,7 +12,7 @@ from multigpu.errors import ConfigError, LaunchError, visible
 from multigpu.validate import whole_flag
 
 
-def add_env_parser(sub: argparse._SubParsersAction) -> None:
+def add_env_parser(sub: argparse._SubParsersAction[Any]) -> None:
     env = sub.add_parser("env", help="print what this machine offers (torch, GPUs, NCCL, variables); --check "
                          "runs an all-reduce", description="What a bug report needs about this machine. With "
                          "--check: an all-reduce through `multigpu run` on the chosen devices, checked and timed.")
@@ -35,7 +36,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def add_check_parser(sub: argparse._SubParsersAction) -> None:
+def add_check_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("check", help="prove your script computes on N processes what it computes on one",
                        description="Run the script for K optimizer steps on N processes and on 1 process with N "
                        "times the batch, compare every step's loss and the weights, and say why they differ.",
@@ -90,7 +91,7 @@ of 1 and 256 MiB correct, with their bus bandwidth. The first fault is one line 
 """
 
 
-def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
+def add_doctor_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("doctor", help="pre-flight of the nodes a job will use: versions, clocks, shared folder, "
                        "disk, GPUs, all-reduce bandwidth", description="Check the machines before a long job.",
                        epilog=DOCTOR_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,7 +107,7 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_cmd_doctor)
 
 
-def _verdict(line: str, marker: str) -> "dict | None":
+def _verdict(line: str, marker: str) -> "dict[str, Any] | None":
     """The report a doctor rank printed on ``line`` (after ``marker``), or None: any other line."""
     import json
 
@@ -146,9 +147,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                "-m", "multigpu.diagnostics.doctor", "--out", args.out, "--checkpoint-gb", str(args.checkpoint_gb),
                "--sizes", args.sizes, "--max-clock-skew", str(args.max_clock_skew),
                "--expect-gbps", str(args.expect_gbps), "--report-only"])
-    verdicts: list[dict] = []
+    verdicts: list[dict[str, Any]] = []
 
-    def pump(stream) -> None:  # a thread: a stuck rank (a dead NFS mount) must not block the timeout
+    def pump(stream: IO[str]) -> None:  # a thread: a stuck rank (a dead NFS mount) must not block the timeout
         try:
             for line in stream:
                 verdict = _verdict(line, DOCTOR_MARKER)
@@ -179,7 +180,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if verdict["faults"] else 0
 
 
-def add_plot_parser(sub: argparse._SubParsersAction) -> None:
+def add_plot_parser(sub: argparse._SubParsersAction[Any]) -> None:
     plot = sub.add_parser("plot", help="PNG loss curves of a run folder, or of every run in a queue folder",
                           description="Draw train/valid loss and the validation metric against optimizer step "
                           "from the metrics.csv and steps.csv files runs write (needs matplotlib).")

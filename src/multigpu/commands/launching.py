@@ -7,7 +7,7 @@ in commands/slurm.py. Nothing heavy is imported until a command runs.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from multigpu import validate
 from multigpu.errors import LaunchError
@@ -154,7 +154,7 @@ def add_torchrun_flags(p: argparse.ArgumentParser) -> None:
                        help=argparse.SUPPRESS)
 
 
-def add_run_parser(sub: argparse._SubParsersAction) -> None:
+def add_run_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "run",
         help="run a training script on every GPU (or N processes) of this machine, or as one node of several",

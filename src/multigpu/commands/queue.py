@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from multigpu import validate
 from multigpu.commands.slurm import add_slurm_job_options, slurm_options_from_args
@@ -39,7 +40,7 @@ Each run writes into OUT/<run name>/ (run.yaml, log.txt, status.json and the rec
 Running the queue again skips finished runs and resumes interrupted ones (a search: its study too).
 """
 
-def add_queue_parser(sub: argparse._SubParsersAction) -> None:
+def add_queue_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("queue", help="train many runs at once on a pool of GPUs (or as Slurm jobs)",
                        description="Place each run of a runs file on free GPUs (CPU: process slots).",
                        epilog=QUEUE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from multigpu import validate
 from multigpu.errors import LaunchError, visible
 from multigpu.fileio import Folder, read_regular
 from multigpu.validate import whole_flag
+
+if TYPE_CHECKING:
+    from multigpu.launch.slurm_options import SlurmOptions
 
 SLURM_EXAMPLES = """\
 examples:
@@ -68,7 +71,7 @@ def _gpus_per_node(text: Optional[str]) -> tuple[Optional[int], Optional[str]]:
     return int(match.group(2)), match.group(1)
 
 
-def slurm_options_from_args(args: argparse.Namespace):
+def slurm_options_from_args(args: argparse.Namespace) -> SlurmOptions:
     from multigpu.launch.slurm import SlurmOptions
 
     gpus, gpu_type = _gpus_per_node(args.gpus_per_node)
@@ -82,7 +85,7 @@ def slurm_options_from_args(args: argparse.Namespace):
     )
 
 
-def add_slurm_parser(sub: argparse._SubParsersAction) -> None:
+def add_slurm_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("slurm", help="submit a training script as a Slurm job; status|logs|cancel JOBID",
                        description="Write a readable sbatch script into the run folder and submit it. "
                        "`multigpu slurm train.py ...` is short for `multigpu slurm submit train.py ...`.",

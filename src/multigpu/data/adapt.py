@@ -46,7 +46,7 @@ KEPT = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", 
 _WORKER_ONLY = ("prefetch_factor", "persistent_workers", "multiprocessing_context")
 
 
-def dataloader_settings(loader: DataLoader) -> dict[str, Any]:
+def dataloader_settings(loader: DataLoader[Any]) -> dict[str, Any]:
     """What to keep of a user's DataLoader; refuses what cannot be re-sharded."""
     name = type(loader).__name__
     if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
@@ -65,7 +65,7 @@ def dataloader_settings(loader: DataLoader) -> dict[str, Any]:
     return {**kept, "batch_size": loader.batch_sampler.batch_size, "drop_last": loader.batch_sampler.drop_last}
 
 
-def sampler_order(loader: DataLoader) -> tuple[bool, Optional[int]]:
+def sampler_order(loader: DataLoader[Any]) -> tuple[bool, Optional[int]]:
     """(shuffle, seed) of the user's sampler, for the samplers whose order ours reproduces."""
     batch_sampler = loader.batch_sampler  # a plain BatchSampler or None (dataloader_settings checked)
     sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else loader.sampler
@@ -84,7 +84,7 @@ def sampler_order(loader: DataLoader) -> tuple[bool, Optional[int]]:
 
 
 def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation: bool, shuffle: bool = True,
-          seed: int = 0, drop_last: bool = False, pin_memory: bool = False, collate_fn: Optional[Callable] = None,
+          seed: int = 0, drop_last: bool = False, pin_memory: bool = False, collate_fn: Optional[Callable[..., Any]] = None,
           num_workers: int = 0, rank_streams: bool = True, agree: Optional[Callable[[], Optional[Pending]]] = None,
           batch_scale: int = 1, **dataloader_kwargs: Any) -> "Loader | StreamLoader":
     """A loader of this rank's share of ``data`` (a Loader, a DataLoader, an IterableDataset or a Dataset).
@@ -129,7 +129,7 @@ def _is_hf_stream(dataset: Any) -> bool:
     return type(dataset).__module__.split(".")[0] == "datasets" and hasattr(dataset, "_ex_iterable")
 
 
-class RankShare(IterableDataset):
+class RankShare(IterableDataset[Any]):
     """This rank's share of a stream, split again across the DataLoader's workers, resumable by count."""
 
     def __init__(self, dataset: Any, rank: int, size: int, batch_size: int, skip_batches: int = 0,

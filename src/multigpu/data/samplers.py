@@ -111,7 +111,7 @@ class Loader:
     still works and wins. ``batch_size`` is per process.
     """
 
-    def __init__(self, loader: DataLoader, sampler: Sampler, batch_size: int, world_size: int,
+    def __init__(self, loader: DataLoader[Any], sampler: Sampler[Any], batch_size: int, world_size: int,
                  seed: int = 0, stream: int = 0) -> None:
         self.loader = loader
         self.sampler = sampler
@@ -212,7 +212,7 @@ def make_loader(dataset: Any, batch_size: int, *, rank: int, world_size: int, sh
             )
     length = _length(dataset)
     if evaluation:
-        sampler: Sampler = EvalSampler(length, world_size, rank)
+        sampler: Sampler[Any] = EvalSampler(length, world_size, rank)
     else:
         sampler = ShardedSampler(length, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     dataloader_kwargs.setdefault("generator", torch.Generator())

@@ -14,12 +14,13 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def measure(size_bytes: int, device: torch.device, repeats: int = 5) -> dict:
+def measure(size_bytes: int, device: torch.device, repeats: int = 5) -> dict[str, Any]:
     """Median seconds of an all-reduce of ``size_bytes`` of float32, its bus bandwidth, and whether the sum was right."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0

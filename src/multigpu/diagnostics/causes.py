@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from multigpu import validate
 from multigpu.fileio import Folder
@@ -37,8 +37,8 @@ class Outcome:
     folder: Path
     status: int
     output: str
-    ranks: list[list[dict]] = field(default_factory=list)
-    model: dict = field(default_factory=dict)
+    ranks: list[list[dict[str, Any]]] = field(default_factory=list)
+    model: dict[str, Any] = field(default_factory=dict)
     stranded: list[int] = field(default_factory=list)
 
     @classmethod
@@ -62,18 +62,19 @@ class Outcome:
     def most_steps(self) -> int:
         return max((len(r) for r in self.ranks), default=0)
 
-    def at(self, step: int) -> list[dict]:
+    def at(self, step: int) -> list[dict[str, Any]]:
         """The records of step ``step`` (0-based) of the ranks that got that far."""
         return [r[step] for r in self.ranks if len(r) > step]
 
-    def weights(self, name: str = "weights.pt") -> Optional[dict]:
+    def weights(self, name: str = "weights.pt") -> Optional[dict[str, Any]]:
         import torch
 
         records = Folder(self.folder)
         if records.kind(name) != "file":
             return None
         with records.open_read(name) as handle:
-            return torch.load(handle, map_location="cpu", weights_only=True)
+            loaded: dict[str, Any] = torch.load(handle, map_location="cpu", weights_only=True)
+            return loaded
 
     def loss(self, step: int) -> Optional[float]:
         """The global loss of a step: each rank's (the sum of the values it gave to backward in the
@@ -82,9 +83,9 @@ class Outcome:
         if not rows:
             return None
         total = sum(row["samples"] for row in rows)
-        if total == 0:
-            return sum(row["loss"] for row in rows) / len(rows)
-        return sum(row["loss"] * row["samples"] for row in rows) / total
+        mean: float = (sum(row["loss"] for row in rows) / len(rows) if total == 0
+                       else sum(row["loss"] * row["samples"] for row in rows) / total)
+        return mean
 
     def samples(self, step: int) -> int:
         return sum(row["samples"] for row in self.at(step))
@@ -110,7 +111,7 @@ def finite_or_inf(value: float) -> float:
     return value if math.isfinite(value) else math.inf
 
 
-def weight_differences(many: dict, one: dict) -> list[tuple[str, float, float]]:
+def weight_differences(many: dict[str, Any], one: dict[str, Any]) -> list[tuple[str, float, float]]:
     rows = []
     for name in sorted(set(many) | set(one)):
         if name not in many or name not in one or many[name].shape != one[name].shape:

@@ -129,7 +129,7 @@ def _shared_folder(out: Path, run: Any, writable: bool) -> Optional[bool]:
     return seen
 
 
-def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> list[tuple[str, str]]:
+def faults(facts: list[dict[str, Any]], args: argparse.Namespace, results: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """(problem, hint) in the order a person should fix them."""
     found: list[tuple[str, str]] = []
     for key in ("multigpu", "torch", "cuda", "nccl", "python"):
@@ -191,7 +191,7 @@ def faults(facts: list[dict], args: argparse.Namespace, results: list[dict]) -> 
     return found
 
 
-def _shared_row(facts: list[dict]) -> tuple[str, str, str]:
+def _shared_row(facts: list[dict[str, Any]]) -> tuple[str, str, str]:
     if len(facts) == 1:
         return ("shared", "-", "skipped: one process has nobody to share the folder with")
     seen = sum(bool(f["shared"]) for f in facts)
@@ -200,7 +200,7 @@ def _shared_row(facts: list[dict]) -> tuple[str, str, str]:
     return ("shared", "NOT SHARED", f"seen by {seen} of {len(facts)} ranks")
 
 
-def _ecc_row(facts: list[dict]) -> tuple[str, str, str]:
+def _ecc_row(facts: list[dict[str, Any]]) -> tuple[str, str, str]:
     seen = [fact["ecc"] for fact in facts if fact.get("ecc") is not None]
     if not seen:
         return ("ecc", "-", "not checked: no nvidia-smi on the nodes (XID errors: the kernel log, dmesg)")
@@ -228,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     fact["shared"] = _shared_folder(out, run, fact["writable"])
     run.barrier()
     fact["clock"] = time.time()
-    facts: list[dict] = [fact]
+    facts: list[dict[str, Any]] = [fact]
     if run.world_size > 1:
         facts = [{} for _ in range(run.world_size)]
         dist.all_gather_object(facts, fact)

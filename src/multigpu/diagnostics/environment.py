@@ -12,7 +12,7 @@ import platform
 import re
 import subprocess
 import sys
-from typing import Optional
+from typing import Mapping, Optional
 
 from multigpu.distributed.world import detect_world
 from multigpu.errors import MultiGPUError
@@ -59,7 +59,7 @@ _VARIABLE = re.compile(r"^(NCCL_|TORCH_|CUDA_|PYTORCH_|GLOO_|MASTER_|OMP_NUM_THR
                        r"[A-Z0-9_]*_SOCKET_IFNAME$)")
 
 
-def relevant_variables(environ) -> list[tuple[str, str]]:
+def relevant_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     """The environment variables that change how torch.distributed, NCCL or gloo behave, sorted."""
     return sorted((k, v if len(v) <= 200 else v[:200] + "...") for k, v in environ.items() if _VARIABLE.match(k))
 

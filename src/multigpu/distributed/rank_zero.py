@@ -157,7 +157,7 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
 FIRST_NOTICE_S = 10.0
 
 
-def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float, others: int,
+def _wait_for(store: Any, key: str, fn: Callable[..., Any], me: int, notice_every_s: float, others: int,
               first_notice_s: float = FIRST_NOTICE_S) -> str:
     """Rank ``me``'s wait for rank 0's status of ``fn`` under ``key``; rank 1 speaks for the waiting ranks."""
     who = "rank 1" if others == 1 else f"ranks 1-{others}"
@@ -167,7 +167,8 @@ def _wait_for(store: Any, key: str, fn: Callable, me: int, notice_every_s: float
         _poll(lambda: store.check([key]), lambda waited: (
             f"multigpu: {who} wait for rank 0 to finish {_name(fn)} ({waited:.0f} s so far)" if me == 1 else None),
             notice_every_s, first_notice_s)
-        return store.get(key).decode()
+        status: str = store.get(key).decode()
+        return status
     except RuntimeError as exc:  # the store (hosted by rank 0 or its launcher) went away
         raise MultiGPUError(
             f"run_on_main({_name(fn)}) lost rank 0 while waiting for it ({' '.join(str(exc).split())[:120]}).",
@@ -196,7 +197,7 @@ def _poll(ready: Callable[[], bool], notice: Callable[[float], Optional[str]], n
         delay = min(delay * 2, 0.5)
 
 
-def _not_arrived(store: Any, key: str, fn: Callable, others: int, waited: float) -> Optional[str]:
+def _not_arrived(store: Any, key: str, fn: Callable[..., Any], others: int, waited: float) -> Optional[str]:
     """Rank 0's line for the ranks that have not called run_on_main ``key`` yet (asked only when a line is
     due: one store request per rank), or None once they all have."""
     missing = [r for r in range(1, others + 1) if not store.check([f"{key}/arrived/{r}"])]
@@ -208,5 +209,5 @@ def _not_arrived(store: Any, key: str, fn: Callable, others: int, waited: float)
             "rank 0 has just made), call it on every rank and let the function skip work already done.")
 
 
-def _name(fn: Callable) -> str:
+def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)

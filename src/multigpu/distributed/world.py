@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from multigpu import validate as checks
 from multigpu.errors import WorldError
@@ -145,7 +145,7 @@ def _int(env: Env, name: str, default: Optional[int] = None, hint: str = "") -> 
                                hint or f"fix or unset {name}; it is normally set by the launcher, not by hand.")
 
 
-def _common(env: Env) -> dict:
+def _common(env: Env) -> dict[str, Any]:
     """Settings that every launcher passes the same way."""
     per_proc = _int(env, DEVICES_PER_PROC_VAR, 1)
     if per_proc < 1:
@@ -187,7 +187,7 @@ def _common(env: Env) -> dict:
             **_replica_groups(env)}
 
 
-def _replica_groups(env: Env) -> dict:
+def _replica_groups(env: Env) -> dict[str, Any]:
     """The replica-group variables, all or none: a group id without a lighthouse (or the reverse) is a
     half-configured fault-tolerant job, which would train alone without anyone noticing."""
     lighthouse = env.get(LIGHTHOUSE_VAR) or None

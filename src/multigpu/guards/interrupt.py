@@ -19,7 +19,7 @@ from typing import Any
 from multigpu.guards import Guards
 
 _TO_MARK: "weakref.WeakSet[Guards]" = weakref.WeakSet()
-_PREVIOUS_HANDLER: list = []
+_PREVIOUS_HANDLER: list[Any] = []
 
 
 def _on_interrupt(signum: int, frame: Any) -> None:

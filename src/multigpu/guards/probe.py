@@ -31,7 +31,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ def from_world(world: Any) -> "Probe | NoProbe":
     return Probe(Path(world.check_dir), world.rank, steps=world.check_steps, scale=world.check_scale)
 
 
-def _tensors(value: Any, found: list, depth: int = 0) -> list:
+def _tensors(value: Any, found: list[Any], depth: int = 0) -> list[Any]:
     """Every tensor in a (nested) batch: tensors, mappings, sequences, dataclass-like objects."""
     if depth > 6 or len(found) > 64:
         return found
@@ -82,7 +82,7 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
     return found[0] if found else None
 
 
-def _digest(tensors: list) -> str:
+def _digest(tensors: list[Any]) -> str:
     """One digest of the bytes of every tensor given (each cut at :data:`DIGEST_LIMIT` elements)."""
     h = hashlib.sha256()
     for tensor in tensors:
@@ -122,7 +122,7 @@ class Probe:
         self._total_forwards = 0
         self._loader_rows: Optional[int] = None  # the last run.loader batch's size: where the batch dimension is
         self._explicit_losses = False  # run.backward / the Trainer report losses: the backward patch stays quiet
-        self._scalers: list = []
+        self._scalers: list[Any] = []
         self._undo: list[Callable[[], None]] = []
         self._closed = False
         self._new_step()
@@ -204,8 +204,8 @@ class Probe:
         evaluation shards, the mean of the ranks' means is not the mean."""
         import torch.distributed as dist
 
-        def make(original):
-            def all_reduce(tensor, op=dist.ReduceOp.SUM, *args, **kwargs):
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
                 if op == dist.ReduceOp.AVG and isinstance(tensor, torch.Tensor) and tensor.numel() <= 16:
                     self._averaged_scalars += 1
                 return original(tensor, op, *args, **kwargs)
@@ -215,8 +215,8 @@ class Probe:
 
     def _patch_backward(self) -> None:
         """``loss.backward()`` called by the script itself: its loss is recorded too."""
-        def make(original):
-            def backward(tensor, *args, **kwargs):
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 if not self._explicit_losses and tensor.numel() == 1 and tensor.requires_grad:
                     self._losses.append(self._unscaled(tensor))
                 return original(tensor, *args, **kwargs)
@@ -227,8 +227,8 @@ class Probe:
     def _patch_scaler(self) -> None:
         """Remember what a GradScaler multiplied, to report the loss undivided by its scale and to see
         gradients clipped before ``scaler.unscale_``."""
-        def make(original):
-            def scale(scaler, outputs):
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def scale(scaler: Any, outputs: Any) -> Any:
                 result = original(scaler, outputs)
                 if isinstance(result, torch.Tensor) and scaler.is_enabled():
                     self._scaled[id(result)] = float(scaler.get_scale())
@@ -242,8 +242,8 @@ class Probe:
     def _patch_clipping(self) -> None:
         from torch.amp.grad_scaler import OptState
 
-        def make(original):
-            def clip_grad_norm_(*args, **kwargs):
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
                 if self._scaled and not any(state.get("stage") is OptState.UNSCALED for scaler in self._scalers
                                             for state in scaler._per_optimizer_states.values()):
                     self._clipped_scaled += 1  # a loss was scaled this step and nothing was unscaled yet
@@ -253,8 +253,8 @@ class Probe:
         self._patch(torch.nn.utils, "clip_grad_norm_", make)
 
     def _patch_schedulers(self) -> None:
-        def make(original):
-            def step(scheduler, *args, **kwargs):
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
                 if getattr(scheduler, "_step_count", 0) >= 1:  # 0: the step the constructor takes
                     self._scheduler_steps += 1
                 return original(scheduler, *args, **kwargs)
@@ -287,7 +287,7 @@ class Probe:
             return self._loader_rows
         return rows
 
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         tensors = _tensors((args, kwargs), [])
         first = tensors[0] if tensors else None
         if not module.training:
@@ -312,7 +312,7 @@ class Probe:
     def _rows_of(self, first: Optional[torch.Tensor]) -> int:
         return self._batch_rows(first) if first is not None else 0
 
-    def _on_inner_forward(self, module: nn.Module, args: tuple) -> None:
+    def _on_inner_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training:
             self._inner_forwards += 1
 
@@ -338,7 +338,7 @@ class Probe:
         return 1 if evaluation else self.scale
 
     @staticmethod
-    def _params_digest(params: list) -> str:
+    def _params_digest(params: list[Any]) -> str:
         return _digest(params) if params else ""
 
     def _on_step(self, optimizer: Any) -> None:
@@ -412,7 +412,7 @@ class CountingLoader:
     def __init__(self, loader: Any, probe: Probe) -> None:
         self._loader, self._probe = loader, probe
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         for batch in self._loader:
             first = _first_tensor(batch)
             if first is not None and first.dim():

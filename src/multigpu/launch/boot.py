@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import time
-from typing import NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.fork_wire import HEADER, LineReader, frame
@@ -59,7 +59,7 @@ def plain(argv: list[str], launcher: bool = False) -> NoReturn:
     os.execv(sys.executable, [sys.executable, "-u", "-m", WORKER_MODULE, *argv])
 
 
-def request(argv: list[str], closed: list[int], launcher: bool = False) -> dict:
+def request(argv: list[str], closed: list[int], launcher: bool = False) -> dict[str, Any]:
     return {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": list(sys.path),
             "umask": _umask(), "closed": closed, "kind": "launcher" if launcher else "worker"}
 

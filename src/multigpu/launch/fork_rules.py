@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from multigpu.errors import LaunchError
 
@@ -45,7 +45,7 @@ def read_at_import(name: str) -> bool:
     return not name.startswith(READ_AT_RUN_TIME) and name != "CUDA_VISIBLE_DEVICES"
 
 
-def declines(server_env: dict, worker_env: dict, launcher: bool = False) -> Optional[str]:
+def declines(server_env: dict[str, Any], worker_env: dict[str, Any], launcher: bool = False) -> Optional[str]:
     """Why a worker with ``worker_env`` must start the plain way (None: it may be forked). ``launcher``: a
     queue's run (``multigpu run``) instead, whose environment may differ in what nothing reads at import:
     ``MULTIGPU_*`` (its run's folder and name) and ``CUDA_VISIBLE_DEVICES`` (read when CUDA starts, which
@@ -63,7 +63,7 @@ def declines(server_env: dict, worker_env: dict, launcher: bool = False) -> Opti
     return f"its environment differs in {', '.join(changed[:5])}" if changed else None
 
 
-def shadows(request: dict) -> Optional[str]:
+def shadows(request: dict[str, Any]) -> Optional[str]:
     """The folder the worker puts first on ``sys.path`` (the script's, or the current one for ``-m``)
     holds a module the server has imported already (``profile.py``, ``statistics.py``, ``torch/``...):
     a new interpreter would import the user's file, a forked worker would keep ours."""

@@ -14,13 +14,13 @@ import os
 import socket
 import struct
 import time
-from typing import Optional
+from typing import Any, Optional
 
 HEADER = struct.Struct(">Q")
 MAX_FRAME = 16 << 20
 
 
-def frame(message: dict) -> bytes:
+def frame(message: dict[str, Any]) -> bytes:
     data = json.dumps(message).encode()
     return HEADER.pack(len(data)) + data
 
@@ -31,7 +31,7 @@ class LineReader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buffer = sock, b""
 
-    def next(self) -> Optional[dict]:
+    def next(self) -> Optional[dict[str, Any]]:
         while b"\n" not in self.buffer:
             try:
                 chunk = self.sock.recv(4096)
@@ -50,7 +50,7 @@ class LineReader:
         return message if isinstance(message, dict) else None
 
 
-def receive(conn: socket.socket, deadline: float) -> tuple[dict, list[int]]:
+def receive(conn: socket.socket, deadline: float) -> tuple[dict[str, Any], list[int]]:
     """One request: its frame and the three descriptors sent with it, whole before ``deadline``.
     ValueError (or OSError) for anything else."""
     conn.settimeout(max(deadline - time.monotonic(), 0.01))

@@ -51,7 +51,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder, open_devnull
@@ -87,7 +87,7 @@ class ForkServer:
 
     @classmethod
     def start(cls, keep: Callable[["ForkServer"], None], verbose: bool = False, stderr: Optional[int] = None,
-              dynamo: bool = True, launchers: bool = False, import_env: Optional[dict] = None) -> None:
+              dynamo: bool = True, launchers: bool = False, import_env: Optional[dict[str, Any]] = None) -> None:
         """Fork a server from this process for the workers about to be launched and hand it to ``keep`` (not
         called: they start the plain way). Call it with no other thread running, and torch imported with this
         environment or not at all (the server imports it then). The caller puts ``path`` into the workers'
@@ -112,7 +112,7 @@ class ForkServer:
 
     @classmethod
     def _fork(cls, verbose: bool, stderr: Optional[int], dynamo: bool, launchers: bool,
-              import_env: Optional[dict]) -> Optional["ForkServer"]:
+              import_env: Optional[dict[str, Any]]) -> Optional["ForkServer"]:
         """:meth:`start`'s work: the folder, the socket, the fork."""
         try:
             folder = tempfile.mkdtemp(prefix="multigpu-fork-")  # mode 0700: only this user can connect
@@ -379,7 +379,7 @@ class Server:
         self.worker_of[conn], self.boot_of[pid] = pid, conn
         self.selector.register(conn, selectors.EVENT_READ, "boot")
 
-    def fork(self, request: dict, fds: list[int], conn: socket.socket) -> int:
+    def fork(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> int:
         """Signals stay blocked across the fork, so one passed on at once waits for the worker's handlers."""
         signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         try:
@@ -458,7 +458,7 @@ class Server:
         self.partial.pop(conn, None)
         conn.close()
 
-    def become_worker(self, request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
+    def become_worker(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> NoReturn:
         """In the forked child: take over the boot process's place, then run the worker."""
         server = os.getppid()
         try:

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
@@ -70,7 +70,7 @@ class LaunchRequest:
     #: After forwarding SIGTERM/SIGUSR1, how long workers may take to checkpoint before SIGKILL.
     stop_timeout_s: int = STOP_TIMEOUT_S
     verbose: bool = False
-    extra_env: dict = field(default_factory=dict)
+    extra_env: dict[str, Any] = field(default_factory=dict)
     #: "[rankN]: " before each stderr line: "always", "never", or "auto" (not on a terminal, else if N > 1).
     tee_prefix: str = "auto"
     #: ``--debug``: torch's and NCCL's diagnostics on, the flight recorder dumping into the log folder.

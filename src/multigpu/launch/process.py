@@ -319,7 +319,7 @@ def own_session_dying_with_parent() -> Callable[[], None]:
 
 @contextlib.contextmanager
 def launched(argv: list[str], stops: StopSignals, read: Optional[Callable[[IO[str]], None]] = None,
-             **popen: Any) -> Iterator[subprocess.Popen]:
+             **popen: Any) -> Iterator[subprocess.Popen[Any]]:
     """A launch (``multigpu run``'s argv) that a command (check, doctor) starts and never leaves behind: in a
     session of its own (:func:`own_session_dying_with_parent`: a terminal's Ctrl-C reaches only the command,
     which stops the launch, once; the command's death stops it too), and whatever leaves the block - a stop
@@ -350,7 +350,7 @@ def launched(argv: list[str], stops: StopSignals, read: Optional[Callable[[IO[st
             reader.join(timeout=10)
 
 
-def _stop_launch(proc: subprocess.Popen, signum: int, drained: bool) -> None:
+def _stop_launch(proc: subprocess.Popen[Any], signum: int, drained: bool) -> None:
     """``signum`` to the launch's process group, as a terminal's Ctrl-C or a scheduler's SIGTERM would send
     it, then ``LAUNCH_STOP_WAIT_S`` for the launcher to stop its workers and remove its folders; SIGKILL only
     after that. Its pipes are read meanwhile (a launcher blocked on a full pipe would never stop) unless

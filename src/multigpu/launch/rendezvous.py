@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from multigpu import validate
 from multigpu.errors import LaunchError
@@ -30,7 +30,7 @@ class Rendezvous:
     node_rank: int = 0
     timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
 
-    def configs(self) -> dict:
+    def configs(self) -> dict[str, Any]:
         if self.backend == "static":
             return {"rank": self.node_rank, "timeout": self.timeout_s}
         return {"join_timeout": self.timeout_s}

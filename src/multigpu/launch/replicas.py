@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from multigpu import validate
 from multigpu.distributed.world import (
@@ -152,12 +152,12 @@ def follow_launcher() -> None:
         os._exit(1)  # the launcher died before prctl took effect
 
 
-def run_groups(commands: Sequence[Sequence[str]], envs: Sequence[dict], lighthouse: Lighthouse,
+def run_groups(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, Any]], lighthouse: Lighthouse,
                say: Callable[[str], None], poll_s: float = 0.1, grace_s: float = 180.0) -> int:
     """Start every group's agent, forward stop signals to them, report groups that end; the status."""
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in _FORWARDED}
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[Any]] = []
     codes: dict[int, int] = {}
     forwarded = 0
     deadline: Optional[float] = None
@@ -210,7 +210,7 @@ def _status(codes: dict[int, int], received: list[int], say: Callable[[str], Non
     return next((code for code in values if code != 0), 1)
 
 
-def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
+def _signal_all(procs: Sequence[subprocess.Popen[Any]], sig: int) -> None:
     for proc in procs:
         if proc.poll() is None:
             try:

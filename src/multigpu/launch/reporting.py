@@ -96,7 +96,7 @@ def _status(rank: int, failure: Any, log_dir: str) -> int:
     return status if status is not None and 0 < status < 256 else _exit_status(failure.exitcode)
 
 
-def root_cause(failures: dict) -> tuple[int, Any]:
+def root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     """The failure that started it. torch orders by error-file timestamps (whole seconds), which often
     picks a rank that merely noticed that another one had died. Ours, most telling first: a rank killed
     by a signal nobody sends on purpose at shutdown (SIGKILL, SIGSEGV, SIGABRT...); a rank whose own
@@ -138,7 +138,7 @@ def recorded_errors(log_dir: str) -> list[str]:
     return [f"{line} (local rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})" for line, ranks in lines.items()]
 
 
-def report_failure(failures: dict, log_dir: str) -> int:
+def report_failure(failures: dict[int, Any], log_dir: str) -> int:
     """Print the failure once: a MultiGPUError every failed rank shares as one line ("on all N ranks"),
     otherwise the root-cause rank with the tail of its stderr. Ranks the launcher stopped itself
     (SIGTERM after the first failure) are not counted as failures."""

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from multigpu import validate
 from multigpu.errors import LaunchError
@@ -45,7 +45,7 @@ def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gp
 
 def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus: Optional[str],
              nproc: Optional[int], gpus_per_proc: int, cpu: bool, max_restarts: int, stop_timeout: int,
-             rdzv_timeout: int, verbose: bool, clashing: dict, debug: bool = False, procs_per_gpu: int = 1,
+             rdzv_timeout: int, verbose: bool, clashing: dict[str, Any], debug: bool = False, procs_per_gpu: int = 1,
              profile: bool = False) -> int:
     """``multigpu run --simulate-nodes N``: refuse the real multi-node flags, then run N local agents."""
     given = [flag for flag, value in clashing.items() if value]
@@ -65,7 +65,7 @@ def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus
 
 def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:
     """Start every node's agent (node 0 first); return 0, or the status of the first node that failed."""
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[Any]] = []
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -95,7 +95,7 @@ def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:
         _stop(procs, signal.SIGKILL, grace_s=0)
 
 
-def _stop(procs: Sequence[subprocess.Popen], sig: int, grace_s: float = 30.0) -> None:
+def _stop(procs: Sequence[subprocess.Popen[Any]], sig: int, grace_s: float = 30.0) -> None:
     for proc in procs:
         if proc.poll() is None:
             try:

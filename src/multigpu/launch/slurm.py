@@ -29,14 +29,14 @@ from multigpu import validate
 from multigpu.distributed.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from multigpu.errors import LaunchError
 from multigpu.fileio import atomic_write_text, ensure_real_folder
-from multigpu.launch.slurm_options import (  # noqa: F401 - re-exported for the commands
-    CPUS_PER_GPU_PROCESS,
-    SQUEUE_NAME_WIDTH,
-    GpuRequest,
-    SlurmOptions,
-    sbatch_safe,
-    short_names,
-    timed_job_name,
+from multigpu.launch.slurm_options import (  # explicit re-exports, for the commands
+    CPUS_PER_GPU_PROCESS as CPUS_PER_GPU_PROCESS,
+    SQUEUE_NAME_WIDTH as SQUEUE_NAME_WIDTH,
+    GpuRequest as GpuRequest,
+    SlurmOptions as SlurmOptions,
+    sbatch_safe as sbatch_safe,
+    short_names as short_names,
+    timed_job_name as timed_job_name,
 )
 
 SCRIPT_NAME = "job.sbatch"
@@ -303,7 +303,7 @@ def slurm_tool(name: str) -> str:
     return path
 
 
-def call(args: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
+def call(args: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

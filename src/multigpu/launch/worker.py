@@ -41,7 +41,7 @@ LOG_DIR_VAR = "MULTIGPU_LOG_DIR"
 PREFIX_VAR = "MULTIGPU_TEE_PREFIX"
 #: Set under a c10d rendezvous of several nodes: the first worker of each node says its node number.
 ANNOUNCE_NODE_VAR = "MULTIGPU_ANNOUNCE_NODE"
-_TEE: "subprocess.Popen | None" = None
+_TEE: "subprocess.Popen[bytes] | None" = None
 
 
 def stderr_log_path(log_dir: str, rank: int, attempt: int) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from multigpu import validate
 from multigpu.errors import ConfigError
-from multigpu.queue.runs import QueueEntry, load_entries
+from multigpu.queue.runs import Entry, QueueEntry, load_entries
 from multigpu.queue.space import MAX_TRIALS, Param, Space, check_names, parse_space, points
 from multigpu.queue.trials import Trial, make_trial
 
@@ -87,7 +87,7 @@ def load_plan(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
     return Plan(runs, families)
 
 
-def _chosen(entries: list, only: Optional[Sequence[str]], path: str | Path) -> tuple[list, list[str]]:
+def _chosen(entries: list[Any], only: Optional[Sequence[str]], path: str | Path) -> tuple[list[Any], list[str]]:
     """The entries ``--only`` chooses (all without it), and the trial names it gives."""
     if only is None:
         return entries, []
@@ -115,7 +115,7 @@ def _chosen(entries: list, only: Optional[Sequence[str]], path: str | Path) -> t
     return families, list(others)
 
 
-def _space(entry, sweep: Sequence[Param], samples: Optional[int]) -> Optional[Space]:
+def _space(entry: Entry, sweep: Sequence[Param], samples: Optional[int]) -> Optional[Space]:
     """The entry's space (its blocks, then the command line's --sweep and --samples), or None: a plain run."""
     if not entry.blocks and not sweep:
         if samples is not None:
@@ -135,7 +135,7 @@ def _search_trial_name(family: str, name: str) -> bool:
     return name.startswith(prefix) and validate.is_digits(name[len(prefix):][:1])
 
 
-def _values(values: dict) -> str:
+def _values(values: dict[str, Any]) -> str:
     from multigpu.queue.trials import shown_values
 
     return shown_values(values)

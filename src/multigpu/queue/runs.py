@@ -145,7 +145,8 @@ def format_value(value: Any) -> str:
     """A YAML scalar the recipe's ``key=value`` parser reads back as the same value."""
     if isinstance(value, str):
         return value
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    text: str = yaml.safe_dump(value, default_flow_style=True)
+    return text.strip().removesuffix("...").strip()
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Entry:
     plain run; a family with them is not run itself - its trials are) and where it is written."""
 
     spec: QueueEntry
-    blocks: dict
+    blocks: dict[str, Any]
     where: str
 
 

@@ -53,7 +53,7 @@ class EntryState:
     started: Optional[float] = None
     ended: Optional[float] = None
     exit_code: Optional[int] = None
-    proc: Optional[subprocess.Popen] = None
+    proc: Optional[subprocess.Popen[Any]] = None
     log: Optional[IO[str]] = None
     note: str = ""
     #: Its whole GPUs/slots, or its share of one (below 1).
@@ -371,7 +371,7 @@ class Queue:
 class Decision:
     action: str  # "start" (new), "resume", "skip" (finished with these settings) or "fresh" (settings changed)
     note: str
-    status: dict
+    status: dict[str, Any]
 
 
 def decide(folder: Path, fingerprint: str, active_job: Optional[Callable[[str], bool]] = None) -> Decision:
@@ -406,7 +406,7 @@ _STATUS_FIELDS = {"state": str, "exit_code": int, "started": float, "ended": flo
                   "fingerprint": str, "job_id": str}
 
 
-def read_status(folder: Path) -> dict:
+def read_status(folder: Path) -> dict[str, Any]:
     """The run's status.json, checked field by field ({} if missing, unreadable or malformed)."""
     try:
         status = json.loads(Folder(folder).load_text(STATUS_FILE, limit=1 << 20))

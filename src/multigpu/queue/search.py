@@ -178,7 +178,7 @@ class Search:
         self._asked = len(earlier)
         return earlier
 
-    def _spec(self, name: str, params: dict) -> Trial:
+    def _spec(self, name: str, params: dict[str, Any]) -> Trial:
         values = {p.key: params[p.key] for p in self.space.params}
         return make_trial(self.entry, name, values, self.space, self.wait_s)
 

@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -127,7 +127,7 @@ def _submit_one(pending: _Pending, dry_run: bool) -> None:
 def _submit_arrays(arrayed: list[_Pending], out: Path, options: slurm.SlurmOptions, dry_run: bool,
                    max_parallel: Optional[int]) -> None:
     """One array job per shape (nodes, GPUs and processes per node): usually one for the whole family."""
-    shapes: dict[tuple, list[_Pending]] = {}
+    shapes: dict[tuple[Any, ...], list[_Pending]] = {}
     for pending in arrayed:
         o = pending.job.options
         shapes.setdefault((o.nodes, o.gpus, o.processes), []).append(pending)
@@ -155,7 +155,7 @@ def _submit_arrays(arrayed: list[_Pending], out: Path, options: slurm.SlurmOptio
 # ------------------------------------------------------------------------------------ status table
 
 
-def _shown_state(status: dict, records: list) -> tuple[str, str]:
+def _shown_state(status: dict[str, Any], records: list[Any]) -> tuple[str, str]:
     """(state, note) of one run: Slurm's while its job is queued or running, else the end state the job
     wrote; a job that ended without writing one (cancelled, time limit, node failure) shows Slurm's."""
     if not status:

@@ -57,7 +57,7 @@ class Param:
 
     key: str
     kind: str  # "grid" or one of DISTRIBUTIONS
-    values: tuple = ()  # grid and choice
+    values: tuple[Any, ...] = ()  # grid and choice
     low: float = 0.0  # uniform, loguniform, int
     high: float = 0.0
 
@@ -80,7 +80,7 @@ class Param:
             return f"[{text}]" if self.kind == "grid" else f"choice({text})"
         return f"{self.kind}({value_text(self.low)}, {value_text(self.high)})"
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, Any]:
         """As plain data, for the sweep's record (and the plot's axis: log for loguniform)."""
         if self.kind in ("grid", "choice"):
             return {"kind": self.kind, "values": list(self.values)}
@@ -129,7 +129,7 @@ class Space:
 class Point:
     """One trial's place in its family: its values, readable name and (random sweeps) sample number."""
 
-    values: dict = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
     name: str = ""
 
 
@@ -194,7 +194,7 @@ def parse_space(sweep: Any, search: Any, where: str, out_dir_key: Optional[str] 
     return Space(tuple(params.values()), **settings, search=SearchSettings(**chosen))
 
 
-def _known(block: Mapping, names: Collection[str], owner: str) -> None:
+def _known(block: Mapping[str, Any], names: Collection[str], owner: str) -> None:
     for key in block:
         if key not in names:
             close = difflib.get_close_matches(str(key), list(names), n=1)
@@ -264,7 +264,7 @@ def _scalar(text: str) -> Any:
     return text
 
 
-def _values(values: Any, at: str) -> tuple:
+def _values(values: Any, at: str) -> tuple[Any, ...]:
     if not isinstance(values, (list, tuple)):
         raise ConfigError(f"{at}: {shown(values)} is not a list of values.", "write e.g. [32, 64, 128].")
     if not values:

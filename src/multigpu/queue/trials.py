@@ -162,7 +162,7 @@ def _number(value: Any) -> Optional[float]:
 @dataclass
 class Row:
     name: str
-    values: dict
+    values: dict[str, Any]
     #: done, pruned, failed, interrupted, running, queued
     state: str
     value: Optional[float]
@@ -190,7 +190,7 @@ def ranked(rows: Sequence[Row], mode: str) -> list[Row]:
     then trials without a value or still unfinished."""
     sign = -1.0 if mode == "max" else 1.0
 
-    def key(row: Row) -> tuple:
+    def key(row: Row) -> tuple[Any, ...]:
         group = {"done": 0, "pruned": 1}.get(row.state, 2) if row.value is not None else 3
         return group, sign * row.value if row.value is not None else 0.0
 
@@ -246,7 +246,7 @@ def write_record(root: Path, family: str, space: Space, rows: Sequence[Row]) -> 
     return folder / f"{family}.json"
 
 
-def shown_values(values: dict) -> str:
+def shown_values(values: dict[str, Any]) -> str:
     return visible(" ".join(f"{k}={value_text(v)}" for k, v in values.items()))[:200]
 
 

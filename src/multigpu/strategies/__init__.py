@@ -77,7 +77,8 @@ def spec(name: str) -> StrategySpec:
         close = get_close_matches(name, NAMES, n=1)
         raise ConfigError(f"unknown strategy {name!r}.", (f"did you mean {close[0]!r}? " if close else "")
                           + f"choose one of: {', '.join(NAMES)}.")
-    return next(s for s in importlib.import_module(module).STRATEGIES if s.name == name)
+    spec: StrategySpec = next(s for s in importlib.import_module(module).STRATEGIES if s.name == name)
+    return spec
 
 
 def parse_options(entry: StrategySpec, options: dict[str, Any]) -> Any:

@@ -69,7 +69,7 @@ class Strategy(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def no_sync(self, model: nn.Module) -> ContextManager:
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
         """Skip gradient synchronisation (accumulation micro-steps); a no-op where there is none."""
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -91,7 +91,7 @@ class PlainGradients:
 
     #: The validated ``activation_checkpointing`` setting (None: off), set by ``make_strategy``; each
     #: ``setup`` applies it after tensor parallelism and before its wrapper (strategies/checkpointing.py).
-    activation_checkpointing: Optional[dict] = None
+    activation_checkpointing: Optional[dict[str, Any]] = None
 
     def checkpoint_activations(self, model: Any) -> Any:
         """``model`` with its chosen blocks checkpointed in place (a list of stages: its modules)."""
@@ -104,7 +104,7 @@ class PlainGradients:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def no_sync(self, model: nn.Module) -> ContextManager:
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
         return contextlib.nullcontext()
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -49,8 +49,9 @@ class DDP(PlainGradients):
         return wrapped, build_optimizer(optimizer, model)
 
     @override
-    def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module: DDP's method
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+        sync: ContextManager[None] = model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as
+        return sync  # Tensor | Module: this is DDP's method
 
 
 def _build(context: BuildContext, options: DDPOptions) -> "DDP | SingleDevice":

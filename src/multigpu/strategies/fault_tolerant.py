@@ -96,7 +96,7 @@ class CommittingOptimizer(torch.optim.Optimizer):
         self._strategy = strategy
 
     @property
-    def param_groups(self) -> list:  # type: ignore[override]  # torch's Optimizer declares these as attributes
+    def param_groups(self) -> list[Any]:  # type: ignore[override]  # torch's Optimizer declares these as attributes
         return self.optim.param_groups
 
     @property
@@ -104,10 +104,10 @@ class CommittingOptimizer(torch.optim.Optimizer):
         return self.optim.state
 
     @property
-    def defaults(self) -> dict:  # type: ignore[override]  # (as above)
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # (as above)
         return self.optim.defaults
 
-    def add_param_group(self, param_group: dict) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optim.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -122,12 +122,12 @@ class CommittingOptimizer(torch.optim.Optimizer):
             self.optim.step()
         return committed
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The optimizer's state and torchft's counters (``Manager.state_dict()``: the committed steps and
         batches), which a checkpoint must hold so a resumed group reports its true step to the quorum."""
         return {**self.optim.state_dict(), "torchft": self._strategy.manager_state()}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         counters = state_dict.pop("torchft", None)
         self.optim.load_state_dict(state_dict)
@@ -169,8 +169,9 @@ class FaultTolerantDDP(PlainGradients):
         return wrapped, CommittingOptimizer(self, inner)
 
     @override
-    def no_sync(self, model: nn.Module) -> ContextManager:
-        return model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module: DDP's method
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+        sync: ContextManager[None] = model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as
+        return sync  # Tensor | Module: this is DDP's method
 
     # ------------------------------------------------------------------ the quorum, step by step
     def register_state(self, key: str, load: Callable[[Any], None], state: Callable[[], Any],
@@ -179,7 +180,7 @@ class FaultTolerantDDP(PlainGradients):
         ``first``: load this part before the others (a check that must run before anything is changed)."""
         self._parts = {key: (load, state), **self._parts} if first else {**self._parts, key: (load, state)}
 
-    def _state_parts(self) -> dict:
+    def _state_parts(self) -> dict[str, Any]:
         return {key: state() for key, (_, state) in self._parts.items()}
 
     def _load_parts(self, received: Any) -> None:
@@ -230,11 +231,11 @@ class FaultTolerantDDP(PlainGradients):
         """Steps the quorum has committed: the job's step counter (the same in every live group)."""
         return int(self.manager.current_step())
 
-    def manager_state(self) -> dict:
+    def manager_state(self) -> dict[str, Any]:
         """torchft's counters, saved with every checkpoint so a resumed group reports its true step."""
         return dict(self.manager.state_dict())
 
-    def load_manager_state(self, state: dict) -> None:
+    def load_manager_state(self, state: dict[str, Any]) -> None:
         self.manager.load_state_dict({"step": int(state.get("step", 0)),
                                       "batches_committed": int(state.get("batches_committed", 0))})
 
@@ -285,15 +286,15 @@ class FaultTolerantDDP(PlainGradients):
 def _replica_ddp(torchft: Any) -> type:
     """torchft's DistributedDataParallel with the gradient hook described in the module docstring."""
 
-    class ReplicaDDP(torchft.DistributedDataParallel):
+    class ReplicaDDP(torchft.DistributedDataParallel):  # type: ignore[misc]  # torchft: untyped here
         @staticmethod
-        def _comm_hook(state, bucket):  # no annotations: torch checks real ones
+        def _comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # no annotations: torch checks real ones
             buffer = bucket.buffer()
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(buffer)  # SUM (gloo has no AVG), inside this replica group
                 buffer.div_(dist.get_world_size())
             state.allreduce(buffer).wait()  # across the live groups, averaged in place; an error is reported
-            done: torch.futures.Future = torch.futures.Future()
+            done: torch.futures.Future[Any] = torch.futures.Future()
             done.set_result(buffer)
             return done
 

@@ -72,7 +72,7 @@ def find_blocks(model: nn.Module, wrap: Optional[Sequence[str]] = None) -> list[
         return []
     # A class whose instances mostly sit inside another repeated class (the Linear layers of a
     # transformer block) is a part, not a block: keep the outer one.
-    inside: Counter = Counter()
+    inside: Counter[type[torch.nn.Module]] = Counter()
     for outer in model.modules():
         if type(outer) in candidates:
             for inner in outer.modules():
@@ -108,7 +108,7 @@ class FSDP(PlainGradients):
     sharded = True
 
     def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions(), distributed: bool = True,
-                 mesh: Optional[Callable[[], Any]] = None, tp_plan: Optional[dict] = None, name: str = "fsdp") -> None:
+                 mesh: Optional[Callable[[], Any]] = None, tp_plan: Optional[dict[str, Any]] = None, name: str = "fsdp") -> None:
         self.name = name
         self.device = device
         self.options = options
@@ -166,7 +166,7 @@ class FSDP(PlainGradients):
         return model, build_optimizer(optimizer, model)
 
     @override
-    def no_sync(self, model: nn.Module) -> ContextManager:
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
         return _no_gradient_sync(model) if self.distributed else contextlib.nullcontext()
 
     @override
@@ -204,7 +204,7 @@ def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not norms:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
     for params in groups.values() if max_norm != float("inf") else ():  # inf: the norm alone (the step guard)
         nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
@@ -217,7 +217,7 @@ def _same_weights_as_rank0(model: nn.Module) -> None:
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     tensors = [t.data for t in [*model.parameters(), *model.buffers()] if t.numel()]
-    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    buckets: dict[tuple[Any, ...], list[list[torch.Tensor]]] = {}
     for tensor in tensors:  # one broadcast per ~64 MB of one dtype, not one per tensor
         groups = buckets.setdefault((tensor.dtype, tensor.device), [[]])
         if sum(t.numel() * t.element_size() for t in groups[-1]) > 64 << 20:
@@ -246,7 +246,7 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
 class FSDPTPOptions(FSDPOptions):
     #: Which Linear layers are split, by glob over module names: {"*.q": "colwise", "*.proj": "rowwise"}.
     #: Default: the model's own ``tp_plan`` attribute (the convention of Hugging Face transformers).
-    tp_plan: Optional[dict] = None
+    tp_plan: Optional[dict[str, Any]] = None
 
 
 def _build(name: str) -> Any:

@@ -181,7 +181,7 @@ class Pipeline(PlainGradients):
         return DistributedDataParallel(piped, device_ids=None), built
 
     @override
-    def no_sync(self, model: nn.Module) -> ContextManager:
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
         return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
 
     # clip_grad_norm (inherited): clip_grad_norm_ gathers the per-device norms onto the first device,

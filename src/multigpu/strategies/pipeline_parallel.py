@@ -221,7 +221,7 @@ class PipelineParallel:
         raise MultiGPUError("with pp the pipeline schedule runs forward and backward together: there is no loss to "
                             "call backward on.", "use the Trainer, or model.train_step(batch, loss_of) in your loop.")
 
-    def no_sync(self, model: nn.Module) -> ContextManager:
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
         """pp+ddp: no gradient averaging until the accumulation boundary (FSDP's reduce-scatter runs
         inside the schedule's step, as torch's pipelining drives it)."""
         return _no_averaging(model.runner) if isinstance(model, PipelineParts) else contextlib.nullcontext()

@@ -78,7 +78,8 @@ def schedule_class(name: str, several_stages: bool) -> type:
 
     if name == "gpipe":
         return schedules.ScheduleLoopedBFS if several_stages else schedules.ScheduleGPipe
-    return getattr(schedules, SCHEDULES[name])
+    chosen: type = getattr(schedules, SCHEDULES[name])
+    return chosen
 
 
 class StageRunner:
@@ -92,7 +93,7 @@ class StageRunner:
         self.pp = dist.get_world_size(group)
         self.has_first, self.has_last = 0 in self.indexes, stages - 1 in self.indexes
         self.order, self.stage_size, self.rank = list(order), stage_size, rank
-        self._schedules: dict[tuple, Any] = {}
+        self._schedules: dict[tuple[Any, ...], Any] = {}
         #: The stage's data-parallel group whose gradients are averaged after each step (pp+ddp), and
         #: whether to (False inside no_sync: accumulation).
         self.average_over, self.sync = average_over, True
@@ -190,7 +191,7 @@ class PipelineParts(nn.Module):
         for name, layer in layers.items():
             self.add_module(name, layer)
         self.runner = runner
-        self._answer: Optional[list] = None
+        self._answer: Optional[list[Any]] = None
         counts = torch.tensor([sum(p.numel() for p in self.parameters()),
                                sum(p.numel() for p in self.parameters() if p.requires_grad)], device=runner.device)
         dist.all_reduce(counts, group=runner.group)  # one rank per stage: every stage once
@@ -279,7 +280,8 @@ class PipelineParts(nn.Module):
         """The last stage's metrics on every rank of the pipeline (the others computed none)."""
         box: list[Any] = [metrics if self.runner.has_last else None]
         dist.broadcast_object_list(box, group_src=self.runner.pp - 1, group=self.runner.group)
-        return box[0]
+        shared: dict[str, float] = box[0]
+        return shared
 
     def _inputs(self, batch: Any, inputs_of: Callable[[Any], Any]) -> torch.Tensor:
         inputs = inputs_of(batch)
@@ -296,7 +298,7 @@ class PipelineParts(nn.Module):
                  for name, value in self.state_dict().items()}
         runner = self.runner
         mine = local if runner.rank % runner.stage_size == 0 else {}  # one rank per stage sends
-        gathered: Optional[list] = [None] * dist.get_world_size() if runner.rank == 0 else None
+        gathered: Optional[list[Any]] = [None] * dist.get_world_size() if runner.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if gathered is None:
             return {}

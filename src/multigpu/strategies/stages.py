@@ -8,7 +8,7 @@ name is an error, not a silent no-op.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from multigpu import validate
 from multigpu.errors import ConfigError
@@ -49,7 +49,8 @@ class Stages:
             raise ConfigError(f"{name!r} is not a stage of this recipe.", f"stages: {', '.join(self.names)}.")
         return self.start <= self.names.index(name) <= self.end
 
-    def run(self, functions: Mapping[str, Callable[[], object]], announce: Optional[Callable[[str], None]] = None) -> dict:
+    def run(self, functions: Mapping[str, Callable[[], object]],
+            announce: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
         """Call the selected stages in order; returns ``{stage: result}``."""
         missing = [n for n in self.names if n not in functions]
         if missing:

@@ -59,4 +59,5 @@ def evaluate_shard(loader: LoaderLike, evaluate_batch: Callable[[Any], Metrics],
         heartbeat()
     for _ in range(extra):  # keep FSDP's all-gathers paired across ranks; results dropped
         repeat_forward()
-    return sums.compute()
+    results: dict[str, float] = sums.compute()
+    return results

@@ -162,7 +162,7 @@ class Trainer(abc.ABC):
     def on_fit_end(self) -> None:  # noqa: B027
         """After the last epoch (not after a preemption or an error)."""
 
-    def rank_state(self) -> Optional[dict]:
+    def rank_state(self) -> Optional[dict[str, Any]]:
         """This rank's own state to checkpoint (e.g. an LSTM's hidden state over a token stream).
 
         Saved for every rank, like the RNG states, and given back to the same rank by
@@ -170,7 +170,7 @@ class Trainer(abc.ABC):
         """
         return None
 
-    def load_rank_state(self, state: dict) -> None:  # noqa: B027
+    def load_rank_state(self, state: dict[str, Any]) -> None:  # noqa: B027
         """Restore what ``rank_state`` returned on this rank. When the world size changed, rank r gets
         old rank r's state if there was one (a warning says which ranks got none)."""
 
@@ -416,11 +416,11 @@ class Trainer(abc.ABC):
 
     def _loader(self, data: Any, evaluation: bool) -> LoaderLike:
         s = self.settings
-        if evaluation:
-            return self.run.eval_loader(data, s.eval_batch_size or s.batch_size, collate_fn=s.collate_fn,
-                                        num_workers=s.num_workers)
-        return self.run.loader(data, s.batch_size, shuffle=s.shuffle, seed=s.seed, drop_last=s.drop_last,
-                               num_workers=s.num_workers, collate_fn=s.collate_fn, quiet=True)
+        loader: LoaderLike = (
+            self.run.eval_loader(data, s.eval_batch_size or s.batch_size, collate_fn=s.collate_fn, num_workers=s.num_workers)
+            if evaluation else self.run.loader(data, s.batch_size, shuffle=s.shuffle, seed=s.seed, drop_last=s.drop_last,
+                                               num_workers=s.num_workers, collate_fn=s.collate_fn, quiet=True))
+        return loader
 
     def _record(self, row: dict[str, Any]) -> None:
         self.history.append(row)
@@ -456,7 +456,7 @@ class Trainer(abc.ABC):
         """Write a checkpoint of the current state (every rank calls it; returns once it exists)."""
         return self._save(blocking=True)
 
-    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict] = None,
+    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict[str, Any]] = None,
               blocking: bool = False) -> Path:
         self.run.wait_for_checkpoint(then=self.on_checkpoint)  # async_checkpoint: on_checkpoint once written
         asynchronous = not blocking and self.settings.background_checkpoints(self.device)

@@ -59,7 +59,7 @@ class BestTracker:
     def should_stop(self) -> bool:
         return self.patience is not None and self.bad_evaluations >= self.patience
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -8,7 +8,7 @@ order wrong silently clips scaled gradients.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ class Precision:
     def dtype(self) -> Optional[torch.dtype]:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mode)
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> ContextManager[None]:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
@@ -69,9 +69,9 @@ class Precision:
             self.scaler.update()
         return False
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)

@@ -183,7 +183,7 @@ class ReplicaGroups:
             Folder(self.root).write_atomic(FINISHED_FILE, json.dumps(record))
 
     # ------------------------------------------------------------------ heal: what travels between groups
-    def _state(self) -> dict:
+    def _state(self) -> dict[str, Any]:
         """Sent to a group that heals. Called in torchft's quorum thread while this process waits for the
         quorum in the forward pre-hook, so nothing here changes meanwhile."""
         t = self.trainer

@@ -20,12 +20,13 @@ from multigpu.trainer.settings import TrainState
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "betas", "eps", "dampening", "nesterov", "alpha", "lr_decay")
 
 
-def wanted_hyperparameters(param_groups: list[dict]) -> list[dict]:
+def wanted_hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The hyperparameters given now, per group: taken before the checkpoint overwrites them."""
     return [{k: g[k] for k in (*HYPERPARAMETERS, "initial_lr") if k in g} for g in param_groups]
 
 
-def apply_hyperparameters(param_groups: list[dict], wanted: list[dict], base_lrs: Optional[list] = None) -> list[str]:
+def apply_hyperparameters(param_groups: list[dict[str, Any]], wanted: list[dict[str, Any]],
+                          base_lrs: Optional[list[Any]] = None) -> list[str]:
     """Put the hyperparameters given now back into groups the checkpoint restored; return what changed.
 
     A changed initial learning rate scales the scheduled one, so the schedule's position is kept;
@@ -78,7 +79,8 @@ def realigned_batches(batch_in_epoch: int, data: Mapping[str, Any], new_global: 
     if done % new_global:
         warnings.warn(f"multigpu: resuming mid-epoch with global batch {new_global} (was {old_global}); "
                       f"{done % new_global} sample(s) of this epoch are seen twice.", stacklevel=3)
-    return done // new_global
+    batches: int = done // new_global
+    return batches
 
 
 def checked_counters(value: Any) -> TrainState:

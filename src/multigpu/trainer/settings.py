@@ -61,7 +61,7 @@ class TrainerSettings:
     clip_grad_norm: Optional[float] = None
     precision: str = "32"
     strategy: Optional[str] = None  # None: the one given to mg.init() ("auto" unless said otherwise)
-    strategy_options: dict = field(default_factory=dict)
+    strategy_options: dict[str, Any] = field(default_factory=dict)
     #: Tensor-parallel ranks per model replica (strategy fsdp+tp) and replica groups (hsdp).
     tp: int = 1
     dp_replicate: int = 1
@@ -71,7 +71,7 @@ class TrainerSettings:
     pp: int = 1
     pipeline_schedule: str = "1f1b"
     micro_batches: Optional[int] = None
-    split_points: Optional[list] = None
+    split_points: Optional[list[Any]] = None
     #: torch.compile the model after wrapping: true, or a mapping of torch.compile's options.
     compile: Any = False
     scheduler_interval: str = "step"  # or "epoch"
@@ -80,7 +80,7 @@ class TrainerSettings:
     drop_last: bool = False
     num_workers: int = 0
     #: Batches from datasets are collated with this (not from YAML; your DataLoader keeps its own).
-    collate_fn: Optional[Callable] = None
+    collate_fn: Optional[Callable[..., Any]] = None
     out_dir: str = "outputs"
     checkpoint_every_epochs: int = 1
     checkpoint_every_steps: Optional[int] = None
@@ -93,7 +93,7 @@ class TrainerSettings:
     resume: bool = True
     verify_checksums: bool = True
     #: Where the numbers go besides metrics.csv/steps.csv: tensorboard, wandb, mlflow.
-    loggers: list = field(default_factory=list)
+    loggers: list[Any] = field(default_factory=list)
     #: A row of step metrics (loss, lr, samples/s, grad norm, GPU memory) every N optimizer steps (0: none).
     log_every_n_steps: int = 50
     progress: bool = True
@@ -138,7 +138,7 @@ class TrainerSettings:
     #: Replica groups that keep training when one dies (torchft): ``{replica_groups: R, min_replicas: M}``.
     #: The launch decides (``multigpu run --replica-groups R --min-replicas M``); set here, it must match
     #: it, so a recipe meant for replica groups is not run without them by mistake.
-    fault_tolerance: Optional[dict] = None
+    fault_tolerance: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         """The settings door: every setting typed and bounded, on every path (YAML, KEY=VALUE overrides, a
@@ -212,7 +212,7 @@ class TrainerSettings:
 FAULT_TOLERANCE_RULES = {"replica_groups": Rule(int, 1, 1024), "min_replicas": Rule(int, 1, 1024)}
 
 
-def fault_tolerance_settings(value: Any) -> Optional[dict]:
+def fault_tolerance_settings(value: Any) -> Optional[dict[str, Any]]:
     """``fault_tolerance``: null, or a mapping of replica_groups (required) and min_replicas (default 1,
     at most replica_groups)."""
     if value is None:

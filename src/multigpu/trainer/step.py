@@ -29,7 +29,7 @@ class ForwardBackward:
         ``batch_size``: the loader's (a pipeline pads shorter batches to it)."""
         t, accumulate = self.trainer, self.trainer.settings.accumulate
         with t.precision.autocast():
-            loss = t.compute_loss(batch)
+            loss: torch.Tensor = t.compute_loss(batch)
         t.strategy.backward(t.precision.scale(loss / accumulate if accumulate > 1 else loss))
         return loss
 
@@ -41,7 +41,8 @@ class ForwardBackward:
                                  heartbeat=lambda: t.run.step_done(t.state.global_step))
         return self.shared(metrics)
 
-    def evaluator(self, evaluate_batch: Callable[[Any], Mapping], batch_size: int) -> Callable[[Any], Mapping]:
+    def evaluator(self, evaluate_batch: Callable[[Any], Mapping[str, Any]],
+                  batch_size: int) -> Callable[[Any], Mapping[str, Any]]:
         """What evaluation calls per batch (of at most ``batch_size``)."""
         return evaluate_batch
 
@@ -57,16 +58,18 @@ class PipelineStep(ForwardBackward):
     def train(self, batch: Any, batch_size: int) -> torch.Tensor:
         t = self.trainer
         with t.precision.autocast():  # around the schedule: it runs each micro-batch's backward right after
-            loss = t.state_model.train_step(batch, t.compute_loss, t.model_inputs, divide=t.settings.accumulate,
+            loss: torch.Tensor = t.state_model.train_step(batch, t.compute_loss, t.model_inputs, divide=t.settings.accumulate,
                                             scale=t.precision.scale, pad_to=batch_size)
         return loss
 
-    def evaluator(self, evaluate_batch: Callable[[Any], Mapping], batch_size: int) -> Callable[[Any], Mapping]:
+    def evaluator(self, evaluate_batch: Callable[[Any], Mapping[str, Any]],
+                  batch_size: int) -> Callable[[Any], Mapping[str, Any]]:
         parts, inputs_of = self.trainer.state_model, self.trainer.model_inputs
         return lambda batch: parts.evaluate_step(batch, evaluate_batch, inputs_of, pad_to=batch_size)
 
     def shared(self, metrics: dict[str, float]) -> dict[str, float]:
-        return self.trainer.state_model.shared(metrics)
+        shared: dict[str, float] = self.trainer.state_model.shared(metrics)
+        return shared
 
 
 def make_step(trainer: Any) -> ForwardBackward:
