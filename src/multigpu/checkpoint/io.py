@@ -148,9 +148,8 @@ class ShardedIO:
                                   "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
         from multigpu.checkpoint import sharded
 
-        pending: Pending = sharded.start_save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
-                                              barrier=self.barrier, meta=meta, stager=stager, group=group, after=after)
-        return pending
+        return sharded.start_save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
+                                  barrier=self.barrier, meta=meta, stager=stager, group=group, after=after)
 
     def load(self, path: Path, manifest: dict[str, Any], model: Optional[nn.Module], optimizer: Any,
              map_location: Any) -> dict[str, Any]:

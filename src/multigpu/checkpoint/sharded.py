@@ -14,7 +14,7 @@ import contextlib
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from multigpu.checkpoint.files import (
 )
 from multigpu.checkpoint.place import CHECKSUM, HashingWriter, Place, step_name
 from multigpu.errors import CheckpointError, visible
+
+if TYPE_CHECKING:
+    from multigpu.checkpoint.background import PendingSave
 
 EXTRA_FILE = "extra.pt"
 METADATA = ".metadata"
@@ -248,7 +251,7 @@ def _read_model_tensors(path: Path, manifest: dict[str, Any]) -> dict[str, torch
 
 def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict[str, Any],
                *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict[str, Any]], stager: Any, group: Any,
-               after: Callable[[], None]) -> Any:
+               after: Callable[[], None]) -> PendingSave:
     """Every rank calls this: DCP's ``async_save`` stages the shards to CPU memory and writes them on a
     thread (its collectives on ``group``, a gloo group of its own, never the training's); rank 0 then
     writes ``extra``, the manifest, renames the folder into place and runs ``after``."""

@@ -87,7 +87,7 @@ def load_plan(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
     return Plan(runs, families)
 
 
-def _chosen(entries: list[Any], only: Optional[Sequence[str]], path: str | Path) -> tuple[list[Any], list[str]]:
+def _chosen(entries: list[Entry], only: Optional[Sequence[str]], path: str | Path) -> tuple[list[Entry], list[str]]:
     """The entries ``--only`` chooses (all without it), and the trial names it gives."""
     if only is None:
         return entries, []

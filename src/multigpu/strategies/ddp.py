@@ -50,8 +50,9 @@ class DDP(PlainGradients):
 
     @override
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        sync: ContextManager[None] = model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as
-        return sync  # Tensor | Module: this is DDP's method
+        # DDP's own method; torch types nn.Module.__getattr__ as Tensor | Module
+        sync: ContextManager[None] = model.no_sync()  # type: ignore[operator]
+        return sync
 
 
 def _build(context: BuildContext, options: DDPOptions) -> "DDP | SingleDevice":

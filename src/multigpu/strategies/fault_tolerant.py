@@ -170,8 +170,9 @@ class FaultTolerantDDP(PlainGradients):
 
     @override
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        sync: ContextManager[None] = model.no_sync()  # type: ignore[operator]  # torch types nn.Module.__getattr__ as
-        return sync  # Tensor | Module: this is DDP's method
+        # DDP's own method; torch types nn.Module.__getattr__ as Tensor | Module
+        sync: ContextManager[None] = model.no_sync()  # type: ignore[operator]
+        return sync
 
     # ------------------------------------------------------------------ the quorum, step by step
     def register_state(self, key: str, load: Callable[[Any], None], state: Callable[[], Any],

@@ -58,8 +58,9 @@ class PipelineStep(ForwardBackward):
     def train(self, batch: Any, batch_size: int) -> torch.Tensor:
         t = self.trainer
         with t.precision.autocast():  # around the schedule: it runs each micro-batch's backward right after
-            loss: torch.Tensor = t.state_model.train_step(batch, t.compute_loss, t.model_inputs, divide=t.settings.accumulate,
-                                            scale=t.precision.scale, pad_to=batch_size)
+            loss: torch.Tensor = t.state_model.train_step(batch, t.compute_loss, t.model_inputs,
+                                                          divide=t.settings.accumulate, scale=t.precision.scale,
+                                                          pad_to=batch_size)
         return loss
 
     def evaluator(self, evaluate_batch: Callable[[Any], Mapping[str, Any]],
