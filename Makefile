@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # a timeout, a rendezvous, Slurm's scheduler), measured with vmstat on this 2-core machine.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast lint bytecode venv clean gpu-check gpu-bench
+.PHONY: demo test test-fast soak lint bytecode venv clean gpu-check gpu-bench
 
 venv: $(VENV)/.demo-installed
 
@@ -56,6 +56,11 @@ test: lint bytecode
 
 test-fast: bytecode
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not infra" $(PYTEST_ARGS)
+
+# The soak tier: the PyTorch DDP tutorial's program 30 times in a row under multigpu run and under torchrun
+# (SOAK_LAUNCHES=N to change the count), 0 hangs required; ~6 min on 2 cores. Not part of `make test`.
+soak: bytecode
+	$(PY) -m pytest -p no:randomly -s --soak -m soak $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (no virtual environment, no network needed):
 # every GPU test, and the speed and packing figures. See .ci/gpu-check.

@@ -2,19 +2,17 @@
 
     python benchmarks/restart.py [--repeats 5] [--nproc 2]
 
-Each repeat is a fresh ``multigpu run --nproc 2 --max-restarts 1`` job whose rank 1 kills itself at
-step 5; the agent restarts every worker, the Trainer resumes from the step-5 checkpoint. Each repeat runs
-the job twice, interleaved: workers forked from the launcher's fork server (the default on CPU) and
-the plain start (``MULTIGPU_WORKER_START=plain``: a new interpreter per worker, as torchrun starts them).
-Prints the medians and ranges, and where the time goes (medians, from the restarted rank 0 of the
-default start):
+Each repeat is a fresh 2-process job with one restart allowed, whose rank 1 kills itself at step 5; the
+agent restarts every worker, the Trainer resumes from the step-5 checkpoint. Each repeat runs the job
+twice, interleaved: under ``multigpu run --max-restarts 1`` and under ``torchrun --standalone
+--max-restarts 1`` (the same script: ``mg.init`` reads torchrun's variables). Both start each worker as a
+new interpreter. Prints the medians and ranges, and where the time goes (medians, from the restarted
+rank 0 under ``multigpu run``):
 
-- agent: noticing the death, stopping the survivor, a new rendezvous, starting the new processes (a
-  small boot process per rank, and the fork);
-- interpreter: the new process until the script's first line (the worker wrapper; with the plain start
-  Python's own start-up too);
+- agent: noticing the death, stopping the survivor, a new rendezvous, starting the new processes;
+- interpreter: the new process until the script's first line (Python's own start-up, the worker wrapper);
 - import torch, import torch._dynamo: torch's own start-up (torch imports dynamo when the first
-  optimizer is constructed: every script that builds one pays it; a forked worker has both already);
+  optimizer is constructed: every script that builds one pays it);
 - import multigpu, mg.init (joining the process group), building the Trainer (model, optimizer, DDP);
 - resume: choosing, verifying and loading the checkpoint; first step: one training step.
 
@@ -24,7 +22,6 @@ dies and every repeat resumes from the same step.
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -46,34 +43,39 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
     args = parser.parse_args()
-    gaps: dict[str, list[float]] = {"fork": [], "plain": []}
+    launchers = {
+        "multigpu": [sys.executable, "-P", "-m", "multigpu", "run", "--nproc", str(args.nproc), "--max-restarts", "1"],
+        "torchrun": [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
+                     f"--nproc_per_node={args.nproc}", "--max-restarts", "1"],
+    }
+    gaps: dict[str, list[float]] = {name: [] for name in launchers}
     parts: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
     for index in range(args.repeats):
-        for start in (("fork", "plain") if index % 2 == 0 else ("plain", "fork")):
-            env = {**os.environ, "MULTIGPU_WORKER_START": start}
+        for launcher in (list(launchers) if index % 2 == 0 else list(reversed(launchers))):
             with tempfile.TemporaryDirectory() as tmp:
-                subprocess.run([sys.executable, "-m", "multigpu", "run", "--nproc", str(args.nproc),
-                                "--max-restarts", "1", str(HERE / "restart_worker.py"), tmp],
-                               check=True, capture_output=True, text=True, env=env)
+                subprocess.run([*launchers[launcher], str(HERE / "restart_worker.py"), tmp],
+                               check=True, capture_output=True, text=True)
                 times = json.loads(Path(tmp, "phases.json").read_text())
                 times["killed_at"] = float(Path(tmp, "killed_at").read_text())
-            gaps[start].append(times["first_step"] - times["killed_at"])
-            if start == "fork":
+            gaps[launcher].append(times["first_step"] - times["killed_at"])
+            if launcher == "multigpu":
                 for name, first, last in PHASES:
                     parts[name].append(times[last] - times[first])
-            print(f"repeat {index + 1} {start}: {gaps[start][-1]:.2f} s", flush=True)
-    for start, values in gaps.items():
-        print(f"\nkill -> first resumed step, {args.nproc} gloo processes, {start} start, {args.repeats} repeats: "
+            print(f"repeat {index + 1} {launcher}: {gaps[launcher][-1]:.2f} s", flush=True)
+    for launcher, values in gaps.items():
+        print(f"\nkill -> first resumed step, {args.nproc} gloo processes, {launcher}, {args.repeats} repeats: "
               f"median {statistics.median(values):.2f} s (min {min(values):.2f}, max {max(values):.2f})")
     for name, values in parts.items():
         print(f"  {name:16s} {statistics.median(values):6.3f} s")
     phases = {name.replace("import ", "").replace("torch._dynamo", "dynamo").replace(".", "_").replace(" ", "_").lower() + "_s":
               statistics.median(values) for name, values in parts.items()}
-    fork, plain = gaps["fork"], gaps["plain"]
-    record("restart", {"median_s": statistics.median(fork), "min_s": min(fork), "max_s": max(fork),
-                       "plain_median_s": statistics.median(plain), "plain_min_s": min(plain),
-                       "plain_max_s": max(plain), "repeats": args.repeats, "nproc": args.nproc, **phases},
+    ours, theirs = gaps["multigpu"], gaps["torchrun"]
+    record("restart", {"median_s": statistics.median(ours), "min_s": min(ours), "max_s": max(ours),
+                       "torchrun_median_s": statistics.median(theirs), "torchrun_min_s": min(theirs),
+                       "torchrun_max_s": max(theirs), "ratio": statistics.median(ours) / statistics.median(theirs),
+                       "repeats": args.repeats, "nproc": args.nproc, **phases},
            [__file__, HERE / "restart_worker.py"])
+
 
 if __name__ == "__main__":
     main()

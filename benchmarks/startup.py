@@ -4,14 +4,12 @@
 
 Two scripts: tests/scripts/allreduce.py (mg.init, one all_reduce, teardown) and
 benchmarks/startup_step.py (mg.init, a DDP model, an optimizer, one training step - what every training
-script does first). Three launchers: ``multigpu run`` (workers forked from its fork server on CPU),
-``multigpu run`` with ``MULTIGPU_WORKER_START=plain`` (each worker a new interpreter, as torchrun starts
-them) and ``torchrun``. Runs are interleaved; medians and ratios are printed, and the CPU time of each
+script does first). Two launchers, each worker a new interpreter under torch's elastic agent: ``multigpu
+run`` and ``torchrun``. Runs are interleaved; medians and ratios are printed, and the CPU time of each
 launch's whole process tree (what a busy machine, or the test suite, pays).
 """
 
 import argparse
-import os
 import resource
 import statistics
 import subprocess
@@ -31,23 +29,19 @@ def main() -> None:
     args = parser.parse_args()
     scripts = {"allreduce": str(ROOT / "tests" / "scripts" / "allreduce.py"),
                "step": str(ROOT / "benchmarks" / "startup_step.py")}
-    plain = {**os.environ, "MULTIGPU_WORKER_START": "plain"}
     launchers = {
-        "multigpu": (lambda script: [sys.executable, "-m", "multigpu", "run", "--nproc", str(args.nproc), script], None),
-        "multigpu_plain": (lambda script: [sys.executable, "-m", "multigpu", "run", "--nproc", str(args.nproc), script],
-                           plain),
-        "torchrun": (lambda script: [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     f"--nproc_per_node={args.nproc}", script], None),
+        "multigpu": lambda script: [sys.executable, "-P", "-m", "multigpu", "run", "--nproc", str(args.nproc), script],
+        "torchrun": lambda script: [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
+                                    f"--nproc_per_node={args.nproc}", script],
     }
     cases = [(job, launcher) for job in scripts for launcher in launchers]
     times: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     cpu: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
     for index in range(args.repeats):
         for job, launcher in (cases if index % 2 == 0 else list(reversed(cases))):
-            command, env = launchers[launcher]
             before = _children_cpu()
             started = time.perf_counter()
-            subprocess.run(command(scripts[job]), check=True, capture_output=True, env=env)
+            subprocess.run(launchers[launcher](scripts[job]), check=True, capture_output=True)
             times[(job, launcher)].append(time.perf_counter() - started)
             cpu[(job, launcher)].append(_children_cpu() - before)
     figures: dict = {"repeats": args.repeats, "nproc": args.nproc}
@@ -62,16 +56,16 @@ def main() -> None:
         prefix = "" if job == "allreduce" else f"{job}_"
         torchrun = statistics.median(times[(job, "torchrun")])
         figures[f"{prefix}ratio"] = statistics.median(times[(job, "multigpu")]) / torchrun
-        figures[f"{prefix}plain_ratio"] = statistics.median(times[(job, "multigpu_plain")]) / torchrun
-        print(f"{job}: multigpu/torchrun {figures[prefix + 'ratio']:.3f}, "
-              f"plain start/torchrun {figures[prefix + 'plain_ratio']:.3f}")
+        figures[f"{prefix}cpu_ratio"] = (statistics.median(cpu[(job, "multigpu")])
+                                         / statistics.median(cpu[(job, "torchrun")]))
+        print(f"{job}: multigpu/torchrun wall {figures[prefix + 'ratio']:.3f}, CPU {figures[prefix + 'cpu_ratio']:.3f}")
     record("startup", figures, [__file__, ROOT / "tests" / "scripts" / "allreduce.py",
                                 ROOT / "benchmarks" / "startup_step.py"])
 
 
 def _children_cpu() -> float:
     """User and system CPU seconds of every process this one has waited for, with their own waited-for
-    children (the launcher, its fork server, the workers): the whole tree of a finished launch."""
+    children (the launcher, the workers): the whole tree of a finished launch."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import getpass
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import pytest
+
+from multigpu.launch.interpreter import python_module
 
 # One CPU thread for torch in this process too (before any test module imports torch), as child_env gives
 # the processes the tests start: results computed here do not depend on how many cores the machine has,
@@ -26,13 +24,28 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torch's inductor sets its cache folder in this process's environment the first time a test uses it (for its
 # compile workers), so launches after that inherited it and launches before did not: set from the start, to
-# torch's own default, every launch gets the same environment (and the launch server's, see LaunchServer).
+# torch's own default, every launch gets the same environment.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())))
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 PY = sys.executable
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="run the soak tier: many launches in a row (make soak)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """The soak tier (``@pytest.mark.soak``) runs only with --soak: it is a measurement of many launches, by
+    hand or by .ci/stability, too long for every ``make test``."""
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="soak tier: run with make soak (pytest --soak)")
+    for item in items:
+        if item.get_closest_marker("soak") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -66,104 +79,12 @@ def child_env(extra: Optional[dict] = None, base: Optional[dict] = None) -> dict
     return env
 
 
-class LaunchServer:
-    """``python -m multigpu ARGS`` forked from one interpreter that imported torch (and torch._dynamo, and
-    matplotlib's figure for the Trainer's curves.png) once per test process: tests/scripts/case_server.py
-    ``--launches``. Why: a 2-process launch spent ~7 s of CPU importing torch in the launcher and
-    torch._dynamo in its fork server, ~5 s more than the work of most tests' launches, and the suite launches
-    a few hundred times. The launcher, torch's agent, the boot processes, the fork server and the workers run
-    as in a user's launch; the launcher is a fork of a process that imported torch with the launch's
-    environment (one that differs starts a new interpreter, and a launch that adds a variable torch reads at
-    import, ``--debug``'s, starts its workers the plain way). The new-interpreter path stays tested where it
-    is the point: every command of the docs pages, test_launch_real.py (but its shutdown test, about the
-    workers' exit, and its test of this server), test_forkserver.py, the hostile tables' ``run`` cases, tests
-    that Popen a launcher.
-    A process a launch leaves behind fails the call (the server is the launches' subreaper). A call that is
-    interrupted (a test's timeout, Ctrl-C) stops the server and what it runs; the next call starts another.
-    What else differs from a new interpreter: every launch of one test process has the server's string-hash
-    seed (a user's launches each draw one; the new-interpreter tests below keep that case), and a forked
-    process is found by its parent, not by a test's token on its command line (the boot processes keep it).
-    ``MGTEST_FRESH=1``: every launch a new interpreter (for comparisons); ``MGTEST_LAUNCH_LOG=FILE``: a line
-    per launch through the server, with the variables that made it start a new interpreter."""
-
-    def __init__(self) -> None:
-        self.owner = os.getpid()
-        self.folder = Path(tempfile.mkdtemp(prefix="mgtest-launches-"))
-        self.lock = threading.Lock()
-        self.count = 0
-        self.proc = subprocess.Popen([PY, str(SCRIPTS / "case_server.py"), "--launches"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=child_env(base=_ENV_AT_START),
-                                     cwd=str(REPO))
-
-    def run(self, args: tuple, env: dict, cwd: Path, timeout: float) -> Optional[subprocess.CompletedProcess]:
-        """The command's result, or None where the server is busy (a test's second thread) or gone."""
-        if os.getpid() != self.owner or self.proc.poll() is not None or not self.lock.acquire(blocking=False):
-            return None
-        try:
-            self.count += 1
-            out, err = self.folder / "stdout", self.folder / "stderr"
-            request = {"id": self.count, "argv": list(args), "cwd": str(cwd), "env": env, "out": str(out),
-                       "err": str(err), "timeout": timeout, "launch": True}
-            assert self.proc.stdin is not None and self.proc.stdout is not None
-            try:
-                self.proc.stdin.write(json.dumps(request) + "\n")
-                self.proc.stdin.flush()
-                line = self.proc.stdout.readline()
-            except BaseException:  # a test's timeout or Ctrl-C: this launch must end with it, as a child would
-                self.close()
-                _launch_server.clear()
-                raise
-            if not line:
-                raise AssertionError("the launch server died")
-            reply = json.loads(line)
-            assert reply["id"] == self.count, reply
-            argv = [PY, "-m", "multigpu", *args]
-            if os.environ.get("MGTEST_LAUNCH_LOG"):  # which launches started a new interpreter, and why
-                with open(os.environ["MGTEST_LAUNCH_LOG"], "a") as log:
-                    log.write(f"{os.environ.get('PYTEST_CURRENT_TEST')}\t{reply['new_interpreter_for']}\t{args[:1]}\n")
-            if reply["status"] == -9:
-                raise subprocess.TimeoutExpired(argv, timeout)
-            assert not reply["left"], f"processes left behind by multigpu {' '.join(args)}: {reply['left']}"
-            return subprocess.CompletedProcess(argv, reply["status"], out.read_text(errors="replace"),
-                                               err.read_text(errors="replace"))
-        finally:
-            self.lock.release()
-
-    def close(self) -> None:
-        """Stop the server: it kills what it started (SIGTERM; SIGKILL if it does not end in 20 s)."""
-        if os.getpid() != self.owner:  # a test's fork of this process exiting: the server is not its own
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-_ENV_AT_START = dict(os.environ)  # before any test changed it: the launch server's environment
-_launch_server: list[LaunchServer] = []  # one per test process, started by the first launch (again after a stop)
-_launch_server_lock = threading.Lock()
-
-
-def _server() -> LaunchServer:
-    with _launch_server_lock:
-        if not _launch_server:
-            _launch_server.append(LaunchServer())
-            atexit.register(_launch_server[0].close)
-        return _launch_server[0]
-
-
 def multigpu(*args: str, timeout: float = 120, env: Optional[dict] = None, cwd: Optional[Path] = None,
-             check: bool = False, fresh: bool = False) -> subprocess.CompletedProcess:
-    """Run ``python -m multigpu ARGS`` to completion and capture its output: forked from the launch server
-    (:class:`LaunchServer`), or with ``fresh`` in a new interpreter, as from a shell."""
-    fresh = fresh or bool(os.environ.get("MGTEST_FRESH"))
-    proc = None if fresh else _server().run(args, child_env(env), cwd or REPO, timeout)
-    if proc is None:
-        proc = subprocess.run([PY, "-m", "multigpu", *args], capture_output=True, text=True, timeout=timeout,
-                              env=child_env(env), cwd=str(cwd or REPO))
+             check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``multigpu ARGS`` to completion in a new interpreter, as a shell would (``python -P -m multigpu``:
+    the current folder is not on ``sys.path``, as under the ``multigpu`` command), and capture its output."""
+    proc = subprocess.run([*python_module("multigpu"), *args], capture_output=True, text=True, timeout=timeout,
+                          env=child_env(env), cwd=str(cwd or REPO))
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     return proc

@@ -105,7 +105,7 @@ def make_sandbox(root: Path) -> dict[str, str]:
     shims.mkdir()
     # Scripts, not symbolic links: a link to a virtual environment's python outside its folder is not in
     # that environment (Python finds pyvenv.cfg next to the path it was started by).
-    for name, args in (("python", ""), ("python3", ""), ("multigpu", " -m multigpu"),
+    for name, args in (("python", ""), ("python3", ""), ("multigpu", " -P -m multigpu"),
                        ("torchrun", " -m torch.distributed.run")):
         shim = shims / name
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')

@@ -83,9 +83,10 @@ def test_resume_inside_an_epoch_with_accumulation_is_bitwise_equal(tmp_path, no_
     assert _bitwise_equal(_final(interrupted), _final(reference))
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "c10d-again", "static"])
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_elastic_restart_after_sigkill_resumes_by_itself(tmp_path, reference, no_leftovers, rendezvous):
-    """Repeated because a restart used to read the previous attempt's store keys in ~1 of 6 runs."""
+    """A restart used to read the previous attempt's store keys in ~1 of 6 runs: every restart of the suite
+    (these, the accumulation test's, the equivalence tests' kills) would meet it."""
     from multigpu.launch.ports import reserved_port
 
     with reserved_port() as held:  # kept from every other process until the launch is over
@@ -189,7 +190,7 @@ def test_the_exit_status_table_is_what_the_code_uses():
 
     page = (REPO / "docs" / "fault-tolerance.md").read_text()
     table = page.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
-    named = {m.group(2): int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| `(EXIT_[A-Z]+)` \|", table, re.MULTILINE)}
+    named = {m.group(2): int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| `(EXIT_[A-Z_]+)` \|", table, re.MULTILINE)}
     constants = {name: getattr(errors, name) for name in dir(errors) if name.startswith("EXIT_")}
     assert named == constants
     from multigpu.guards.preemption import Preempted

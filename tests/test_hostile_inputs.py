@@ -58,6 +58,20 @@ def runs(text: str) -> Callable[[Path], None]:
 
 
 RUN_OK = f"  script: {SLEEP}\n  args: ['0']\n  out_dir_key: out_dir\n"
+#: A module that, imported, creates PWNED in the current folder.
+PLANT = f"import os\nos.system('touch {PWNED}')\n"
+
+
+def planted_in_current_folder(folder: Path) -> None:
+    """json.py, signal.py, multigpu.py and multigpu/ that would run if imported; the script in sub/ fails with
+    one line of its own."""
+    for name in ("json.py", "signal.py", "tempfile.py", "multigpu.py"):
+        write(name, PLANT)(folder)
+    (folder / "multigpu").mkdir()
+    write("multigpu/__init__.py", PLANT)(folder)
+    (folder / "sub").mkdir()
+    write("sub/s.py", "from multigpu.errors import ConfigError\n"
+                      "raise ConfigError(\"the script's own refusal.\", \"nothing to fix.\")\n")(folder)
 BOMB = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9) if i else ', '.join(['x'] * 9)}]\n" for i in range(8))
 
 
@@ -244,10 +258,15 @@ CASES = [
          write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_PROCS_PER_DEVICE": "0"}, python=True),
     Case("run-memory-share-garbage", ["run", "s.py"], "is not a share between 0 and 1",
          write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_GPU_MEMORY_FRACTION": "nan"}),
-    Case("run-worker-start-misspelt", ["run", "s.py"], "MULTIGPU_WORKER_START='forkk' is not a way to start workers",
-         write("s.py", ""), env={"MULTIGPU_WORKER_START": "forkk"}),
-    Case("queue-worker-start-escape", ["queue", "runs.yaml"], "MULTIGPU_WORKER_START='\\x1b[2Jx' is not a way",
-         runs(f"a:\n{RUN_OK}"), env={"MULTIGPU_WORKER_START": "\x1b[2Jx"}),
+    Case("run-exit-timeout-zero", ["run", "--exit-timeout", "0", "s.py"], "--exit-timeout", write("s.py", "")),
+    Case("run-exit-timeout-garbage", ["run", "--exit-timeout", "1e9x", "s.py"], "--exit-timeout", write("s.py", "")),
+    # code in the folder the command starts from is never imported (the launcher, the workers, the copier of
+    # their stderr: python -P); the script's own error is the one line
+    Case("run-planted-modules-in-the-current-folder", ["run", "--nproc", "2", "sub/s.py"], "the script's own refusal",
+         planted_in_current_folder),
+    # a file beside the script that hides a module torch imports: one line naming it, and it never runs
+    Case("run-a-file-beside-the-script-hides-a-module", ["run", "s.py"], "random.py beside s.py hides the module",
+         lambda folder: (write("s.py", "import torch\n")(folder), write("random.py", PLANT)(folder))),
     Case("run-gpus-garbage", ["run", "--gpus", "0,x", "s.py"], "is not a GPU index", write("s.py", "")),
     Case("run-gpus-huge", ["run", "--gpus", "0-99999999999", "s.py"], "is not a GPU index", write("s.py", "")),
     Case("run-port-too-high", ["run", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "70000",

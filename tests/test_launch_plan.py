@@ -1,6 +1,7 @@
 """Launcher decisions without starting anything: devices per process, rendezvous, ports, device choice."""
 
 import socket
+import sys
 
 import pytest
 import torch
@@ -465,11 +466,14 @@ def test_simulated_nodes_split_the_gpus():
 
 def test_run_flags_write_each_flag_once_and_the_target_last():
     from multigpu.launch.flags import RunFlags
+    from multigpu.launch.interpreter import BOOTSTRAP
 
-    argv = RunFlags(nproc=2, cpu=True, log_dir="out/logs", max_restarts=0, nnodes="1").to_argv(["-m", "pkg.train", "--lr", "1"],
-                                                                                                 python="py")
-    assert argv == ["py", "-m", "multigpu", "run", "--nproc", "2", "--log-dir", "out/logs", "--cpu",
+    flags = RunFlags(nproc=2, cpu=True, log_dir="out/logs", max_restarts=0, nnodes="1", exit_timeout=90)
+    argv = flags.to_argv(["-m", "pkg.train", "--lr", "1"])
+    assert argv == [sys.executable, "-P", "-m", "multigpu", "run", "--nproc", "2", "--log-dir", "out/logs", "--cpu",
                     "-m", "pkg.train", "--lr", "1"]
+    # another interpreter (its version unknown here): -c, whose first line drops the current folder
+    assert flags.to_argv(["t.py"], python="py")[:3] == ["py", "-c", BOOTSTRAP.format(module="multigpu")]
     assert RunFlags(nnodes="$SLURM_JOB_NUM_NODES").to_argv(["--help"], python="py")[-2:] == ["--", "--help"]
 
 

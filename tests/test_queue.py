@@ -4,7 +4,6 @@ interrupted queue, stages, and the makespan against the ideal."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -279,35 +278,6 @@ third < first: {{}}
     assert "skipped" in again.stdout
 
 
-def test_cpu_runs_launchers_are_forked_from_one_import_of_torch_unless_their_environment_differs(tmp_path):
-    """src/multigpu/launch/launchers.py: on CPU slots each run's ``multigpu run`` is forked from the queue's
-    server (its command line is not `python -m multigpu run`, its parent is the server) - but a run whose environment differs
-    in a variable read at start-up (PYTHONHASHSEED here) is a new interpreter, and so is every run of a
-    queue started with MULTIGPU_WORKER_START=plain. What the runs see is the same either way."""
-    runs = _runs_file(tmp_path, f"""
-forked:
-  script: {SLEEP}
-  args: ["0.1"]
-  out_dir_key: out_dir
-seeded < forked:
-  env: {{PYTHONHASHSEED: "0"}}
-""")
-    launched = {}
-    for how, extra in (("auto", {}), ("plain", {"MULTIGPU_WORKER_START": "plain"})):
-        out = tmp_path / how
-        proc = multigpu("queue", str(runs), "--slots", "2", "--out", str(out), "--no-live", env=extra)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        for name in ("forked", "seeded"):
-            first = (out / name / "log.txt").read_text().splitlines()[1]  # what the queue started
-            assert (" -m multigpu.launch.boot run " if how == "auto" else " -m multigpu run ") in first
-            launcher = json.loads((out / name / "launcher.json").read_text())
-            launched[how, name] = (launcher["argv"][1:4] == ["-m", "multigpu", "run"], launcher["parent"])
-            assert json.loads((out / name / "env.json").read_text())["CUDA_VISIBLE_DEVICES"] == ""
-    assert launched["auto", "forked"] == (False, "multigpu-fork"), launched  # the command line it was forked with
-    for key in (("auto", "seeded"), ("plain", "forked"), ("plain", "seeded")):
-        assert launched[key][0] is True and launched[key][1] != "multigpu-fork", (key, launched)
-
-
 def _a_queue_with_a_held_run(tmp_path: Path, token: str) -> tuple[Path, Path, subprocess.Popen]:
     """A queue (a process of its own) whose one run holds at step 2 until a stop signal reaches it
     (faults.py --hold-at), returned once the run holds, however slow the machine."""
@@ -330,9 +300,9 @@ held:
 
 
 def test_a_queue_killed_by_sigkill_stops_its_run_cleanly_and_the_next_queue_resumes_it(tmp_path, no_leftovers):
-    """The queue's death reaches its run's launcher as SIGTERM - from its boot process, which the kernel
-    signals as it signalled the plain launcher (launchers.py) - while the server stays until the launcher
-    has gone: the workers checkpoint and leave, nothing is left behind, and the next queue resumes it."""
+    """The queue's death reaches its run's launcher as SIGTERM (the kernel's, ``PR_SET_PDEATHSIG``): the
+    workers checkpoint and leave, nothing is left behind, and the next queue resumes it. The run's launcher
+    is a new interpreter without the current folder on its path (``python -P -m multigpu run``)."""
     out, runs, queue = _a_queue_with_a_held_run(tmp_path, no_leftovers)
     try:
         queue.kill()
@@ -343,44 +313,10 @@ def test_a_queue_killed_by_sigkill_stops_its_run_cleanly_and_the_next_queue_resu
     finally:
         queue.kill()
     log = (out / "held" / "log.txt").read_text()
-    assert " -m multigpu.launch.boot run " in log.splitlines()[1] and "every worker wrote its checkpoint" in log, log
+    assert " -P -m multigpu run " in log.splitlines()[1] and "every worker wrote its checkpoint" in log, log
     again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live", timeout=240)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from" in (out / "held" / "log.txt").read_text()
-
-
-def test_a_killed_launcher_server_stops_its_runs_cleanly_and_they_count_as_interrupted(tmp_path, no_leftovers):
-    """The queue's server (launchers.py) killed by SIGKILL - the OOM killer, a user - must not kill the runs
-    forked from it: each launcher gets SIGTERM and checkpoints, its boot process waits for it and leaves
-    with 143, the queue counts the run as interrupted and goes on, and the next queue resumes it."""
-    out, runs, queue = _a_queue_with_a_held_run(tmp_path, no_leftovers)
-    try:
-        servers = [pid for pid in processes_with("") if _parent(pid) == queue.pid and _name(pid) == "multigpu-fork"]
-        assert len(servers) == 1, servers
-        os.kill(servers[0], signal.SIGKILL)
-        output, _ = queue.communicate(timeout=180)
-    finally:
-        queue.kill()
-    assert queue.returncode == 1, output
-    assert _status(out / "held")["state"] == "interrupted" and _status(out / "held")["exit_code"] == 143, output
-    assert "every worker wrote its checkpoint" in (out / "held" / "log.txt").read_text()
-    again = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live", timeout=240)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "resumed from" in (out / "held" / "log.txt").read_text()
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 class _Clock:

@@ -20,6 +20,7 @@ from multigpu.distributed.world import World, detect_world
 from multigpu.errors import ConfigError, LaunchError, WorldError
 from multigpu.launch import replicas
 from multigpu.launch.flags import RunFlags
+from multigpu.launch.interpreter import python_module
 
 FT_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500", "REPLICA_GROUP_ID": "1",
           "NUM_REPLICA_GROUPS": "3", "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510", "MULTIGPU_MIN_REPLICAS": "2"}
@@ -122,7 +123,7 @@ def test_group_environment_and_command_line():
     assert env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:4000" and env["MULTIGPU_MIN_REPLICAS"] == "1"
     argv = RunFlags(nproc=1, cpu=True, local_addr="127.0.0.1", replica_groups=2, replica_group=1, min_replicas=1,
                     lighthouse="127.0.0.1:4000", heartbeat_timeout=5.0).to_argv(["train.py", "--lr", "1"], python="py")
-    assert argv == ["py", "-m", "multigpu", "run", "--nproc", "1", "--local-addr", "127.0.0.1", "--replica-groups", "2",
+    assert argv == [*python_module("multigpu", "py"), "run", "--nproc", "1", "--local-addr", "127.0.0.1", "--replica-groups", "2",
                     "--replica-group", "1", "--lighthouse", "127.0.0.1:4000", "--cpu", "--", "train.py", "--lr", "1"]
 
 
@@ -199,7 +200,7 @@ def test_the_slurm_script_starts_the_lighthouse_on_the_first_node_and_one_group_
 
     text = slurm.render(_job(tmp_path))
     lines = text.splitlines()
-    lighthouse = next(i for i, line in enumerate(lines) if "-m multigpu.launch.replicas --bind" in line)
+    lighthouse = next(i for i, line in enumerate(lines) if "multigpu.launch.replicas" in line and "--bind" in line)
     srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert lighthouse < srun  # the batch script - which Slurm runs on the first node - hosts it, before the groups
     assert '--bind "$MASTER_ADDR:$LIGHTHOUSE_PORT" --replica-groups 2' in lines[lighthouse]
@@ -226,6 +227,7 @@ def test_the_slurm_line_gives_each_node_its_group_before_the_script(tmp_path):
                                "MASTER_ADDR": "10.9.9.1", "LIGHTHOUSE_PORT": "35007"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "-m", "multigpu", "run", "--replica-group", "1", "--local-addr", "10.9.9.2", "--replica-groups", "2",
+        *python_module("multigpu", str(stub))[1:], "run", "--replica-group", "1", "--local-addr", "10.9.9.2",
+        "--replica-groups", "2",
         "--min-replicas", "1", "--heartbeat-timeout", "5", "--lighthouse", "10.9.9.1:35007", "--nproc", "1", "--cpu",
         "--max-restarts", "2", "--", "train.py", "--lr", "3e-4"]

@@ -28,6 +28,10 @@ EXIT_REFUSED = 2
 EXIT_PREEMPTED = 75
 #: The hang watchdog stopped the job (GNU timeout's status); the report names where each rank was.
 EXIT_HANG = 124
+#: Every rank's script finished, but a worker had not exited ``--exit-timeout`` seconds later: its Python
+#: stacks are in the log folder and it was ended (launch/exit_watch.py). The script's own work is done; what
+#: it left to its exit handlers may not be.
+EXIT_STUCK_AT_EXIT = 125
 #: Ctrl-C: every worker stopped at once, without a checkpoint.
 EXIT_INTERRUPTED = 130
 

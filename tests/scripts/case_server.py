@@ -15,100 +15,66 @@ and goes to ``sys.excepthook`` (multigpu's one-line hook, as in a new interprete
 multigpu), then threads are joined and the exit handlers run, as at an interpreter's exit. The table
 keeps a few such cases in a real interpreter of their own, so that path stays proven too.
 
-With ``--launches`` (the test suite's launch server, ``conftest.multigpu``): a request with ``"launch":
-true`` runs ``multigpu run`` (and every other command) in the forked child too, as ``python -m multigpu
-ARGS`` would, with ``MULTIGPU_WORKER_START=fork`` so that the launcher forks its workers from the torch this
-server imported (``torch._dynamo`` too, and matplotlib's figure for the Trainer's ``curves.png``): a
-2-process launch cost ~7 s of CPU in imports, ~2 s this way. That is only right where this server imported
-torch with the environment the workers get, so a request whose environment differs from the server's in
-anything but ``MULTIGPU_*`` variables (which nothing reads at import), pytest's ``PYTEST_CURRENT_TEST`` and,
-with a CPU build of torch, ``CUDA_VISIBLE_DEVICES`` - or that sets ``MULTIGPU_WORKER_START`` itself - starts
-a new interpreter instead (``"new_interpreter_for"`` in the reply names the variables). Every launch's
-processes are this server's to account for (it is their subreaper): any still alive 15 s after the command
-ended is killed with what it started, and named in the reply (``"left"``: pid, name, command line; a forked
-process shows this server's command line). Python's, numpy's and torch's random state is drawn again in each
-child, as a new interpreter would; the string-hash seed is this server's for every launch.
-
 Protocol: one JSON object per line on stdin - ``{"id": N, "argv": [...], "cwd": ..., "env": {...}, "out":
-path, "err": path, "timeout": seconds, "python": bool, "launch": bool}`` - and one JSON line back:
+path, "err": path, "timeout": seconds, "python": bool}`` - and one JSON line back:
 ``{"id": N, "status": N, "seconds": S, "cpu_s": C}`` (status -9 when the case ran past its timeout and was
-killed with its process group; C: the CPU seconds of the case and of the processes it waited for), and
-with ``--launches`` ``"left"`` and ``"new_interpreter_for"``.
+killed with its process group; C: the CPU seconds of the case and of the processes it waited for).
 """
 
-import contextlib
+import atexit
 import gc
 import json
 import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import types
+from typing import Callable
 
 import torch  # noqa: F401 - imported once here, inherited by every case that does not launch
 
 import multigpu.cli  # noqa: F401
-from multigpu.launch.launchers import as_interpreter
+from multigpu.launch.interpreter import python_module
 
 #: Commands that launch workers in their own process: a case of one runs in a new interpreter, as a
-#: user's would. A launcher that finds torch imported already starts its workers the plain way (the
-#: variables torch reads at import were other ones then), each importing torch again.
+#: user's would.
 LAUNCHING = ("run",)
-#: ``--launches``: the environment torch was imported with (see the module's docstring).
-LAUNCHES = "--launches" in sys.argv[1:]
-IMPORT_ENV = dict(os.environ)
-#: What a launched process may leave behind for this long after its command ended (the fork server
-#: leaves when its launcher has: a signal, then its own exit).
-GRACE_S = 15.0
-if LAUNCHES:
-    import ctypes
-
-    import torch._dynamo  # noqa: F401 - what a launcher's fork server would import for its workers
-
-    try:  # what rank 0 of every Trainer imports to draw curves.png at the end of fit (~0.7 s each)
-        import matplotlib.backends.backend_agg  # noqa: F401
-        import matplotlib.figure  # noqa: F401
-    except Exception:  # the plot extra is optional, and a matplotlib that cannot start must not stop the server
-        pass
-    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: a launch's orphans become ours
-#: A config folder matplotlib made for itself (None: it had a writable one, the usual case).
-MPL_TEMPORARY = None
-if LAUNCHES and os.environ.get("MPLCONFIGDIR") != IMPORT_ENV.get("MPLCONFIGDIR"):
-    # No writable config folder: matplotlib made a temporary one and registered its removal at exit, which every
-    # forked child would run (the first to leave would remove it under the others). This server removes it.
-    import atexit
-    import shutil
-
-    atexit.unregister(shutil.rmtree)
-    MPL_TEMPORARY = os.environ.pop("MPLCONFIGDIR")
 
 
-def import_env_changes(env: dict) -> list[str]:
-    """The variables by which ``env`` differs from the one torch was imported with here, leaving out what
-    nothing reads at import: ``MULTIGPU_*`` (but the worker start), pytest's ``PYTEST_CURRENT_TEST`` and,
-    with a CPU build of torch, ``CUDA_VISIBLE_DEVICES`` (the tests hide GPUs per test, module fixtures not).
-    Empty: a launcher forked from here may fork its workers from this import of torch."""
-    changed = {k for k in IMPORT_ENV.keys() | env.keys() if IMPORT_ENV.get(k) != env.get(k)}
-    if torch.version.cuda is None and torch.version.hip is None:
-        changed.discard("CUDA_VISIBLE_DEVICES")
-    return sorted(k for k in changed if not (k.startswith("MULTIGPU_") and k != "MULTIGPU_WORKER_START")
-                  and k != "PYTEST_CURRENT_TEST")
-
-
-def reseed() -> None:
-    """The random state a new interpreter starts with (a forked child would share this server's)."""
-    import random
-
-    random.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    torch.seed()
+def as_interpreter(main: Callable[[], object]) -> int:
+    """Run ``main`` as an interpreter runs its program, in this forked process: the exit status a
+    ``SystemExit`` carries (a message on stderr, status 1), an uncaught exception to ``sys.last_*`` and
+    ``sys.excepthook`` (multigpu's one-line hook), status 1; then what an interpreter does at exit - join
+    the threads, run the exit handlers, flush the streams. The caller leaves with ``os._exit(status)``."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException as exc:
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's exit: threads, then handlers
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    return code
 
 
 def run_python(argv: list) -> int:
     """``python ARGV`` in this (forked) process: its status, as the interpreter would exit with it
-    (multigpu.launch.launchers.as_interpreter: the exit status, the hook, threads, exit handlers). The exit
+    (:func:`as_interpreter`: the exit status, the hook, threads, exit handlers). The exit
     handlers this server registered stay: they are the ones importing torch registers, which a case that
     imports torch would have (and cannot register again: the modules are imported)."""
     def main() -> None:
@@ -158,17 +124,8 @@ def run_case(request: dict) -> tuple[int, float]:
                 os.close(target)
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
-            if LAUNCHES and request.get("launch") and not request.get("python") and \
-                    not import_env_changes(request["env"]) and "MULTIGPU_WORKER_START" not in request["env"]:
-                reseed()
-                os.environ["MULTIGPU_WORKER_START"] = "fork"
-                code = run_python(["-m", "multigpu", *request["argv"]])
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-            if (not request.get("python") and request["argv"][:1] and request["argv"][0] in LAUNCHING) or \
-                    request.get("launch"):
-                os.execve(sys.executable, [sys.executable, "-m", "multigpu", *request["argv"]], dict(os.environ))
+            if not request.get("python") and request["argv"][:1] and request["argv"][0] in LAUNCHING:
+                os.execve(sys.executable, [*python_module("multigpu"), *request["argv"]], dict(os.environ))
             if request.get("python"):
                 code = run_python(request["argv"])
             else:
@@ -200,49 +157,7 @@ def run_case(request: dict) -> tuple[int, float]:
                 pass
             usage = os.wait4(pid, 0)[2]
             return -9, usage.ru_utime + usage.ru_stime
-        time.sleep(0.02 if LAUNCHES else 0.005)
-
-
-def orphans() -> list[int]:
-    """This server's children that are alive (a launch's processes, once their parent has gone)."""
-    while True:  # reap the ones that ended
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-    found, me = [], str(os.getpid())
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
-            except OSError:
-                continue
-            if parent == me and state != "Z":
-                found.append(int(entry))
-    return found
-
-
-def left_behind() -> list[str]:
-    """Wait up to GRACE_S for the processes a launch left to end; kill and name the ones that did not, and
-    theirs (each killed one's children become ours in turn), until none is left."""
-    deadline = time.monotonic() + GRACE_S
-    while (alive := orphans()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    named: list[str] = []
-    while alive:
-        for pid in alive:
-            try:
-                with open(f"/proc/{pid}/comm") as comm, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    named.append(f"{pid} ({comm.read().strip()}): "
-                                 + cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                continue
-        time.sleep(0.05)
-        alive = [pid for pid in orphans() if time.monotonic() < deadline + GRACE_S]  # their children: ours now
-    return named
+        time.sleep(0.005)
 
 
 def main() -> None:
@@ -252,29 +167,10 @@ def main() -> None:
         serve()
     except (KeyboardInterrupt, SystemExit):
         pass
-    finally:
-        if LAUNCHES:
-            for child in orphans():
-                with contextlib.suppress(OSError):
-                    os.killpg(child, signal.SIGKILL)
-            left_behind_now()
-        if MPL_TEMPORARY is not None:
-            import shutil
-
-            shutil.rmtree(MPL_TEMPORARY, ignore_errors=True)
-
-
-def left_behind_now() -> None:
-    """Every process this server still has, killed at once (its own exit)."""
-    while alive := orphans():
-        for pid in alive:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
 
 
 def serve() -> None:
-    gc.freeze()  # the imports: never scanned in a forked child (as the product's fork server does)
+    gc.freeze()  # the imports: never scanned in a forked child
     for line in sys.stdin:
         try:
             request = json.loads(line)
@@ -283,9 +179,6 @@ def serve() -> None:
         started = time.monotonic()
         status, cpu = run_case(request)
         reply = {"id": request.get("id"), "status": status, "seconds": time.monotonic() - started, "cpu_s": cpu}
-        if LAUNCHES:
-            reply["left"] = left_behind()
-            reply["new_interpreter_for"] = import_env_changes(request["env"])
         print(json.dumps(reply), flush=True)
 
 

@@ -115,6 +115,7 @@ def train_with_trainer(run, bug: str) -> None:
 
     data, _ = datasets(bug)
     Fit(run, Net(), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, epochs=3, accumulate=2, progress=False,
+        plot=False,
         out_dir="unused-by-check").fit(data)
 
 

@@ -52,7 +52,7 @@ if args.trainer:
             inputs, labels = batch
             return F.cross_entropy(self.model(inputs), labels)
 
-    Fit(run, model, lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, epochs=3, progress=False,
+    Fit(run, model, lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, epochs=3, progress=False, plot=False,
         out_dir="unused-by-check").fit(data)
     raise SystemExit(0)
 

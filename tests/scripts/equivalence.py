@@ -81,7 +81,8 @@ def train(run, args) -> None:
     if args.mode == "trainer":
         trainer = Equivalence(run, make_model(), make_optimizer, batch_size=args.batch, epochs=args.epochs,
                               accumulate=args.accumulate, clip_grad_norm=args.clip, strategy=args.strategy,
-                              precision=args.precision, out_dir=args.out + ".run", resume=False, progress=False)
+                              precision=args.precision, out_dir=args.out + ".run", resume=False, progress=False,
+                              plot=False)
         trainer.fit(dataset)
         model = trainer.model
     else:  # the PyTorch-tutorial loop, with the same helpers

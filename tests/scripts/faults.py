@@ -106,7 +106,7 @@ width = 24 if not (args.desync and run.rank == 1) else 32
 model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Dropout(0.3), nn.Linear(width, 3))
 data = Data()
 trainer = FaultTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs, batch_size=8,
-                       checkpoint_every_steps=1, keep_last=3, out_dir=str(out), progress=False,
+                       checkpoint_every_steps=1, keep_last=3, out_dir=str(out), progress=False, plot=False,
                        accumulate=args.accumulate, stop_check_every=args.stop_check_every,
                        hang_timeout_s=args.hang_timeout, async_checkpoint=args.async_checkpoint)
 data.trainer = trainer

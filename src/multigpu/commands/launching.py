@@ -10,7 +10,8 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from multigpu import validate
-from multigpu.errors import LaunchError
+from multigpu.errors import EXIT_STUCK_AT_EXIT, LaunchError
+from multigpu.launch.exit_watch import EXIT_TIMEOUT_S
 from multigpu.launch.process import STOP_TIMEOUT_S
 from multigpu.validate import whole_flag
 
@@ -171,6 +172,10 @@ def add_run_parser(sub: argparse._SubParsersAction[Any]) -> None:
     misc.add_argument(*spellings("--stop-timeout", "--shutdown-timeout"), dest="stop_timeout", type=whole_flag,
                       default=STOP_TIMEOUT_S, metavar="S", help="on SIGTERM/SIGUSR1, seconds the workers get to "
                       f"checkpoint before SIGKILL (default {STOP_TIMEOUT_S}; torchrun calls it --shutdown-timeout)")
+    misc.add_argument(*spellings("--exit-timeout"), dest="exit_timeout", type=whole_flag, default=EXIT_TIMEOUT_S,
+                      metavar="S", help="a worker still alive S seconds after every rank here finished its script "
+                      f"has its Python stacks written to the log folder and is ended; exit {EXIT_STUCK_AT_EXIT} "
+                      f"(default {EXIT_TIMEOUT_S})")
     misc.add_argument(*spellings("--log-dir"), dest="log_dir", metavar="DIR",
                       help="keep each rank's stderr here (default: a temporary folder, removed after a successful run)")
     misc.add_argument(*spellings("--tee-prefix"), dest="tee_prefix", choices=("auto", "always", "never"), default="auto",
@@ -194,6 +199,7 @@ def add_run_parser(sub: argparse._SubParsersAction[Any]) -> None:
 def _check_run_flags(args: argparse.Namespace) -> None:
     validate.count(args.max_restarts, "--max-restarts", LaunchError, low=0, high=1000)
     validate.positive_seconds(args.stop_timeout, "--stop-timeout", LaunchError)
+    validate.positive_seconds(args.exit_timeout, "--exit-timeout", LaunchError)
     validate.positive_seconds(args.rdzv_timeout, "--rdzv-timeout", LaunchError)
     validate.count(args.node_rank, "--node-rank", LaunchError, low=0, high=validate.MAX_NODES)
     if args.master_port is not None:
@@ -283,16 +289,16 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
         command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
         log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout, tee_prefix=args.tee_prefix,
         debug=args.debug, monitor_interval=args.monitor_interval or 0.1, role=args.role or "default",
-        local_addr=args.local_addr, profile=args.profile,
+        local_addr=args.local_addr, profile=args.profile, exit_timeout_s=args.exit_timeout,
     )
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.replica_groups is not None or args.replica_group is not None or args.lighthouse is not None:
         from multigpu.commands.replica_groups import run_replica_groups
-        from multigpu.launch.torch_logs import quiet_cpp_logs
+        from multigpu.launch.local import import_torch_quietly
 
-        return run_replica_groups(args, quiet=lambda: quiet_cpp_logs(args.verbose))
+        return run_replica_groups(args, quiet=lambda: import_torch_quietly(args.verbose))
     if args.simulate_nodes is not None:
         from multigpu.launch.devices import visible_gpus
         from multigpu.launch.local import split_command
@@ -308,7 +314,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                         nproc=nproc, gpus_per_proc=args.gpus_per_proc, cpu=cpu,
                         procs_per_gpu=args.procs_per_gpu,
                         max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
-                        rdzv_timeout=args.rdzv_timeout, verbose=args.verbose, debug=args.debug, profile=args.profile,
+                        exit_timeout=args.exit_timeout, rdzv_timeout=args.rdzv_timeout, verbose=args.verbose,
+                        debug=args.debug, profile=args.profile,
                         clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
                                   "--master-addr": args.master_addr, "--master-port": args.master_port,
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})

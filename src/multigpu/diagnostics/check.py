@@ -52,10 +52,7 @@ from multigpu.diagnostics.causes import (
 from multigpu.distributed.world import CHECK_DIR_VAR, CHECK_SCALE_VAR, CHECK_STEPS_VAR
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder
-from multigpu.launch.devices import no_gpu_here
 from multigpu.launch.flags import RunFlags
-from multigpu.launch.forkserver import ForkServer
-from multigpu.launch.launchers import start_server, through
 from multigpu.launch.process import StopSignals, launched, stopping_cleanly
 
 #: Exit statuses of ``multigpu check``.
@@ -63,11 +60,10 @@ EQUAL, DIFFERENT, DID_NOT_RUN, UNVERIFIED = 0, 1, 2, 3
 
 
 def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool, timeout_s: float,
-         stops: StopSignals, procs_per_gpu: int = 1, server: Optional[ForkServer] = None) -> Outcome:
+         stops: StopSignals, procs_per_gpu: int = 1) -> Outcome:
     Folder(folder.parent).make(folder.name)
     env = {**os.environ, CHECK_DIR_VAR: str(folder), CHECK_STEPS_VAR: str(steps), CHECK_SCALE_VAR: str(scale)}
-    argv = through(server, RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu
-                                    ).to_argv(command), env)
+    argv = RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu).to_argv(command)
     with launched(argv, stops, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         stops.release()  # (see launched)
         try:
@@ -101,20 +97,14 @@ def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tol
 def _check(command: Sequence[str], nproc: int, steps: int, cpu: bool, tolerance: Optional[float], keep: bool,
            timeout_s: float, out: Callable[[str], None], procs_per_gpu: int, show_output: bool,
            stops: StopSignals) -> int:
-    servers: list[ForkServer] = []  # held from the moment it exists
     root: Optional[Path] = None
     try:
-        with stops.held():  # the folder, the server and our hold on each come together
+        with stops.held():  # the folder and our hold on it come together
             root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
-            # On CPUs both runs' launchers are forked from one import of torch (launch.launchers), as a
-            # queue's are; where there may be a GPU (only torch can tell) the plain start, without torch here.
-            if cpu or no_gpu_here():
-                start_server(servers.append)
-        server = servers[0] if servers else None
         out(f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
             f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
-        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, stops, procs_per_gpu, server)
-        one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s, stops, server=server)
+        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, stops, procs_per_gpu)
+        one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s, stops)
         if show_output:
             for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
                 out(f"\n----- the script's output, {label} run (exit {outcome.status}) -----")
@@ -123,8 +113,6 @@ def _check(command: Sequence[str], nproc: int, steps: int, cpu: bool, tolerance:
         return report(many, one, nproc, steps, tolerance, out)
     finally:
         stops.holding = True  # a stop now waits for the clean-up
-        for started in servers:
-            started.stop()
         if root is not None and keep:
             out(f"records kept in {root}")
         elif root is not None:

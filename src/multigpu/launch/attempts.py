@@ -22,7 +22,7 @@ from multigpu.fileio import Folder
 
 #: The names workers leave in the log folder; anything else there (a stray "rank0.attempt0 (copy).stderr")
 #: is not ours and is ignored.
-_NAME = re.compile(r"^rank([0-9]{1,7})\.attempt([0-9]{1,7})\.(stderr|pid|exit)$")
+_NAME = re.compile(r"^rank([0-9]{1,7})\.attempt([0-9]{1,7})\.(stderr|pid|exit|stacks)$")
 
 
 def parse_name(name: str) -> Optional[tuple[int, int, str]]:
@@ -42,8 +42,20 @@ def files_of(log_dir: str, kind: str, rank: Optional[int] = None) -> list[tuple[
 
 
 def record_path(log_dir: str, rank: int, attempt: int, kind: str) -> Path:
-    """``kind``: "pid" or "exit"."""
+    """``kind``: "pid", "exit" or "stacks" (exit_watch.py)."""
     return Path(log_dir) / f"rank{rank}.attempt{attempt}.{kind}"
+
+
+def clear_records(log_dir: str) -> None:
+    """Remove an earlier launch's records (pid, exit, stacks) from a reused ``--log-dir``: the launcher and
+    its exit watch read this launch's only. Its stderr logs stay until this launch's ranks rewrite them."""
+    root = Folder(log_dir)
+    for kind in ("pid", "exit", "stacks"):
+        for _, _, path in files_of(log_dir, kind):
+            try:
+                root.remove(path.name)
+            except OSError:
+                pass
 
 
 def write_record(log_dir: Optional[str], rank: int, attempt: int, kind: str, value: int) -> None:
@@ -73,7 +85,7 @@ class WorkerOutcome:
                 "out-of-memory killer)")
 
 
-def _read_int(path: Path) -> Optional[int]:
+def read_int(path: Path) -> Optional[int]:
     try:
         text = Folder(path.parent).load_text(path.name, limit=20).strip()
     except OSError:
@@ -86,7 +98,7 @@ def recorded(log_dir: str, rank: int, kind: str = "exit") -> Optional[int]:
     its pid (None: none recorded - a worker that died before writing its pid file has none, and never an
     earlier attempt's)."""
     attempts = [attempt for _, attempt, _ in files_of(log_dir, "pid")]
-    return _read_int(record_path(log_dir, rank, max(attempts), kind)) if attempts else None
+    return read_int(record_path(log_dir, rank, max(attempts), kind)) if attempts else None
 
 
 def _alive(pid: Optional[int]) -> bool:
@@ -121,8 +133,8 @@ def outcomes(log_dir: str, attempt: int, first_rank: int = 0) -> list[WorkerOutc
     """Every worker of this node in ``attempt`` (ranks from ``first_rank``), in rank order."""
     ranks = sorted(rank for rank, found_attempt, _ in files_of(log_dir, "pid") if found_attempt == attempt)
     errors = _errors(log_dir, attempt)
-    return [WorkerOutcome(rank, _read_int(record_path(log_dir, rank, attempt, "exit")),
-                          _alive(_read_int(record_path(log_dir, rank, attempt, "pid"))),
+    return [WorkerOutcome(rank, read_int(record_path(log_dir, rank, attempt, "exit")),
+                          _alive(read_int(record_path(log_dir, rank, attempt, "pid"))),
                           errors.get(rank - first_rank, "")) for rank in ranks]
 
 

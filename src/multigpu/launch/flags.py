@@ -14,13 +14,17 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from multigpu.launch.exit_watch import EXIT_TIMEOUT_S
+from multigpu.launch.interpreter import python_module
+
 #: (field, flag) for flags with a value, in the order they are written; ``None`` values are left out.
 _VALUED = (("nnodes", "--nnodes"), ("node_rank", "--node-rank"), ("master_addr", "--master-addr"),
            ("master_port", "--master-port"), ("rdzv_endpoint", "--rdzv-endpoint"), ("rdzv_id", "--rdzv-id"),
            ("rdzv_timeout", "--rdzv-timeout"), ("nproc", "--nproc"), ("gpus", "--gpus"),
            ("gpus_per_proc", "--gpus-per-proc"), ("procs_per_gpu", "--procs-per-gpu"),
            ("simulate_nodes", "--simulate-nodes"), ("max_restarts", "--max-restarts"),
-           ("stop_timeout", "--stop-timeout"), ("log_dir", "--log-dir"), ("tee_prefix", "--tee-prefix"),
+           ("stop_timeout", "--stop-timeout"), ("exit_timeout", "--exit-timeout"), ("log_dir", "--log-dir"),
+           ("tee_prefix", "--tee-prefix"),
            ("local_addr", "--local-addr"), ("replica_groups", "--replica-groups"), ("replica_group", "--replica-group"),
            ("min_replicas", "--min-replicas"), ("lighthouse", "--lighthouse"),
            ("heartbeat_timeout", "--heartbeat-timeout"))
@@ -30,7 +34,7 @@ LAUNCH_FIELDS = ("gpus", "nproc", "gpus_per_proc", "procs_per_gpu", "cpu", "nnod
                  "master_port", "rdzv_endpoint", "rdzv_id", "rdzv_timeout", "simulate_nodes")
 #: What the launcher does when a flag is not given: such values are not written.
 _DEFAULTS = {"nnodes": "1", "node_rank": 0, "gpus_per_proc": 1, "procs_per_gpu": 1, "max_restarts": 0,
-             "min_replicas": 1, "heartbeat_timeout": 5.0}
+             "min_replicas": 1, "heartbeat_timeout": 5.0, "exit_timeout": EXIT_TIMEOUT_S}
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class RunFlags:
     simulate_nodes: Union[int, str, None] = None
     max_restarts: Union[int, str, None] = None
     stop_timeout: Union[int, str, None] = None
+    exit_timeout: Union[int, str, None] = None
     log_dir: Optional[str] = None
     tee_prefix: Optional[str] = None
     local_addr: Optional[str] = None
@@ -85,11 +90,12 @@ class RunFlags:
         return out
 
     def to_argv(self, target: Sequence[str], python: str = sys.executable) -> list[str]:
-        """``python -m multigpu run FLAGS -- script args`` (or ``... -m module args``).
+        """``python -P -m multigpu run FLAGS -- script args`` (or ``... -m module args``; ``-P``: see
+        :mod:`.interpreter`).
 
         ``target``: ``[script, *args]``, ``["-m", module, *args]`` or ``["--", script, *args]``.
         """
         target = list(target)
         if target and target[0] not in ("-m", "--"):
             target = ["--", *target]
-        return [python, "-m", "multigpu", "run", *self.flags(), *target]
+        return [*python_module("multigpu", python), "run", *self.flags(), *target]

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
-from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError, visible
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STUCK_AT_EXIT, LaunchError, visible
 from multigpu.fileio import Folder
-from multigpu.launch.boot import FORKSERVER_VAR, LAUNCHER_VAR
+from multigpu.launch.attempts import clear_records
 from multigpu.launch.devices import DevicePlan
-from multigpu.launch.fork_rules import START_VAR, inheritable_state, read_at_import, start_wish
-from multigpu.launch.forkserver import ForkServer
+from multigpu.launch.exit_watch import EXIT_TIMEOUT_S, Ended, watching_exits
+from multigpu.launch.interpreter import python_module
 from multigpu.launch.ports import store_ports_held
 from multigpu.launch.process import (
     STOP_TIMEOUT_S,
@@ -52,11 +52,9 @@ from multigpu.launch.reporting import (
     say,
 )
 from multigpu.launch.torch_agent import cheap_method_names
-from multigpu.launch.torch_logs import quiet_cpp_logs, set_cpp_log_level
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
-BOOT_MODULE = "multigpu.launch.boot"
 
 
 @dataclass(frozen=True)
@@ -82,6 +80,8 @@ class LaunchRequest:
     profile: bool = False
     #: What the restart line says happens next (replica groups heal from a live group instead).
     restart_note: str = RESTART_NOTE
+    #: ``--exit-timeout``: a worker alive this long after every local rank finished its script is ended.
+    exit_timeout_s: int = EXIT_TIMEOUT_S
 
 
 def prepare_log_dir(path: str) -> Path:
@@ -154,10 +154,7 @@ def usable_cores() -> int:
 
 
 def launch(request: LaunchRequest) -> int:
-    """Run the workers of this node to completion; return the exit status for the shell.
-    torch's C++ log level must still be the user's when this is called (see :mod:`.torch_logs`): the
-    fork server, forked from here, keeps it; this process lowers its own after the fork."""
-    start_wish()  # a misspelt MULTIGPU_WORKER_START: one line now, not a quiet default
+    """Run the workers of this node to completion; return the exit status for the shell."""
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
@@ -177,14 +174,13 @@ def _stopped_while_starting(number: int, when: str = "while starting") -> int:
     return EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
 
 
-def _give_up_waiting(servers: list[ForkServer], log_dir: str, keep_logs: bool) -> Callable[[int], None]:
+def _give_up_waiting(log_dir: str, keep_logs: bool) -> Callable[[int], None]:
     """What a stop does while this node waits inside C++ for the others (``watching_stops``' thread acts:
     the main thread would only see the stop when the rendezvous times out): the launcher's clean-up, its
     line, its status, and out."""
     def give_up(number: int) -> None:
         status = EXIT_INTERRUPTED if number == signal.SIGINT else 128 + number
         try:
-            _stop_server(servers)
             if not keep_logs and not has_logs(log_dir):
                 with contextlib.suppress(OSError):
                     Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
@@ -196,15 +192,30 @@ def _give_up_waiting(servers: list[ForkServer], log_dir: str, keep_logs: bool) -
     return give_up
 
 
+def import_torch_quietly(verbose: bool) -> None:
+    """Import torch in this process with its C++ log level at FATAL, unless ``verbose`` or the user chose a
+    level (``TORCH_CPP_LOG_LEVEL``). Why: when a node cannot reach the rendezvous, c10d's TCPStore client logs
+    every retry with a C++ stack trace (dozens of lines) before the launcher's one line with a HINT. torch
+    reads the variable once, at import; it is gone from the environment again before any worker starts, so
+    the workers log at the user's level."""
+    if "torch" in sys.modules or verbose or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        import torch  # noqa: F401
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+
+
 def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
     keep_logs = request.log_dir is not None or request.debug
-    servers: list[ForkServer] = []  # holds the fork server from the moment it exists (a stop can come at any time)
-    user_level: Optional[int] = None
     log_dir, failed, when = "", False, "while starting"
     try:  # torch's agent handles signals once it runs; before that they end the start-up cleanly
         with stops.held():  # the folder and our hold on it come together
             log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
                        else tempfile.mkdtemp(prefix="multigpu-logs-"))
+        clear_records(log_dir)  # a reused --log-dir: only this launch's workers speak through it
         env = worker_env(request)
         env[LOG_DIR_VAR] = log_dir
         if request.debug:
@@ -218,36 +229,27 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not (sys.stderr and sys.stderr.isatty())
                                                and request.devices.nproc * request.rendezvous.max_nodes > 1):
             env[PREFIX_VAR] = "1"
-        # torch imported before the variables torch reads at import were set: no fork, unless the process that
-        # imported it vouches for its environment (MULTIGPU_WORKER_START=fork) and this launch changes nothing
-        # torch reads at import (--debug's variables, an OMP_NUM_THREADS of ours, a replica group's: it would)
-        torch_loaded = "torch" in sys.modules and (os.environ.get(START_VAR) != "fork" or any(
-            read_at_import(k) and os.environ.get(k) != v for k, v in env.items()))
-        os.environ.update(env)
         # frozen where the command's own process imports it (a Python process that calls the launcher keeps
-        # its heap as it is); paused never around the fork
+        # its heap as it is)
         with collector_paused(freeze=is_command_process() and "torch" not in sys.modules):
-            import torch  # noqa: F401  (before the fork: the server shares this import)
-        with stops.held():  # the server and our hold on it come together (ForkServer.start)
-            start_forkserver(request, servers.append, fork=not torch_loaded)
-        user_level = quiet_cpp_logs(request.verbose)
-        with collector_paused():
+            import_torch_quietly(request.verbose)
             from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
             from torch.distributed.elastic.multiprocessing.api import SignalException
             from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
             from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+        before = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)  # the workers' environment: torch's agent gives them this process's
         # from here a stop raises what torch's own handler would (its agent then leaves the rendezvous open)
         stops.raising = lambda number: SignalException(f"got signal {number}", signal.Signals(number))
     except (Stopped, KeyboardInterrupt) as stopped:
         stops.holding = True  # a second stop waits until this one is cleaned up
-        _stop_server(servers)
-        set_cpp_log_level(user_level)
         if log_dir and not keep_logs:
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
         return _stopped_while_starting(stopped.signum if isinstance(stopped, Stopped) else int(signal.SIGINT))
 
-    try:  # from here on the server is stopped on every way out (Ctrl-C included)
+    ended: list[Ended] = []
+    try:  # from here on the log folder is removed or kept on every way out (Ctrl-C included)
         if not request.verbose:  # we report failures ourselves; torch's elastic loggers each set their own level
             for name in list(logging.root.manager.loggerDict):
                 if name.startswith("torch.distributed.elastic"):
@@ -287,23 +289,30 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
             say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
                  "start the same command on the other nodes")
-        command = ("-u", "-m", BOOT_MODULE if servers else WORKER_MODULE, *request.command)
+        python, *options = python_module(WORKER_MODULE, unbuffered=True)
         first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
         with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \
-                cheap_method_names():
+                cheap_method_names(), watching_exits(log_dir, request.devices.nproc, request.exit_timeout_s) as watch:
+            ended = watch.ended
             # waiting for other nodes blocks in C++, where no Python handler runs: a thread acts on a stop then
             # (the command's own process only: a Python program that calls the launcher must not be ended)
-            waiting = (watching_stops(stops, _give_up_waiting(servers, log_dir, keep_logs))
+            waiting = (watching_stops(stops, _give_up_waiting(log_dir, keep_logs))
                        if rdzv.max_nodes > 1 and is_command_process() else contextlib.nullcontext())
             when = "while waiting for the other nodes" if rdzv.max_nodes > 1 else when
             try:
                 with waiting:
-                    elastic_launch(config, sys.executable)(*command)
+                    elastic_launch(config, python)(*options, *request.command)
             finally:  # torch's handlers raise and torch leaves them: a stop now waits for our report and clean-up
                 install_stops(stops, saved, holding=True)
+        if ended:
+            failed = True
+            return report_stuck_at_exit(ended, request.exit_timeout_s, log_dir)
     except ChildFailedError as failure:
         failed = True
-        return report_failure(failure.failures, log_dir)
+        status = report_failure(failure.failures, log_dir)
+        if ended:
+            report_stuck_at_exit(ended, request.exit_timeout_s, log_dir)
+        return status
     except SignalException as stopped:
         if stops.raised:  # ours, before torch's agent took the stop signals: no worker had started
             return _stopped_while_starting(int(stopped.sigval), when)
@@ -334,42 +343,33 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         return 1
     finally:
         install_stops(stops, saved, holding=True)  # (where elastic_launch was never called)
-        _stop_server(servers)
-        set_cpp_log_level(user_level)  # this process may launch again (a test, a program of its own)
+        for name, value in before.items():  # this process may launch again (a test, a program of its own)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if not keep_logs and not failed:  # our own temporary folder (mkdtemp): removed as a whole
             with contextlib.suppress(OSError):
                 Folder(Path(log_dir).parent).remove_tree(Path(log_dir).name)
     return 0
 
 
-def _stop_server(servers: list[ForkServer]) -> None:
-    for server in servers:
-        server.stop()
-        os.environ.pop(FORKSERVER_VAR, None)
-
-
-def start_forkserver(request: LaunchRequest, keep: Callable[[ForkServer], None], fork: bool = True) -> None:
-    """CPU workers are forked from a server forked from this process after its import of torch (see
-    :mod:`.forkserver`), one worker or many: the server costs a fork, and a worker forked from it skips
-    torch's import (and ``torch._dynamo``'s, which the server pays once where several workers, or a
-    restarted one, share it; a lone worker imports it itself if its script needs it). The plain start instead: GPU
-    workers, ``MULTIGPU_WORKER_START=plain``, and a launcher whose state a worker must not inherit
-    (``fork=False``: torch was imported before the workers' variables were set; interpreter options
-    other than ``-u``; a tracer or profiler, e.g. coverage or a debugger). ``MULTIGPU_WORKER_START=fork``
-    is for a process that imported torch and then forks launchers (the test suite's launch server): it
-    vouches that its import saw the environment it gave the launcher, so the workers may be forked all the
-    same - unless the launch adds a variable torch reads at import (``--debug``'s, for one). ``keep``
-    gets the server (see :meth:`.ForkServer.start`), with ``path`` already in this process's environment."""
-    os.environ.pop(FORKSERVER_VAR, None)  # an outer launch's server is not ours
-    os.environ.pop(LAUNCHER_VAR, None)  # nor is a queue's wish for launchers (a worker's boot would read it)
-    if request.devices.visible or os.environ.get(START_VAR) == "plain" or not fork or not inheritable_state():
-        return
-
-    def hold(server: ForkServer) -> None:
-        keep(server)
-        os.environ[FORKSERVER_VAR] = server.path
-
-    ForkServer.start(hold, verbose=request.verbose, dynamo=request.devices.nproc > 1 or request.max_restarts > 0)
+def report_stuck_at_exit(ended: list[Ended], timeout_s: int, log_dir: str) -> int:
+    """The line for each worker :mod:`.exit_watch` ended; :data:`EXIT_STUCK_AT_EXIT`."""
+    for one in ended:
+        where = visible(one.where())[:200]
+        stacks = f"Its threads' Python stacks: {visible(str(one.stacks))}" if one.written() else \
+            "Its stacks could not be written."
+        done = ("its script's work is done; the stacks show" if one.status == 0 else
+                "its script had failed first (above); the stacks show")
+        print(LaunchError(
+            f"rank {one.rank} (pid {one.pid}) finished its script (status {one.status}) but did not exit: it had "
+            f"not moved for {timeout_s} s after every rank had finished{f', stuck at {where}' if where else ''}; it "
+            f"was ended. {stacks}",
+            f"{done} what its exit waited for (a destructor, an exit handler, a thread). Give --exit-timeout "
+            "more seconds if its exit waits that long by design.").one_line(), file=sys.stderr, flush=True)
+    say(f"logs of every rank are kept in {log_dir}")
+    return EXIT_STUCK_AT_EXIT
 
 
 def split_command(script: Optional[str], module: Optional[str], args: Sequence[str]) -> tuple[str, ...]:

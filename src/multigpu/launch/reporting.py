@@ -188,4 +188,5 @@ def _tail(path: Path, lines: int) -> list[str]:
 
 
 def say(message: str) -> None:
-    print(f"multigpu: {message}", file=sys.stderr, flush=True)
+    """One line of the launcher's, terminal-safe (a path or a name in it may come from outside)."""
+    print(f"multigpu: {visible(message)}", file=sys.stderr, flush=True)

@@ -45,8 +45,8 @@ def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gp
 
 def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus: Optional[str],
              nproc: Optional[int], gpus_per_proc: int, cpu: bool, max_restarts: int, stop_timeout: int,
-             rdzv_timeout: int, verbose: bool, clashing: dict[str, Any], debug: bool = False, procs_per_gpu: int = 1,
-             profile: bool = False) -> int:
+             exit_timeout: int, rdzv_timeout: int, verbose: bool, clashing: dict[str, Any], debug: bool = False,
+             procs_per_gpu: int = 1, profile: bool = False) -> int:
     """``multigpu run --simulate-nodes N``: refuse the real multi-node flags, then run N local agents."""
     given = [flag for flag, value in clashing.items() if value]
     if given:
@@ -57,8 +57,8 @@ def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus
         validate.count(nproc * nodes, f"--simulate-nodes {nodes} x --nproc", LaunchError,
                        hint=f"all simulated nodes run on this machine: keep the total at most {validate.MAX_PROCS_PER_NODE}.")
     flags = RunFlags(nproc=nproc, gpus_per_proc=gpus_per_proc, procs_per_gpu=procs_per_gpu, max_restarts=max_restarts,
-                     stop_timeout=stop_timeout, rdzv_timeout=rdzv_timeout, cpu=cpu, verbose=verbose, debug=debug,
-                     profile=profile)
+                     stop_timeout=stop_timeout, exit_timeout=exit_timeout, rdzv_timeout=rdzv_timeout, cpu=cpu,
+                     verbose=verbose, debug=debug, profile=profile)
     with reserved_port() as port:  # held for node 0's store: nobody else is given it meanwhile
         return run_nodes(node_commands(nodes, flags, command, 0 if cpu else len(visible), gpus, port=port))
 

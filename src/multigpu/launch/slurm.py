@@ -29,6 +29,7 @@ from multigpu import validate
 from multigpu.distributed.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from multigpu.errors import LaunchError
 from multigpu.fileio import atomic_write_text, ensure_real_folder
+from multigpu.launch.interpreter import python_module
 from multigpu.launch.slurm_options import (  # explicit re-exports, for the commands
     CPUS_PER_GPU_PROCESS as CPUS_PER_GPU_PROCESS,
     SQUEUE_NAME_WIDTH as SQUEUE_NAME_WIDTH,
@@ -129,9 +130,9 @@ def _sbatch_lines(o: SlurmOptions, job_name: str, output: Path) -> list[str]:
 
 
 def _launcher(o: SlurmOptions, python: str) -> str:
-    """``python -m multigpu run ...`` for each node: our $-variables double-quoted (bash expands them),
+    """``python -P -m multigpu run ...`` for each node (:mod:`.interpreter`): our $-variables double-quoted (bash expands them),
     everything else single-quoted."""
-    launcher = [python, "-m", "multigpu", "run", "--nnodes", "$SLURM_JOB_NUM_NODES",
+    launcher = [*python_module("multigpu", python), "run", "--nnodes", "$SLURM_JOB_NUM_NODES",
                 "--nproc", str(o.processes), "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id", "$SLURM_JOB_ID"]
     if not o.gpus:
         launcher.append("--cpu")
@@ -151,21 +152,23 @@ def _replica_lines(o: SlurmOptions, python: str, target: str) -> list[str]:
     agent while the others keep training, so srun must not kill the job for one task's failure."""
     q = shlex.quote
     groups = f"--replica-groups {o.replica_groups} --min-replicas {o.min_replicas} --heartbeat-timeout {o.heartbeat_timeout:g}"
-    launcher = [python, "-m", "multigpu", "run", *groups.split(), "--lighthouse", "$MASTER_ADDR:$LIGHTHOUSE_PORT",
+    module = python_module("multigpu", python)
+    launcher = [*module, "run", *groups.split(), "--lighthouse", "$MASTER_ADDR:$LIGHTHOUSE_PORT",
                 "--nproc", str(o.processes)]
     if not o.gpus:
         launcher.append("--cpu")
     if o.max_restarts:
         launcher += ["--max-restarts", str(o.max_restarts)]
-    words = " ".join(f'"{part}"' if part.startswith("$") else q(part) for part in launcher[4:])  # after "run"
+    words = " ".join(f'"{part}"' if part.startswith("$") else q(part) for part in launcher[len(module) + 1:])  # after "run"
     per_node = ('addr=$(scontrol show node "$SLURMD_NODENAME" 2>/dev/null | grep -o "NodeAddr=[^ ]*" | cut -d= -f2 '
-                '|| true); exec "$1" -m multigpu run --replica-group "$SLURM_NODEID" --local-addr "${addr:-$(hostname)}" '
-                '"${@:2}"')
+                f'|| true); exec "$1" {" ".join(q(w) for w in module[1:])} run --replica-group "$SLURM_NODEID" '
+                '--local-addr "${addr:-$(hostname)}" "${@:2}"')
     return [
         "# Replica groups (torchft): the lighthouse holds the quorum of every step. It runs here, in the batch",
         "# script, which Slurm starts on the first node, and ends with it.",
         f"LIGHTHOUSE_PORT=$(( {LIGHTHOUSE_PORT_BASE} + ${{SLURM_JOB_ID%%[!0-9]*}} % {SLURM_PORT_SPAN} ))",
-        f'{q(python)} -m multigpu.launch.replicas --bind "$MASTER_ADDR:$LIGHTHOUSE_PORT" {groups} &',
+        f'{" ".join(map(q, python_module("multigpu.launch.replicas", python)))} --bind "$MASTER_ADDR:$LIGHTHOUSE_PORT" '
+        f'{groups} &',
         "lighthouse=$!",
         """trap 'kill "$lighthouse" 2>/dev/null || true' EXIT""",
         'echo "multigpu: lighthouse $MASTER_ADDR:$LIGHTHOUSE_PORT"',

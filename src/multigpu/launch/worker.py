@@ -12,12 +12,19 @@ C++ static destructors never run. It also:
   printing it on every rank, and prints other errors' tracebacks without this wrapper's own frames;
 - ends the worker if its launcher dies (no orphans, even after SIGKILL of the agent).
 
-Usage (by the launcher): ``python -u -m multigpu.launch.worker script.py args...`` or ``-m pkg.mod args...``
+- dumps its threads' Python stacks on SIGUSR2 once its script has ended, for the launcher's watch over a
+  worker that does not exit (:mod:`.exit_watch`).
+
+Usage (by the launcher): ``python -u -P -m multigpu.launch.worker script.py args...`` or ``-m pkg.mod args...``
+(``-P``: the current folder is not on ``sys.path``; the script's folder is put there, as ``python script.py``
+puts it: :mod:`.interpreter`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import faulthandler
 import fcntl
 import gc
 import json
@@ -26,13 +33,16 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from multigpu.fileio import Folder, open_devnull
-from multigpu.launch.attempts import lost_a_peer, write_record
+from multigpu.launch.attempts import lost_a_peer, record_path, write_record
+from multigpu.launch.exit_watch import STACKS_SIGNAL
+from multigpu.launch.interpreter import python_module
 from multigpu.launch.process import die_with_parent
 
 #: Set by ``multigpu run``: the launcher's pid, the per-rank log folder, and the rank prefix to add.
@@ -97,8 +107,7 @@ def _tee_stderr() -> None:
         prefix = f"[{group}rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" else ""
         terminal = os.dup(2)
         global _TEE
-        _TEE = subprocess.Popen([sys.executable, "-m", "multigpu.launch.tee", str(reader), path,
-                                 *([prefix] if prefix else [])],
+        _TEE = subprocess.Popen([*python_module("multigpu.launch.tee"), str(reader), path, *([prefix] if prefix else [])],
                                 stdin=subprocess.DEVNULL, stdout=terminal, pass_fds=(reader,), close_fds=True)
         os.close(reader)
         os.close(terminal)
@@ -148,6 +157,7 @@ def print_user_traceback(exc: BaseException) -> None:
 def run_user_code(argv: list[str]) -> int:
     """Run the script or module as ``__main__``; return the status it would have exited with."""
     from multigpu.errors import MultiGPUError
+    from multigpu.launch.shadowing import guard
 
     if not argv:
         print("usage: python -m multigpu.launch.worker (script.py | -m module) [args...]", file=sys.stderr)
@@ -155,11 +165,16 @@ def run_user_code(argv: list[str]) -> int:
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
+            if not argv[1].startswith("multigpu."):  # a user's module, as `python -m` finds it (not one of ours)
+                sys.path.insert(0, os.getcwd())
+                guard(os.getcwd(), argv[1])
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(argv[0])
             sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(script)  # as `python script.py` would
+            folder = os.path.dirname(os.path.realpath(script))  # a linked script's own folder, as python has it
+            sys.path.insert(0, folder)  # as `python script.py` would (never the current folder)
+            guard(folder, script)
             runpy.run_path(script, run_name="__main__")
         return 0
     except SystemExit as exc:
@@ -244,6 +259,10 @@ def finish(code: int) -> None:
     """
     sys.last_type = sys.last_traceback = None
     sys.last_value = SystemExit(code) if code else None
+    try:  # what the interpreter does first at its exit: wait for the script's own (non-daemon) threads and
+        threading._shutdown()  # type: ignore[attr-defined]  # concurrent.futures' pending work, then the handlers
+    except BaseException:
+        traceback.print_exc()
     gc.collect()  # close files the script left open, so nothing buffered is lost
     try:
         atexit._run_exitfuncs()
@@ -256,6 +275,7 @@ def finish(code: int) -> None:
         except Exception:
             pass
     _drain_tee()
+    _drop_unused_stacks()
     os._exit(code)
 
 
@@ -290,16 +310,63 @@ def _announce_node() -> None:
           f"{os.environ.get('GROUP_WORLD_SIZE', '?')} (ranks {rank}-{rank + local - 1})", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[list[str]] = None, forked: bool = False) -> None:
-    """``forked``: started by the fork server (:mod:`.forkserver`), which already made it die with its parent."""
-    if not forked:
-        die_with_launcher()
+def stacks_on_request(log_dir: Optional[str], rank: int, attempt: int) -> None:
+    """From now on (the script has ended) SIGUSR2 writes every thread's Python stack to
+    ``rankR.attemptK.stacks``, without the GIL (:mod:`.exit_watch` asks when this worker does not exit)."""
+    if not log_dir:
+        return
+    path = record_path(log_dir, rank, attempt, "stacks")
+    try:
+        handle = Folder(log_dir).open_append(path.name)
+    except OSError:
+        return
+    global _STACKS
+    _STACKS = (handle, path)  # faulthandler writes to its descriptor: open until the process ends
+    faulthandler.register(STACKS_SIGNAL, file=handle, all_threads=True, chain=False)
+
+
+_STACKS: "tuple[IO[str], Path] | None" = None
+
+
+def _drop_unused_stacks() -> None:
+    """Leaving normally: the stacks file nobody asked for goes (a kept --log-dir holds only what happened)."""
+    if _STACKS is None:
+        return
+    handle, path = _STACKS
+    try:
+        if os.fstat(handle.fileno()).st_size == 0:
+            Folder(path.parent).remove(path.name)
+    except OSError:
+        pass
+
+
+def _one_line_in_threads(args: "threading.ExceptHookArgs") -> None:
+    """A MultiGPUError raised in one of the script's threads (a file that hides a module, imported there)
+    is its one line, as on the main thread; anything else gets Python's own report."""
+    from multigpu.errors import MultiGPUError
+
+    if isinstance(args.exc_value, MultiGPUError):
+        print(args.exc_value.one_line(), file=sys.stderr, flush=True)
+    else:
+        threading.__excepthook__(args)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    die_with_launcher()
     _tee_stderr()
     log_dir, rank, attempt = _where()
-    write_record(log_dir, rank, attempt, "pid", os.getpid())
+    me = os.getpid()
+    write_record(log_dir, rank, attempt, "pid", me)
     _announce_node()
+    threading.excepthook = _one_line_in_threads
     code = run_user_code(sys.argv[1:] if argv is None else argv)
+    if os.getpid() != me:  # a process the script forked, leaving through here: not this rank's end
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
     write_record(log_dir, rank, attempt, "exit", code)
+    stacks_on_request(log_dir, rank, attempt)
     finish(code)
 
 

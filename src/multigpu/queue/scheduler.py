@@ -31,9 +31,6 @@ from multigpu import validate
 from multigpu.distributed.world import MEMORY_FRACTION_VAR, RUN_DIR_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, visible
 from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
-from multigpu.launch.fork_rules import start_wish
-from multigpu.launch.forkserver import ForkServer
-from multigpu.launch.launchers import start_server, through
 from multigpu.launch.local import usable_cores
 from multigpu.launch.process import LAUNCH_STOP_WAIT_S, own_session_dying_with_parent
 from multigpu.queue.lock import RunLock
@@ -93,10 +90,6 @@ class Queue:
         self._stop = threading.Event()
         self._stop_signal: Optional[int] = None
         self.runs_per_gpu = runs_per_gpu
-        #: On CPU slots: the server the runs' launchers are forked from (launch.launchers), started with the
-        #: first run that starts (with its OMP_NUM_THREADS); None: plain starts.
-        self.server: Optional[ForkServer] = None
-        self._server_tried = on_gpus
         #: Searches (queue.search.Search) whose trials are asked while the queue runs, when the pool has room.
         self.searches = list(searches)
         for run in [*self.runs, *(EntryState(s.entry, self.root / s.entry.name) for s in self.searches)]:
@@ -110,7 +103,6 @@ class Queue:
     # ------------------------------------------------------------------ main loop
     def execute(self) -> int:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
-        start_wish()  # before any run: a misspelt MULTIGPU_WORKER_START is one line, not a failure per run
         Folder(self.root).create()
         try:
             for search in self.searches:  # its earlier trials: skipped when finished, resumed when not
@@ -121,7 +113,6 @@ class Queue:
                 search.settle_earlier(self.runs)
         except BaseException:
             self._close_searches()
-            self._stop_server()
             raise
         for run in self.runs:
             if run.state == "skipped":
@@ -149,22 +140,11 @@ class Queue:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._close_searches()
-            self._stop_server()
             self.ended = time.time()
             self.display(self, "end")  # always: a live table left running hides the cursor
         if self._stop_signal is not None:
             return 128 + self._stop_signal
         return 0 if all(r.state in ("done", "skipped") for r in self.runs) else 1
-
-    def _stop_server(self) -> None:
-        """At the end: every run has ended (a run still running - _stop_all failed - keeps the server until
-        its launcher has stopped cleanly, as when the queue dies)."""
-        if self.server is not None:
-            if any(r.state == "running" for r in self.runs):
-                self.server.release()
-            else:
-                self.server.stop()
-            self.server = None
 
     def _threads(self, share: Fraction, processes: int, slots: int) -> Optional[str]:
         """The ``OMP_NUM_THREADS`` a run gets from the queue (None: the queue's own, or torch's default).
@@ -195,9 +175,6 @@ class Queue:
     def _close_searches(self) -> None:
         for search in self.searches:
             search.close()
-
-    def _hold_server(self, server: ForkServer) -> None:
-        self.server = server
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._stop_signal = signum
@@ -293,10 +270,7 @@ class Queue:
         threads = self._threads(run.share, run.spec.processes(self.on_gpus), len(slots))
         if threads:
             env["OMP_NUM_THREADS"] = threads
-        if not self._server_tried:  # the queue has no thread of its own: a fork copies only this one
-            self._server_tried = True
-            start_server(self._hold_server, {"OMP_NUM_THREADS": threads} if threads else None)
-        command = through(self.server, run.spec.command(run.folder, self.on_gpus), env)  # forked, on CPU slots
+        command = run.spec.command(run.folder, self.on_gpus)
         run.log = open_append(run.folder / LOG_FILE)
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         run.log.flush()
