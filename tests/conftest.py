@@ -6,13 +6,14 @@ import contextlib
 import getpass
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import pytest
 
@@ -77,6 +78,26 @@ def child_env(extra: Optional[dict] = None, base: Optional[dict] = None) -> dict
         env["PATH"] = (path[:-len(inherited)] + os.pathsep.join([fakebin, inherited]) if inherited and path.endswith(inherited)
                        else os.pathsep.join([fakebin, path]))
     return env
+
+
+def shared_output(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that ``build(folder)`` fills once per test session, for every test file and pytest-xdist
+    worker that asks for ``name``: a launch whose output several files compare against (the fault tests'
+    uninterrupted reference). The first to ask builds it under a lock; the others wait and read it."""
+    import fcntl
+
+    base = factory.getbasetemp()
+    root = (base.parent if base.name.startswith("popen-gw") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"{name}.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (root / f"{name}.done").write_text("")
+    return folder
 
 
 def multigpu(*args: str, timeout: float = 120, env: Optional[dict] = None, cwd: Optional[Path] = None,

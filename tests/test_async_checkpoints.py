@@ -86,10 +86,11 @@ def _equal(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("reference")
-    proc = _run(out)  # synchronous checkpoints: the results must not depend on how checkpoints are written
-    assert proc.returncode == 0, proc.stderr
-    return _final(out)
+    """Synchronous checkpoints (the fault tests' reference, one launch for the session): the results must
+    not depend on how checkpoints are written."""
+    from test_faults import faults_reference
+
+    return faults_reference(tmp_path_factory)
 
 
 def _background(out: Path, *extra: str) -> subprocess.Popen:

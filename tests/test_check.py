@@ -230,7 +230,7 @@ def test_a_stopped_check_leaves_no_run_behind(tmp_path, no_leftovers, how):
     `timeout`), SIGINT to its process group (a terminal's Ctrl-C) or SIGKILL. Its run's launcher and
     workers stop (a SIGKILLed check's through the kernel: its children ask for SIGTERM when it dies), and
     only a SIGKILL may leave its own folder. Before, a SIGTERM left the run training forever."""
-    temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))  # short: the fork server's socket lives there
+    temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))
     check = subprocess.Popen([PY, "-m", "multigpu", "check", "--nproc", "2", str(SCRIPTS / "sleeper.py"),
                               str(tmp_path), no_leftovers], env=child_env({"TMPDIR": str(temp)}),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -267,12 +267,12 @@ def test_a_stopped_doctor_leaves_no_launch_behind(tmp_path, no_leftovers, how):
     (it ends in seconds)."""
     from multigpu.launch.ports import reserved_port
 
-    temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))  # short: the fork server's socket lives there
+    temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))
     with reserved_port() as port:
         doctor = subprocess.Popen(
             [PY, "-m", "multigpu", "doctor", "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr",
              "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "300", "--sizes", "1",
-             *(["--timeout", "20"] if how == "--timeout" else []),
+             *(["--timeout", "8"] if how == "--timeout" else []),
              "--out", str(tmp_path / no_leftovers)],  # the token on every command line of the launch
             env=child_env({"TMPDIR": str(temp)}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -296,7 +296,7 @@ def test_a_stopped_doctor_leaves_no_launch_behind(tmp_path, no_leftovers, how):
     if how == "--timeout":
         assert doctor.returncode == 2, err  # (a LaunchError)
         assert "multigpu: stopped by SIGTERM" in err  # the launcher's line (while waiting, or before)
-        assert err.splitlines()[-1].startswith("multigpu: error: doctor did not finish in 20 s"), err
+        assert err.splitlines()[-1].startswith("multigpu: error: doctor did not finish in 8 s"), err
         return
     sig = "SIGINT" if how == "Ctrl-C" else "SIGTERM"
     assert doctor.returncode == (130 if how == "Ctrl-C" else 143), err

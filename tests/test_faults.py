@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu, wait_for_files, wait_until_gone
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, shared_output, wait_for_files, wait_until_gone
 
 from multigpu import checkpoint
 
@@ -31,13 +31,20 @@ def _bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def faults_reference(factory: pytest.TempPathFactory) -> dict:
+    """faults.py uninterrupted on 2 processes, synchronous checkpoints: one launch for the session (the
+    asynchronous checkpoint tests compare against it too)."""
+    def build(out: Path) -> None:
+        proc = _run(out)
+        assert proc.returncode == 0, proc.stderr
+        assert (out / "steps.txt").read_text() == "18"
+
+    return _final(shared_output(factory, "faults-reference", build))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("reference")
-    proc = _run(out)
-    assert proc.returncode == 0, proc.stderr
-    assert (out / "steps.txt").read_text() == "18"
-    return _final(out)
+    return faults_reference(tmp_path_factory)
 
 
 def _background(out: Path, *extra: str) -> subprocess.Popen:
@@ -45,27 +52,29 @@ def _background(out: Path, *extra: str) -> subprocess.Popen:
                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-#: Mid-epoch, at and after epoch boundaries (6 steps each), and two kills one step apart.
-KILLS = (2, 5, 6, 11, 16)
+#: Mid-epoch and at an epoch boundary (6 steps each) one step apart, after it; the last, restarted by the agent.
+KILLS = (5, 6, 11, 16)
 
 
-# Seven 2-process launches with the reference's (it is often the first user): up to ~1 min each on 2 busy cores.
+# Five 2-process launches with the reference's (it is often the first user): up to ~1 min each on 2 busy cores.
 @pytest.mark.timeout(900)
 def test_kill_at_any_step_then_resume_is_bitwise_equal(tmp_path, reference, no_leftovers):
     """One run killed at each step of KILLS in turn, each attempt resuming from the checkpoint of the step
-    the previous one was killed at, then finishing: bitwise equal to the uninterrupted reference. One
-    launch per kill (a test per kill step took two: the killed run, and a resume to the end)."""
+    the previous one was killed at; the last kill is one the agent restarts from by itself (--max-restarts,
+    c10d: a restart once read the previous attempt's store keys in ~1 of 6 runs), and that run finishes:
+    bitwise equal to the uninterrupted reference. One launch per kill."""
     kills = ",".join(map(str, KILLS))
-    for attempt, kill_at in enumerate(KILLS):
+    for attempt, kill_at in enumerate(KILLS[:-1]):
         killed = _run(tmp_path, "--kill-at", kills, "--kill-rank", "1", no_leftovers)
         assert killed.returncode != 0, f"not killed at step {kill_at}"
         assert "rank 1 (local rank 1" in killed.stderr and "SIGKILL" in killed.stderr
         assert (tmp_path / f"killed-at-{kill_at}").exists()
         if attempt:  # resumed from the last checkpoint before the previous kill
             assert f"step {KILLS[attempt - 1]})" in killed.stdout, killed.stdout
-    resumed = _run(tmp_path, "--kill-at", kills, no_leftovers)
+    resumed = _run(tmp_path, "--kill-at", kills, no_leftovers, launcher=("--max-restarts", "1"))
     assert resumed.returncode == 0, resumed.stderr
-    assert f"step {KILLS[-1]})" in resumed.stdout
+    assert (tmp_path / f"killed-at-{KILLS[-1]}").exists() and "Restarting every worker (restart 1 of 1)" in resumed.stderr
+    assert f"step {KILLS[-2]})" in resumed.stdout and f"step {KILLS[-1]})" in resumed.stdout, resumed.stdout
     assert _bitwise_equal(_final(tmp_path), reference)
 
 
@@ -83,15 +92,12 @@ def test_resume_inside_an_epoch_with_accumulation_is_bitwise_equal(tmp_path, no_
     assert _bitwise_equal(_final(interrupted), _final(reference))
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
-def test_elastic_restart_after_sigkill_resumes_by_itself(tmp_path, reference, no_leftovers, rendezvous):
-    """A restart used to read the previous attempt's store keys in ~1 of 6 runs: every restart of the suite
-    (these, the accumulation test's, the equivalence tests' kills) would meet it."""
+def test_elastic_restart_after_sigkill_resumes_by_itself_with_a_static_rendezvous(tmp_path, reference, no_leftovers):
+    """As the kill chain's last launch (c10d), with a static rendezvous on a port of the test's."""
     from multigpu.launch.ports import reserved_port
 
     with reserved_port() as held:  # kept from every other process until the launch is over
-        port = ("--master-port", str(held)) if rendezvous == "static" else ()
-        proc = _run(tmp_path, "--kill-at", "9", no_leftovers, launcher=("--max-restarts", "2", *port))
+        proc = _run(tmp_path, "--kill-at", "9", no_leftovers, launcher=("--max-restarts", "2", "--master-port", str(held)))
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stdout and "step 9)" in proc.stdout
     assert _bitwise_equal(_final(tmp_path), reference)

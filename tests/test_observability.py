@@ -216,40 +216,51 @@ def test_plot_writes_a_png_for_a_run_and_for_a_queue_folder(tmp_path):
     assert refused.returncode == 2 and "holds no metrics.csv" in refused.stderr
 
 
-def test_the_progress_line_prints_in_a_log_file_and_the_start_report(tmp_path):
-    script = tmp_path / "slow.py"
-    script.write_text(
-        "import time, torch, multigpu as mg\nfrom torch import nn\nfrom torch.utils.data import TensorDataset\n"
-        "class T(mg.Trainer):\n    def compute_loss(self, b):\n        time.sleep(0.05)\n"
-        "        return nn.functional.mse_loss(self.model(b[0]), b[1])\n"
-        f"run = mg.init()\nT(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=2, epochs=2, "
-        f"progress_every_s=0.3, out_dir={str(tmp_path / 'out')!r}, plot=False)"
-        ".fit(TensorDataset(torch.randn(40, 2), torch.randn(40, 1)))\n")
-    proc = multigpu("run", "--nproc", "2", str(script), check=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ") and "ETA" in line]
-    assert len(lines) >= 2, proc.stdout
+SLOW_TRAINER = """\
+import json, os, sys, time, torch, multigpu as mg
+from torch import nn
+from torch.utils.data import TensorDataset
+class T(mg.Trainer):
+    def compute_loss(self, b):
+        time.sleep(0.05)
+        return nn.functional.mse_loss(self.model(b[0]), b[1])
+run = mg.init()
+T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=2, epochs=2, progress_every_s=0.3,
+  out_dir=sys.argv[1], plot=False).fit(TensorDataset(torch.randn(40, 2), torch.randn(40, 1)))
+if run.is_main:  # one line: two ranks' prints share one stdout and may interleave
+    print(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', 'NCCL_DEBUG', 'TORCH_FR_BUFFER_SIZE',
+                                                     'TORCH_NCCL_TRACE_BUFFER_SIZE')}))
+"""
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory):
+    """One 2-process launch of a Trainer with --debug, its output a pipe (a log file, not a terminal): read
+    by the progress test and the debug test."""
+    folder = tmp_path_factory.mktemp("debug")
+    script = folder / "slow.py"
+    script.write_text(SLOW_TRAINER)
+    return multigpu("run", "--debug", "--nproc", "2", "--log-dir", str(folder / "logs"), str(script),
+                    str(folder / "out"), check=True)
+
+
+def test_the_progress_line_prints_in_a_log_file_and_the_start_report(debug_run):
+    lines = [line for line in debug_run.stdout.splitlines() if line.startswith("epoch ") and "ETA" in line]
+    assert len(lines) >= 2, debug_run.stdout
     assert "samples/s" in lines[0] and "/10]" not in lines[0]
-    assert "3 parameters (3 trainable); strategy ddp, precision 32; 10 optimizer steps per epoch" in proc.stdout
+    assert "3 parameters (3 trainable); strategy ddp, precision 32; 10 optimizer steps per epoch" in debug_run.stdout
 
 
 # ------------------------------------------------------------------ run --debug, env
 
 
 @pytest.mark.timeout(120)  # one 2-process launch of a few DDP steps (~10 s here)
-def test_run_debug_with_ddp_on_cpu_processes_works_and_says_what_it_turned_on(tmp_path):
+def test_run_debug_with_ddp_on_cpu_processes_works_and_says_what_it_turned_on(debug_run):
     """torch 2.13's DETAIL mode with DDP over gloo ends in SIGSEGV: on CPU processes --debug turns on INFO."""
-    script = tmp_path / "show.py"
-    script.write_text("import os, json, torch, multigpu as mg\nrun = mg.init()\n"
-                      "model, opt = run.setup(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))\n"
-                      "for _ in range(3):\n    run.backward(model(torch.randn(2, 4)).sum()); opt.step(); opt.zero_grad()\n"
-                      "if run.is_main:  # one line: two ranks' prints share one stdout and may interleave\n"
-                      "    print(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', 'NCCL_DEBUG', "
-                      "'TORCH_FR_BUFFER_SIZE', 'TORCH_NCCL_TRACE_BUFFER_SIZE')}))\n")
-    proc = multigpu("run", "--debug", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), str(script), check=True)
-    shown = json.loads(proc.stdout.strip().splitlines()[-1])
+    shown = json.loads(debug_run.stdout.strip().splitlines()[-1])
     assert shown == {"TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_DEBUG": None, "TORCH_FR_BUFFER_SIZE": None,
                      "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
-    assert "debug: TORCH_DISTRIBUTED_DEBUG=INFO" in proc.stderr
+    assert "debug: TORCH_DISTRIBUTED_DEBUG=INFO" in debug_run.stderr
 
 
 def test_debug_on_gpus_turns_on_detail_nccl_and_the_flight_recorder_by_its_current_name(tmp_path, monkeypatch):

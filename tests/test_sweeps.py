@@ -189,7 +189,7 @@ base:
 tpe < base:
   sweep:
     params: {{x: {{uniform: [0.0, 1.0]}}}}
-  search: {{sampler: tpe, trials: 8, startup_trials: 4, metric: valid_loss, mode: min, pruner: median, min_trials: 1}}
+  search: {{sampler: tpe, trials: 6, startup_trials: 4, metric: valid_loss, mode: min, pruner: median, min_trials: 1}}
 """)
     out = tmp_path / no_leftovers
     # One trial at a time: which trials finished before another reports is then the same on every run.
@@ -198,7 +198,7 @@ tpe < base:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads((out / ".sweeps" / "tpe.json").read_text())
     trials = sorted(record["trials"], key=lambda t: int(t["run"].split("-t")[1].split("-")[0]))
-    assert [t["run"].split("-")[1] for t in trials] == [f"t{i}" for i in range(8)]
+    assert [t["run"].split("-")[1] for t in trials] == [f"t{i}" for i in range(6)]
     pruned = {t["run"] for t in trials if t["state"] == "pruned"}
     assert pruned == _median_rule(trials) and pruned, (pruned, [(t["run"], t["state"]) for t in trials])
     for trial in trials:

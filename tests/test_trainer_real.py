@@ -23,36 +23,39 @@ def _digits(tmp_path, *overrides, nproc=2):
                     f"data.folder={tmp_path / 'data'}", *overrides)
 
 
-def test_digits_recipe_reaches_95_percent_on_two_processes_in_fifteen_epochs(tmp_path):
-    """The recipe's 15 epochs (23 steps each) reach 95%. How long that takes depends on what else the machine
-    runs: a benchmark's figure, not a bound a test can hold without luck."""
-    proc = _digits(tmp_path)
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> dict:
+    """The recipe for 2 epochs on 2 processes, its first epoch's checkpoint kept aside for the checkpoint
+    test; then the same run continued to the recipe's 15 epochs (two launches, read by three tests)."""
+    root = tmp_path_factory.mktemp("digits")
+    first = _digits(root, "trainer.epochs=2")
+    assert first.returncode == 0, first.stderr
+    epoch1 = root / "epoch1" / "step-00000023"
+    shutil.copytree(root / "out" / "checkpoints" / epoch1.name, epoch1)
+    rows = list(csv.DictReader(open(root / "out" / "metrics.csv")))
+    continued = _digits(root)
+    return {"root": root, "epoch1": epoch1, "first": first, "rows_after_2": rows, "continued": continued}
+
+
+def test_digits_recipe_reaches_95_percent_on_two_processes_in_fifteen_epochs(digits):
+    """The recipe's 15 epochs (23 steps each) reach 95% (2 of them in a run that was then resumed). How long
+    that takes depends on what else the machine runs: a benchmark's figure, not a bound a test can hold
+    without luck."""
+    proc, root = digits["continued"], digits["root"]
     assert proc.returncode == 0, proc.stderr
-    final = json.loads((tmp_path / "out" / "final.json").read_text())
+    final = json.loads((root / "out" / "final.json").read_text())
     assert final["accuracy"] >= 0.95
-    assert "batch 32 per process x 2 process(es) = global batch 64" in proc.stdout
+    assert "batch 32 per process x 2 process(es) = global batch 64" in digits["first"].stdout
     assert proc.stdout.count("final validation accuracy") == 1  # printed by rank 0 only
-    rows = list(csv.DictReader(open(tmp_path / "out" / "metrics.csv")))
+    rows = list(csv.DictReader(open(root / "out" / "metrics.csv")))
     assert [int(r["epoch"]) for r in rows] == list(range(1, 16))
     assert {"train_loss", "valid_accuracy", "valid_loss", "lr", "samples_per_s"} <= set(rows[0])
-    assert (tmp_path / "out" / "config.yaml").exists()
-    assert len(list((tmp_path / "data").glob("digits-*.pt"))) == 1  # prepared once, by rank 0
+    assert (root / "out" / "config.yaml").exists()
+    assert len(list((root / "data").glob("digits-*.pt"))) == 1  # prepared once, by rank 0
 
 
-@pytest.fixture(scope="module")
-def two_epochs(tmp_path_factory) -> dict:
-    """The recipe for 2 epochs on 2 processes (one launch): its first epoch's checkpoint is kept aside for the
-    checkpoint test, and the resume test continues the run itself."""
-    root = tmp_path_factory.mktemp("digits")
-    proc = _digits(root, "trainer.epochs=2")
-    assert proc.returncode == 0, proc.stderr
-    first = root / "epoch1" / "step-00000023"
-    shutil.copytree(root / "out" / "checkpoints" / first.name, first)
-    return {"root": root, "epoch1": first}
-
-
-def test_ddp_checkpoint_loads_into_a_plain_model_on_cpu(two_epochs):
-    state = torch.load(two_epochs["epoch1"] / "state.pt", map_location="cpu", weights_only=True)
+def test_ddp_checkpoint_loads_into_a_plain_model_on_cpu(digits):
+    state = torch.load(digits["epoch1"] / "state.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
     plain = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Dropout(0.0), nn.Linear(128, 128), nn.GELU(),
                           nn.Dropout(0.0), nn.Linear(128, 10))
@@ -62,14 +65,14 @@ def test_ddp_checkpoint_loads_into_a_plain_model_on_cpu(two_epochs):
     assert len(state["ranks"]) == 2 and all("rng" in r for r in state["ranks"])  # one RNG state per rank
 
 
-def test_resume_continues_from_the_saved_epoch(two_epochs):
-    second = _digits(two_epochs["root"], "trainer.epochs=4")
+def test_resume_continues_from_the_saved_epoch(digits):
+    second = digits["continued"]
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout and "(epoch 2, batch 0, step 46)" in second.stdout
-    assert "epoch 1/4" not in second.stdout and "epoch 3/4" in second.stdout
-    rows = list(csv.DictReader(open(two_epochs["root"] / "out" / "metrics.csv")))
-    assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
-    assert [int(r["step"]) for r in rows] == [23, 46, 69, 92]
+    assert "epoch 1/15" not in second.stdout and "epoch 3/15" in second.stdout
+    assert [int(r["step"]) for r in digits["rows_after_2"]] == [23, 46]
+    rows = list(csv.DictReader(open(digits["root"] / "out" / "metrics.csv")))
+    assert [int(r["step"]) for r in rows] == [23 * epoch for epoch in range(1, 16)]
 
 
 @pytest.fixture(scope="module")
