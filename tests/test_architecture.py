@@ -146,7 +146,7 @@ def test_a_layout_a_newcomer_can_hold_in_their_head():
 @pytest.mark.parametrize("entry", ["multigpu.Trainer", "multigpu.TrainerSettings", "multigpu.Loader", "multigpu.init",
                                    "multigpu.Run", "multigpu.Stages", "multigpu.World", "multigpu.run_on_main",
                                    "multigpu.MetricSums", "multigpu.config.load", "multigpu.checkpoint.latest",
-                                   "multigpu.trainer.Trainer", "multigpu.trainer.move_to"])
+                                   "multigpu.trainer.Trainer", "multigpu.trainer.move_to", "multigpu.write_file"])
 def test_public_names_and_documented_import_paths_still_work(entry):
     import importlib
 

@@ -132,3 +132,24 @@ def test_yaml_whole_numbers_are_base_10_digits_only(value):
         config.parse_yaml(f"trainer:\n  epochs: {value}\n", "h.yaml")
     assert info.value.one_line().startswith("multigpu: error: h.yaml:2: ") and "HINT:" in str(info.value)
     assert config.parse_yaml(f"name: '{value}'\nepochs: 12\nlow: -3\n")[0] == {"name": value, "epochs": 12, "low": -3}
+
+
+@pytest.mark.parametrize("items, needle, hint", [
+    (["+model.hidden=8"], "Hydra's + adds a key", "write 'model.hidden=8'"),
+    (["~model.hidden"], "Hydra's ~ deletes a key", "leave the override out"),
+    (["lr=1e-3,3e-3", "--multirun"], "--multirun is Hydra's sweep switch", "multigpu queue runs.yaml --sweep"),
+])
+def test_hydra_habits_are_one_line_naming_what_says_it_here(items, needle, hint):
+    with pytest.raises(ConfigError) as caught:
+        config.parse_overrides(items)
+    assert needle in caught.value.message and hint in caught.value.hint
+
+
+def test_a_list_of_values_for_a_number_points_to_the_queue_s_sweep():
+    @dataclass
+    class Recipe:
+        lr: float = 0.1
+
+    with pytest.raises(ConfigError, match="lr must be a number, not '1e-3,3e-3'") as caught:
+        config.load(Recipe, None, ["lr=1e-3,3e-3"])
+    assert "multigpu queue runs.yaml --sweep 'lr=1e-3,3e-3'" in caught.value.hint

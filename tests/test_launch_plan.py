@@ -462,6 +462,24 @@ def test_simulated_nodes_split_the_gpus():
         node_commands(2, plain, ["t.py"], visible_gpus=3, gpus_flag=None, port=29500)
     with pytest.raises(LaunchError, match="at least 2"):
         node_commands(1, plain, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500)
+    # with restarts the nodes meet in a c10d rendezvous: a static one cannot bring every node into a new round
+    restarting = node_commands(2, RunFlags(max_restarts=1, cpu=True), ["t.py"], visible_gpus=0, gpus_flag=None,
+                               port=29500)
+    assert all(c[c.index("--rdzv-endpoint") + 1] == "127.0.0.1:29500" and "--node-rank" not in c
+               and "--master-port" not in c for c in restarting)
+
+
+def test_restarts_across_nodes_of_a_static_rendezvous_are_refused_with_the_c10d_way(tmp_path, monkeypatch):
+    from multigpu.cli import build_parser
+    from multigpu.commands.launching import plan_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    args = build_parser().parse_args(["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                      "--master-port", "29500", "--max-restarts", "1", "t.py"])
+    with pytest.raises(LaunchError, match="restarts this node's workers only") as caught:
+        plan_run(args)
+    assert "--rdzv-endpoint HOST:PORT" in caught.value.hint
 
 
 def test_run_flags_write_each_flag_once_and_the_target_last():

@@ -329,3 +329,30 @@ def test_the_gpu_path_checks_hold_on_cpu_processes_too(tmp_path, no_leftovers):
             assert [(r["backend"], r["sum"]) for r in records] == [("gloo", 3.0), ("gloo", 3.0)]
         else:
             assert all(r["resumed"] and r["sharded"] for r in records) and records[0]["equal"] is True
+
+
+RESTARTED = """\
+import os, sys, torch.distributed as dist
+dist.init_process_group("gloo")
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+    os._exit(3)  # the first attempt of rank 1 fails
+dist.barrier()
+sys.stdout.write(f"rank {dist.get_rank()} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} ok\\n")  # one write
+sys.stdout.flush()
+dist.destroy_process_group()
+"""
+
+
+def test_simulated_nodes_restart_together_and_never_ask_the_user_to_start_them(tmp_path, no_leftovers):
+    """--simulate-nodes 2 --max-restarts 1: the restarted worker of one node could not reach the other's
+    (a static rendezvous restarts one node's workers only); each node also asked the user to start the
+    others, which the command does itself."""
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    proc = multigpu("run", "--simulate-nodes", "2", "--nproc", "1", "--max-restarts", "1", str(script), no_leftovers,
+                    timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(line for line in proc.stdout.splitlines() if "attempt" in line) == ["rank 0 attempt 1 ok",
+                                                                                      "rank 1 attempt 1 ok"]
+    assert "start the same command on the other nodes" not in proc.stderr
+    assert proc.stderr.count("the other simulated nodes start here too") == 2

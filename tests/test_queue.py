@@ -4,6 +4,7 @@ interrupted queue, stages, and the makespan against the ideal."""
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import time
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu, processes_with, wait_for_files
+from conftest import PY, REPO, SCRIPTS, child_env, multigpu, multigpu_here, processes_with, wait_for_files
 
 from multigpu.config import resolve_inheritance
 from multigpu.errors import ConfigError
@@ -429,3 +430,47 @@ def test_a_runs_files_mode_is_min_or_max(tmp_path):
     path.write_text("a:\n  script: train.py\n  metric: valid_accuracy\n  mode: maximum\n")
     with pytest.raises(ConfigError, match="neither min nor max"):
         load_runs(path)
+
+
+def test_a_dry_run_on_this_machine_shows_each_run_and_starts_nothing(tmp_path):
+    """`multigpu queue runs.yaml --dry-run` without --slurm used to ignore the flag and run the whole queue."""
+    runs = _runs_file(tmp_path, f"""
+first:
+  script: {SLEEP}
+  args: ["0"]
+  out_dir_key: out_dir
+second < first:
+  overrides: {{mode: "off"}}
+""")
+    out = tmp_path / "q"
+    proc = multigpu_here("queue", str(runs), "--slots", "2", "--out", str(out), "--dry-run", check=True)
+    assert "2 run(s) on 2 slot(s)" in proc.stdout and "nothing started" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("first: would start, 1 slot(s): ") and " -P -m multigpu run " in line for line in lines)
+    second = next(line for line in lines if line.startswith("second: would start"))
+    assert "mode='off'" in shlex.split(second.split(": ", 2)[2])  # quoted: YAML would read a bare off as false
+    assert not out.exists()
+
+
+def test_a_log_file_gets_whole_lines_and_tables_not_80_columns(monkeypatch):
+    """Outside a terminal (a Slurm log, `| tee`) rich cut the queue's lines at 80 columns: `train_lo...`,
+    run names cut, a metric wrapped onto the next line, grep broken."""
+    import io
+
+    from rich.table import Table
+
+    from multigpu.queue.display import LOG_WIDTH, console_for_output
+
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    console = console_for_output()
+    assert not console.is_terminal and console.width == LOG_WIDTH
+    name = "a_run_with_a_long_name_of_a_sweep-lr0.000123-hidden256-depth3-dropout0.25-s2"
+    console.print(f"[queue] done {name} after 12.3 s (exit 0) valid_loss 0.123456 valid_accuracy 0.987654",
+                  markup=False, highlight=False, soft_wrap=True)
+    table = Table("run", "state", "metric")
+    table.add_row(name, "done", "valid_loss 0.123456")
+    console.print(table)
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("valid_accuracy 0.987654") and name in lines[0]
+    assert any(name in line and "valid_loss 0.123456" in line for line in lines[1:])

@@ -133,3 +133,20 @@ def test_a_refused_torchrun_flag_is_a_refusal_exit_2(capsys):
     assert cli.main(["run", "--tee", "3", "train.py"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("multigpu: error: torchrun's --tee") and "HINT:" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("line, hint", [
+    ("accelerate launch --num_processes 2 train.py", "launch is multigpu run here"),
+    ("multigpu run --num_processes 2 train.py", "--num_processes is multigpu run --nproc N here"),
+    ("multigpu run --mixed_precision bf16 train.py", "trainer.precision=bf16"),
+    ("multigpu run --config_file accelerate.yaml train.py", "the recipe's YAML file after the script"),
+])
+def test_a_flag_of_accelerate_is_one_line_naming_ours(line, hint, capsys):
+    from multigpu import cli
+
+    with pytest.raises(SystemExit) as exited:  # argparse's refusals leave through our Parser.error, status 2
+        cli.main(shlex.split(line)[1:])  # `accelerate launch ...` typed as `multigpu launch ...`
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multigpu: error:") and "multigpu: error: multigpu:" not in err and hint in err, err
+    assert "\n" not in err

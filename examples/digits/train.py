@@ -18,8 +18,8 @@ prepare -> train -> evaluate; ``start_stage=evaluate`` re-evaluates the last che
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,11 +83,10 @@ def prepare_data(cfg: DataConfig) -> str:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(cfg.split_seed))
     n_valid = int(len(x) * cfg.valid_fraction)
     valid, train = order[:n_valid], order[n_valid:]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # several runs of a queue may prepare at once
-    torch.save({"train": (x[train], y[train]), "valid": (x[valid], y[valid])}, tmp)
-    os.replace(tmp, path)
-    return str(path)
+    data = io.BytesIO()
+    torch.save({"train": (x[train], y[train]), "valid": (x[valid], y[valid])}, data)
+    # whole, or not at all (several runs of a queue may prepare at once), never through a link at its place
+    return str(mg.write_file(path, data.getvalue()))
 
 
 def make_model(cfg: ModelConfig) -> nn.Module:
@@ -150,9 +149,8 @@ def main(argv: list[str]) -> Optional[dict]:
         settings=settings,
         config=cfg,  # ranks compare it before training: a different hparams file on one node fails fast
     )
-    if run.is_main:
-        Path(settings.out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(settings.out_dir) / "config.yaml").write_text(config.dump_yaml(cfg))
+    if run.is_main:  # mg.write_file: a link planted in a run folder someone handed you is replaced, not followed
+        mg.write_file(Path(settings.out_dir) / "config.yaml", config.dump_yaml(cfg))
     if "train" in stages:
         trainer.fit(train_set, valid_set)
     if "evaluate" not in stages:
@@ -163,7 +161,7 @@ def main(argv: list[str]) -> Optional[dict]:
     run.print(f"final validation accuracy: {final['accuracy']:.4f} (loss {final['loss']:.4f}, "
               f"{run.world_size} process(es))")
     if run.is_main:
-        (Path(settings.out_dir) / "final.json").write_text(json.dumps(final))
+        mg.write_file(Path(settings.out_dir) / "final.json", json.dumps(final))
     return final
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+import multigpu as mg
+
 SUBJECTS = ["the cat", "a dog", "the old sailor", "my sister", "the small robot", "a quiet student", "the baker"]
 VERBS = ["sees", "likes", "carries", "paints", "follows", "finds", "remembers", "builds"]
 OBJECTS = ["the red ball", "a long letter", "the green door", "an empty box", "the river", "a tall tree", "the moon"]
@@ -45,13 +47,10 @@ def prepare(folder: str | Path, chars: int = 200_000) -> Path:
     stoi = {ch: i for i, ch in enumerate(vocab)}
     ids = np.array([stoi[ch] for ch in text], dtype=np.uint16)
     split = int(len(ids) * 0.9)
+    # each file whole (mg.write_file: a temporary file renamed over it, never written through a link there)
     for name, part in (("train.bin", ids[:split]), ("val.bin", ids[split:])):
-        tmp = folder / (name + ".tmp")
-        part.tofile(tmp)
-        tmp.replace(folder / name)
-    tmp = folder / "meta.json.tmp"
-    tmp.write_text(json.dumps({"vocab_size": len(vocab), "itos": vocab}))
-    tmp.replace(folder / "meta.json")
+        mg.write_file(folder / name, part.tobytes())
+    mg.write_file(folder / "meta.json", json.dumps({"vocab_size": len(vocab), "itos": vocab}))  # last: done
     return folder
 
 

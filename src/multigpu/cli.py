@@ -24,7 +24,7 @@ from multigpu.commands.diagnostics import add_check_parser, add_doctor_parser, a
 from multigpu.commands.launching import add_run_parser
 from multigpu.commands.queue import add_queue_parser
 from multigpu.commands.slurm import SLURM_ACTIONS, add_slurm_parser
-from multigpu.errors import EXIT_INTERRUPTED, EXIT_REFUSED, MultiGPUError
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_REFUSED, MultiGPUError, visible
 from multigpu.launch.process import Stopped, mark_command_process
 
 
@@ -38,9 +38,33 @@ class Parser(argparse.ArgumentParser):
 
     @override
     def error(self, message: str) -> NoReturn:
-        print(f"multigpu: error: {self.prog}: {' '.join(message.split())}. HINT: see `{self.prog} --help`.",
-              file=sys.stderr)
+        message = " ".join(message.split())
+        where = self.prog.removeprefix("multigpu").strip()
+        print(f"multigpu: error: {f'{where}: ' if where else ''}{visible(message)}. HINT: {peer_hint(message)}"
+              f"see `{self.prog} --help`.", file=sys.stderr)
         sys.exit(2)
+
+
+#: Flags and commands of the launchers people come from (Accelerate's `accelerate launch`, Lightning's
+#: Trainer flags, torchrun's old launch module), and what says the same here.
+PEER_FLAGS = {
+    "--num_processes": "multigpu run --nproc N", "--num-processes": "multigpu run --nproc N",
+    "--num_machines": "multigpu run --nnodes N", "--machine_rank": "multigpu run --node-rank R",
+    "--main_process_ip": "multigpu run --master-addr HOST", "--main_process_port": "multigpu run --master-port PORT",
+    "--gpu_ids": "multigpu run --gpus 0,1", "--multi_gpu": "multigpu run (every visible GPU is the default)",
+    "--mixed_precision": "the script's own precision setting (a Trainer's: trainer.precision=bf16, after the script)",
+    "--config_file": "multigpu run's flags, and the recipe's YAML file after the script (multigpu run train.py hparams.yaml)",
+    "--devices": "multigpu run --nproc N or --gpus 0,1", "--accelerator": "multigpu run --cpu (GPUs are the default)",
+    "--use_env": "nothing: the workers always get their rank in the environment, as torchrun's",
+    "launch": "multigpu run", "accelerate": "multigpu run",
+}
+
+
+def peer_hint(message: str) -> str:
+    """'use X for Y; ' for each flag or command of another launcher the message names ('' for none)."""
+    named = [word.strip("'\",()") for word in message.split()]
+    found = [f"{word} is {PEER_FLAGS[word]} here; " for word in dict.fromkeys(named) if word in PEER_FLAGS]
+    return "".join(found[:3])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -170,10 +170,12 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """``["trainer.epochs=3", "lr=1e-3"]`` -> ``{"trainer.epochs": 3, "lr": 0.001}`` (YAML-typed values)."""
     out: dict[str, Any] = {}
     for item in items:
+        _hydra_habit(item)
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("-")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE.", "write e.g. trainer.epochs=3 (dotted for nested keys).")
+            raise ConfigError(f"override {shown(item, 60)} is not KEY=VALUE.",
+                              "write e.g. trainer.epochs=3 (dotted for nested keys).")
         try:
             value = parse_yaml(raw, f"override {key}")[0] if raw.strip() else ""
         except ConfigError as exc:
@@ -182,6 +184,21 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             value = raw
         out[key] = value
     return out
+
+
+def _hydra_habit(item: str) -> None:
+    """Hydra's spellings, which say something else here: one line naming what does."""
+    if item in ("--multirun", "-m"):
+        raise ConfigError(f"{item} is Hydra's sweep switch; a recipe's overrides here are one run's.",
+                          "sweep with the queue: `multigpu queue runs.yaml --sweep 'optim.lr=1e-3,3e-3'` (a runs file's "
+                          "entry names the script), or list the runs in a runs file.")
+    if item.startswith("+") and "=" in item:
+        raise ConfigError(f"override {shown(item, 60)}: Hydra's + adds a key; here every key the recipe has is set "
+                          "as KEY=VALUE, and one it does not have is an error.",
+                          f"write {shown(item.lstrip('+'), 60)} (without the +).")
+    if item.startswith("~"):
+        raise ConfigError(f"override {shown(item, 60)}: Hydra's ~ deletes a key; a recipe's key here always has a "
+                          "value.", "leave the override out to keep the file's value, or give the key its default.")
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -258,7 +275,7 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where(source, lines, path)}: {key} must be a mapping, not {shown(value)}.",
                               f"write {key}: {{a: 1}}.")
-        return dict(value)
+        return dict(value)  # entries as given: their owner checks them (a runs file's env: YAML's true stays "True")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -267,7 +284,10 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
     if tp is float:
         number: Optional[float] = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                number = math.inf
         elif isinstance(value, str) and len(value) <= 100:
             try:
                 number = float(value)  # YAML 1.1 reads 1e-3 as a string
@@ -278,6 +298,10 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
         if number is not None:
             raise ConfigError(f"{where(source, lines, path)}: {key} must be a finite number, not {shown(value)}.",
                               f"give {key} a number (not nan or inf).")
+        if isinstance(value, str) and "," in value:  # Hydra's sweep of values (lr=1e-3,3e-3)
+            raise ConfigError(f"{where(source, lines, path)}: {key} must be a number, not {shown(value)}.",
+                              f"give one value; several to sweep are `multigpu queue runs.yaml --sweep "
+                              f"'{key}={value[:40]}'`.")
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -312,9 +336,29 @@ def check_keys(known: Any, given: Mapping[str, Any], owner: str, noun: str = "se
             raise ConfigError(f"{owner} has no {noun} {str(key)[:80]!r}.", hint)
 
 
+def bounds(low: Optional[float] = None, high: Optional[float] = None, items: Optional[int] = None) -> dict[str, Any]:
+    """A field's bounds, declared with it: ``field(default=None, metadata=bounds(1, 4096))``. A number is
+    checked against ``low``..``high``, a list or mapping against ``items`` (entries); :func:`from_mapping`
+    checks them with the types, so a value passed to a library is typed and bounded at one door."""
+    return {"bounds": (low, high, items)}
+
+
+def _in_bounds(value: Any, field: dataclasses.Field[Any], source: str, lines: Lines, path: tuple[str, ...]) -> None:
+    low, high, items = field.metadata.get("bounds", (None, None, None))
+    key = ".".join(path)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ConfigError(f"{where(source, lines, path)}: {key} {shown(value)} is outside {low:g}..{high:g}.",
+                              f"give {key} a value from {low:g} to {high:g}.")
+    elif items is not None and isinstance(value, (list, tuple, dict)) and len(value) > items:
+        raise ConfigError(f"{where(source, lines, path)}: {key} has {len(value):,} entries, more than {items:,}.",
+                          f"give {key} at most {items:,}.")
+
+
 def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>", lines: Optional[Lines] = None,
                  path: tuple[str, ...] = ()) -> T:
-    """Build dataclass ``cls`` from ``data``: unknown keys and wrong types are errors with file:line."""
+    """Build dataclass ``cls`` from ``data``: unknown keys, wrong types and values outside a field's
+    :func:`bounds` are errors with file:line."""
     lines = lines or {}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -324,6 +368,8 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>"
             hint = f"did you mean {'.'.join((*path, close[0]))!r}?" if close else f"known keys: {', '.join(fields)}."
             raise ConfigError(f"{where(source, lines, (*path, str(key)))}: unknown key {'.'.join((*path, str(key)))!r}.", hint)
     values = {name: _convert(value, hints[name], source, lines, (*path, name)) for name, value in data.items()}
+    for name, value in values.items():
+        _in_bounds(value, fields[name], source, lines, (*path, name))
     try:
         return cls(**values)
     except ConfigError as exc:

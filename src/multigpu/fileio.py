@@ -132,6 +132,37 @@ class Folder:
             pass
         return Folder(self.path.joinpath(*_parts(relative)))
 
+    def store(self, relative: PathLike, max_entries: int = 200_000, inner_links: bool = False) -> "Folder":
+        """A folder below this one that another library will write into as it likes (TensorBoard's events,
+        MLflow's file store, Optuna's study, W&B's run files), created if missing and checked whole first:
+        every entry below it a real folder or a regular file of this user with no second name (a hard link
+        to a file elsewhere would be written through), at most ``max_entries`` of them. A link, FIFO, device
+        or socket planted anywhere in a received run folder - where the library would write through it - or
+        a file of another user is refused before the library opens the store. ``inner_links``: links that
+        stay inside the store are the library's own (W&B's ``latest-run``, its ``debug.log``)."""
+        store = self.child(relative)
+        root = os.path.join(os.path.realpath(store.path), "")
+        uid, seen, pending = os.getuid(), 0, [store.path]
+        while pending:
+            with os.scandir(pending.pop()) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > max_entries:
+                        raise _refuse(store.path, f"holds more than {max_entries:,} entries", errno.EFBIG)
+                    info = entry.stat(follow_symlinks=False)
+                    if stat.S_ISLNK(info.st_mode) and inner_links and \
+                            os.path.join(os.path.realpath(entry.path), "").startswith(root):
+                        continue  # the library's own link to a place in its store
+                    if stat.S_ISDIR(info.st_mode):
+                        pending.append(Path(entry.path))
+                    elif not stat.S_ISREG(info.st_mode):
+                        raise _refuse(entry.path, "is a link, FIFO, device or socket inside a store folder")
+                    elif info.st_nlink > 1:
+                        raise _refuse(entry.path, "has another name (a hard link) inside a store folder")
+                    if info.st_uid != uid:
+                        raise _refuse(entry.path, f"belongs to another user (uid {info.st_uid})", errno.EACCES)
+        return store
+
     def make(self, relative: PathLike) -> "Folder":
         """Create ``relative`` as a new, empty folder; FileExistsError if anything is there already."""
         folder, name = self._split(relative)
@@ -394,6 +425,23 @@ def atomic_write_text(path: PathLike, text: str, fsync: bool = False, mode: int 
     """Replace ``path`` with ``text`` in one step (see :meth:`Folder.write_atomic`)."""
     path = Path(path)
     Folder(path.parent).write_atomic(path.name, text, fsync=fsync, mode=mode)
+
+
+def write_file(path: PathLike, data: Union[str, bytes]) -> Path:
+    """``mg.write_file``: a script's own output file (a run's config, its final metrics, a data split)
+    written whole - readers see the old file or the new one, never half - and never through what is at
+    its place: a link or a FIFO planted there (a run folder someone handed you) is replaced, never followed
+    or opened; a folder there is refused. Its folder (the caller's to choose) is made if missing. Text is
+    written as UTF-8. Returns the path."""
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")  # a lone surrogate fails here, before anything is written
+    folder = Folder(path.parent)
+    folder.create()
+    if folder.kind(path.name) == "folder":
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(path))
+    folder.write_atomic(path.name, data)
+    return path
 
 
 def open_append(path: PathLike) -> IO[str]:

@@ -174,8 +174,8 @@ class TensorBoardLogger:
             raise ConfigError("loggers: tensorboard needs the tensorboard package.",
                               "pip install tensorboard (or drop tensorboard from loggers).") from None
         # purge_step: events after the resumed step, written before a crash, are discarded by TensorBoard.
-        # A real folder the door created: a planted `tensorboard` link is refused, never written through.
-        self.writer = SummaryWriter(log_dir=str(Folder(folder).child("tensorboard").path),
+        # A store the door checked whole: a planted link anywhere in it is refused, never written through.
+        self.writer = SummaryWriter(log_dir=str(store_folder(folder, "tensorboard").path),
                                     purge_step=resume_step + 1 if resume_step is not None else None)
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
@@ -206,7 +206,7 @@ class WandbLogger:
                               "pip install 'multigpu[wandb]' (or drop wandb from loggers).") from None
         folder = Path(folder).resolve()
         root = Folder(folder).create()
-        root.child("wandb")  # W&B writes below it: a real folder, never a planted link
+        store_folder(folder, "wandb", inner_links=True)  # checked whole: W&B's own links stay inside it
         # The id lives in the run folder: a resume continues the same W&B run, while a new folder (or a
         # deleted and recreated one, or the same path on another machine) starts a new one.
         run_id = _run_id(root, ".wandb_run_id")
@@ -265,7 +265,7 @@ class MLflowLogger:
             # No server named: a file store beside the run, readable with `mlflow ui --backend-store-uri`.
             # MLflow 3 keeps that backend in maintenance mode and refuses it unless this variable opts in;
             # a tracking URI of the user's own (a server, sqlite:///...) is used as given.
-            uri = root.child("mlruns").path.as_uri()
+            uri = store_folder(folder, "mlruns").path.as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "multigpu")
         try:
@@ -277,9 +277,14 @@ class MLflowLogger:
                               "check MLFLOW_TRACKING_URI (unset: a file store in the run folder), or drop mlflow "
                               "from loggers.") from None
         run_id = _run_id(root, ".mlflow_run_id")
+        if run_id and not re.fullmatch(r"[0-9a-f]{32}", run_id):
+            run_id = ""  # not an id MLflow made: a new run
         if run_id:
-            try:
-                self.client.get_run(run_id)
+            try:  # the run this folder started, in this experiment: a planted id of another run is not followed
+                found_run = self.client.get_run(run_id)
+                if found_run.info.experiment_id != experiment_id or found_run.info.lifecycle_stage != "active" or \
+                        found_run.data.tags.get("multigpu.out_dir") != str(folder):
+                    run_id = ""  # another folder's run, or one the user deleted: a new one
             except Exception:
                 run_id = ""
         if not run_id:
@@ -359,6 +364,26 @@ def hparams_of(settings: Mapping[str, Any], config: Any) -> dict[str, Any]:
     """What a run logs as hyperparameters: the recipe's resolved config and the Trainer settings."""
     plain: dict[str, Any] = json.loads(json.dumps({"config": config, "trainer": settings}, default=str))
     return plain
+
+
+#: The folders of the run folder that other libraries write into, by logger: each opened through
+#: :func:`store_folder` (tests/test_borders.py checks that every logger but CSV does).
+STORES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlruns"}
+
+
+def store_folder(folder: Path, name: str, inner_links: bool = False) -> Folder:
+    """``folder/name`` for a library to write into, checked whole first (:meth:`Folder.store`): a planted
+    link, FIFO or device anywhere in it, or another user's file, is one line before the library opens it.
+    ``inner_links``: the library makes links inside its store itself (W&B)."""
+    try:
+        return Folder(folder).store(name, inner_links=inner_links)
+    except UnsafePath as exc:
+        raise ConfigError(f"{visible(str(exc.filename))} {exc.strerror}; another library writes into the store "
+                          f"{name}/ as it finds it.", f"move {visible(str(Path(folder) / name))} aside and let the "
+                          "run make a new one.") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot use {visible(str(Path(folder) / name))}: {exc.strerror or exc}.",
+                          "give the run a folder it can write to.") from None
 
 
 def _run_id(root: Folder, name: str) -> str:

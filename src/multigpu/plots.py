@@ -10,8 +10,9 @@ its Agg canvas, so no global pyplot state and no display is needed.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from multigpu.errors import ConfigError, shown, visible
 from multigpu.fileio import Folder
@@ -88,16 +89,25 @@ def plot_runs(runs: Sequence[Path], out: Path, metric: Optional[str] = None) -> 
             raise ConfigError(f"--metric {shown(metric)} is not a column of the runs' metrics.csv.",
                               f"choose from {shown_columns[:300]}.")
     # (checked before importing matplotlib, which writes its font cache on first import)
+    return _drawn(_draw, runs, out, metric)
+
+
+def _drawn(draw: Callable[..., Path], *args: Any) -> Path:
+    """``draw(Figure, FigureCanvasAgg, *args)`` for every figure we make: matplotlib imported here (an
+    optional extra), its own errors on values it cannot draw as one line, and its warning per glyph a
+    font lacks (a run named in CJK or emoji) silenced - the figure shows a box, the terminal stays clean."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
-    try:
-        return _draw(Figure, FigureCanvasAgg, runs, out, metric)
-    except (ValueError, OverflowError, RecursionError, TypeError, RuntimeError) as exc:  # matplotlib's own errors
-        raise ConfigError(f"could not draw the curves: {type(exc).__name__}: {shown(str(exc), 120)}",
-                          "the runs' metrics files hold values matplotlib cannot draw; check them.") from None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
+        try:
+            return draw(Figure, FigureCanvasAgg, *args)
+        except (ValueError, OverflowError, RecursionError, TypeError, RuntimeError) as exc:  # matplotlib's own
+            raise ConfigError(f"could not draw the figure: {type(exc).__name__}: {shown(str(exc), 120)}",
+                              "the files read hold values matplotlib cannot draw; check them.") from None
 
 
 def _draw(Figure: Any, FigureCanvasAgg: Any, runs: Sequence[Path], out: Path, metric: Optional[str]) -> Path:
@@ -168,6 +178,11 @@ def best_run(runs: Sequence[Path], metric: str, mode: str = "min") -> Optional[t
 #: Where a queue keeps each sweep's record (``multigpu queue`` writes ``OUT/.sweeps/<family>.json``).
 SWEEPS_FOLDER = ".sweeps"
 MAX_RECORD_BYTES = 32 << 20
+#: A trial's reports are a row per report: a few KB. A bigger file is cut (its first rows are read).
+MAX_REPORTS_BYTES = 2 << 20
+#: Trials a record may hold (a search's own limit) and distinct values one panel labels on its axis.
+MAX_RECORD_TRIALS = 10_000
+MAX_LABELS = 40
 #: Swept overrides drawn, at most (one panel each).
 MAX_PANELS = 8
 
@@ -196,15 +211,25 @@ def read_record(path: Path) -> dict[str, Any]:
     if data.get("mode") not in ("min", "max") or not isinstance(data.get("metric"), str):
         raise bad
     trials = []
-    for trial in data["trials"]:
+    for trial in data["trials"][:MAX_RECORD_TRIALS]:
         if (isinstance(trial, dict) and isinstance(trial.get("run"), str) and isinstance(trial.get("values"), dict)
                 and isinstance(trial.get("reports"), str) and trial.get("state") in ("done", "pruned", "failed",
                                                                                     "interrupted", "queued", "running")):
-            value = trial.get("value")
-            trial["value"] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+            trial["value"] = _plottable(trial.get("value"))
             trials.append(trial)
     data["trials"] = trials
     return data
+
+
+def _plottable(value: Any) -> Optional[float]:
+    """A number an axis can hold, or None (a string, a bool, nan, 1e308, an integer of 400 digits)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) and abs(number) <= MAX_ABS else None
 
 
 def _reports(queue: Path, relative: str) -> tuple[list[float], list[float]]:
@@ -214,7 +239,7 @@ def _reports(queue: Path, relative: str) -> tuple[list[float], list[float]]:
     import io
 
     try:
-        text = Folder(queue).load_text(relative, limit=MAX_RECORD_BYTES)
+        text = Folder(queue).load_bytes(relative, MAX_REPORTS_BYTES)[:MAX_REPORTS_BYTES].decode("utf-8", "replace")
     except OSError:
         return [], []
     xs, ys = [], []
@@ -223,7 +248,7 @@ def _reports(queue: Path, relative: str) -> tuple[list[float], list[float]]:
             x, y = float(row.get("step") or "nan"), float(row.get("value") or "nan")
         except (TypeError, ValueError):
             continue
-        if math.isfinite(x) and math.isfinite(y):
+        if math.isfinite(x) and math.isfinite(y) and abs(x) <= MAX_ABS and abs(y) <= MAX_ABS:
             xs.append(x)
             ys.append(y)
     return xs, ys
@@ -234,12 +259,10 @@ def plot_sweep(record: Path, out: Path, top: int = 5) -> Path:
     and the metric against each swept override - finished trials as dots, pruned ones as crosses (their
     last value), on a log axis for a loguniform range."""
     data = read_record(record)
-    queue = record.parent.parent
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
+    return _drawn(_draw_sweep, data, record.parent.parent, out, top)
+
+
+def _draw_sweep(Figure: Any, FigureCanvasAgg: Any, data: dict[str, Any], queue: Path, out: Path, top: int) -> Path:
     params = list(data["params"].items())[:MAX_PANELS]
     panels = 1 + len(params)
     columns = min(panels, 3)
@@ -249,13 +272,16 @@ def plot_sweep(record: Path, out: Path, top: int = 5) -> Path:
     axes = list(figure.subplots(rows, columns, squeeze=False).flat)
     metric, trials = data["metric"], data["trials"]
     best = [t for t in trials if t["value"] is not None][:top]
+    read: dict[str, tuple[list[float], list[float]]] = {}  # trials may name one reports file: read once
     for index, trial in enumerate(best):
-        xs, ys = _reports(queue, trial["reports"])
+        if trial["reports"] not in read:
+            read[trial["reports"]] = _reports(queue, trial["reports"])
+        xs, ys = read[trial["reports"]]
         if xs:
             style = "--" if trial["state"] == "pruned" else "-"
             axes[0].plot(xs, ys, style, color=f"C{index % 10}", marker="o", markersize=2.5,
-                         label=f"{trial['run'][:40]} ({trial['value']:.4g})")
-    axes[0].set(title=f"{metric}: best {len(best)} of {len(trials)} ({data['mode']})", xlabel="optimizer step")
+                         label=label(f"{trial['run'][:40]} ({trial['value']:.4g})"))
+    axes[0].set(title=label(f"{metric}: best {len(best)} of {len(trials)} ({data['mode']})"), xlabel="optimizer step")
     for panel, (key, space) in zip(axes[1:], params):
         _value_panel(panel, str(key), space if isinstance(space, dict) else {}, trials, metric)
     for panel in axes[panels:]:
@@ -275,21 +301,26 @@ def _value_panel(panel: Axes, key: str, space: dict[str, Any], trials: list[dict
     ticks in their order; a range on its own axis (log for loguniform)."""
     values = [t["values"].get(key) for t in trials]
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None)
+    if numeric:  # a value beyond what an axis can hold (1e308) is left out, as in the run curves
+        values = [_plottable(v) for v in values]
     labels: list[str] = []
     if space.get("kind") in ("grid", "choice") or not numeric:
-        present = {str(v): v for v in values}
+        present = {str(v)[:200]: v for v in values}
         order = sorted(present, key=lambda k: (0, float(present[k]), k) if numeric and present[k] is not None else (1, 0.0, k))
-        labels = list(order)
+        labels = list(order)[:MAX_LABELS]  # the rest are not placed: a panel of 8,000 labels says nothing
+    position = {text: index for index, text in enumerate(labels)}
     for state, marker, color in (("done", "o", "C0"), ("pruned", "x", "0.5")):
         xs, ys = [], []
         for trial, value in zip(trials, values):
             if trial["state"] == state and trial["value"] is not None and value is not None:
-                xs.append(labels.index(str(value)) if labels else float(value))
+                if labels and str(value)[:200] not in position:
+                    continue
+                xs.append(position[str(value)[:200]] if labels else float(value))
                 ys.append(trial["value"])
         if xs:
             panel.scatter(xs, ys, marker=marker, color=color, s=18, label=state)
     if space.get("kind") == "loguniform" and not labels:
         panel.set_xscale("log")
     if labels:
-        panel.set_xticks(range(len(labels)), [label[:12] for label in labels], rotation=30, fontsize=7)
-    panel.set(title=f"{metric} against {key}"[:60], xlabel=key[:40])
+        panel.set_xticks(range(len(labels)), [label(text[:12]) for text in labels], rotation=30, fontsize=7)
+    panel.set(title=label(f"{metric} against {key}"), xlabel=label(key[:40]))

@@ -144,9 +144,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     flags = replace(RunFlags.from_launch_args(args), tee_prefix="never")
     command = flags.to_argv([
-               "-m", "multigpu.diagnostics.doctor", "--out", args.out, "--checkpoint-gb", str(args.checkpoint_gb),
-               "--sizes", args.sizes, "--max-clock-skew", str(args.max_clock_skew),
-               "--expect-gbps", str(args.expect_gbps), "--report-only"])
+               # --flag=VALUE: a value that starts with "-" (an --out of "-x") is never read as a flag there
+               "-m", "multigpu.diagnostics.doctor", f"--out={args.out}", f"--checkpoint-gb={args.checkpoint_gb}",
+               f"--sizes={args.sizes}", f"--max-clock-skew={args.max_clock_skew}",
+               f"--expect-gbps={args.expect_gbps}", "--report-only"])
     verdicts: list[dict[str, Any]] = []
 
     def pump(stream: IO[str]) -> None:  # a thread: a stuck rank (a dead NFS mount) must not block the timeout
@@ -201,7 +202,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     records = [r for folder in args.folders if Path(folder).is_dir() for r in sweep_records(Path(folder))]
     for record in records:
         drawn = plot_sweep(record, record.parent.parent / f"sweep-{record.stem}.png", args.top)
-        print(f"wrote {drawn} (sweep {record.stem}: its {args.top} best trials, and its metric against each swept value)")
+        print(visible(f"wrote {drawn} (sweep {record.stem}: its {args.top} best trials, and its metric against each "
+                      "swept value)"))  # a record's name comes from a file name someone else may have made
     try:
         runs = find_runs(args.folders)
     except ConfigError:

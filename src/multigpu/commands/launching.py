@@ -285,6 +285,11 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
         master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         timeout_s=args.rdzv_timeout,
     )
+    if rendezvous.backend == "static" and rendezvous.max_nodes > 1 and args.max_restarts:
+        raise LaunchError("--max-restarts with a static rendezvous (--master-addr/--master-port) restarts this node's "
+                          "workers only: the other nodes' would wait for them in the old group.",
+                          "meet in a c10d rendezvous instead, the same on every node: --rdzv-endpoint HOST:PORT "
+                          "(torchrun's spelling works too), or leave --max-restarts out.")
     return LaunchRequest(
         command=command, devices=devices, rendezvous=rendezvous, max_restarts=args.max_restarts,
         log_dir=args.log_dir, verbose=args.verbose, stop_timeout_s=args.stop_timeout, tee_prefix=args.tee_prefix,

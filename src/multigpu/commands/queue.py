@@ -70,6 +70,30 @@ def add_queue_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p.set_defaults(handler=_cmd_queue)
 
 
+def _show_plan(specs: list[Any], searches: list[Any], out: Any, on_gpus: bool, slots: int) -> int:
+    """``--dry-run`` on this machine: each run, what its folder says will happen and the command it would
+    start; nothing is started, nothing written."""
+    import shlex
+
+    from multigpu.errors import visible
+    from multigpu.queue.scheduler import decide
+
+    unit = "GPU(s)" if on_gpus else "slot(s)"
+    print(f"multigpu queue --dry-run: {len(specs)} run(s) on {slots} {unit}, folders in {visible(str(out))}; "
+          "nothing started")
+    for spec in specs:
+        folder = out / spec.name
+        decision = decide(folder, spec.fingerprint())
+        what = {"start": "would start", "resume": "would resume", "fresh": "would start afresh (settings changed)",
+                "skip": "skipped"}[decision.action]
+        print(visible(f"{spec.name}: {what}{f' ({decision.note})' if decision.note else ''}, {spec.gpus:g} {unit}: "
+                      f"{shlex.join(spec.command(folder, on_gpus))}"))
+    for search in searches:
+        print(visible(f"{search.name}: a search of {search.space.search.trials} trial(s), each asked when it can "
+                      "start"))
+    return 0
+
+
 def _cmd_queue(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -116,32 +140,31 @@ def _cmd_queue(args: argparse.Namespace) -> int:
         code = submit_runs(specs, out, options, dry_run=args.dry_run, array=args.array,
                            max_parallel=args.max_parallel) if specs else 0
         if plan.searches:
-            from rich.console import Console
-
+            from multigpu.queue.display import console_for_output
             from multigpu.queue.search import Search
             from multigpu.queue.search_slurm import follow_searches
             from multigpu.queue.trials import summarize
 
             followed, runs = follow_searches([Search(f.entry, f.space, out) for f in plan.searches], out, options,
                                              args.max_parallel)
-            summarize(Console(), runs, out.resolve(), plan.searches)
+            summarize(console_for_output(), runs, out.resolve(), plan.searches)
             code = followed or code
         return code
-    from rich.console import Console
-
     from multigpu.launch.devices import visible_gpus
-    from multigpu.queue.display import Display
+    from multigpu.queue.display import Display, console_for_output
     from multigpu.queue.pool import plan_pool
     from multigpu.queue.scheduler import Queue
     from multigpu.queue.trials import summarize
 
     pool = plan_pool(visible_gpus(), gpus=args.gpus, slots=args.slots)
+    if args.dry_run:
+        return _show_plan(specs, plan.searches, out, pool.on_gpus, len(pool.slots))
     searches = []
     if plan.searches:
         from multigpu.queue.search import Search
 
         searches = [Search(f.entry, f.space, out) for f in plan.searches]
-    display = Display(Console(), live=False if args.no_live else None)
+    display = Display(console_for_output(), live=False if args.no_live else None)
     queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display, runs_per_gpu=args.runs_per_gpu,
                   searches=searches)
     code = queue.execute()

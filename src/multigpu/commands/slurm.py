@@ -57,7 +57,8 @@ def add_slurm_job_options(p: argparse.ArgumentParser) -> None:
                    "per job, e.g. trai-k3f)")
     g.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="another #SBATCH option in its long form, e.g. --sbatch-arg=--exclusive (repeatable)")
-    g.add_argument("--dry-run", action="store_true", help="write the script(s), print, do not submit")
+    g.add_argument("--dry-run", action="store_true", help="write the script(s), print, do not submit (multigpu "
+                   "queue without --slurm: each run's plan and command, none started)")
 
 
 def _gpus_per_node(text: Optional[str]) -> tuple[Optional[int], Optional[str]]:

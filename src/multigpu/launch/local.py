@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from multigpu import validate
 from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
-from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STUCK_AT_EXIT, LaunchError, visible
+from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STUCK_AT_EXIT, LaunchError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.launch.attempts import clear_records
 from multigpu.launch.devices import DevicePlan
@@ -51,6 +52,7 @@ from multigpu.launch.reporting import (
     reporting_restarts,
     say,
 )
+from multigpu.launch.simulate import SIMULATED_VAR
 from multigpu.launch.torch_agent import cheap_method_names
 from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
 
@@ -155,6 +157,7 @@ def usable_cores() -> int:
 
 def launch(request: LaunchRequest) -> int:
     """Run the workers of this node to completion; return the exit status for the shell."""
+    validate.launch_environment(os.environ, LaunchError)  # a value every rank would die of: one line, now
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")
@@ -198,14 +201,21 @@ def import_torch_quietly(verbose: bool) -> None:
     every retry with a C++ stack trace (dozens of lines) before the launcher's one line with a HINT. torch
     reads the variable once, at import; it is gone from the environment again before any worker starts, so
     the workers log at the user's level."""
-    if "torch" in sys.modules or verbose or "TORCH_CPP_LOG_LEVEL" in os.environ:
-        import torch  # noqa: F401
-        return
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    quiet = "torch" not in sys.modules and not verbose and "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
         import torch  # noqa: F401
+    except ValueError as exc:  # torch's own parser of TORCH_LOGS, at import: every rank would fail the same way
+        if not os.environ.get("TORCH_LOGS"):
+            raise
+        raise LaunchError(f"TORCH_LOGS={shown(os.environ['TORCH_LOGS'], 60)} is not what torch takes: "
+                          f"{shown(' '.join(str(exc).split())[:160], 170)}.",
+                          "name torch's log components (TORCH_LOGS=+dynamo,ddp; `TORCH_LOGS=help python -c 'import "
+                          "torch'` lists them), or unset it.") from None
     finally:
-        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        if quiet:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
@@ -287,8 +297,10 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         say(f"{request.devices.describe()}{threads} ({where}world size {total}), rendezvous {rdzv.backend} {rdzv.endpoint}")
         if rdzv.max_nodes > 1:
             last_call = " (then up to 30 s more for late nodes, up to the maximum)" if rdzv.min_nodes != rdzv.max_nodes else ""
+            others = ("the other simulated nodes start here too" if os.environ.get(SIMULATED_VAR) == "1" else
+                      "start the same command on the other nodes")
             say(f"waiting up to {rdzv.timeout_s} s for {rdzv.min_nodes} node(s) to join at {rdzv.endpoint}{last_call}; "
-                 "start the same command on the other nodes")
+                f"{others}")
         python, *options = python_module(WORKER_MODULE, unbuffered=True)
         first_rank = rdzv.node_rank * request.devices.nproc if rdzv.backend == "static" else 0
         with reporting_restarts(log_dir, first_rank, request.verbose, request.restart_note), store_ports_held(), \

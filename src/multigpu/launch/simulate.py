@@ -2,12 +2,16 @@
 
 Each simulated node is a real ``multigpu run --nnodes N --node-rank i`` agent with a static
 rendezvous on loopback, so the multi-node code paths (node ranks, global ranks r x procs + l, a store
-hosted by node 0, several agents that must all agree) run for real. GPUs, if any, are split evenly
-between the simulated nodes. When one node fails, the others are stopped; Ctrl-C stops them all.
+hosted by node 0, several agents that must all agree) run for real. With ``--max-restarts`` the nodes meet
+in a c10d rendezvous instead (``--rdzv-endpoint``): a restart must bring every node's workers into a new
+round, which a static rendezvous cannot (the restarted node's workers would wait for the others' old ones).
+GPUs, if any, are split evenly between the simulated nodes. When one node fails, the others are stopped;
+Ctrl-C stops them all.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +24,9 @@ from multigpu.errors import LaunchError
 from multigpu.launch.devices import parse_gpu_ids
 from multigpu.launch.flags import RunFlags
 from multigpu.launch.ports import reserved_port
+
+#: Set for the launchers of the simulated nodes: every node is started here, nobody has to start the others.
+SIMULATED_VAR = "MULTIGPU_SIMULATED_NODES"
 
 
 def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gpus: int, gpus_flag: Optional[str],
@@ -35,10 +42,14 @@ def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gp
                           "name a multiple of the node count with --gpus, or pass --cpu to rehearse with CPU processes.")
     per_node = len(ids) // nodes
     commands = []
+    restarts = flags.max_restarts not in (None, 0, "0")
     for rank in range(nodes):
         mine = ids[rank * per_node : (rank + 1) * per_node]
-        node = replace(flags, nnodes=nodes, node_rank=rank, master_addr="127.0.0.1", master_port=port,
-                       gpus=",".join(str(i) for i in mine) if mine else None)
+        gpus = ",".join(str(i) for i in mine) if mine else None
+        if restarts:  # a restart must bring every node's workers to a new round: c10d's rendezvous does, static not
+            node = replace(flags, nnodes=nodes, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"simulated-{port}", gpus=gpus)
+        else:
+            node = replace(flags, nnodes=nodes, node_rank=rank, master_addr="127.0.0.1", master_port=port, gpus=gpus)
         commands.append(node.to_argv(target, python))
     return commands
 
@@ -69,8 +80,9 @@ def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:
     stop: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        env = {**os.environ, SIMULATED_VAR: "1"}  # the nodes' launchers: "we start the other nodes", not "you"
         for command in commands:
-            procs.append(subprocess.Popen(list(command), start_new_session=True))
+            procs.append(subprocess.Popen(list(command), start_new_session=True, env=env))
             time.sleep(0.2)  # node 0 opens the store first; the others would wait for it anyway
         failed: Optional[int] = None
         while True:

@@ -208,8 +208,10 @@ def my_jobs(days: int = 7) -> tuple[list[JobRecord], str]:
 def _not_in_accounting_yet(user: str, known: set[str]) -> list[JobRecord]:
     """Queued jobs that accounting has no row for yet (one held until a later --begin, for one)."""
     done = call([slurm_tool("squeue"), "-u", user, "-h", "-o", "%i"])
-    ids = {line.strip().split("_")[0] for line in done.stdout.split() if line.strip()} if done.returncode == 0 else set()
-    return [_record_of_scontrol(info) for job_id in sorted(ids - known, key=int) if validate.is_digits(job_id)
+    # an array task 12_3 and a heterogeneous job's component 77+0 are parts of the jobs 12 and 77
+    ids = {re.split(r"[_+]", line.strip())[0] for line in done.stdout.split() if line.strip()} \
+        if done.returncode == 0 else set()
+    return [_record_of_scontrol(info) for job_id in sorted((i for i in ids - known if validate.is_digits(i)), key=int)
             for info in job_infos(job_id)]
 
 

@@ -88,11 +88,23 @@ def status_table(queue: Queue) -> Table:
     return table
 
 
+#: Columns a table may take in a log file or a pipe: whole names and metrics on one line, for grep.
+LOG_WIDTH = 400
+
+
+def console_for_output() -> Console:
+    """The queue's console: the terminal's width on a terminal; in a log file or a pipe (a Slurm log, `|
+    tee`) one wide enough that no name is cut and no metric wraps onto the next line (rich's default there
+    is 80 columns)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=LOG_WIDTH, force_terminal=False)
+
+
 class Display:
     """Callable given to :class:`Queue`: live table on a terminal, event lines otherwise."""
 
     def __init__(self, console: Optional[Console] = None, live: Optional[bool] = None, refresh_s: float = 0.5) -> None:
-        self.console = console or Console()
+        self.console = console or console_for_output()
         self.live_enabled = self.console.is_terminal if live is None else live
         self.refresh_s = refresh_s
         self._live: Optional[Live] = None
@@ -124,7 +136,8 @@ class Display:
             extra = f" after {_elapsed(run)} (exit {run.exit_code}) {headline(run)}"
         else:
             extra = f" ({run.note})" if run.note else ""
-        self.console.print(f"[queue] {state} {name}{place}{extra}".rstrip(), highlight=False, markup=False)
+        self.console.print(f"[queue] {state} {name}{place}{extra}".rstrip(), highlight=False, markup=False,
+                           soft_wrap=True)  # one line per event, however long
 
     def summary(self, queue: Queue) -> None:
         table = Table(title="summary", title_justify="left")

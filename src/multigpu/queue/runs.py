@@ -142,10 +142,15 @@ def whole_or_share(value: Any, what: str) -> Union[int, float]:
 
 
 def format_value(value: Any) -> str:
-    """A YAML scalar the recipe's ``key=value`` parser reads back as the same value."""
+    """A YAML scalar the recipe's ``key=value`` parser reads back as the same value: a string YAML would read
+    as something else (``"off"`` a boolean, ``"1e-3"`` or ``"007"`` a number, ``"null"`` nothing) is quoted."""
     if isinstance(value, str):
-        return value
-    text: str = yaml.safe_dump(value, default_flow_style=True)
+        try:
+            if isinstance(yaml.safe_load(value), str) and yaml.safe_load(value) == value:
+                return value
+        except yaml.YAMLError:
+            pass
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=2**31 - 1)
     return text.strip().removesuffix("...").strip()
 
 
@@ -195,8 +200,9 @@ def load_entries(path: str | Path, allow_env: Sequence[str] = ()) -> list[Entry]
         at = config.where(str(path), lines, (raw_keys[name], *(["sweep"] if "sweep" in blocks else [])))
         entries.append(Entry(spec, blocks, f"{at} (run {name!r})"))
     for entry in entries:
-        for name in entry.spec.env:
+        for name, value in entry.spec.env.items():
             validate.env_allowed(name, allow_env, ConfigError, f"run {entry.spec.name!r}: ")
+            validate.env_value(name, value, ConfigError, f"run {entry.spec.name!r}: ")
     return entries
 
 

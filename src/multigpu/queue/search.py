@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from multigpu.distributed.world import TRIAL_REPORTS_FILE
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, MultiGPUError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import QueueEntry
 from multigpu.queue.space import Param, SearchSettings, Space, _labels, trial_name
+from multigpu.queue.study_file import check_study
 from multigpu.queue.trials import (
     SWEEPS_FOLDER,
     TRIAL_FOLDER,
@@ -146,7 +147,19 @@ class Search:
         if any(char in path for char in "?#%"):
             raise ConfigError(f"the study's path {path[:200]!r} has ?, # or %, which a SQLite URL cannot hold.",
                               "give the queue an --out without them.")
-        storage = optuna.storages.RDBStorage(f"sqlite:///{path}")
+        check_study(folder / database)  # a received study file: bounded, Optuna's own tables only
+        try:
+            return self._read(optuna, optuna.storages.RDBStorage(f"sqlite:///{path}"), folder / database)
+        except MultiGPUError:
+            raise
+        except Exception as exc:  # what Optuna raises on what it reads back (a JSON 200,000 deep, a bad enum)
+            raise ConfigError(f"Optuna could not read the study file {visible(str(folder / database))} "
+                              f"({type(exc).__name__}: {shown(' '.join(str(exc).split()), 120)}).",
+                              "move it away to start the search afresh (its trials' run folders stay), or give "
+                              "the queue another --out.") from None
+
+    def _read(self, optuna: Any, storage: Any, where: Path) -> list[Trial]:
+        folder, database = Folder(where.parent), where.name
         direction = "maximize" if self.space.mode == "max" else "minimize"
         self.study = optuna.create_study(storage=storage, study_name=self.name, direction=direction,
                                          sampler=sampler(self.settings), pruner=pruner(self.settings), load_if_exists=True)
@@ -160,14 +173,26 @@ class Search:
                               "give this queue another --out, or move that file away to start the search afresh "
                               "(trials:, sampler: and pruner: may change; the rest may not).")
         earlier = []
-        for frozen in self.study.get_trials(deepcopy=False):
-            name = frozen.user_attrs.get("run")
-            if not isinstance(name, str) or not set(self._distributions) <= set(frozen.params):
-                # not one of ours (a study someone else wrote into): leave it alone. Or asked by a queue that
-                # was killed before it named the trial (ask and set_user_attr are two writes): no run holds
-                # it, so it is not counted - the trial it should have been is asked again
-                continue
-            spec = self._spec(name, frozen.params)
+        ours = [frozen for frozen in self.study.get_trials(deepcopy=False)
+                if isinstance(frozen.user_attrs.get("run"), str) and set(self._distributions) <= set(frozen.params)]
+        # (not one of ours - a study someone else wrote into - is left alone; nor is a trial asked by a queue that
+        # was killed before it named it (ask and set_user_attr are two writes): no run holds it, so it is not
+        # counted - the trial it should have been is asked again)
+        if len(ours) > self.settings.trials:
+            raise ConfigError(f"the study of {visible(self.name)!r} in {visible(str(folder / database))} holds "
+                              f"{len(ours):,} trials, more than its trials: {self.settings.trials}.",
+                              f"raise trials: to {len(ours)} or more to continue it, or move the file away to start "
+                              "the search afresh.")
+        for frozen in ours:
+            name = frozen.user_attrs["run"]
+            spec = self._spec(name, frozen.params)  # its values checked against the space first
+            values = {p.key: frozen.params[p.key] for p in self.space.params}
+            if name != trial_name(self.name, values, self._labels, prefix=f"t{frozen.number}", short=True):
+                # only the name this search gives those values: another run's folder would be written over
+                raise ConfigError(f"the study of {visible(self.name)!r} holds a trial that names the run "
+                                  f"{visible(name)[:80]!r}, which is not the name its values get.",
+                                  "move the study file away to start the search afresh, or give the queue another "
+                                  "--out.")
             if frozen.state == optuna.trial.TrialState.RUNNING:
                 self._trials[name] = optuna.trial.Trial(self.study, frozen._trial_id)
                 steps = list(frozen.intermediate_values)
@@ -180,6 +205,12 @@ class Search:
 
     def _spec(self, name: str, params: dict[str, Any]) -> Trial:
         values = {p.key: params[p.key] for p in self.space.params}
+        for param in self.space.params:  # read back from the study file: it becomes an override of a run
+            if not param.holds(values[param.key]):
+                raise ConfigError(f"the study of {visible(self.name)!r} holds a trial {visible(name)[:80]!r} with "
+                                  f"{visible(param.key)}={shown(values[param.key])}, outside the search's "
+                                  f"{visible(param.describe())}.", "move the study file away to start the search "
+                                  "afresh, or give the queue another --out.")
         return make_trial(self.entry, name, values, self.space, self.wait_s)
 
     def settle_earlier(self, runs: Sequence[Any]) -> None:

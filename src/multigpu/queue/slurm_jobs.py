@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -197,8 +196,7 @@ def status_table(specs: Sequence[QueueEntry], out: Path) -> Table:
 
 
 def show_status(specs: Sequence[QueueEntry], out: Path) -> int:
-    console = Console()
-    if not console.is_terminal:  # a log file or a pipe: full lines, not 80 columns
-        console = Console(width=200)
-    console.print(status_table(specs, out))
+    from multigpu.queue.display import console_for_output
+
+    console_for_output().print(status_table(specs, out))  # a log file or a pipe: full lines, not 80 columns
     return 0

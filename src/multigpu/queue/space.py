@@ -74,6 +74,16 @@ class Param:
             return _round(rng.uniform(self.low, self.high))
         return _round(math.exp(rng.uniform(math.log(self.low), math.log(self.high))))
 
+    def holds(self, value: Any) -> bool:
+        """``value`` is one this parameter can take (a value read back from a study file is checked so)."""
+        if self.kind in ("grid", "choice"):
+            return any(type(value) is type(v) and value == v for v in self.values)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if self.kind == "int" and (not float(value).is_integer()):
+            return False
+        return self.low <= value <= self.high
+
     def describe(self) -> str:
         if self.kind in ("grid", "choice"):
             text = ", ".join(value_text(v) for v in self.values[:8]) + (", ..." if len(self.values) > 8 else "")

@@ -205,12 +205,12 @@ def best_settings(family: str, space: Space, rows: Sequence[Row]) -> str:
     pruned = sum(1 for r in rows if r.state == "pruned")
     tail = f"; {pruned} pruned" if pruned else ""
     if not finished:
-        return f"{family}: no trial finished with a {space.metric} yet ({len(rows)} trial(s){tail})"
+        return visible(f"{family}: no trial finished with a {space.metric} yet ({len(rows)} trial(s){tail})")
     best = finished[0]
     settings = " ".join(f"{k}={value_text(v)}" for k, v in best.values.items())
     word = "highest" if space.mode == "max" else "lowest"
-    return (f"best of {family}: {settings} ({best.name}, {space.metric} {best.value:.4g}, {word} of "
-            f"{len(finished)} finished{tail})")
+    return visible(f"best of {family}: {settings} ({best.name}, {space.metric} {best.value:.4g}, {word} of "
+                   f"{len(finished)} finished{tail})")  # values read back from files: terminal-safe
 
 
 def ranking_table(family: str, space: Space, rows: Sequence[Row]) -> Table:
@@ -272,8 +272,10 @@ def summarize(console: Any, runs: Sequence[Any], root: Path, families: Sequence[
 
     from rich.console import Console
 
+    from multigpu.queue.display import LOG_WIDTH
+
     if not console.is_terminal:  # a log file or a pipe: whole trial names, not 80 columns
-        console = Console(width=max(console.width, 160), file=console.file, force_terminal=False)
+        console = Console(width=max(console.width, LOG_WIDTH), file=console.file, force_terminal=False)
     for family in families:
         rows = rows_of([*runs, *_left_out(runs, root, getattr(family, "every", []))], family.name, family.space.metric)
         if not rows:

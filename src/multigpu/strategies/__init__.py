@@ -25,10 +25,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from multigpu.checkpoint.names import clean_state_dict
-from multigpu.config import check_keys
+from multigpu.config import check_keys, from_mapping
 from multigpu.distributed.parallel import Parallelism
 from multigpu.distributed.world import World
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, shown
 from multigpu.strategies.base import BuildContext, PlainGradients, Strategy, StrategySpec, unwrap_module
 from multigpu.strategies.ddp import DDP, DDPOptions
 from multigpu.strategies.dp import DataParallelStrategy, split_sizes
@@ -82,8 +82,14 @@ def spec(name: str) -> StrategySpec:
 
 
 def parse_options(entry: StrategySpec, options: dict[str, Any]) -> Any:
+    """``strategy_options`` as the strategy's options dataclass: every value typed and bounded by its field
+    (``config.from_mapping``), before torch sees it (a string where DDP wants a number of megabytes became a
+    1.1 GB string per rank)."""
+    if not isinstance(options, dict):
+        raise ConfigError(f"strategy_options must be a mapping of option names to values, not {shown(options)}.",
+                          "write strategy_options: {bucket_cap_mb: 25}.")
     check_keys(entry.options, options, owner=f"strategy {entry.name!r}", noun="option")
-    return entry.options(**options)
+    return from_mapping(entry.options, options, f"strategy {entry.name!r}", path=("strategy_options",))
 
 
 def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.device], *,

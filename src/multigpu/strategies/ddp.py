@@ -5,7 +5,7 @@ Batch size is per process (the PyTorch DDP tutorial's rule): the global batch is
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import ContextManager, Optional
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from multigpu.config import bounds
 from multigpu.errors import ConfigError
 from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
 from multigpu.strategies.single import SingleDevice
@@ -26,7 +27,7 @@ class DDPOptions:
     static_graph: bool = False
     #: Gradients share memory with the communication buckets (saves one copy of the gradients).
     gradient_as_bucket_view: bool = False
-    bucket_cap_mb: Optional[float] = None
+    bucket_cap_mb: Optional[float] = field(default=None, metadata=bounds(1e-3, 1e6))
     #: None keeps torch's default (buffers such as BatchNorm statistics follow rank 0).
     broadcast_buffers: Optional[bool] = None
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, ContextManager, Optional
 
@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
+from multigpu.config import bounds
 from multigpu.distributed.world import World
 from multigpu.errors import ConfigError, MultiGPUError
 from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
@@ -67,9 +68,9 @@ def import_torchft() -> Any:
 class FaultTolerantOptions:
     #: How long a collective, a heal transfer or a commit vote may wait for a peer before the step is
     #: dropped (a group killed in the middle of an all-reduce costs this much, once).
-    timeout_s: float = 60.0
+    timeout_s: float = field(default=60.0, metadata=bounds(0.001, 1e7))
     #: How long a step may wait for the lighthouse to form a quorum before the process fails.
-    quorum_timeout_s: float = 120.0
+    quorum_timeout_s: float = field(default=120.0, metadata=bounds(0.001, 1e7))
 
 
 class _QuietTorchft(logging.Filter):

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 from typing_extensions import override
 
+from multigpu.config import bounds
 from multigpu.errors import ConfigError
 from multigpu.strategies.base import (
     BuildContext,
@@ -37,7 +38,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 @dataclass(frozen=True)
 class FSDPOptions:
     #: Class names of the blocks to shard one by one; None finds the model's repeated blocks.
-    wrap: Optional[Sequence[str]] = None
+    wrap: Optional[Sequence[str]] = field(default=None, metadata=bounds(items=1000))
     #: Free gathered parameters after forward (less memory, one more all-gather in backward).
     reshard_after_forward: bool = True
     #: Mixed precision: dtype for compute/all-gather and for gradient reduce-scatter (None: as stored).
@@ -246,7 +247,7 @@ def _no_gradient_sync(model: nn.Module) -> Iterator[None]:
 class FSDPTPOptions(FSDPOptions):
     #: Which Linear layers are split, by glob over module names: {"*.q": "colwise", "*.proj": "rowwise"}.
     #: Default: the model's own ``tp_plan`` attribute (the convention of Hugging Face transformers).
-    tp_plan: Optional[dict[str, Any]] = None
+    tp_plan: Optional[dict[str, str]] = field(default=None, metadata=bounds(items=10_000))
 
 
 def _build(name: str) -> Any:

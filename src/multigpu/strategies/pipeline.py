@@ -11,7 +11,7 @@ across processes (``multigpu run --gpus-per-proc K``): that post's "DDP combined
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ContextManager, Optional, Sequence
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from multigpu.config import bounds
 from multigpu.errors import ConfigError
 from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
 
@@ -26,11 +27,11 @@ from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients
 @dataclass(frozen=True)
 class PipelineOptions:
     #: Number of stages (default: one per device of the process; 2 on a CPU).
-    stages: Optional[int] = None
+    stages: Optional[int] = field(default=None, metadata=bounds(1, 4096))
     #: Indexes of the children where a new stage starts, e.g. [4, 8]; default: balanced by parameters.
-    split_points: Optional[Sequence[int]] = None
+    split_points: Optional[Sequence[int]] = field(default=None, metadata=bounds(items=4096))
     #: Micro-batches per batch (1: no overlap, the plain split of that blog post).
-    micro_batches: int = 4
+    micro_batches: int = field(default=4, metadata=bounds(1, 4096))
     #: Bring the output back to the first device, where the labels are (False: leave it on the last).
     output_to_first_device: bool = True
 
