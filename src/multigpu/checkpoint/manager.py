@@ -183,9 +183,9 @@ class CheckpointManager:
         if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
             raise CheckpointError("the checkpoint's per-rank states are malformed.", "it is corrupt; use an earlier one.")
         if ranks and len(ranks) != size:
-            warnings.warn(f"multigpu: the checkpoint holds the state of {len(ranks)} rank(s), this run has "
-                          f"{size}; rank r takes old rank r's random streams and rank_state "
-                          f"(ranks {len(ranks)} and up take rank 0's streams and no rank_state).", stacklevel=4)
+            self.say(f"multigpu: the checkpoint holds the state of {len(ranks)} rank(s), this run has {size}; "  # once
+                     f"rank r takes old rank r's random streams and rank_state (ranks {len(ranks)} and up take rank "
+                     "0's streams and no rank_state)")
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if ranks else None)
         if mine is not None and mine.get("rng") is not None:
             try:

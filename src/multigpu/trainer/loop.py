@@ -36,14 +36,13 @@ import torch
 from torch import nn
 
 from multigpu.data import LoaderLike
-from multigpu.errors import CheckpointError, ConfigError, visible
-from multigpu.fileio import Folder
+from multigpu.errors import CheckpointError, ConfigError
 from multigpu.guards import consistency
 from multigpu.guards.preemption import Preempted
 from multigpu.loggers import Loggers, hparams_of
 from multigpu.runtime import Run
 from multigpu.strategies.base import OptimizerLike
-from multigpu.trainer import replicas, resume
+from multigpu.trainer import identity, replicas, resume
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.trainer.extras import StepExtras
 from multigpu.trainer.monitor import BestTracker
@@ -57,9 +56,6 @@ SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
 
 #: The folders a Trainer owns in its out_dir: each must be a real folder (or not there yet). A link there
 #: - in an out_dir someone handed you - would make a save, a log or pruning act on another folder.
-OWNED = ("checkpoints", "checkpoints/best", "hang", "tensorboard", "wandb", "mlruns", "logs", "profile")
-
-
 class _StopTraining(Exception):
     """Early stopping decided inside an epoch (the same on every rank)."""
 
@@ -103,13 +99,12 @@ class Trainer(abc.ABC):
         self._step = make_step(self)  # forward + backward, or (pp) the pipeline schedule's step
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
-        self.replicas, self.out_dir = replicas.attach(self, run.check_writable(s.out_dir, "the Trainer's out_dir"))
+        self.layout, own = identity.settle(run, self.strategy.unwrap(self.state_model), self.optimizer, s.out_dir,
+                                           s.fresh, s.resume_from)
+        self.replicas, self.out_dir = replicas.attach(self, own)
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.best_dir = self.checkpoint_dir / "best"
-        if not Folder(self.out_dir).only_folders_at(OWNED):
-            raise ConfigError(f"{visible(str(self.out_dir))} holds a link or a file where the Trainer keeps one of "
-                              f"its folders ({', '.join(OWNED)}).",
-                              "remove it (or choose another out_dir): the Trainer never writes through a link.")
+        identity.check_owned(self.out_dir)
         self.tracker = BestTracker(s.monitor, s.mode, s.patience, s.min_delta) if s.monitor else None
         self._pruned = False  # a queue search pruned this trial (run.report): stop as early stopping does
         self.progress = ProgressLine(enabled=s.progress and run.is_main, every_s=s.progress_every_s)
@@ -462,7 +457,8 @@ class Trainer(abc.ABC):
         asynchronous = not blocking and self.settings.background_checkpoints(self.device)
         path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, self.checkpoint_state(),
                                         keep_last=keep_last or self.settings.keep_last, asynchronous=asynchronous,
-                                        meta={"epoch": self.state.epoch, **(meta or {})}, rank_state=self.rank_state())
+                                        meta={"epoch": self.state.epoch, identity.LAYOUT_KEY: self.layout.meta(), **(meta or {})},
+                                        rank_state=self.rank_state())
         if not asynchronous:
             with self.run.paused_watchdog():
                 self.on_checkpoint(path)
@@ -480,6 +476,8 @@ class Trainer(abc.ABC):
         Settings given now win over the checkpoint's for hyperparameters (learning rate, weight decay,
         ...); every difference is printed once. A changed model still fails, clearly."""
         info = self.replicas.latest(self.settings.verify_checksums)  # with replica groups: the newest of any group
+        if info is None and self.settings.resume_from:  # this run's own checkpoints first: a restart continues
+            info = self.run.run_on_main(identity.explicit, self.settings.resume_from)
         if info is None:
             return False
         wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)
@@ -513,7 +511,7 @@ class Trainer(abc.ABC):
                                   f"{' '.join(str(exc).split())[:200]}", "resume with the same settings, or start a "
                                   "new out_dir.") from None
         self.state.batch_in_epoch = resume.realigned_batches(self.state.batch_in_epoch, data,
-                                                             self.settings.batch_size * self.run.dp_size)
+                                                             self.settings.batch_size * self.run.dp_size, self.run.print)
         if state.get("rank_state") is not None:
             self.load_rank_state(move_to(state["rank_state"], self.device, non_blocking=False))
 

@@ -10,12 +10,13 @@ collective or keeps state.
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from multigpu.errors import CheckpointError
 from multigpu.trainer.settings import TrainState
 
+#: Settings that say where a run starts, not how it trains: never listed as changed on a resume.
+WHERE_TO_START = ("resume", "fresh", "resume_from")
 #: Optimizer settings that a resumed run takes from the code, not from the checkpoint.
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "betas", "eps", "dampening", "nesterov", "alpha", "lr_decay")
 
@@ -64,12 +65,16 @@ def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
         if not isinstance(old, Mapping) or not isinstance(new, Mapping):
             continue
         for key, (before, after) in diff(old, plain_data(new)).items():
+            if key.rsplit(".", 1)[-1] in WHERE_TO_START:
+                continue
             changes.append(f"{label}.{key} {before!r} -> {after!r}")
     return changes
 
 
-def realigned_batches(batch_in_epoch: int, data: Mapping[str, Any], new_global: int) -> int:
-    """Resuming mid-epoch with another world size or batch: the batch index after the same global sample."""
+def realigned_batches(batch_in_epoch: int, data: Mapping[str, Any], new_global: int,
+                      say: Callable[[str], None] = print) -> int:
+    """Resuming mid-epoch with another world size or batch: the batch index after the same global sample
+    (``say``: prints the samples seen twice, once - on rank 0)."""
     if not batch_in_epoch or not data:
         return batch_in_epoch
     old_global = data["batch_size"] * data.get("dp_size", data.get("world_size", 1))
@@ -77,8 +82,8 @@ def realigned_batches(batch_in_epoch: int, data: Mapping[str, Any], new_global: 
         return batch_in_epoch
     done = batch_in_epoch * old_global
     if done % new_global:
-        warnings.warn(f"multigpu: resuming mid-epoch with global batch {new_global} (was {old_global}); "
-                      f"{done % new_global} sample(s) of this epoch are seen twice.", stacklevel=3)
+        say(f"multigpu: resuming mid-epoch with global batch {new_global} (was {old_global}); "
+            f"{done % new_global} sample(s) of this epoch are seen twice.")
     batches: int = done // new_global
     return batches
 

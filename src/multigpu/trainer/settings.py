@@ -33,7 +33,8 @@ SETTING_RULES = {
     "shuffle": Rule(bool), "drop_last": Rule(bool), "num_workers": Rule(int, 0, 256),
     "out_dir": Rule(str), "checkpoint_every_epochs": Rule(int, 1, 10**9),
     "checkpoint_every_steps": Rule(int, 1, _BIG, optional=True), "keep_last": Rule(int, 1, 10**6),
-    "resume": Rule(bool), "verify_checksums": Rule(bool), "loggers": Rule(list),
+    "resume": Rule(bool), "fresh": Rule(bool), "resume_from": Rule(str, optional=True),
+    "verify_checksums": Rule(bool), "loggers": Rule(list),
     "log_every_n_steps": Rule(int, 0, _BIG), "progress": Rule(bool),
     "progress_every_s": Rule(float, 0, 1e7, positive=True), "eval_every_steps": Rule(int, 1, _BIG, optional=True),
     "monitor": Rule(str, optional=True), "mode": Rule(str, choices=("min", "max")),
@@ -90,7 +91,13 @@ class TrainerSettings:
     #: null: in the background when training on an accelerator (on CPU the writer competes with training
     #: for the same cores: benchmarks/checkpoint_save.py measured no gain there).
     async_checkpoint: Optional[bool] = None
+    #: Continue the run of this model found in out_dir (or in out_dir-2, -3, ...: a run of another model
+    #: gets the next free one; trainer/identity.py). ``fresh``: always a new run, in a folder without
+    #: checkpoints. ``resume_from``: start from that checkpoint (a run folder, its checkpoints folder or a
+    #: step-N folder) unless this run's folder already holds checkpoints of its own (a restart continues).
     resume: bool = True
+    fresh: bool = False
+    resume_from: Optional[str] = None
     verify_checksums: bool = True
     #: Where the numbers go besides metrics.csv/steps.csv: tensorboard, wandb, mlflow.
     loggers: list[Any] = field(default_factory=list)

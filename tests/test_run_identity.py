@@ -1,0 +1,145 @@
+"""A run's identity (trainer/identity.py): a changed model never resumes a checkpoint it cannot load.
+
+The quickstart's own docstring examples in a row, as a newcomer types them, on one process; then the
+placement rules on folders without processes, and manifests that are data from disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from conftest import PY, REPO, child_env
+from torch import nn
+
+from multigpu.errors import ConfigError
+from multigpu.trainer import identity
+from multigpu.trainer.identity import Layout
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _train(folder: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(PY), "train.py", "hparams.yaml", "trainer.epochs=1", *overrides], cwd=folder,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_the_quickstart_examples_in_a_row_each_train_their_own_model(tmp_path):
+    folder = tmp_path / "quickstart"
+    shutil.copytree(REPO / "examples" / "quickstart", folder)
+    first = _train(folder)
+    assert first.returncode == 0, first.stderr[-2000:]
+    wider = _train(folder, "model.hidden=128")  # the docstring's own example: a size mismatch before
+    assert wider.returncode == 0, wider.stderr[-2000:]
+    assert ("multigpu: a new run in outputs/quickstart-2: outputs/quickstart holds a run of another model or "
+            "optimizer (1,348 parameters in 4 tensors; this one: 2,692 parameters in 4 tensors)") in wider.stdout
+    again = _train(folder, "model.hidden=128", "trainer.epochs=2")  # the same model again: its own folder continues
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "continuing the run of this model in outputs/quickstart-2" in again.stdout
+    assert "resumed from outputs/quickstart-2/checkpoints/step-00000032" in again.stdout
+    assert "trainer.epochs 1 -> 2" in again.stdout
+    same = _train(folder, "trainer.epochs=2")  # the first model: the first folder, no line about folders
+    assert "resumed from outputs/quickstart/checkpoints/step-00000032" in same.stdout and "new run" not in same.stdout
+    fresh = _train(folder, "trainer.fresh=true")
+    assert "multigpu: a new run in outputs/quickstart-3: trainer.fresh is set" in fresh.stdout
+    assert "resumed" not in fresh.stdout
+    tuned = _train(folder, "trainer.out_dir=outputs/tuned", "trainer.epochs=3",
+                   "trainer.resume_from=outputs/quickstart")
+    assert "resumed from outputs/quickstart/checkpoints/step-00000064 (epoch 2" in tuned.stdout, tuned.stdout
+    assert "resume_from" not in tuned.stdout  # where a run starts is not a setting that changed
+    assert (folder / "outputs" / "tuned" / "checkpoints" / "step-00000096").is_dir()
+    missing = _train(folder, "trainer.resume_from=outputs/nowhere")
+    assert missing.returncode != 0 and "trainer.resume_from outputs/nowhere does not exist. HINT:" in missing.stderr
+    assert "Traceback" not in missing.stderr + wider.stderr + again.stderr + fresh.stderr + tuned.stderr
+    assert sorted(p.name for p in (folder / "outputs").iterdir()) == ["quickstart", "quickstart-2", "quickstart-3", "tuned"]
+
+
+A, B = Layout("a" * 32, 4, 100), Layout("b" * 32, 4, 200)
+
+
+def _looks(held: dict[str, Optional[Layout]]):
+    """A fake folder survey: name -> the layout of its newest checkpoint (absent: holds no checkpoint)."""
+    def look(folder: Path) -> tuple[bool, Optional[Layout]]:
+        return (folder.name in held), held.get(folder.name)
+    return look
+
+
+@pytest.fixture
+def base(tmp_path):
+    for name in ("out", "out-2", "out-3", "out-10", "out-9", "out-x", "out-02", "outer"):
+        (tmp_path / name).mkdir()
+    return tmp_path / "out"
+
+
+def test_siblings_are_numbered_folders_in_numeric_order(base):
+    assert [p.name for p in identity.siblings(base)] == ["out", "out-2", "out-3", "out-9", "out-10"]
+
+
+def test_a_run_continues_the_folder_of_its_own_layout_and_takes_the_first_free_one_otherwise(base):
+    assert identity.place(base, A, look=_looks({"out": A})) == (base, None)
+    folder, line = identity.place(base, B, look=_looks({"out": A, "out-2": A, "out-3": B}))
+    assert folder.name == "out-3" and line is not None and "continuing the run of this model" in line
+    folder, line = identity.place(base, B, look=_looks({"out": A, "out-2": A}))
+    assert folder.name == "out-3" and line is not None and "a new run in" in line
+    every = {name: A for name in ("out", "out-2", "out-3", "out-9", "out-10")}
+    assert identity.place(base, B, look=_looks(every))[0].name == "out-11"
+    assert identity.place(base, A, fresh=True, look=_looks(every))[0].name == "out-11"
+    assert identity.place(base, B, look=_looks({"out": None}))[0] == base  # written before layouts: as before
+    assert identity.place(base, B, look=_looks({}))[0] == base
+
+
+def test_under_the_queue_another_model_in_a_runs_folder_is_an_error_not_a_sibling(base):
+    with pytest.raises(ConfigError, match="holds a run of another model"):
+        identity.place(base, B, in_queue=True, look=_looks({"out": A}))
+    assert identity.place(base, A, in_queue=True, look=_looks({"out": A})) == (base, None)
+
+
+@pytest.mark.parametrize("manifest", [
+    None, [], {"layout": "x"}, {"layout": {"digest": "A" * 32, "tensors": 1, "parameters": 1}},
+    {"layout": {"digest": "a" * 32, "tensors": True, "parameters": 1}},
+    {"layout": {"digest": "a" * 32, "tensors": 1, "parameters": 10**20}},
+    {"layout": {"digest": "a" * 32 + "\x1b[2J", "tensors": 1, "parameters": 1}},
+])
+def test_a_manifest_that_names_no_readable_layout_resumes_as_before(manifest):
+    assert identity.saved_layout(manifest) is None
+
+
+def test_a_layout_read_back_is_the_one_written():
+    assert identity.saved_layout({"layout": A.meta()}) == A
+
+
+def test_the_layout_is_the_models_and_the_optimizers_not_the_hyperparameters():
+    def layout(hidden: int, lr: float = 1e-3, kind=torch.optim.AdamW, groups: bool = False) -> Layout:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, hidden), nn.Linear(hidden, 2))
+        params = ([{"params": model[0].parameters()}, {"params": model[1].parameters(), "weight_decay": 0}]
+                  if groups else model.parameters())
+        return identity.layout_of(model, kind(params, lr=lr), lambda value: [value])
+
+    assert layout(8) == layout(8, lr=0.5)
+    assert layout(8).parameters == 4 * 8 + 8 + 8 * 2 + 2 and layout(8).tensors == 4
+    assert len({layout(8).digest, layout(16).digest, layout(8, kind=torch.optim.SGD).digest,
+                layout(8, groups=True).digest}) == 4
+
+
+def test_a_pipeline_stages_layout_is_the_whole_models():
+    """Two stages gather each other's parts: the union is the layout of the model in one process."""
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    stages = [nn.Sequential(nn.Linear(4, 8), nn.Identity()), nn.Sequential(nn.Identity(), nn.Linear(8, 2))]
+    optimizers = [torch.optim.AdamW(s.parameters()) for s in stages]
+    sent: list[list[object]] = [[], []]
+
+    def record(stage: int):  # the first pass: what each stage sends
+        return lambda value: sent[stage].append(value) or [value, value + "other" if isinstance(value, str) else value]
+
+    for stage in (0, 1):
+        identity.layout_of(stages[stage], optimizers[stage], record(stage))
+    answers = [[sent[0][i], sent[1][i]] for i in range(2)]  # what all_gather_object returns on both stages
+    calls = iter(answers)
+    parts = identity.layout_of(stages[0], optimizers[0], lambda value: next(calls))
+    assert parts == identity.layout_of(whole, torch.optim.AdamW(whole.parameters()), lambda value: [value])
