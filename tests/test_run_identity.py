@@ -92,6 +92,16 @@ def test_a_run_continues_the_folder_of_its_own_layout_and_takes_the_first_free_o
     assert identity.place(base, B, look=_looks({}))[0] == base
 
 
+def test_a_planted_link_or_file_among_the_siblings_is_never_a_run_folder(base, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "out-11").symlink_to(elsewhere)
+    (tmp_path / "out-12").write_text("not a folder")
+    assert "out-11" not in [p.name for p in identity.siblings(base)]
+    every = {name: A for name in ("out", "out-2", "out-3", "out-9", "out-10")}
+    assert identity.place(base, B, look=_looks(every))[0].name == "out-13"
+
+
 def test_under_the_queue_another_model_in_a_runs_folder_is_an_error_not_a_sibling(base):
     with pytest.raises(ConfigError, match="holds a run of another model"):
         identity.place(base, B, in_queue=True, look=_looks({"out": A}))

@@ -98,7 +98,7 @@ def siblings(base: Path) -> list[Path]:
             if index >= MAX_SIBLINGS * 10:
                 break
             match = pattern.fullmatch(entry.name)
-            if match and len(numbered) < MAX_SIBLINGS:
+            if match and len(numbered) < MAX_SIBLINGS and entry.is_dir() and not entry.is_symlink():  # never a link
                 numbered.append((int(match.group(1)), entry))
     except OSError:
         pass
@@ -133,9 +133,11 @@ def place(base: Path, mine: Layout, fresh: bool = False, in_queue: bool = False,
                             f"{visible(str(folder))} ({visible(str(base))} holds a run of another model)")
         else:
             taken.append((folder, saved))
-    if free is None:
+    if free is None:  # the next number whose name nothing holds yet (a planted link or file is skipped)
         last = siblings(base)[-1]
         number = int(last.name.rsplit("-", 1)[1]) + 1 if last != base else 2
+        while base.with_name(f"{base.name}-{number}").is_symlink() or base.with_name(f"{base.name}-{number}").exists():
+            number += 1
         free = base.with_name(f"{base.name}-{number}")
     if free == base:
         return base, None
