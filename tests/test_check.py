@@ -49,6 +49,8 @@ CAUSES = {
     "scheduler": "LR scheduler stepped 2 times per optimizer step",
     "metric": "a metric is averaged over the ranks' means",
     "unverified": "no sample was counted",
+    "still_weights": "no weight changed in",
+    "still_loss": "at every one of",
 }
 
 #: bug -> (the verdict, exactly the causes it must name). "EQUAL numbers" (exit 1): both runs make the
@@ -103,7 +105,7 @@ def table(tmp_path_factory) -> dict[str, tuple[int, str]]:
     from multigpu.diagnostics import check
 
     root = tmp_path_factory.mktemp("mutants")
-    cases = [*BUGS, *CORRECT, "opaque_inputs", "per_rank_generator"]
+    cases = [*BUGS, *CORRECT, "opaque_inputs", "per_rank_generator", "zero_loss", "zero_lr"]
     token = f"mgtest-table-{time.monotonic_ns()}"
     started = time.monotonic()
     try:
@@ -168,6 +170,15 @@ def test_a_script_whose_inputs_cannot_be_seen_is_unverified(table):
     assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"unverified"}, report
 
 
+def test_a_script_that_trains_nothing_is_unverified_never_equal(table):
+    """The PyTorch DDP tutorial's toy loss is always 0: 2 processes and 1 agree exactly, and prove nothing."""
+    code, report = table["zero_loss"]
+    assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"still_weights", "still_loss"}, report
+    assert "the loss was 0 at every one of 3 steps" in report
+    code, report = table["zero_lr"]  # the losses move with the batches; the weights do not
+    assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"still_weights"}, report
+
+
 def test_batches_made_by_hand_with_a_generator_per_rank_are_named_as_unscaled(table):
     """Right for training (every rank its own offsets), but the one-process run cannot get 2x the batch:
     the check must say so - and not that the data is unsharded."""
@@ -199,9 +210,10 @@ def test_an_optimizer_step_on_rank_0_only_is_named(no_leftovers):
 
 def test_a_script_that_never_steps_is_refused_with_a_hint(tmp_path, no_leftovers):
     script = tmp_path / "plain.py"
-    script.write_text("print('no training here')\n")
+    script.write_text("import multigpu as mg\n\nrun = mg.init()\nprint('no training here')\n")
     proc = multigpu("check", "--nproc", "2", str(script), no_leftovers, timeout=120)
-    assert proc.returncode == 2 and "recorded no step" in proc.stdout and "HINT:" in proc.stdout
+    assert proc.returncode == 2 and "recorded no step (exit 0): it ran, but no optimizer step" in proc.stdout
+    assert "HINT:" in proc.stdout, proc.stdout
     bad = multigpu("check", "--nproc", "1", str(script))
     assert bad.returncode == 2 and "multigpu: error: --nproc" in bad.stderr
 
@@ -330,3 +342,14 @@ def test_doctor_on_one_machine_reports_a_table_and_the_first_fault(tmp_path):
     blocked.write_text("not a folder")
     unwritable = multigpu("doctor", "--nproc", "2", "--out", str(blocked / "sub"), "--sizes", "1", timeout=120)
     assert unwritable.returncode == 1 and "is not writable on" in unwritable.stderr  # every rank agreed: no hang
+
+
+def test_a_script_that_sets_up_its_own_ddp_is_told_why_check_cannot_compare_it(tmp_path):
+    """The PyTorch DDP tutorial's multigpu_torchrun.py never calls mg.init: exit 2 with the reason and
+    what to do, not a line of its output quoted as an error."""
+    shutil.copytree(SCRIPTS / "ddp_tutorial", tmp_path / "tutorial")
+    proc = multigpu("check", "--nproc", "2", "--steps", "2", "multigpu_torchrun.py", "2", "1", cwd=tmp_path / "tutorial",
+                    timeout=180)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "finished (exit 0) without calling mg.init()" in proc.stdout and "HINT: such a script runs unchanged" in \
+        proc.stdout, proc.stdout

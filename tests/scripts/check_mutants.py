@@ -57,6 +57,8 @@ CORRECT = ["none", "late_optimizer", "seq_first", "plain_backward", "accumulate"
 #: Right for training, but not what the check can compare: no tensor reaches the forward; batches made
 #: by hand with a generator per rank (the check cannot give its one-process run N times the batch).
 UNCHECKABLE = ["opaque_inputs", "per_rank_generator"]
+#: Trains nothing, so agrees on any number of processes: a loss that is always 0, a learning rate of 0.
+STILL = ["zero_loss", "zero_lr"]
 ACCUMULATING = {"accumulate", "nanogpt_toggle", "scheduler_per_micro", "scheduler_per_step", "no_sync_always",
                 "sync_toggle_wrong", "accum_div_world"}
 
@@ -129,7 +131,7 @@ def train(run, bug: str) -> None:
         model, _ = run.setup(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
-        model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.1))
+        model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.0 if bug == "zero_lr" else 0.1))
     head = None
     if bug == "late_layer":  # built after run.setup: each rank's own initial weights, never averaged
         head = nn.Linear(3, 3)
@@ -168,6 +170,8 @@ def train(run, bug: str) -> None:
                 loss = F.cross_entropy(logits, labels, reduction="sum" if bug == "sum_loss" else "mean")
                 if bug == "loss_div_world":
                     loss = loss / run.world_size
+                if bug == "zero_loss":  # the PyTorch DDP tutorial's toy shape: a loss that is always 0
+                    loss = loss * 0
                 loss = loss / accumulate
                 if scaler is not None:
                     scaler.scale(loss).backward()
@@ -235,7 +239,7 @@ def run_table(run, cases: list[str], records: Path, steps: int, scale: int) -> N
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bug", default="none", choices=[*BUGS, *CORRECT, *UNCHECKABLE])
+    parser.add_argument("--bug", default="none", choices=[*BUGS, *CORRECT, *UNCHECKABLE, *STILL])
     parser.add_argument("--table", help="comma-separated cases, each recorded into --records/<case>")
     parser.add_argument("--records", type=Path)
     parser.add_argument("--steps", type=int, default=3)

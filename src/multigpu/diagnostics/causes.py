@@ -408,6 +408,28 @@ def unverified(many: Outcome, one: Outcome, nproc: int) -> list[str]:
         if blind and not reasons:
             reasons.append(f"the ranks' inputs could not be compared in step(s) {_steps_text(blind)}: no tensor "
                            "reached the model's forward, so whether the data is split across ranks is unknown.")
+    return reasons + trained_nothing(one)
+
+
+def trained_nothing(one: Outcome) -> list[str]:
+    """Why two runs that agree may prove nothing: the training did not move. Weights equal before and
+    after every step agree on any number of processes (a loss that is always 0, a learning rate of 0,
+    an optimizer given other parameters); so does a loss that never changed, with any bug in the
+    reduction (0 summed over ranks is 0). Read from the 1-process run, the reference."""
+    reasons = []
+    before, after = one.weights("weights0.pt"), one.weights("weights.pt")
+    if before and after and set(before) == set(after):
+        rows = weight_differences(after, before)
+        if rows and all(diff == 0.0 for _, diff, _ in rows):
+            reasons.append(f"no weight changed in {one.steps} step(s) ({len(rows)} tensor(s) bitwise equal before and "
+                           "after): equal numbers on any number of processes prove nothing. Check that the loss "
+                           "depends on the model's output, the learning rate is not 0, and the optimizer holds the "
+                           "model's parameters; or run more --steps.")
+    losses = [one.loss(i) for i in range(one.steps)]
+    if len(losses) >= 2 and losses[0] is not None and all(loss == losses[0] for loss in losses):
+        reasons.append(f"the loss was {losses[0]:.6g} at every one of {len(losses)} steps: a loss that does not move "
+                       "hides a wrong reduction (a summed or unscaled loss agrees when it is constant). Check the "
+                       "loss, or run more --steps.")
     return reasons
 
 

@@ -124,8 +124,16 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
            out: Callable[[str], None] = print) -> int:
     """Print the comparison of two runs' records and the verdict; return the exit status."""
     for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
+        if outcome.most_steps == 0 and not outcome.ranks and outcome.status == 0:
+            out(f"the {label} run finished (exit 0) without calling mg.init(): check records what mg.init() and "
+                "run.setup (or mg.Trainer) see, so a script that sets up its own DDP - the PyTorch DDP tutorial's "
+                "shape, Hugging Face's Trainer, Accelerate - cannot be compared.")
+            out("HINT: such a script runs unchanged under `multigpu run`; to check it, build the model with "
+                "run.setup and step through run.loader (docs/migrating.md), or compare its losses yourself.")
+            return DID_NOT_RUN
         if outcome.most_steps == 0:
-            out(f"the {label} run recorded no step (exit {outcome.status}): {outcome.error_line()}")
+            why = outcome.error_line() if outcome.status != 0 else "it ran, but no optimizer step went through run.setup's model"
+            out(f"the {label} run recorded no step (exit {outcome.status}): {why}")
             out("HINT: the script must build its model with run.setup (or the Trainer) and step an optimizer; "
                 "run it with `multigpu run` first.")
             return DID_NOT_RUN
@@ -207,7 +215,7 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
             out(f"  - {text}")
         return DIFFERENT
     if reasons:
-        out(f"verdict: UNVERIFIED - the numbers agree ({within}), but what the runs trained on could not be seen:")
+        out(f"verdict: UNVERIFIED - the numbers agree ({within}), but that proves nothing here:")
         for text in reasons + [c.text for c in causes]:
             out(f"  - {text}")
         return UNVERIFIED
