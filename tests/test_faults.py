@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,10 @@ def test_hang_watchdog_names_the_stuck_rank_and_ends_the_job(tmp_path, no_leftov
     assert "in the data loader" not in lines["rank 0"]
     assert all(3 <= int(line.split("no progress for ")[1].split(" s")[0]) < 60 for line in lines.values()), report
     assert "hang detected" in proc.stderr
+    # the notice (hang_notice_s 1.5 s) came first, in one line, naming both ranks' places
+    notice = next(line for line in proc.stderr.splitlines() if "no training step for" in line)
+    assert proc.stderr.index(notice) < proc.stderr.index("hang detected"), proc.stderr
+    assert "rank 1 in the data loader" in notice and "rank 0 in " in notice and "ends the job at 3 s" in notice, notice
     for rank in (0, 1):
         stack = (tmp_path / "hang" / f"rank{rank}.stack").read_text()
         assert "Thread" in stack and "File" in stack  # a real faulthandler dump
@@ -203,3 +208,35 @@ def test_the_exit_status_table_is_what_the_code_uses():
     from multigpu.guards.watchdog import EXIT_HANG
 
     assert Preempted("x").code == errors.EXIT_PREEMPTED and EXIT_HANG == 124
+
+
+def test_the_hang_notice_comes_once_per_stall_and_again_after_steps_resume(tmp_path, capfd):
+    """In one process (a world of one): a stall with a notice at 0.2 s gives one line; a beat
+    and a second stall give a second; the report and exit (timeout 30 s) never come."""
+    from multigpu.guards.watchdog import HangWatchdog, _ranks
+
+    exits: list[int] = []
+
+    def notices(at_least_s: float) -> list[str]:  # what the watchdog printed after at least that long
+        time.sleep(at_least_s)
+        seen: list[str] = []
+        deadline = time.monotonic() + 20  # a busy machine may wake the thread late; never a bound on speed
+        while not seen and time.monotonic() < deadline:
+            seen += [line for line in capfd.readouterr().err.splitlines() if "no training step" in line]
+            time.sleep(0.05)
+        time.sleep(0.5)  # a second notice for the same stall would come within this
+        return seen + [line for line in capfd.readouterr().err.splitlines() if "no training step" in line]
+
+    dog = HangWatchdog(30.0, tmp_path / "hang", 0, 1, grace_s=0.2, exit=exits.append, notice_s=0.2).start()
+    try:
+        dog.beat(1)
+        first = notices(0.2)
+        dog.beat(2)
+        second = notices(0.2)
+    finally:
+        dog.stop()
+    assert len(first) == 1 and "after step 1: rank 0 in user code" in first[0] and "at 30 s" in first[0], first
+    assert len(second) == 1 and "after step 2" in second[0], second
+    assert not exits and not (tmp_path / "hang" / "report.txt").exists()
+    assert _ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7, 8" and _ranks([3]) == "rank 3"
+    assert HangWatchdog(5.0, tmp_path, 0, 1, notice_s=60.0).notice_s is None  # a notice after the exit is none

@@ -76,7 +76,13 @@ def base(tmp_path):
 
 
 def test_siblings_are_numbered_folders_in_numeric_order(base):
-    assert [p.name for p in identity.siblings(base)] == ["out", "out-2", "out-3", "out-9", "out-10"]
+    assert [p.name for p in identity.siblings(base)] == ["out-2", "out-3", "out-9", "out-10"]
+
+
+def test_a_folder_without_a_name_to_number_is_the_absolute_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert identity.named(Path(".")) == tmp_path and identity.named(Path("sub/..")) == tmp_path
+    assert identity.named(Path("outputs/x/")) == Path("outputs/x")
 
 
 def test_a_run_continues_the_folder_of_its_own_layout_and_takes_the_first_free_one_otherwise(base):
@@ -90,6 +96,10 @@ def test_a_run_continues_the_folder_of_its_own_layout_and_takes_the_first_free_o
     assert identity.place(base, A, fresh=True, look=_looks(every))[0].name == "out-11"
     assert identity.place(base, B, look=_looks({"out": None}))[0] == base  # written before layouts: as before
     assert identity.place(base, B, look=_looks({}))[0] == base
+    # a free out_dir is this run's, even beside a sibling of the same model (a folder named out-2 by hand)
+    assert identity.place(base, B, look=_looks({"out-2": B})) == (base, None)
+    # a sibling that names no layout is never continued by a run of another model
+    assert identity.place(base, B, look=_looks({"out": A, "out-2": None}))[0].name == "out-3"
 
 
 def test_a_planted_link_or_file_among_the_siblings_is_never_a_run_folder(base, tmp_path):
@@ -153,3 +163,44 @@ def test_a_pipeline_stages_layout_is_the_whole_models():
     calls = iter(answers)
     parts = identity.layout_of(stages[0], optimizers[0], lambda value: next(calls))
     assert parts == identity.layout_of(whole, torch.optim.AdamW(whole.parameters()), lambda value: [value])
+
+
+class _Run:
+    """What settle needs of a Run, for a world of one."""
+
+    world_size = 1
+    control_group = None
+
+    def __init__(self, restart_count: int) -> None:
+        self.world = type("W", (), {"restart_count": restart_count, "run_dir": None, "launch_id": ""})()
+        self.lines: list[str] = []
+
+    def check_writable(self, folder, what):
+        return Path(folder)
+
+    def run_on_main(self, fn, *args):
+        return fn(*args)
+
+    def print(self, line):
+        self.lines.append(line)
+
+
+def test_fresh_is_for_the_first_start_a_restart_continues_where_it_was_placed(base, monkeypatch):
+    """A first start with trainer.fresh went to out-3; the job's restart (--max-restarts) continues out-3."""
+    assert identity.place(base, A, fresh=True, look=_looks({"out": A, "out-2": A}))[0].name == "out-3"
+    folder, line = identity.place(base, A, fresh=True, restarted=True, look=_looks({"out": A, "out-2": A, "out-3": A}))
+    assert folder.name == "out-3" and line is not None and "continuing the run of this model" in line
+    assert identity.place(base, A, fresh=True, restarted=True, look=_looks({}))[0] == base  # crashed before a checkpoint
+    # with the launch's id: the folder it made, even before its first checkpoint and below newer ones
+    (base.parent / "out-2" / identity.MARKER).write_text("job-7\n")
+    every = _looks({"out": A, "out-3": A})
+    assert identity.place(base, A, fresh=True, launch="job-7", look=every)[0].name == "out-2"
+    assert identity.place(base, A, fresh=True, launch="job-8", look=every)[0].name == "out-2"  # free: a new run there
+    assert identity.place(base, A, fresh=True, launch="job-8", look=_looks({"out": A, "out-2": A, "out-3": A}))[0].name \
+        == "out-9"  # the first existing folder without a checkpoint
+    placed: list[bool] = []
+    monkeypatch.setattr(identity, "place", lambda *args, restarted, **kwargs: placed.append(restarted) or (base, None))
+    model = nn.Linear(2, 2)
+    for restarts in (0, 2):
+        identity.settle(_Run(restarts), model, torch.optim.SGD(model.parameters(), lr=0.1), str(base), fresh=True)
+    assert placed == [False, True]

@@ -221,6 +221,9 @@ def test_an_own_loop_gets_the_hang_report_and_the_desync_guard(tmp_path, no_left
     report = (tmp_path / "hang" / "hang" / "report.txt").read_text()
     assert "rank 1: no progress" in report and "own_loop.py" in report
     assert 4 <= int(report.split("rank 1: no progress for ")[1].split(" s")[0]) < 60, report
+    notice = [line for line in hung.stderr.splitlines() if line.startswith("[rank0]: multigpu: no training step for")]
+    assert len(notice) == 1 and "rank 1 in user code at own_loop.py:" in notice[0], hung.stderr  # at 2 s, once
+    assert "rank 0 in backward (DDP's gradient all-reduce runs here)" in notice[0], notice
     desync = multigpu("run", "--nproc", "2", script, str(tmp_path / "desync"), "--desync", timeout=120)
     assert desync.returncode != 0 and "ranks disagree before training" in desync.stderr
     assert "parameter_layout" in desync.stderr and desync.stderr.count("multigpu: error:") == 1

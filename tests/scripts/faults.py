@@ -108,7 +108,8 @@ data = Data()
 trainer = FaultTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs, batch_size=8,
                        checkpoint_every_steps=1, keep_last=3, out_dir=str(out), progress=False, plot=False,
                        accumulate=args.accumulate, stop_check_every=args.stop_check_every,
-                       hang_timeout_s=args.hang_timeout, async_checkpoint=args.async_checkpoint)
+                       hang_timeout_s=args.hang_timeout, hang_notice_s=args.hang_timeout / 2,
+                       async_checkpoint=args.async_checkpoint)
 data.trainer = trainer
 trainer.fit(data)
 if run.is_main:

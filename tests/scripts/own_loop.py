@@ -39,7 +39,7 @@ run = mg.init(seed=0, timeout_s=60)
 # 4 s only where a test plants a hang: a run that should finish gets 300 s, so a step that a busy machine
 # stalls for seconds (a checkpoint's fsync, a starved core) is never reported as a hang.
 run.configure_guards(hang_timeout_s=4.0 if args.hang_at is not None else 300.0, report_dir=str(out / "hang"),
-                     stop_check_every=args.check_every)
+                     hang_notice_s=2.0 if args.hang_at is not None else 60.0, stop_check_every=args.check_every)
 g = torch.Generator().manual_seed(2)
 data = TensorDataset(torch.randn(192, 8, generator=g), torch.randint(0, 4, (192,), generator=g))
 width = 32 if (args.desync and run.rank == 1) else 16

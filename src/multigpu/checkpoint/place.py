@@ -90,7 +90,8 @@ class Place:
         """True if the folder exists (created when ``create``); a link or file in the way: CheckpointError."""
         state = self.state()
         if state not in (None, "folder"):
-            what = "is a symbolic link (or has one on its way)" if state == "link" else f"is a {state}"
+            what = ("is a symbolic link (or has one on its way)" if state == "link" else
+                    "is neither a folder nor a file" if state == "other" else f"is a {state}")
             raise CheckpointError(f"{visible(str(self.path))} {what}, not a real folder: refusing to read, write or "
                                   "prune checkpoints through it.",
                                   "remove the link and let multigpu create the folder, or choose another out_dir.")

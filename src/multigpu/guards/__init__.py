@@ -28,6 +28,9 @@ class GuardSettings:
     """How the guards behave; ``run.configure_guards(**settings)`` changes them before the first step."""
 
     hang_timeout_s: Optional[float] = 900.0
+    #: One line naming where every rank is after this long without a step (None: none; the watchdog's
+    #: report and the exit still come at hang_timeout_s).
+    hang_notice_s: Optional[float] = 60.0
     report_dir: str = "outputs/hang"
     preemption: bool = True
     #: Agree on stopping every K optimizer steps (None: about every 2 s, adapted to the step time).
@@ -62,7 +65,8 @@ class Guards:
             if not self.settings.hang_timeout_s:
                 return
             watchdog = self._watchdog = HangWatchdog(self.settings.hang_timeout_s, Path(self.settings.report_dir),
-                                                     self.session.world.rank, self.session.world.world_size).start()
+                                                     self.session.world.rank, self.session.world.world_size,
+                                                     notice_s=self.settings.hang_notice_s).start()
         watchdog.beat(step)
 
     def should_stop(self) -> bool:

@@ -56,9 +56,15 @@ def where(frame_stack: list[traceback.FrameSummary]) -> str:
 
 
 class HangWatchdog:
+    """``notice_s``: after that long without a step, one line on rank 0 naming where every rank is (the
+    report and the exit still wait for ``timeout_s``): a stuck rank is named in a minute, not in 15."""
+
     def __init__(self, timeout_s: float, folder: Path, rank: int, world_size: int,
-                 grace_s: float = 5.0, exit: Callable[[int], None] = os._exit) -> None:
+                 grace_s: float = 5.0, exit: Callable[[int], None] = os._exit,
+                 notice_s: Optional[float] = None) -> None:
         self.timeout_s = timeout_s
+        self.notice_s = notice_s if notice_s is not None and notice_s < timeout_s else None
+        self._noticed: Optional[float] = None  # the beat a notice was given for: one notice per stall
         self.folder = Path(folder)
         self.rank = rank
         self.world_size = world_size
@@ -78,7 +84,8 @@ class HangWatchdog:
 
     def start(self) -> "HangWatchdog":
         root = Folder(self.folder)
-        for name in (f"rank{self.rank}.stack", f"rank{self.rank}.summary") + (("report.txt",) if self.rank == 0 else ()):
+        for name in (f"rank{self.rank}.stack", f"rank{self.rank}.summary", f"rank{self.rank}.notice") + (
+                ("report.txt",) if self.rank == 0 else ()):
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 root.remove(name)  # a report of an earlier hang must not be read as this one
         self._last = time.monotonic()
@@ -102,20 +109,58 @@ class HangWatchdog:
             self._thread.join(timeout=5)
 
     def _watch(self) -> None:
-        interval = max(0.05, min(self.timeout_s / 4, 5.0))
+        interval = max(0.05, min(self.timeout_s / 4, (self.notice_s or self.timeout_s) / 4, 5.0))
         while not self._stop.wait(interval):
-            idle = time.monotonic() - self._last
-            if idle >= self.timeout_s and not self._paused:
+            last = self._last
+            idle = time.monotonic() - last
+            if self._paused:
+                continue
+            if idle >= self.timeout_s:
                 self._report(idle)
                 self._exit(EXIT_HANG)
                 return
+            if self.notice_s is not None and idle >= self.notice_s and self._noticed != last:
+                self._noticed = last
+                with contextlib.suppress(OSError):  # a notice that cannot be written is not a reason to stop
+                    self._notice(idle)
+
+    def _here(self) -> str:
+        ident = self._main.ident  # None only for a thread not started
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        return where(traceback.extract_stack(frame)) if frame is not None else "main thread gone"
+
+    # -------------------------------------------------------------- the notice
+    def _notice(self, idle: float) -> None:
+        """Every rank writes where it is; rank 0 prints them in one line, ranks grouped by place."""
+        root = Folder(self.folder).create()
+        root.write_atomic(f"rank{self.rank}.notice", f"{time.time():.3f} {self._here()}\n")
+        if self.rank != 0:
+            return
+        places: dict[int, str] = {}
+        deadline = time.monotonic() + self.grace_s
+        while len(places) < self.world_size and time.monotonic() < deadline:
+            for r in set(range(self.world_size)) - set(places):
+                with contextlib.suppress(OSError, ValueError):
+                    stamp, _, place = root.load_text(f"rank{r}.notice", limit=4096).strip().partition(" ")
+                    if float(stamp) >= time.time() - idle - self.grace_s:  # written in this stall, not an earlier one
+                        places[r] = place
+            time.sleep(0.05)
+        groups: dict[str, list[int]] = {}
+        for r in sorted(places):
+            groups.setdefault(places[r], []).append(r)
+        silent = [r for r in range(self.world_size) if r not in places]
+        parts = [f"{_ranks(ranks)} {place}" for place, ranks in groups.items()]
+        if silent:
+            parts.append(f"{_ranks(silent)} said nothing (stuck holding the GIL, or gone)")
+        sys.stderr.write(visible(f"multigpu: no training step for {idle:.0f} s after step {self._step}: "
+                                 f"{'; '.join(parts)}. The watchdog reports and ends the job at {self.timeout_s:g} s "
+                                 "(hang_timeout_s).") + "\n")
+        sys.stderr.flush()
 
     # -------------------------------------------------------------- the report
     def _report(self, idle: float) -> None:
         root = Folder(self.folder).create()
-        ident = self._main.ident  # None only for a thread not started
-        frame = sys._current_frames().get(ident) if ident is not None else None
-        summary = where(traceback.extract_stack(frame)) if frame is not None else "main thread gone"
+        summary = self._here()
         line = f"rank {self.rank}: no progress for {idle:.0f} s after step {self._step}, {summary}"
         with root.open_new(f"rank{self.rank}.stack") as handle:  # renamed into place when complete
             handle.write((line + "\n\n").encode())
@@ -152,3 +197,15 @@ class HangWatchdog:
         if silent:
             out.append(f"ranks {silent} wrote no report within {self.grace_s:g} s (dead, or stuck holding the GIL)")
         return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-2, 5``: runs of consecutive ranks shortened, for lines about many ranks."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"

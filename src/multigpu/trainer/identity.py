@@ -19,24 +19,29 @@ before. A manifest is data from disk: what it says is compared, bounded and esca
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from multigpu.checkpoint import files
-from multigpu.errors import ConfigError, visible
+from multigpu.errors import CheckpointError, ConfigError, visible
 from multigpu.fileio import Folder
 
 #: The folders the Trainer keeps in a run's folder: each a real folder (or absent), never a link or a file.
 OWNED = ("checkpoints", "checkpoints/best", "hang", "tensorboard", "wandb", "mlruns", "logs", "profile")
+#: In a folder a ``fresh`` run made: the launch it was made for.
+MARKER = ".multigpu-launch"
 #: The manifest key the layout is written under.
 LAYOUT_KEY = "layout"
-#: Sibling folders looked at (``out_dir-2`` ... ``out_dir-N``): a parent folder of thousands is not listed.
+#: Sibling folders looked at (``out_dir-2`` ... ``out_dir-N``), by name, and the missing numbers in a
+#: row after which the look stops (a sibling deleted by hand leaves a gap).
 MAX_SIBLINGS = 1000
+GAP = 16
 _DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
 
 
@@ -89,59 +94,97 @@ def saved_layout(manifest: Any) -> Optional[Layout]:
 
 
 def siblings(base: Path) -> list[Path]:
-    """``base`` and its numbered siblings that exist, in order: ``base``, ``base-2``, ``base-3``, ..."""
-    pattern = re.compile(re.escape(base.name) + r"-([2-9]|[1-9][0-9]{1,5})")
-    numbered: list[tuple[int, Path]] = []
-    try:
-        entries = base.parent.iterdir() if base.parent.is_dir() else iter(())
-        for index, entry in enumerate(entries):
-            if index >= MAX_SIBLINGS * 10:
+    """The numbered siblings of ``base`` that are real folders, in order: ``base-2``, ``base-3``, ...
+    Looked up by name (never by listing a parent that may hold thousands of entries), until
+    :data:`GAP` numbers in a row are missing; a link or a file of such a name is skipped."""
+    found: list[Path] = []
+    missing = 0
+    for number in range(2, MAX_SIBLINGS + 2):
+        folder = numbered(base, number)
+        if folder.is_symlink() or not folder.exists():
+            missing = missing + 1 if not folder.is_symlink() else 0
+            if missing >= GAP:
                 break
-            match = pattern.fullmatch(entry.name)
-            if match and len(numbered) < MAX_SIBLINGS and entry.is_dir() and not entry.is_symlink():  # never a link
-                numbered.append((int(match.group(1)), entry))
-    except OSError:
-        pass
-    return [base] + [path for _, path in sorted(numbered)]
+            continue
+        missing = 0
+        if folder.is_dir():
+            found.append(folder)
+    return found
+
+
+def named(out_dir: Path) -> Path:
+    """``out_dir`` with a last name to number: ``sub/..`` is ``.``, and ``.`` or ``..`` the absolute folder."""
+    given = Path(os.path.normpath(out_dir))
+    return given if given.name not in ("", ".", "..") else Path(os.path.abspath(given))
+
+
+def numbered(base: Path, number: int) -> Path:
+    return base.with_name(f"{base.name}-{number}")
 
 
 def newest_layout(out_dir: Path) -> tuple[bool, Optional[Layout]]:
-    """(whether ``out_dir`` holds a checkpoint, the layout its newest one names). Reads only."""
+    """(whether ``out_dir`` holds any checkpoint folder - readable or not -, the layout its newest
+    readable one names). Reads only; a folder that cannot be read counts as holding one (never free)."""
     try:
+        if not files.list_checkpoints(out_dir / "checkpoints"):
+            return False, None
         info = files.latest(out_dir / "checkpoints", checksums=False, report=lambda _message: None)
-    except (OSError, ValueError, ConfigError):
-        return False, None
-    return (info is not None), (saved_layout(info.meta) if info is not None else None)
+    except (OSError, ValueError, ConfigError, CheckpointError):
+        return True, None
+    return True, (saved_layout(info.meta) if info is not None else None)
 
 
-def place(base: Path, mine: Layout, fresh: bool = False, in_queue: bool = False,
-          look: Callable[[Path], tuple[bool, Optional[Layout]]] = newest_layout) -> tuple[Path, Optional[str]]:
+def placed_by(folder: Path) -> str:
+    """The launch a fresh run's folder was made for ("" for none): a restart of that launch finds it."""
+    try:
+        return Folder(folder).load_text(MARKER, limit=256).strip() if Folder(folder).kind(MARKER) == "file" else ""
+    except (OSError, ValueError, UnicodeDecodeError):
+        return ""
+
+
+def place(base: Path, mine: Layout, fresh: bool = False, in_queue: bool = False, restarted: bool = False,
+          look: Callable[[Path], tuple[bool, Optional[Layout]]] = newest_layout,
+          launch: str = "") -> tuple[Path, Optional[str]]:
     """The folder this run writes in, and the line that says why it is not ``base`` (None when it is).
 
-    The first of ``base``, ``base-2``, ... whose newest checkpoint is of this layout (or names none: a
-    checkpoint from before layouts resumes as before); else the first that holds no checkpoint, or the
-    next number. ``fresh``: always a folder without checkpoints. Under the queue a run's folder is the
-    queue's to name: another model there is an error, not a sibling the queue would not know."""
-    taken: list[tuple[Path, Optional[Layout]]] = []
-    free: Optional[Path] = None
-    for folder in siblings(base):
-        holds, saved = look(folder)
-        if not holds:
-            free = free or folder
-        elif not fresh and (saved is None or saved.digest == mine.digest):
-            return folder, (None if folder == base else f"multigpu: continuing the run of this model in "
-                            f"{visible(str(folder))} ({visible(str(base))} holds a run of another model)")
-        else:
-            taken.append((folder, saved))
-    if free is None:  # the next number whose name nothing holds yet (a planted link or file is skipped)
-        last = siblings(base)[-1]
-        number = int(last.name.rsplit("-", 1)[1]) + 1 if last != base else 2
-        while base.with_name(f"{base.name}-{number}").is_symlink() or base.with_name(f"{base.name}-{number}").exists():
-            number += 1
-        free = base.with_name(f"{base.name}-{number}")
-    if free == base:
+    ``base`` when it holds no checkpoint, or checkpoints of this layout (or of none it names: written
+    before layouts, or unreadable - the resume then says what it found). Only when ``base`` holds a run
+    of another model are the siblings looked at: the first whose newest checkpoint names this very
+    layout continues; else the first without any checkpoint folder, or the next number. ``fresh``:
+    ``base`` if it holds none, else a new sibling. Under the queue a run's folder is the queue's to name:
+    another model there is an error, not a sibling the queue would not know.
+
+    A restart of a ``fresh`` run (``--max-restarts``, a Slurm requeue) must continue the folder its first
+    start made, not start yet another: ``launch`` (the launcher's id of this job) is written into that
+    folder (:data:`MARKER`) and found again; where the id is not unique to the job (a static multi-node
+    rendezvous), ``restarted`` takes the newest folder of this layout."""
+    if fresh and (launch or restarted):
+        for folder in reversed([base, *siblings(base)]):
+            held, theirs = look(folder)
+            if (placed_by(folder) == launch if launch else
+                    (held and theirs is not None and theirs.digest == mine.digest)):
+                return folder, None if folder == base else f"multigpu: continuing the run of this model in {visible(str(folder))}"
+    holds, saved = look(base)
+    if not holds or (not fresh and (saved is None or saved.digest == mine.digest)):
         return base, None
-    why = "trainer.fresh is set" if fresh else _difference(base, taken[0][1], mine)
+    free: Optional[Path] = None
+    last = 1
+    for folder in siblings(base):
+        last = int(folder.name.rsplit("-", 1)[1])
+        theirs_held, theirs = look(folder)
+        if not theirs_held:
+            free = free or folder
+        elif not fresh and theirs is not None and theirs.digest == mine.digest:
+            if in_queue:
+                break
+            return folder, (f"multigpu: continuing the run of this model in {visible(str(folder))} "
+                            f"({visible(str(base))} holds a run of another model)")
+    if free is None:
+        number = last + 1
+        while numbered(base, number).is_symlink() or numbered(base, number).exists():
+            number += 1  # a planted link or file of that name is never written through
+        free = numbered(base, number)
+    why = "trainer.fresh is set" if fresh else _difference(base, saved, mine)
     if in_queue:
         raise ConfigError(f"{visible(str(base))} holds a run of another model ({why}).",
                           "give this run a new name in the runs file, or remove its folder to train it afresh.")
@@ -157,24 +200,27 @@ def explicit(path: str) -> files.CheckpointInfo:
     """``trainer.resume_from``: a ``step-N`` checkpoint, or a folder of them (a run's ``checkpoints`` or
     the run folder itself; its newest good one). Verified before anything is read."""
     given = Path(path)
-    candidates: Iterable[Path] = (given / "checkpoints", given) if not files.is_checkpoint(given) else ()
-    for folder in candidates:
-        info = files.latest(folder, checksums=True, report=lambda _message: None)
-        if info is not None:
-            return info
+    skipped: list[str] = []
     if files.is_checkpoint(given):
         manifest = files.verify(given)
         step = manifest.get("step")
         return files.CheckpointInfo(given, step if isinstance(step, int) and not isinstance(step, bool) else 0, manifest)
-    raise ConfigError(f"trainer.resume_from {visible(path)[:200]} holds no checkpoint.",
+    for folder in (given / "checkpoints", given):
+        if folder.is_dir() and not folder.is_symlink():
+            info = files.latest(folder, checksums=True, report=skipped.append)
+            if info is not None:
+                return info
+    why = f" ({skipped[-1][len('multigpu: '):]})" if skipped else ""
+    raise ConfigError(f"trainer.resume_from {visible(path)[:200]} holds no checkpoint that verifies{why[:300]}.",
                       "name a run folder, its checkpoints folder or one step-N folder in it.")
 
 
 def settle(run: Any, model: nn.Module, optimizer: Any, out_dir: str, fresh: bool,
            resume_from: Optional[str] = None) -> tuple[Layout, Path]:
     """The Trainer's layout and folder, the same on every rank: rank 0 looks at the folders (one answer,
-    even while another rank's files appear), the others wait for it; the line is printed once."""
-    base = run.check_writable(out_dir, "the Trainer's out_dir")
+    even while another rank's files appear), the others wait for it; the line is printed once. A
+    restart of the job (``--max-restarts``) continues where the first start was placed."""
+    base = named(run.check_writable(out_dir, "the Trainer's out_dir"))
     if resume_from is not None and not Path(resume_from).exists():
         raise ConfigError(f"trainer.resume_from {visible(resume_from)[:200]} does not exist.",
                           "name a run folder, its checkpoints folder or one step-N folder in it.")
@@ -187,11 +233,19 @@ def settle(run: Any, model: nn.Module, optimizer: Any, out_dir: str, fresh: bool
         return parts
 
     mine = layout_of(model, optimizer, gather)
-    folder, line = run.run_on_main(lambda: place(base, mine, fresh, in_queue=run.world.run_dir is not None))
+    launch = run.world.launch_id if run.world.launch_id not in ("", "multigpu", "none") else ""
+
+    def chosen() -> tuple[Path, Optional[str]]:
+        folder, line = place(base, mine, fresh, in_queue=run.world.run_dir is not None,
+                             restarted=run.world.restart_count > 0, launch=launch)
+        if fresh and launch:
+            Folder(folder).create().write_atomic(MARKER, launch + "\n")  # a planted link there is replaced
+        return folder, line
+
+    folder, line = run.run_on_main(chosen)
     if line:
         run.print(line)
-    checked = run.check_writable(folder, "the Trainer's out_dir")
-    return mine, checked
+    return mine, run.check_writable(folder, "the Trainer's out_dir")
 
 
 def check_owned(out_dir: Path) -> None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from multigpu.data import LoaderLike
-from multigpu.errors import CheckpointError, ConfigError
+from multigpu.errors import CheckpointError, ConfigError, visible
 from multigpu.guards import consistency
 from multigpu.guards.preemption import Preempted
 from multigpu.loggers import Loggers, hparams_of
@@ -186,8 +186,8 @@ class Trainer(abc.ABC):
             raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
                               "set resume: true to continue that run, or choose a new out_dir.")
         train_loader.resume_at(*self.replicas.join(epochs))  # replica groups: a group that comes back heals here
-        self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, report_dir=str(self.out_dir / "hang"),
-                                  preemption=s.preemption, stop_check_every=s.stop_check_every)
+        self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, hang_notice_s=s.hang_notice_s, preemption=s.preemption,
+                                  report_dir=str(self.out_dir / "hang"), stop_check_every=s.stop_check_every)
         # With resume on, the files continue from this run's step - 0 when no checkpoint was found, so a
         # restart that crashed before its first checkpoint does not log steps 1..k twice.
         self.loggers = Loggers(s.loggers, self.out_dir, resume_step=self.state.global_step if s.resume else None,
@@ -478,6 +478,8 @@ class Trainer(abc.ABC):
         info = self.replicas.latest(self.settings.verify_checksums)  # with replica groups: the newest of any group
         if info is None and self.settings.resume_from:  # this run's own checkpoints first: a restart continues
             info = self.run.run_on_main(identity.explicit, self.settings.resume_from)
+        elif info is not None and self.settings.resume_from:
+            self.run.print(f"multigpu: trainer.resume_from not used: {visible(str(self.checkpoint_dir))} holds this run's own")
         if info is None:
             return False
         wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)
@@ -486,7 +488,7 @@ class Trainer(abc.ABC):
         changes = resume.apply_hyperparameters(self.optimizer.param_groups, wanted, getattr(self.scheduler, "base_lrs", None))
         changes += resume.changed_settings({"trainer": state.get("settings"), "config": state.get("config")},
                                            {"trainer": self.settings.plain(), "config": consistency.plain(self.config)})
-        self.run.print(f"multigpu: resumed from {info.path} (epoch {self.state.epoch}, "
+        self.run.print(f"multigpu: resumed from {visible(str(info.path))} (epoch {self.state.epoch}, "
                        f"batch {self.state.batch_in_epoch}, step {self.state.global_step})")
         if changes:
             self.run.print("multigpu: settings changed since the checkpoint (the ones given now are used): "

@@ -40,7 +40,8 @@ SETTING_RULES = {
     "monitor": Rule(str, optional=True), "mode": Rule(str, choices=("min", "max")),
     "patience": Rule(int, 0, 10**9, optional=True), "min_delta": Rule(float, 0, 1e30), "plot": Rule(bool),
     "preemption": Rule(bool), "stop_check_every": Rule(int, 1, 10**9, optional=True),
-    "hang_timeout_s": Rule(float, 0, 1e9, optional=True, positive=True), "check_consistency": Rule(bool),
+    "hang_timeout_s": Rule(float, 0, 1e9, optional=True, positive=True),
+    "hang_notice_s": Rule(float, 0, 1e9, optional=True, positive=True), "check_consistency": Rule(bool),
     "async_checkpoint": Rule(bool, optional=True),
     "ema": Rule(float, 0, 1, optional=True, positive=True), "swa_start": Rule(int, 1, _BIG, optional=True),
     "skip_nonfinite": Rule(bool), "skip_grad_norm_above": Rule(float, 0, 1e12, optional=True, positive=True),
@@ -122,6 +123,8 @@ class TrainerSettings:
     stop_check_every: Optional[int] = None
     #: Write where every rank is stuck and exit when no step finishes for this long (None: off).
     hang_timeout_s: Optional[float] = 900.0
+    #: Before that, one line naming where every rank is after this long without a step (None: none).
+    hang_notice_s: Optional[float] = 60.0
     #: Compare model, settings, data and versions across ranks before training; fail with a diff.
     check_consistency: bool = True
     #: Recompute each block's activations in backward instead of keeping them: true (every repeated block),
