@@ -49,7 +49,9 @@ def test_csv_rows_append_and_a_resume_continues_without_duplicates(tmp_path):
     _train(tmp_path, 2, log_every_n_steps=3)
     steps = read_csv(tmp_path / "steps.csv")
     assert [int(r["step"]) for r in steps] == [3, 6, 9, 12, 15]
-    assert {"loss", "lr", "samples_per_s", "epoch"} <= set(steps[0])
+    assert {"loss", "lr", "samples_per_s", "epoch", "wall_time"} <= set(steps[0])
+    written = [float(r["wall_time"]) for r in steps]  # when each row was written: in order, and today's
+    assert written == sorted(written) and abs(written[-1] - __import__("time").time()) < 3600
     # rows written after the last checkpoint, then a crash: the resume drops them, the curve continues
     with open(tmp_path / "steps.csv", "a") as handle:
         handle.write("18,1.9,9.9,0.1,1\n21,1.8,9.9,0.1,1\n99,torn li")
@@ -58,7 +60,7 @@ def test_csv_rows_append_and_a_resume_continues_without_duplicates(tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 30 and 99 not in steps
     epochs = read_csv(tmp_path / "metrics.csv")
     assert [float(r["epoch"]) for r in epochs] == [1.0, 2.0, 3.0, 4.0]
-    assert {"valid_loss", "train_loss"} <= set(epochs[0])
+    assert {"valid_loss", "train_loss", "wall_time"} <= set(epochs[0])
 
 
 def test_tensorboard_events_read_back_and_resumed_steps_are_not_doubled(tmp_path):
@@ -247,7 +249,7 @@ def debug_run(tmp_path_factory):
 def test_the_progress_line_prints_in_a_log_file_and_the_start_report(debug_run):
     lines = [line for line in debug_run.stdout.splitlines() if line.startswith("epoch ") and "ETA" in line]
     assert len(lines) >= 2, debug_run.stdout
-    assert "samples/s" in lines[0] and "/10]" not in lines[0]
+    assert "samples/s elapsed 0:0" in lines[0] and "/10]" not in lines[0]
     assert "3 parameters (3 trainable); strategy ddp, precision 32; 10 optimizer steps per epoch" in debug_run.stdout
 
 
@@ -307,3 +309,25 @@ def test_the_queue_summary_names_the_best_run_by_its_metric(tmp_path):
     assert best_line(queue("valid_err", {"a": 0.5, "b": 0.7}, "valid_err", "max")).startswith("best run: b")
     assert best_line(queue("valid_rmse", {"a": 0.5, "b": 0.7}, "valid_rmse")).startswith("best run: a")
     assert best_line(queue("valid_accuracy", {"a": 0.5, "b": 0.7})) == ""  # no loss, no metric: chosen: no guess
+
+
+def test_the_progress_bar_counts_max_steps_when_they_end_the_run_first_in_the_unit_named():
+    """max_steps 30 inside a 100-batch epoch: bar and ETA both count to step 30; tokens/s as named."""
+    import io
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from multigpu.trainer.progress import ProgressLine, show_progress
+
+    out = io.StringIO()
+    settings = SimpleNamespace(max_steps=30, accumulate=1, items_per_sample=256.0, throughput_unit="tokens")
+    trainer = SimpleNamespace(settings=settings, state=SimpleNamespace(global_step=10), run=SimpleNamespace(dp_size=2),
+                              progress=ProgressLine(True, stream=out, every_s=0.0))
+    show_progress(trainer, 0, 1, 10, 100, torch.tensor(1.5), 80, 10, time.monotonic() - 1.0)
+    line = out.getvalue()
+    assert "] step 10/30 loss 1.5" in line and "tokens/s" in line and "ETA 0:02" in line, line
+    settings.max_steps = 1000  # the epoch ends first: the epoch's batches
+    show_progress(trainer, 0, 1, 10, 100, torch.tensor(1.5), 80, 10, time.monotonic() - 1.0)
+    assert "] 10/100 loss" in out.getvalue().splitlines()[-1], out.getvalue()

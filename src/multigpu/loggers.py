@@ -20,6 +20,7 @@ import math
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
@@ -66,8 +67,13 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- CSV
 
 
+#: The CSV files' wall-clock column: Unix seconds when the row was written (a row's own value wins).
+WALL_TIME = "wall_time"
+
+
 class CSVLogger:
-    """``metrics.csv`` (epoch rows) and ``steps.csv`` (step rows), appended one row at a time.
+    """``metrics.csv`` (epoch rows) and ``steps.csv`` (step rows), appended one row at a time, each with
+    its :data:`WALL_TIME` (grep a log by time, plot against hours, line two runs up).
 
     A row is one ``write`` of a complete line, flushed: a crash leaves whole rows (a torn last line is
     dropped on the next start). A row with a new column rewrites the file once with the wider header
@@ -88,7 +94,7 @@ class CSVLogger:
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
         name = CSV_FILES[kind]
-        row = {"step": step, **{k: v for k, v in row.items() if k != "step"}}
+        row = {"step": step, WALL_TIME: round(time.time(), 3), **{k: v for k, v in row.items() if k != "step"}}
         columns = self._columns[kind]
         if not columns or any(k not in columns for k in row):
             rows = read_csv(self.folder / name)

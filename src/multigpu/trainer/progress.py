@@ -37,7 +37,7 @@ class ProgressLine:
         self.enabled = enabled
         self.live = enabled and self.stream.isatty()
         self.interval_s = interval_s if self.live else every_s
-        self._last = time.monotonic()
+        self._last = self.began = time.monotonic()
         self._width = 0
 
     def wants_update(self) -> bool:
@@ -45,18 +45,22 @@ class ProgressLine:
         return self.enabled and time.monotonic() - self._last >= self.interval_s
 
     def update(self, epoch: int, epochs: int, done: int, total: Optional[int], loss: float, samples_per_s: float,
-               eta_s: Optional[float] = None) -> None:
-        """``epoch`` counts from 1, as everywhere the user sees it."""
+               eta_s: Optional[float] = None, unit: str = "samples", steps: Optional[tuple[int, int]] = None) -> None:
+        """``epoch`` counts from 1, as everywhere the user sees it. ``samples_per_s`` is in ``unit`` (the
+        Trainer's ``throughput_unit``). ``steps`` (done, of): the bar counts optimizer steps instead of the
+        epoch's batches - when ``max_steps`` ends the run before the epoch ends, so bar and ETA agree."""
         if not self.enabled:
             return
         self._last = time.monotonic()
-        if total:
-            filled = int(20 * done / max(total, 1))
-            where = f"[{'=' * filled}{' ' * (20 - filled)}] {done}/{total}"
+        bar_done, bar_total = steps if steps is not None else (done, total)
+        if bar_total:
+            filled = min(20, int(20 * bar_done / max(bar_total, 1)))
+            where = f"[{'=' * filled}{' ' * (20 - filled)}] {'step ' if steps else ''}{bar_done}/{bar_total}"
         else:
             where = f"batch {done}"
         eta = f" ETA {format_duration(eta_s)}" if eta_s is not None else ""
-        text = f"epoch {epoch}/{epochs} {where} loss {loss:.4g} {samples_per_s:,.0f} samples/s{eta}"
+        text = (f"epoch {epoch}/{epochs} {where} loss {loss:.4g} {samples_per_s:,.0f} {unit}/s "
+                f"elapsed {format_duration(self._last - self.began)}{eta}")
         if self.live:
             self.stream.write("\r" + text.ljust(self._width))
             self._width = len(text)
@@ -85,13 +89,15 @@ def show_progress(trainer: Any, epoch: int, epochs: int, done: int, total: Optio
     elapsed = max(time.monotonic() - started, 1e-9)
     per_batch = elapsed / max(batches, 1)
     eta = None
+    steps = None
     if total:
         eta = ((total - done) + (epochs - epoch - 1) * total) * per_batch
     if settings.max_steps is not None:
         left = (settings.max_steps - trainer.state.global_step) * settings.accumulate * per_batch
-        eta = left if eta is None else min(eta, left)
-    trainer.progress.update(epoch + 1, epochs, done, total, mean_loss.item(), samples * trainer.run.dp_size / elapsed,
-                            eta)
+        if eta is None or left < eta:  # max_steps ends the run first: the bar counts its steps
+            eta, steps = left, (trainer.state.global_step, settings.max_steps)
+    rate = samples * trainer.run.dp_size / elapsed * settings.items_per_sample
+    trainer.progress.update(epoch + 1, epochs, done, total, mean_loss.item(), rate, eta, settings.throughput_unit, steps)
 
 
 def start_report(run: Any, settings: Any, model: Any, loader: Any, strategy: str, precision: str) -> list[str]:

@@ -36,7 +36,8 @@ SETTING_RULES = {
     "resume": Rule(bool), "fresh": Rule(bool), "resume_from": Rule(str, optional=True),
     "verify_checksums": Rule(bool), "loggers": Rule(list),
     "log_every_n_steps": Rule(int, 0, _BIG), "progress": Rule(bool),
-    "progress_every_s": Rule(float, 0, 1e7, positive=True), "eval_every_steps": Rule(int, 1, _BIG, optional=True),
+    "progress_every_s": Rule(float, 0, 1e7, positive=True), "throughput_unit": Rule(str),
+    "items_per_sample": Rule(float, 0, 1e12, positive=True), "eval_every_steps": Rule(int, 1, _BIG, optional=True),
     "monitor": Rule(str, optional=True), "mode": Rule(str, choices=("min", "max")),
     "patience": Rule(int, 0, 10**9, optional=True), "min_delta": Rule(float, 0, 1e30), "plot": Rule(bool),
     "preemption": Rule(bool), "stop_check_every": Rule(int, 1, 10**9, optional=True),
@@ -107,6 +108,10 @@ class TrainerSettings:
     progress: bool = True
     #: In a log file (not a terminal), a progress line every so many seconds.
     progress_every_s: float = 30.0
+    #: The progress line's throughput: ``items_per_sample`` x samples/s, named ``throughput_unit``
+    #: (a language model's block of 1,024 tokens: 1024 and "tokens").
+    throughput_unit: str = "samples"
+    items_per_sample: float = 1.0
     #: Validate every N optimizer steps too, not only after each epoch (exact across ranks).
     eval_every_steps: Optional[int] = None
     #: Keep the best checkpoint by this metric (e.g. valid_loss) in checkpoints/best; stop early after
