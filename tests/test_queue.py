@@ -81,13 +81,18 @@ def test_runs_file_of_the_digits_recipe_has_related_configurations():
 def test_stages_select_a_range_by_name_or_number():
     stages = Stages(["prepare", "train", "evaluate"], start="train")
     assert stages.selected == ["train", "evaluate"] and "prepare" not in stages and "evaluate" in stages
-    assert Stages(["prepare", "train", "evaluate"], start=2, end=2).selected == ["train"]
+    # numbers as in ASDF's recipes (from 0): its `recipe.start_stage = 1` is the second stage here too
+    assert Stages(["prepare", "train", "evaluate"], start=1, end=1).selected == ["train"]
+    assert Stages(["prepare", "train", "evaluate"], start="0", end=0).selected == ["prepare"]
+    assert Stages(["prepare", "train", "evaluate"], start=2, end=2, first=1).selected == ["train"]  # ESPnet's --stage
     with pytest.raises(ConfigError, match="start_stage='trian' is not a stage"):
         Stages(["prepare", "train"], start="trian")
     with pytest.raises(ConfigError, match="comes after end_stage"):
         Stages(["prepare", "train"], start="train", end="prepare")
+    with pytest.raises(ConfigError, match=r"numbered 0..1. HINT: stages: 0=prepare, 1=train"):
+        Stages(["prepare", "train"], end=2)
     with pytest.raises(ConfigError, match="numbered 1..2"):
-        Stages(["prepare", "train"], end=5)
+        Stages(["prepare", "train"], start=0, first=1)
 
 
 @pytest.mark.parametrize("value, expected", [(0.5, 0.5), (1.0, 1), (2, 2), (0.25, 0.25), (0.0625, 0.0625)])

@@ -61,7 +61,7 @@ class DigitsConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: mg.TrainerSettings = field(default_factory=mg.TrainerSettings)
-    start_stage: Optional[str] = None  # prepare, train or evaluate (or 1, 2, 3)
+    start_stage: Optional[str] = None  # prepare, train or evaluate (or 0, 1, 2, counted as in ASDF)
     end_stage: Optional[str] = None
 
 

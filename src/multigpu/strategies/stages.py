@@ -2,8 +2,10 @@
 
 Why: the multi-GPU guide of ASDF (an audio anti-spoofing framework) runs recipes in numbered stages so
 that a family of runs can share data preparation, or re-evaluate without retraining. A recipe lists its
-stages once; the config picks the range by name or by number (1-based, as in that guide), and a wrong
-name is an error, not a silent no-op.
+stages once; the config picks the range by name or by number, and a wrong name is an error, not a
+silent no-op. Numbers count from 0 as in ASDF's recipes (``recipe.start_stage = 5`` there is the sixth
+stage), so a value copied from an ASDF config selects the same stage; ``first=1`` numbers them from 1
+(ESPnet's and Kaldi's ``--stage 1``) where a recipe's users expect that. Names are the same either way.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ StageRef = Union[str, int, None]
 
 
 class Stages:
-    def __init__(self, names: Sequence[str], start: StageRef = None, end: StageRef = None) -> None:
+    def __init__(self, names: Sequence[str], start: StageRef = None, end: StageRef = None, first: int = 0) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError("stage names must be unique and at least one")
+        if first not in (0, 1):
+            raise ValueError("stages are numbered from 0 (ASDF) or 1")
         self.names = list(names)
+        self.first = first
         self.start = self._index(start, "start_stage", default=0)
         self.end = self._index(end, "end_stage", default=len(self.names) - 1)
         if self.start > self.end:
@@ -32,10 +37,11 @@ class Stages:
             return default
         if isinstance(ref, int) or validate.is_digits(ref):
             number = int(ref)
-            if not 1 <= number <= len(self.names):
-                raise ConfigError(f"{setting}={number} is not a stage: they are numbered 1..{len(self.names)}.",
-                                  f"stages: {', '.join(f'{i + 1}={n}' for i, n in enumerate(self.names))}.")
-            return number - 1
+            if not self.first <= number < len(self.names) + self.first:
+                raise ConfigError(f"{setting}={number} is not a stage: they are numbered "
+                                  f"{self.first}..{len(self.names) - 1 + self.first}.",
+                                  f"stages: {', '.join(f'{i + self.first}={n}' for i, n in enumerate(self.names))}.")
+            return number - self.first
         if ref not in self.names:
             raise ConfigError(f"{setting}={ref!r} is not a stage of this recipe.", f"choose from: {', '.join(self.names)}.")
         return self.names.index(ref)
@@ -58,6 +64,7 @@ class Stages:
         results = {}
         for name in self.selected:
             if announce is not None:
-                announce(f"stage {self.names.index(name) + 1}/{len(self.names)}: {name}")
+                announce(f"stage {self.names.index(name) + self.first} ({name}) of "
+                         f"{self.first}..{len(self.names) - 1 + self.first}")
             results[name] = functions[name]()
         return results
