@@ -224,6 +224,46 @@ fast < net:
     assert "summary" in proc.stdout and "makespan" in proc.stdout
 
 
+def test_a_run_waits_for_the_runs_it_names_and_reads_their_folders(tmp_path):
+    """ASDF's families: `tuned` starts after `net` (after:), given net's folder ({run:net}), on a pool of
+    2 slots where it could have started at once; `orphan` waits for a run that fails: never started."""
+    runs = _runs_file(tmp_path, f"""
+net:
+  script: {SLEEP}
+  args: ["0.6"]
+  out_dir_key: out_dir
+tuned < net:
+  args: ["0.1"]
+  overrides: {{parent: "{{run:net}}"}}
+bad < net:
+  args: ["0.1"]
+  overrides: {{fail: 1}}
+orphan < net:
+  args: ["0.1"]
+  after: [bad]
+""")
+    out = tmp_path / "q"
+    proc = multigpu("queue", str(runs), "--slots", "2", "--out", str(out), "--no-live")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    net, tuned = _status(out / "net"), _status(out / "tuned")
+    assert net["state"] == tuned["state"] == "done" and tuned["started"] >= net["ended"]
+    assert json.loads((out / "tuned" / "args.json").read_text())["parent"] == str(out / "net")
+    assert not (out / "orphan").exists() and "not started: bad did not finish" in proc.stdout, proc.stdout
+    plan = multigpu("queue", str(runs), "--slots", "2", "--out", str(tmp_path / "p"), "--dry-run")
+    assert "tuned: would start, 1 slot(s), after net:" in plan.stdout, plan.stdout
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("a:\n  script: t.py\n  after: [b]\n", "waits for 'b', which is not a run of this file"),
+    ("a:\n  script: t.py\n  after: [a]\n", "waits for itself"),
+    ("a:\n  script: t.py\n  after: [b]\nb:\n  script: t.py\n  overrides: {x: '{run:a}'}\n", "wait for each other"),
+    ("a:\n  script: t.py\n  after: [s]\ns:\n  script: t.py\n  sweep: {grid: {x: [1, 2]}}\n", "a sweep or search"),
+])
+def test_an_order_that_cannot_be_kept_is_refused_with_a_hint(tmp_path, text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_runs(_runs_file(tmp_path, text))
+
+
 def test_a_failing_run_is_isolated_and_reported_with_its_log(tmp_path):
     runs = _runs_file(tmp_path, f"""
 ok:

@@ -20,6 +20,8 @@ os.makedirs(out, exist_ok=True)
 names = ("CUDA_VISIBLE_DEVICES", "MULTIGPU_GPU_MEMORY_FRACTION", "OMP_NUM_THREADS")
 with open(os.path.join(out, "env.json"), "w") as handle:
     json.dump({name: os.environ.get(name) for name in names}, handle)
+with open(os.path.join(out, "args.json"), "w") as handle:  # what the queue handed it (a {run:NAME} resolved)
+    json.dump(args, handle)
 launcher = os.environ.get("MULTIGPU_AGENT_PID")
 if launcher:
     with open(f"/proc/{launcher}/cmdline", "rb") as cmdline, open(f"/proc/{launcher}/stat") as stat:

@@ -86,8 +86,9 @@ def _show_plan(specs: list[Any], searches: list[Any], out: Any, on_gpus: bool, s
         decision = decide(folder, spec.fingerprint())
         what = {"start": "would start", "resume": "would resume", "fresh": "would start afresh (settings changed)",
                 "skip": "skipped"}[decision.action]
-        print(visible(f"{spec.name}: {what}{f' ({decision.note})' if decision.note else ''}, {spec.gpus:g} {unit}: "
-                      f"{shlex.join(spec.command(folder, on_gpus))}"))
+        after = f", after {', '.join(spec.waits_for())}" if spec.waits_for() else ""
+        print(visible(f"{spec.name}: {what}{f' ({decision.note})' if decision.note else ''}, {spec.gpus:g} {unit}"
+                      f"{after}: {shlex.join(spec.command(folder, on_gpus))}"))
     for search in searches:
         print(visible(f"{search.name}: a search of {search.space.search.trials} trial(s), each asked when it can "
                       "start"))
@@ -126,6 +127,11 @@ def _cmd_queue(args: argparse.Namespace) -> int:
                               "ask per node with --gpus-per-node N (or --gres gpu:N) instead.")
         if args.status:
             return show_status(specs, out)
+        ordered = next((spec for spec in specs if spec.waits_for()), None)
+        if ordered is not None:
+            raise ConfigError(f"run {ordered.name!r} waits for {', '.join(ordered.waits_for())} (after: or {{run:NAME}}), "
+                              "which Slurm jobs submitted here do not do yet.",
+                              f"submit the first runs with --only, then the others once they are done (--only {ordered.name}).")
 
         packed = next((spec.name for spec in specs if spec.gpus < 1), None)
         if args.runs_per_gpu != 1 or packed:

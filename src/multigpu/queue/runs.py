@@ -54,10 +54,18 @@ class QueueEntry:
     #: With ``multigpu queue --slurm``: submit this run as one task of an array job (as ``--array`` does
     #: for every run). Where a run trains, not what it computes: not part of the fingerprint.
     slurm_array: bool = False
+    #: Runs of this file that must have finished (done) before this one starts, as ASDF's recipes start a
+    #: tuning or evaluation config after its parent. A ``{run:NAME}`` in an override or argument is that
+    #: run's folder, and waits for it too. When, not what: not part of the fingerprint.
+    after: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         validate.run_name(self.name, ConfigError)
         where = f"run {self.name!r}: "
+        for name in [*self.after, *self.references()]:
+            validate.run_name(name, ConfigError, f"{where}after: ")
+            if name == self.name:
+                raise ConfigError(f"{where}waits for itself.", "name another run of the file in after: (or {run:NAME}).")
         if (self.script is None) == (self.module is None):
             raise ConfigError(f"{where}needs exactly one of script: or module:.", "e.g. script: examples/digits/train.py")
         for what, text in (("script", self.script), ("module", self.module), ("out_dir_key", self.out_dir_key),
@@ -94,9 +102,20 @@ class QueueEntry:
             return Fraction(str(self.gpus))  # as written: 0.333 three times fits on one GPU, 0.97 stays 0.97
         return Fraction(1, runs_per_gpu) if self.gpus == 1 else Fraction(int(self.gpus))
 
+    def references(self) -> list[str]:
+        """The runs whose folders this one names with ``{run:NAME}`` (in its arguments or override values)."""
+        texts = [str(a) for a in self.args] + [v for v in self.overrides.values() if isinstance(v, str)]
+        return sorted({name for text in texts for name in RUN_REFERENCE.findall(text)})
+
+    def waits_for(self) -> list[str]:
+        return sorted({*self.after, *self.references()})
+
     def recipe_args(self, folder: Path) -> list[str]:
-        out = [str(a) for a in self.args]
-        out += [f"{key}={format_value(value)}" for key, value in self.overrides.items()]
+        def placed(value: Any) -> Any:  # {run:NAME} -> that run's folder, a sibling of this one
+            return RUN_REFERENCE.sub(lambda m: str(folder.parent / m.group(1)), value) if isinstance(value, str) else value
+
+        out = [placed(str(a)) for a in self.args]
+        out += [f"{key}={format_value(placed(value))}" for key, value in self.overrides.items()]
         if self.out_dir_key:
             out.append(f"{self.out_dir_key}={folder}")
         return out
@@ -120,10 +139,13 @@ class QueueEntry:
 
     def fingerprint(self) -> str:
         """Changes when anything that affects the run's result changes (not its name)."""
-        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric", "mode", "slurm_array")}
+        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric", "mode", "slurm_array", "after")}
         data["gpus"] = math.ceil(self.gpus)  # a share of a GPU computes what a whole one does
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+
+#: ``{run:NAME}`` in an argument or an override value: the folder of the run NAME of the same queue.
+RUN_REFERENCE = re.compile(r"\{run:([A-Za-z0-9][A-Za-z0-9_.-]*)\}")
 
 #: The finest share of one GPU a run may take (``gpus: 0.0625``, ``--runs-per-gpu 16``).
 MAX_RUNS_PER_GPU = validate.MAX_SHARERS_PER_GPU
@@ -203,7 +225,36 @@ def load_entries(path: str | Path, allow_env: Sequence[str] = ()) -> list[Entry]
         for name, value in entry.spec.env.items():
             validate.env_allowed(name, allow_env, ConfigError, f"run {entry.spec.name!r}: ")
             validate.env_value(name, value, ConfigError, f"run {entry.spec.name!r}: ")
+    check_order(entries)
     return entries
+
+
+def check_order(entries: Sequence[Entry]) -> None:
+    """Every run named by ``after:`` or ``{run:NAME}`` is a plain run of the file, and no run waits for
+    itself through others (a cycle would wait forever)."""
+    families = {e.spec.name for e in entries if e.blocks}
+    plain = {e.spec.name for e in entries if not e.blocks}
+    for entry in entries:
+        for name in entry.spec.waits_for():
+            if name in families:
+                raise ConfigError(f"{entry.where}: waits for {name!r}, a sweep or search: its trials are many runs.",
+                                  "name one plain run of the file (or wait for the family in a second queue).")
+            if name not in plain:
+                raise ConfigError(f"{entry.where}: waits for {name!r}, which is not a run of this file.",
+                                  f"runs: {', '.join(sorted(plain))[:300]}.")
+    waits = {e.spec.name: e.spec.waits_for() for e in entries}
+    for start in waits:
+        path, todo = [start], list(waits[start])
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name == start:
+                raise ConfigError(f"runs {start!r} and {', '.join(repr(n) for n in path[1:]) or 'itself'} wait for "
+                                  "each other: none would start.", "remove one of the after: (or {run:NAME}) links.")
+            if name not in seen:
+                seen.add(name)
+                path.append(name)
+                todo += waits.get(name, [])
 
 
 def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = ()) -> list[QueueEntry]:

@@ -218,12 +218,33 @@ class Queue:
             return [max(fits, key=lambda slot: load[slot])]
         return [min(fits, key=lambda slot: load[slot])]
 
+    def _waiting(self, run: EntryState) -> Optional[str]:
+        """The run ``run`` still waits for (``after:``, ``{run:NAME}``); None when it may start. A run that
+        waited for one that did not finish fails here, unstarted, naming it."""
+        states = {r.spec.name: r for r in self.runs}
+        for name in run.spec.waits_for():
+            other = states.get(name)
+            if other is None:  # not in this queue (--only): its folder says whether it finished
+                finished = read_status(self.root / name).get("state") == "done"
+            elif other.state in ("queued", "running"):
+                return name
+            else:
+                finished = other.state == "done" or (other.state == "skipped" and other.exit_code == 0)
+            if not finished:
+                run.state, run.note = "failed", f"not started: {name} did not finish"
+                run.started = run.ended = time.time()  # (no status file: the next queue tries it again)
+                self.display(self, f"failed {run.spec.name}")
+                return name
+        return None
+
     def _launch_ready(self) -> None:
         running = sum(1 for r in self.runs if r.state == "running")
         whole_queued = any(r.state == "queued" and r.share >= 1 for r in self.runs)
         blocked = False  # a run of whole GPUs is waiting: later shares do not start (it would starve)
         for run in self.runs:
             if run.state != "queued" or (self.max_parallel is not None and running >= self.max_parallel):
+                continue
+            if run.spec.waits_for() and self._waiting(run) is not None:
                 continue
             if blocked and run.share < 1:
                 continue
