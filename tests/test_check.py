@@ -105,7 +105,7 @@ def table(tmp_path_factory) -> dict[str, tuple[int, str]]:
     from multigpu.diagnostics import check
 
     root = tmp_path_factory.mktemp("mutants")
-    cases = [*BUGS, *CORRECT, "opaque_inputs", "per_rank_generator", "zero_loss", "zero_lr"]
+    cases = [*BUGS, *CORRECT, "opaque_inputs", "per_rank_generator", "zero_loss", "zero_lr", "nan_loss"]
     token = f"mgtest-table-{time.monotonic_ns()}"
     started = time.monotonic()
     try:
@@ -177,6 +177,8 @@ def test_a_script_that_trains_nothing_is_unverified_never_equal(table):
     assert "the loss was 0 at every one of 3 steps" in report
     code, report = table["zero_lr"]  # the losses move with the batches; the weights do not
     assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"still_weights"}, report
+    code, report = table["nan_loss"]  # NaN in both runs: not "NaN in one run only", not DIFFERENT
+    assert code == 3 and "the loss is NaN or infinite in both runs from step 1" in report, report
 
 
 def test_batches_made_by_hand_with_a_generator_per_rank_are_named_as_unscaled(table):

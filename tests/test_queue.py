@@ -258,10 +258,32 @@ orphan < net:
     ("a:\n  script: t.py\n  after: [a]\n", "waits for itself"),
     ("a:\n  script: t.py\n  after: [b]\nb:\n  script: t.py\n  overrides: {x: '{run:a}'}\n", "wait for each other"),
     ("a:\n  script: t.py\n  after: [s]\ns:\n  script: t.py\n  sweep: {grid: {x: [1, 2]}}\n", "a sweep or search"),
+    ("a:\n  script: t.py\n  overrides: {x: '{run: a}'}\n", "holds a {run:...} that is not a run's name"),
+    ("a:\n  script: t.py\nb:\n  script: t.py\n  overrides: {x: ['{run:a}']}\n", "inside a list or mapping"),
+    ("a:\n  script: t.py\n  upstream: {b: x}\n", "the queue's own record"),
+    # a sweep's values are overrides too: a trial may wait only for a plain run of the file
+    ("a:\n  script: t.py\n  sweep: {params: {x: ['{run:a-x1}', '{run:nothere}']}}\n", "not a run of this file"),
+    ("n:\n  script: t.py\ns:\n  script: t.py\n  after: [n]\n  sweep: {params: {x: {uniform: [0, 1]}}}\n"
+     "  search: {trials: 2, metric: m}\n", "searches do not do yet"),
 ])
 def test_an_order_that_cannot_be_kept_is_refused_with_a_hint(tmp_path, text, needle):
     with pytest.raises(ConfigError, match=needle):
         load_runs(_runs_file(tmp_path, text))
+
+
+def test_a_changed_parent_changes_its_childrens_fingerprints_and_a_swept_parent_is_refused(tmp_path):
+    """The child's results come from the parent: when the parent's settings change, the child runs again
+    (its fingerprint changes with the parent's); under --sweep the parent is many runs: refused."""
+    from multigpu.queue.plan import load_plan
+    from multigpu.queue.space import parse_cli
+
+    text = "net:\n  script: t.py\n  overrides: {{lr: {lr}}}\nb:\n  script: t.py\n  overrides: {{src: '{{run:net}}'}}\n"
+    first = {s.name: s.fingerprint() for s in load_runs(_runs_file(tmp_path, text.format(lr=0.1)))}
+    again = {s.name: s.fingerprint() for s in load_runs(_runs_file(tmp_path, text.format(lr=0.1)))}
+    changed = {s.name: s.fingerprint() for s in load_runs(_runs_file(tmp_path, text.format(lr=0.2)))}
+    assert first == again and changed["net"] != first["net"] and changed["b"] != first["b"]
+    with pytest.raises(ConfigError, match="which is swept here"):
+        load_plan(_runs_file(tmp_path, text.format(lr=0.1)), sweep=parse_cli(["lr=0.1,0.2"]))
 
 
 def test_a_failing_run_is_isolated_and_reported_with_its_log(tmp_path):
@@ -519,3 +541,14 @@ def test_a_log_file_gets_whole_lines_and_tables_not_80_columns(monkeypatch):
     lines = out.getvalue().splitlines()
     assert lines[0].endswith("valid_accuracy 0.987654") and name in lines[0]
     assert any(name in line and "valid_loss 0.123456" in line for line in lines[1:])
+
+
+def test_a_parent_outside_the_queue_counts_only_when_its_real_folder_is_done_with_these_settings(tmp_path):
+    from multigpu.queue.scheduler import finished_as
+
+    folder = tmp_path / "net"
+    folder.mkdir()
+    (folder / "status.json").write_text(json.dumps({"state": "done", "fingerprint": "f1"}))
+    (tmp_path / "linked").symlink_to(folder)
+    assert finished_as(folder, "f1") and not finished_as(folder, "f2") and not finished_as(folder, None)
+    assert not finished_as(tmp_path / "linked", "f1") and not finished_as(tmp_path / "absent", "f1")

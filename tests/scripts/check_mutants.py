@@ -57,8 +57,9 @@ CORRECT = ["none", "late_optimizer", "seq_first", "plain_backward", "accumulate"
 #: Right for training, but not what the check can compare: no tensor reaches the forward; batches made
 #: by hand with a generator per rank (the check cannot give its one-process run N times the batch).
 UNCHECKABLE = ["opaque_inputs", "per_rank_generator"]
-#: Trains nothing, so agrees on any number of processes: a loss that is always 0, a learning rate of 0.
-STILL = ["zero_loss", "zero_lr"]
+#: Trains nothing, so agrees on any number of processes (a loss that is always 0, a learning rate of 0), or
+#: diverged in both runs (NaN against NaN).
+STILL = ["zero_loss", "zero_lr", "nan_loss"]
 ACCUMULATING = {"accumulate", "nanogpt_toggle", "scheduler_per_micro", "scheduler_per_step", "no_sync_always",
                 "sync_toggle_wrong", "accum_div_world"}
 
@@ -172,6 +173,8 @@ def train(run, bug: str) -> None:
                     loss = loss / run.world_size
                 if bug == "zero_loss":  # the PyTorch DDP tutorial's toy shape: a loss that is always 0
                     loss = loss * 0
+                if bug == "nan_loss":  # a diverged run: NaN in both, which proves nothing either way
+                    loss = loss * float("nan")
                 loss = loss / accumulate
                 if scaler is not None:
                     scaler.scale(loss).backward()

@@ -127,11 +127,15 @@ def _cmd_queue(args: argparse.Namespace) -> int:
                               "ask per node with --gpus-per-node N (or --gres gpu:N) instead.")
         if args.status:
             return show_status(specs, out)
-        ordered = next((spec for spec in specs if spec.waits_for()), None)
-        if ordered is not None:
-            raise ConfigError(f"run {ordered.name!r} waits for {', '.join(ordered.waits_for())} (after: or {{run:NAME}}), "
-                              "which Slurm jobs submitted here do not do yet.",
-                              f"submit the first runs with --only, then the others once they are done (--only {ordered.name}).")
+        from multigpu.queue.scheduler import finished_as
+
+        for spec in specs:  # a run may wait only for runs already done (its folder says so, with these settings)
+            pending = [n for n in spec.waits_for() if not finished_as(out / n, spec.upstream.get(n))]
+            if pending:
+                raise ConfigError(f"run {spec.name!r} waits for {', '.join(pending)} (after: or {{run:NAME}}), which "
+                                  "is not done; Slurm jobs submitted here are not ordered yet.",
+                                  f"submit {', '.join(pending)} first (--only {','.join(pending)}), then this run once "
+                                  f"they are done (--only {spec.name}).")
 
         packed = next((spec.name for spec in specs if spec.gpus < 1), None)
         if args.runs_per_gpu != 1 or packed:

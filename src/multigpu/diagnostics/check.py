@@ -176,6 +176,12 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
         worst_weight = worst[2]
         out(f"\nweights after step {steps}: {len(rows)} tensor(s); largest difference {worst[1]:.3g} in {worst[0]} "
             f"({worst[2]:.3g} of its largest value)")
+    diverged = [i + 1 for i in range(shown) if all(v is not None and not math.isfinite(v) for v in (many.loss(i), one.loss(i)))]
+    if diverged:  # NaN against NaN says nothing either way
+        out(f"verdict: UNVERIFIED - the loss is NaN or infinite in both runs from step {diverged[0]}: nothing to "
+            "compare (the training diverged, or the model or the data hold NaN or inf). Check the loss on one "
+            "process first, or run fewer --steps.")
+        return UNVERIFIED
     same_samples = all(many.samples(i) == one.samples(i) for i in range(shown))
     complete = (many.status == 0 and one.status == 0 and many.steps >= steps and one.steps >= steps)
     numbers_agree = complete and worst_loss <= tol and worst_weight <= tol and same_samples

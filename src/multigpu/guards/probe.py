@@ -297,7 +297,8 @@ class Probe:
             device = first.device.type if first is not None else "cpu"
             enabled = torch.is_autocast_enabled(device) if device in ("cuda", "cpu") else False
             self._compute_dtype = str(torch.get_autocast_dtype(device) if enabled else
-                                      next((p.dtype for p in module.parameters()), torch.float32)).replace("torch.", "")
+                                      next((p.dtype for p in module.parameters() if p.is_floating_point()),
+                                           torch.float32)).replace("torch.", "")
         self._rows.append(self._rows_of(first))
         self._inputs.append(_digest(tensors) if tensors else "")
         self._rng.append(_rng_digest(first.device if first is not None else None))

@@ -154,7 +154,9 @@ class Display:
                           *[Text(_short(values.get(k, ""))) for k in metric_names], *([Text(run.note)] if notes else []))
         self.console.print(table)
         for run in queue.runs:
-            if run.state == "failed":
+            if run.state == "failed" and run.note.startswith("not started"):
+                self.console.print(Text(f"{run.spec.name} {run.note}", style="bold red"))
+            elif run.state == "failed":
                 self.console.print(f"[bold red]{escape(run.spec.name)} failed (exit {run.exit_code}); last lines of "
                                    f"{escape(str(run.folder / 'log.txt'))}:[/]")
                 for line in log_tail(run.folder):

@@ -80,11 +80,33 @@ def load_plan(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
         if clash is not None:
             raise ConfigError(f"{path}: {taken[clash]} is named like a trial of the search {family.name!r}.",
                               "rename it: search trials are named <family>-t<number>-..., each in its own folder.")
+    _check_waits(entries, runs, families, path)
     total = sum(len(f.trials) for f in families) + sum(f.space.count() for f in families if f.space.search)
     if total > MAX_TRIALS:
         raise ConfigError(f"{path}: its sweeps have {total:,} trials together; at most {MAX_TRIALS:,}.",
                           "run fewer families at once (--only), or sample them (samples: N, or a search: block).")
     return Plan(runs, families)
+
+
+def _check_waits(entries: list[Entry], runs: list[QueueEntry], families: list[Family], path: str | Path) -> None:
+    """What runs wait for, once sweeps are expanded (a sweep's values, ``--sweep``): plain runs of the file
+    only - never a family (many runs), a trial or a name that is none - and no search waits (its trials
+    are asked while the queue runs, not ordered)."""
+    swept = {f.name for f in families} | {e.spec.name for e in entries if e.blocks}
+    plain = {e.spec.name: e.spec for e in entries if e.spec.name not in swept}
+    for family in families:
+        if family.space.search is not None and family.entry.waits_for():
+            raise ConfigError(f"{path}: the search {family.name!r} waits for {', '.join(family.entry.waits_for())}, "
+                              "which searches do not do yet.", "run it in a second queue once those are done.")
+    for spec in runs:
+        for name in spec.waits_for():
+            if name in swept:
+                raise ConfigError(f"{path}: run {spec.name!r} waits for {name!r}, which is swept here: its trials "
+                                  "are many runs.", "name one plain run (or wait for the family in a second queue).")
+            if name not in plain:
+                raise ConfigError(f"{path}: run {spec.name!r} waits for {name!r}, which is not a run of this file.",
+                                  f"runs: {', '.join(sorted(plain))[:300]}.")
+        spec.upstream = {name: plain[name].fingerprint() for name in spec.waits_for()}
 
 
 def _chosen(entries: list[Entry], only: Optional[Sequence[str]], path: str | Path) -> tuple[list[Entry], list[str]]:

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence, Union
 import yaml
 
 from multigpu import config, validate
-from multigpu.errors import ConfigError
+from multigpu.errors import ConfigError, visible
 
 
 @dataclass
@@ -58,6 +58,9 @@ class QueueEntry:
     #: tuning or evaluation config after its parent. A ``{run:NAME}`` in an override or argument is that
     #: run's folder, and waits for it too. When, not what: not part of the fingerprint.
     after: list[str] = field(default_factory=list)
+    #: The fingerprints of the runs it waits for (set by the plan, never by a runs file): a parent that
+    #: changed makes this run's fingerprint change, so it runs again instead of keeping stale results.
+    upstream: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate.run_name(self.name, ConfigError)
@@ -66,6 +69,15 @@ class QueueEntry:
             validate.run_name(name, ConfigError, f"{where}after: ")
             if name == self.name:
                 raise ConfigError(f"{where}waits for itself.", "name another run of the file in after: (or {run:NAME}).")
+        texts = [str(a) for a in self.args] + [v for v in self.overrides.values() if isinstance(v, str)]
+        for written in texts:
+            if re.search(r"\{\s*run\s*:", RUN_REFERENCE.sub("", written), re.IGNORECASE):
+                raise ConfigError(f"{where}{visible(written)[:120]!r} holds a {{run:...}} that is not a run's name.",
+                                  "write {run:NAME} exactly, NAME a run of this file (letters, digits, _ . -).")
+        nested = [v for v in self.overrides.values() if not isinstance(v, str) and "{run:" in str(v).lower()]
+        if nested:
+            raise ConfigError(f"{where}{{run:NAME}} inside a list or mapping value ({visible(str(nested[0]))[:80]}).",
+                              "give it a string value of its own: key: \"{run:NAME}\".")
         if (self.script is None) == (self.module is None):
             raise ConfigError(f"{where}needs exactly one of script: or module:.", "e.g. script: examples/digits/train.py")
         for what, text in (("script", self.script), ("module", self.module), ("out_dir_key", self.out_dir_key),
@@ -140,6 +152,8 @@ class QueueEntry:
     def fingerprint(self) -> str:
         """Changes when anything that affects the run's result changes (not its name)."""
         data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric", "mode", "slurm_array", "after")}
+        if not data.get("upstream"):  # a run that waits for none: the fingerprint it always had
+            data.pop("upstream", None)
         data["gpus"] = math.ceil(self.gpus)  # a share of a GPU computes what a whole one does
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -216,6 +230,9 @@ def load_entries(path: str | Path, allow_env: Sequence[str] = ()) -> list[Entry]
         if "name" in settings:
             raise ConfigError(f"{config.where(str(path), lines, (raw_keys[name], 'name'))}: run {name!r} sets name:, "
                               "which is the run's key.", "remove name: (rename the entry instead).")
+        if "upstream" in settings:
+            raise ConfigError(f"{config.where(str(path), lines, (raw_keys[name], 'upstream'))}: upstream: is the "
+                              "queue's own record of the runs a run waits for.", "remove it; name them in after:.")
         blocks = {key: settings[key] for key in SWEEP_KEYS if settings.get(key) is not None}
         settings = {key: value for key, value in settings.items() if key not in SWEEP_KEYS}
         spec = config.from_mapping(QueueEntry, {**settings, "name": name}, f"{path} (run {name!r})", run_lines)
@@ -255,6 +272,13 @@ def check_order(entries: Sequence[Entry]) -> None:
                 seen.add(name)
                 path.append(name)
                 todo += waits.get(name, [])
+    specs = {e.spec.name: e.spec for e in entries}
+    done: set[str] = set()
+    while len(done) < len(waits):  # parents first (no cycle: each pass settles one more at least)
+        for name, parents in waits.items():
+            if name not in done and all(p in done for p in parents):
+                specs[name].upstream = {p: specs[p].fingerprint() for p in parents}  # a parent's holds its own
+                done.add(name)
 
 
 def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = ()) -> list[QueueEntry]:

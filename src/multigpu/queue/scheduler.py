@@ -224,14 +224,18 @@ class Queue:
         states = {r.spec.name: r for r in self.runs}
         for name in run.spec.waits_for():
             other = states.get(name)
-            if other is None:  # not in this queue (--only): its folder says whether it finished
-                finished = read_status(self.root / name).get("state") == "done"
+            why = "did not finish"
+            if other is None:  # not in this queue (--only): its folder says whether it finished, as it is now
+                finished = finished_as(self.root / name, run.spec.upstream.get(name))
+                why = "is not done with its settings in this file (run it first)"
             elif other.state in ("queued", "running"):
                 return name
             else:
                 finished = other.state == "done" or (other.state == "skipped" and other.exit_code == 0)
+                if other.state == "skipped" and other.exit_code != 0:
+                    why = f"runs in another queue ({other.note}); start this one again when it is done"
             if not finished:
-                run.state, run.note = "failed", f"not started: {name} did not finish"
+                run.state, run.note = "failed", f"not started: {name} {why}"
                 run.started = run.ended = time.time()  # (no status file: the next queue tries it again)
                 self.display(self, f"failed {run.spec.name}")
                 return name
@@ -399,6 +403,14 @@ def write_run_config(folder: Path, spec: QueueEntry) -> None:
 #: queue folder) - anything else in it is dropped, a field of the wrong type is as if it were missing.
 _STATUS_FIELDS = {"state": str, "exit_code": int, "started": float, "ended": float, "slots": list, "share": str,
                   "fingerprint": str, "job_id": str}
+
+
+def finished_as(folder: Path, fingerprint: Optional[str]) -> bool:
+    """Whether the run folder ``folder`` (a real folder, not a link) says done, with these settings."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    status = read_status(folder)
+    return status.get("state") == "done" and fingerprint is not None and status.get("fingerprint") == fingerprint
 
 
 def read_status(folder: Path) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any, Mapping, Optional, TextIO
 
+from multigpu.errors import visible
+
 
 def format_metrics(values: Mapping[str, Any]) -> str:
     parts = []
@@ -59,7 +61,7 @@ class ProgressLine:
         else:
             where = f"batch {done}"
         eta = f" ETA {format_duration(eta_s)}" if eta_s is not None else ""
-        text = (f"epoch {epoch}/{epochs} {where} loss {loss:.4g} {samples_per_s:,.0f} {unit}/s "
+        text = (f"epoch {epoch}/{epochs} {where} loss {loss:.4g} {samples_per_s:,.0f} {visible(unit[:40])}/s "
                 f"elapsed {format_duration(self._last - self.began)}{eta}")
         if self.live:
             self.stream.write("\r" + text.ljust(self._width))
