@@ -67,6 +67,15 @@ CASES = [
     ("skip-in-a-row-zero", "trainer.max_skipped_in_a_row=0", "max_skipped_in_a_row=0 is invalid"),
     ("skip-in-a-row-huge", "trainer.max_skipped_in_a_row=1e12", "max_skipped_in_a_row"),
     ("skip-loss-huge", "trainer.skip_loss_above=1e300", "skip_loss_above=1e+300 is invalid"),
+    # the settings of issue 52: where a run starts, the hang notice, the progress line's unit
+    ("fresh-text", "trainer.fresh=maybe", "fresh must be true or false"),
+    ("resume-from-list", "trainer.resume_from=[1]", "resume_from"),
+    ("resume-from-escape", "trainer.resume_from=\x1b[2Jout", "resume_from"),
+    ("notice-negative", "trainer.hang_notice_s=-1", "hang_notice_s=-1.0 is invalid"),
+    ("notice-nan", "trainer.hang_notice_s=.nan", "hang_notice_s must be a finite number, not nan"),
+    ("items-zero", "trainer.items_per_sample=0", "items_per_sample=0.0 is invalid"),
+    ("unit-escape", "trainer.throughput_unit=\x1b[31mtokens", "throughput_unit"),
+    ("unit-list", "trainer.throughput_unit=[tokens]", "throughput_unit"),
 ]
 
 

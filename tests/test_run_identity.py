@@ -6,6 +6,7 @@ placement rules on folders without processes, and manifests that are data from d
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -185,6 +186,25 @@ def test_a_resume_from_that_does_not_exist_is_one_line_before_anything_is_placed
     with pytest.raises(ConfigError, match="trainer.resume_from .*nowhere does not exist"):
         identity.settle(_Run(0), model, torch.optim.SGD(model.parameters(), lr=0.1), str(base), fresh=False,
                         resume_from=str(base.parent / "nowhere"))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file", "empty folder", "link to a step"])
+def test_a_resume_from_that_holds_no_checkpoint_is_one_line(tmp_path, kind):
+    from multigpu.errors import MultiGPUError
+
+    target = tmp_path / "given"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "file":
+        target.write_text("not a checkpoint")
+    elif kind == "empty folder":
+        target.mkdir()
+    else:
+        (tmp_path / "step-00000001").mkdir()
+        target.symlink_to(tmp_path / "step-00000001")
+    with pytest.raises(MultiGPUError) as caught:  # one line with a HINT (the CLI prints it so), never a hang
+        identity.explicit(str(target))
+    assert caught.value.hint and "\n" not in str(caught.value)
 
 
 def test_fresh_is_for_the_first_start_a_restart_continues_where_it_was_placed(base, monkeypatch):
