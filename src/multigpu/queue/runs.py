@@ -69,8 +69,7 @@ class QueueEntry:
             validate.run_name(name, ConfigError, f"{where}after: ")
             if name == self.name:
                 raise ConfigError(f"{where}waits for itself.", "name another run of the file in after: (or {run:NAME}).")
-        texts = [str(a) for a in self.args] + [v for v in self.overrides.values() if isinstance(v, str)]
-        for written in texts:
+        for written in self._texts():
             if re.search(r"\{\s*run\s*:", RUN_REFERENCE.sub("", written), re.IGNORECASE):
                 raise ConfigError(f"{where}{visible(written)[:120]!r} holds a {{run:...}} that is not a run's name.",
                                   "write {run:NAME} exactly, NAME a run of this file (letters, digits, _ . -).")
@@ -116,8 +115,11 @@ class QueueEntry:
 
     def references(self) -> list[str]:
         """The runs whose folders this one names with ``{run:NAME}`` (in its arguments or override values)."""
-        texts = [str(a) for a in self.args] + [v for v in self.overrides.values() if isinstance(v, str)]
-        return sorted({name for text in texts for name in RUN_REFERENCE.findall(text)})
+        return sorted({name for text in self._texts() for name in RUN_REFERENCE.findall(text)})
+
+    def _texts(self) -> list[str]:
+        """Where a ``{run:NAME}`` may stand: the arguments and the overrides' string values."""
+        return [str(a) for a in self.args] + [v for v in self.overrides.values() if isinstance(v, str)]
 
     def waits_for(self) -> list[str]:
         return sorted({*self.after, *self.references()})

@@ -218,10 +218,9 @@ class Queue:
             return [max(fits, key=lambda slot: load[slot])]
         return [min(fits, key=lambda slot: load[slot])]
 
-    def _waiting(self, run: EntryState) -> Optional[str]:
+    def _waiting(self, run: EntryState, states: dict[str, EntryState]) -> Optional[str]:
         """The run ``run`` still waits for (``after:``, ``{run:NAME}``); None when it may start. A run that
         waited for one that did not finish fails here, unstarted, naming it."""
-        states = {r.spec.name: r for r in self.runs}
         for name in run.spec.waits_for():
             other = states.get(name)
             why = "did not finish"
@@ -245,10 +244,11 @@ class Queue:
         running = sum(1 for r in self.runs if r.state == "running")
         whole_queued = any(r.state == "queued" and r.share >= 1 for r in self.runs)
         blocked = False  # a run of whole GPUs is waiting: later shares do not start (it would starve)
+        states = {r.spec.name: r for r in self.runs}  # what runs wait for, by name (once per pass)
         for run in self.runs:
             if run.state != "queued" or (self.max_parallel is not None and running >= self.max_parallel):
                 continue
-            if run.spec.waits_for() and self._waiting(run) is not None:
+            if run.spec.waits_for() and self._waiting(run, states) is not None:
                 continue
             if blocked and run.share < 1:
                 continue
