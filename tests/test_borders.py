@@ -498,8 +498,7 @@ def test_optuna_opens_a_study_only_after_its_door_and_strategies_parse_options_t
 def test_a_runs_file_string_reaches_the_recipe_as_the_same_string(value):
     """The queue writes each override as KEY=VALUE for the recipe's parser: `mode: "off"` arrived as False
     (YAML reads off as a boolean) and the recipe's HINT blamed the user."""
-    from multigpu.config import parse_overrides
-    from multigpu.queue.runs import format_value
+    from multigpu.config import format_value, parse_overrides
 
     if "\x00" in value or any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f or 0xd800 <= ord(c) <= 0xdfff for c in value):
         return  # control characters never reach an override (plain_text refuses them)

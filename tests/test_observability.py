@@ -236,14 +236,28 @@ if run.is_main:  # one line: two ranks' prints share one stdout and may interlea
 
 
 @pytest.fixture(scope="module")
-def debug_run(tmp_path_factory):
-    """One 2-process launch of a Trainer with --debug, its output a pipe (a log file, not a terminal): read
-    by the progress test and the debug test."""
-    folder = tmp_path_factory.mktemp("debug")
+def debug_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("debug")
+
+
+@pytest.fixture(scope="module")
+def debug_run(debug_folder):
+    """One 2-process launch of a Trainer with --debug and --log-dir, its output a pipe (a log file, not a
+    terminal): read by the progress test, the debug test and the log folder's test."""
+    folder = debug_folder
     script = folder / "slow.py"
     script.write_text(SLOW_TRAINER)
     return multigpu("run", "--debug", "--nproc", "2", "--log-dir", str(folder / "logs"), str(script),
                     str(folder / "out"), check=True)
+
+
+def test_a_named_log_dir_keeps_each_ranks_stdout_beside_its_stderr(debug_run, debug_folder):
+    """torchrun's --log-dir with --tee 3 keeps both streams; ours kept stderr only (issue 52, item 8)."""
+    logs = debug_folder / "logs"
+    kept = (logs / "rank0.attempt0.stdout").read_text()
+    assert '"TORCH_DISTRIBUTED_DEBUG": "INFO"' in kept  # the script's own print, rank 0's
+    assert "epoch 2/2" in kept and "epoch 2/2" in debug_run.stdout  # the terminal still gets every line
+    assert (logs / "rank1.attempt0.stdout").is_file() and (logs / "rank1.attempt0.stderr").is_file()
 
 
 def test_the_progress_line_prints_in_a_log_file_and_the_start_report(debug_run):
@@ -331,3 +345,44 @@ def test_the_progress_bar_counts_max_steps_when_they_end_the_run_first_in_the_un
     settings.max_steps = 1000  # the epoch ends first: the epoch's batches
     show_progress(trainer, 0, 1, 10, 100, torch.tensor(1.5), 80, 10, time.monotonic() - 1.0)
     assert "] 10/100 loss" in out.getvalue().splitlines()[-1], out.getvalue()
+
+
+def test_a_queued_runs_progress_and_eta_reach_the_queues_table(tmp_path):
+    """Issue 52, item 8: the queue's table had no per-run progress or ETA. The run's rank 0 keeps its numbers
+    in progress.json every couple of seconds (however seldom its log line prints); the table reads them back
+    as untrusted, like every file a run writes."""
+    import io
+    import os
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from multigpu.queue.display import progress, status_table
+    from multigpu.trainer.progress import ProgressLine, show_progress
+
+    out = io.StringIO()
+    settings = SimpleNamespace(max_steps=30, accumulate=1, items_per_sample=1.0, throughput_unit="samples")
+    trainer = SimpleNamespace(settings=settings, state=SimpleNamespace(global_step=10), run=SimpleNamespace(dp_size=1),
+                              progress=ProgressLine(True, stream=out, every_s=3600, record=str(tmp_path), record_s=0))
+    assert trainer.progress.wants_update()  # the record's clock, not the log line's hour
+    show_progress(trainer, 0, 1, 10, 100, torch.tensor(1.5), 80, 10, time.monotonic() - 1.0)
+    assert out.getvalue() == ""  # the log line keeps its own cadence
+    run = SimpleNamespace(state="running", folder=tmp_path, spec=SimpleNamespace(name="a", metric=None), slots=["0"],
+                          share=1, elapsed=1.0, note="")
+    assert progress(run) == "step 10/30 ETA 0:02"
+    settings.max_steps = None
+    show_progress(trainer, 1, 3, 40, 100, torch.tensor(1.5), 80, 40, time.monotonic() - 4.0)
+    assert progress(run) == "epoch 2/3 40/100 ETA 0:16"
+    console_text = io.StringIO()
+    from rich.console import Console
+
+    Console(file=console_text, width=200).print(status_table(SimpleNamespace(root=tmp_path, on_gpus=False, runs=[run])))
+    assert "epoch 2/3 40/100 ETA 0:16" in console_text.getvalue()
+    assert progress(SimpleNamespace(state="done", folder=tmp_path)) == ""  # only while it runs
+    for planted in ("[" * 5000, '{"done": 1e400, "of": "x", "eta_s": -5, "epoch": true}', '"text"', "\xff"):
+        (tmp_path / "progress.json").write_text(planted, errors="surrogateescape")
+        assert progress(run) == "", planted
+    (tmp_path / "progress.json").unlink()
+    os.mkfifo(tmp_path / "progress.json")  # never a hang of the queue's table
+    assert progress(run) == ""

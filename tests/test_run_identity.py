@@ -52,6 +52,10 @@ def test_the_quickstart_examples_in_a_row_each_train_their_own_model(tmp_path):
     assert (folder / "outputs" / "tuned" / "checkpoints" / "step-00000096").is_dir()
     assert "Traceback" not in wider.stderr + again.stderr + same.stderr + tuned.stderr
     assert sorted(p.name for p in (folder / "outputs").iterdir()) == ["quickstart", "quickstart-2", "tuned"]
+    fresh = subprocess.run([str(Path(PY).parent / "multigpu"), "run", "--fresh", "train.py", "hparams.yaml", "trainer.epochs=1"],
+                           cwd=folder, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0 and "a new run in outputs/quickstart-3: trainer.fresh is set" in fresh.stdout, \
+        fresh.stdout + fresh.stderr[-2000:]
 
 
 A, B = Layout("a" * 32, 4, 100), Layout("b" * 32, 4, 200)

@@ -150,3 +150,91 @@ def test_a_flag_of_accelerate_is_one_line_naming_ours(line, hint, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("multigpu: error:") and "multigpu: error: multigpu:" not in err and hint in err, err
     assert "\n" not in err
+
+
+# ------------------------------------------------- a recipe's arguments, checked before any worker starts
+
+RECIPE = """\
+from dataclasses import dataclass, field
+import multigpu as mg
+from multigpu import config
+
+@dataclass
+class Recipe:
+    lr: float = 0.1
+    trainer: mg.TrainerSettings = field(default_factory=mg.TrainerSettings)
+
+cfg = config.load(Recipe, "h.yaml")
+"""
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """``multigpu run`` that records instead of starting workers: what reaches the launcher."""
+    import multigpu.launch.local as local
+
+    started: list[tuple[str, ...]] = []
+    monkeypatch.setattr(local, "launch", lambda request: started.append(request.command) or 0)
+    return started
+
+
+@pytest.mark.parametrize("args, said", [
+    (["h.yaml", "trainer.epoch=1"], "unknown key 'trainer.epoch'. HINT: did you mean 'trainer.epochs'?"),
+    (["h.yaml", "trainer.epochs=x"], "trainer.epochs must be int"),
+    (["h.yaml", "+trainer.epochs=1"], "Hydra's + adds a key"),
+    (["h.yaml", "~trainer.epochs"], "Hydra's ~ deletes a key"),
+    (["h.yaml", "lr=1e-3", "--multirun"], "Hydra's sweep switch"),
+    (["bad.yaml"], "bad.yaml"),
+    (["h.yaml"], "h.yaml:2: unknown key 'trainer.epoch'"),
+])
+def test_a_recipes_typo_is_refused_before_any_worker_imports_torch(tmp_path, monkeypatch, capsys, no_launch, args,
+                                                                  said):
+    """Issue 52, item 9: each of these waited 4-12 s for every rank's `import torch` before its one line."""
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(RECIPE)
+    (tmp_path / "h.yaml").write_text("lr: 0.1\ntrainer: {epochs: 2}\n" if args != ["h.yaml"] else
+                                     "trainer:\n  epoch: 2\n")
+    (tmp_path / "bad.yaml").write_text("trainer: {epochs: 2\n")
+    assert cli.main(["run", "train.py", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("multigpu: error:") and said in err and "HINT:" in err and "\n" not in err, err
+    assert no_launch == []
+
+
+@pytest.mark.parametrize("script, args", [
+    (RECIPE, ["h.yaml", "trainer.epochs=3", "lr=1e-3", "model.width=9"]),  # model.*: the script's own class says
+    ("import argparse\nargparse.ArgumentParser().parse_args()\n", ["h.yaml", "+x=1"]),  # not a recipe of ours
+    (RECIPE, ["h.yaml", "--epochs", "3", "trainer.epoch=1"]),  # flags of its own: its arguments are its own
+])
+def test_arguments_the_launcher_cannot_judge_reach_the_script(tmp_path, monkeypatch, no_launch, script, args):
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "h.yaml").write_text("lr: 0.1\n")
+    assert cli.main(["run", "--nproc", "1", "train.py", *args]) == 0
+    assert no_launch == [("train.py", *args)]
+
+
+def test_fresh_and_resume_are_the_recipes_own_settings(tmp_path, monkeypatch, capsys, no_launch):
+    """`--fresh` / `--resume PATH` (issue 52): the recipe's trainer.fresh / trainer.resume_from, written so its
+    override parser reads the path back as the same text; refused with a line where no recipe reads them."""
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(RECIPE)
+    (tmp_path / "h.yaml").write_text("lr: 0.1\n")
+    (tmp_path / "own.py").write_text("import torch\n")
+    assert cli.main(["run", "--fresh", "train.py", "h.yaml"]) == 0
+    assert cli.main(["run", "--resume", "runs/a: b", "train.py", "h.yaml", "lr=1"]) == 0
+    assert no_launch == [("train.py", "h.yaml", "trainer.fresh=true"),
+                         ("train.py", "h.yaml", "lr=1", "trainer.resume_from='runs/a: b'")]
+    for line, said in ((["run", "--fresh", "own.py"], "reads none this launcher can find"),
+                       (["run", "--fresh", "--resume", "x", "train.py"], "give one of them"),
+                       (["run", "--resume", "x", "-m", "pkg.train"], "a module run with -m")):
+        assert cli.main(line) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("multigpu: error:") and said in err and "HINT:" in err, err
+    assert len(no_launch) == 2

@@ -186,6 +186,19 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def format_value(value: Any) -> str:
+    """A YAML scalar :func:`parse_overrides` reads back as the same value: a string YAML would read
+    as something else (``"off"`` a boolean, ``"1e-3"`` or ``"007"`` a number, ``"null"`` nothing) is quoted."""
+    if isinstance(value, str):
+        try:
+            if isinstance(yaml.safe_load(value), str) and yaml.safe_load(value) == value:
+                return value
+        except yaml.YAMLError:
+            pass
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=2**31 - 1)
+    return text.strip().removesuffix("...").strip()
+
+
 def _hydra_habit(item: str) -> None:
     """Hydra's spellings, which say something else here: one line naming what does."""
     if item in ("--multirun", "-m"):
@@ -382,6 +395,12 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>"
 
 def load(cls: type[T], path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()) -> T:
     """``cls`` from a YAML file (optional) plus ``key=value`` overrides, validated."""
+    return from_mapping(cls, *gather(path, overrides))
+
+
+def gather(path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], str, Lines]:
+    """A YAML file (optional) with ``key=value`` overrides set in it: (data, source, where each key came
+    from) - what :func:`load` checks against its class, and what the launcher checks a part of early."""
     data, lines = load_yaml(path) if path else ({}, {})
     source = str(path) if path else "the defaults"
     given = {item.partition("=")[0].strip().lstrip("-"): item for item in overrides}
@@ -391,7 +410,7 @@ def load(cls: type[T], path: Optional[Union[str, Path]] = None, overrides: Seque
         for depth in range(1, len(parts) + 1):  # the override is where this key (and its new groups) came from
             if parts[:depth] not in lines or depth == len(parts):
                 lines[parts[:depth]] = f"the command-line override {given.get(key, key)!r}"
-    return from_mapping(cls, data, source, lines)
+    return data, source, lines
 
 
 def to_dict(obj: Any) -> Any:

@@ -65,6 +65,7 @@ def add_check_parser(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from multigpu.commands.launching import check_script_arguments
     from multigpu.diagnostics.check import check
     from multigpu.launch.local import split_command
 
@@ -73,6 +74,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         raise LaunchError(f"--tolerance {args.tolerance} is not a positive number.", "e.g. --tolerance 1e-4.")
     command = split_command(None if args.module else args.script, args.script if args.module else None,
                             args.script_args)
+    check_script_arguments(args)
     return check(list(command), args.nproc, args.steps, cpu=args.cpu, tolerance=args.tolerance, keep=args.keep,
                  timeout_s=args.timeout, out=lambda line: print(line, flush=True), procs_per_gpu=args.procs_per_gpu,
                  show_output=args.show_output)

@@ -7,6 +7,7 @@ in commands/slurm.py. Nothing heavy is imported until a command runs.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multigpu import validate
@@ -177,10 +178,12 @@ def add_run_parser(sub: argparse._SubParsersAction[Any]) -> None:
                       f"has its Python stacks written to the log folder and is ended; exit {EXIT_STUCK_AT_EXIT} "
                       f"(default {EXIT_TIMEOUT_S})")
     misc.add_argument(*spellings("--log-dir"), dest="log_dir", metavar="DIR",
-                      help="keep each rank's stderr here (default: a temporary folder, removed after a successful run)")
+                      help="keep each rank's stderr and stdout here, rankN.attemptK.stderr/.stdout (default: stderr only, in a "
+                      "temporary folder removed after a successful run)")
     misc.add_argument(*spellings("--tee-prefix"), dest="tee_prefix", choices=("auto", "always", "never"), default="auto",
                       help="put [rankN] before each line of the workers' stderr: auto (not on a terminal, where "
                       "progress bars redraw in place; yes in log files with several ranks), always or never")
+    add_resume_flags(misc)
     misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines (and the launcher's C++ logs)")
     misc.add_argument("--debug", action="store_true",
                       help="TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO and the NCCL flight recorder (dumped "
@@ -298,7 +301,45 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
     )
 
 
+def add_resume_flags(p: "argparse._ArgumentGroup | argparse.ArgumentParser") -> None:
+    """``--fresh`` and ``--resume PATH``: a recipe's ``trainer.fresh=true`` / ``trainer.resume_from=PATH``."""
+    p.add_argument("--fresh", action="store_true",
+                   help="start a new run of the recipe in a folder without checkpoints (its trainer.fresh=true)")
+    p.add_argument("--resume", metavar="PATH", help="start the recipe from this checkpoint: a run folder, its "
+                   "checkpoints folder or a step-N folder (its trainer.resume_from=PATH)")
+
+
+def check_script_arguments(args: argparse.Namespace) -> None:
+    """A recipe's YAML file and KEY=VALUE overrides, checked before torch loads anywhere (see
+    :mod:`multigpu.trainer.recipe_args`): a typo is its one line now, not after every rank's import.
+    ``--fresh``/``--resume PATH`` become the recipe's own overrides here."""
+    fresh, resume = getattr(args, "fresh", False), getattr(args, "resume", None)
+    if args.module or not args.script or not Path(args.script).is_file():
+        if fresh or resume is not None:
+            raise LaunchError("--fresh and --resume are a recipe's settings (trainer.fresh, trainer.resume_from); "
+                              "a module run with -m is not read here.", "pass them to it as trainer.fresh=true or "
+                              "trainer.resume_from=PATH, or run the script by its file.")
+        return
+    from multigpu import config
+    from multigpu.trainer.recipe_args import check_recipe_arguments, settings_section
+
+    if fresh or resume is not None:
+        section = settings_section(args.script, args.script_args)
+        if section is None:
+            raise LaunchError(f"--fresh and --resume set a recipe's trainer settings, and {args.script} reads none "
+                              "this launcher can find (a dataclass field of type mg.TrainerSettings filled by "
+                              "multigpu.config.load, with an optional YAML file and KEY=VALUE arguments).",
+                              "in your own code: TrainerSettings(fresh=True) or resume_from=PATH; or start from an "
+                              "empty trainer.out_dir.")
+        if fresh and resume is not None:
+            raise LaunchError("--fresh starts without a checkpoint and --resume from one.", "give one of them.")
+        args.script_args = [*args.script_args, f"{section}.fresh=true" if fresh else
+                            f"{section}.resume_from={config.format_value(resume)}"]
+    check_recipe_arguments(args.script, args.script_args)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    check_script_arguments(args)
     if args.replica_groups is not None or args.replica_group is not None or args.lighthouse is not None:
         from multigpu.commands.replica_groups import run_replica_groups
         from multigpu.launch.local import import_torch_quietly

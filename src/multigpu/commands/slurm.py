@@ -149,11 +149,13 @@ def _cmd_slurm_submit(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
+    from multigpu.commands.launching import check_script_arguments
     from multigpu.launch import slurm
     from multigpu.launch.local import split_command
 
     command = split_command(None if args.module else args.script, args.script if args.module else None,
                             args.script_args)
+    check_script_arguments(args)  # a typo is one line now, not a job that fails after its wait in the queue
     options = slurm_options_from_args(args)
     if options.gpu_request() is None and options.gpus_per_node is None:
         options = dataclasses.replace(options, gpus_per_node=0)

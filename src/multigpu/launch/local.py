@@ -54,7 +54,7 @@ from multigpu.launch.reporting import (
 )
 from multigpu.launch.simulate import SIMULATED_VAR
 from multigpu.launch.torch_agent import cheap_method_names
-from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, LOG_DIR_VAR, PREFIX_VAR
+from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, KEEP_STDOUT_VAR, LOG_DIR_VAR, PREFIX_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
 
@@ -228,6 +228,8 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
         clear_records(log_dir)  # a reused --log-dir: only this launch's workers speak through it
         env = worker_env(request)
         env[LOG_DIR_VAR] = log_dir
+        if request.log_dir is not None:  # the user's folder keeps both streams, as torchrun's --tee 3
+            env[KEEP_STDOUT_VAR] = "1"
         if request.debug:
             from importlib.metadata import version
 

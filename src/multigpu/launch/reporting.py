@@ -176,7 +176,7 @@ def report_failure(failures: dict[int, Any], log_dir: str) -> int:
 
 
 def _stderr_log(log_dir: str, rank: int) -> Optional[Path]:
-    """The newest attempt's copy of rank ``rank``'s stderr (see worker.stderr_log_path)."""
+    """The newest attempt's copy of rank ``rank``'s stderr (see worker.stream_log_path)."""
     logs = files_of(log_dir, "stderr", rank)
     return logs[-1][2] if logs else None
 

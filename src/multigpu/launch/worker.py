@@ -7,7 +7,8 @@ barrier + destroy. This wrapper runs the script, runs the atexit handlers (``mg.
 its barrier + destroy there), flushes, and leaves with ``os._exit`` and the script's own status, so
 C++ static destructors never run. It also:
 
-- copies its stderr, untouched, to the launcher's terminal and to a per-rank file (:mod:`.tee`);
+- copies its stderr, untouched, to the launcher's terminal and to a per-rank file (:mod:`.tee`), and its
+  stdout too when the user named the log folder (``--log-dir``, as torchrun's ``--tee 3``);
 - reports a :class:`MultiGPUError` to the launcher (which prints it once for all ranks) instead of
   printing it on every rank, and prints other errors' tracebacks without this wrapper's own frames;
 - ends the worker if its launcher dies (no orphans, even after SIGKILL of the agent).
@@ -49,14 +50,18 @@ from multigpu.launch.process import die_with_parent
 AGENT_PID_VAR = "MULTIGPU_AGENT_PID"
 LOG_DIR_VAR = "MULTIGPU_LOG_DIR"
 PREFIX_VAR = "MULTIGPU_TEE_PREFIX"
+#: Set when the user named ``--log-dir``: stdout is kept there too (the temporary folder of a launch
+#: without one keeps stderr only, for the failure report, and is removed after a successful run).
+KEEP_STDOUT_VAR = "MULTIGPU_KEEP_STDOUT"
 #: Set under a c10d rendezvous of several nodes: the first worker of each node says its node number.
 ANNOUNCE_NODE_VAR = "MULTIGPU_ANNOUNCE_NODE"
-_TEE: "subprocess.Popen[bytes] | None" = None
+_TEES: "dict[int, subprocess.Popen[bytes]]" = {}  # fd -> its copier
 
 
-def stderr_log_path(log_dir: str, rank: int, attempt: int) -> str:
-    """Where rank ``rank``'s stderr of restart ``attempt`` is kept (the launcher reads it back)."""
-    return os.path.join(log_dir, f"rank{rank}.attempt{attempt}.stderr")
+def stream_log_path(log_dir: str, rank: int, attempt: int, stream: str = "stderr") -> str:
+    """Where rank ``rank``'s ``stream`` (stderr, stdout) of restart ``attempt`` is kept (the launcher
+    reads stderr back for its failure report)."""
+    return os.path.join(log_dir, f"rank{rank}.attempt{attempt}.{stream}")
 
 
 def die_with_launcher() -> None:
@@ -80,16 +85,24 @@ def _above_standard(*fds: int) -> list[int]:
     return moved
 
 
-def _tee_stderr() -> None:
-    """Send fd 2 through a pseudo-terminal (or a pipe when the launcher's stderr is not a terminal)
-    read by a small copier process: the terminal sees the bytes unchanged, the file keeps a copy."""
+def _tee_streams() -> None:
+    """stderr always (the failure report reads it), stdout when the user named the log folder."""
     log_dir = os.environ.get(LOG_DIR_VAR)
     if not log_dir:
         return
-    path = stderr_log_path(log_dir, int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    _tee(2, log_dir, "stderr")
+    if os.environ.get(KEEP_STDOUT_VAR) == "1":
+        _tee(1, log_dir, "stdout")
+
+
+def _tee(fd: int, log_dir: str, stream: str) -> None:
+    """Send ``fd`` through a pseudo-terminal (or a pipe when it is not a terminal) read by a small
+    copier process: the terminal sees the bytes unchanged, the file keeps a copy."""
+    path = stream_log_path(log_dir, int(os.environ.get("RANK", "0")),
+                           int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), stream)
     try:
         Folder(log_dir).create()
-        if os.isatty(2):
+        if os.isatty(fd):
             import pty
             import termios
             import tty
@@ -97,22 +110,23 @@ def _tee_stderr() -> None:
             reader, writer = _above_standard(*pty.openpty())
             tty.setraw(writer)  # no newline translation: the bytes arrive as written
             try:
-                size = fcntl.ioctl(2, termios.TIOCGWINSZ, b"\0" * 8)
+                size = fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8)
                 fcntl.ioctl(writer, termios.TIOCSWINSZ, size)  # bars size themselves to the real terminal
             except OSError:
                 pass
         else:
             reader, writer = _above_standard(*os.pipe())
         group = f"group{os.environ['REPLICA_GROUP_ID']} " if os.environ.get("REPLICA_GROUP_ID") else ""
-        prefix = f"[{group}rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" else ""
-        terminal = os.dup(2)
-        global _TEE
-        _TEE = subprocess.Popen([*python_module("multigpu.launch.tee"), str(reader), path, *([prefix] if prefix else [])],
-                                stdin=subprocess.DEVNULL, stdout=terminal, pass_fds=(reader,), close_fds=True)
+        prefix = (f"[{group}rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" and fd == 2
+                  else "")  # stdout reads as it would without the copy (--tee-prefix is stderr's)
+        terminal = os.dup(fd)
+        _TEES[fd] = subprocess.Popen([*python_module("multigpu.launch.tee"), str(reader), path,
+                                      *([prefix] if prefix else [])],
+                                     stdin=subprocess.DEVNULL, stdout=terminal, pass_fds=(reader,), close_fds=True)
         os.close(reader)
         os.close(terminal)
-        sys.stderr.flush()
-        os.dup2(writer, 2)
+        (sys.stderr if fd == 2 else sys.stdout).flush()
+        os.dup2(writer, fd)
         os.close(writer)
     except OSError:
         return  # no copy for the failure report: the worker runs anyway
@@ -242,7 +256,7 @@ def _append_to_rank_log(line: str) -> None:
     if not log_dir:
         print(line, file=sys.stderr)
         return
-    path = Path(stderr_log_path(log_dir, int(os.environ.get("RANK", "0")),
+    path = Path(stream_log_path(log_dir, int(os.environ.get("RANK", "0")),
                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
     try:
         with Folder(log_dir).open_append(path.name) as handle:
@@ -280,18 +294,23 @@ def finish(code: int) -> None:
 
 
 def _drain_tee() -> None:
-    """Close our end of the stderr copy and let the copier finish, so the launcher reads a whole log."""
-    if _TEE is None:
+    """Close our ends of the stream copies and let the copiers finish, so the launcher reads whole logs."""
+    if not _TEES:
         return
     try:
         devnull = open_devnull()
-        os.dup2(devnull, 2)
+        for fd in _TEES:
+            os.dup2(devnull, fd)
         os.close(devnull)
-        _TEE.wait(timeout=2)
-    except subprocess.TimeoutExpired:  # a child of the script still holds stderr: do not wait for it
-        _TEE.kill()
     except OSError:
-        pass
+        return
+    for copier in _TEES.values():
+        try:
+            copier.wait(timeout=2)
+        except subprocess.TimeoutExpired:  # a child of the script still holds the stream: do not wait for it
+            copier.kill()
+        except OSError:
+            pass
 
 
 def _where() -> tuple[Optional[str], int, int]:
@@ -353,7 +372,7 @@ def _one_line_in_threads(args: "threading.ExceptHookArgs") -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     die_with_launcher()
-    _tee_stderr()
+    _tee_streams()
     log_dir, rank, attempt = _where()
     me = os.getpid()
     write_record(log_dir, rank, attempt, "pid", me)

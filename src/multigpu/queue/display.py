@@ -21,6 +21,7 @@ from multigpu.errors import MultiGPUError, visible
 from multigpu.fileio import Folder
 from multigpu.loggers import read_csv
 from multigpu.queue.scheduler import EntryState, Queue, log_tail
+from multigpu.trainer.progress import PROGRESS_FILE, format_duration
 
 STYLE = {"queued": "dim", "running": "bold cyan", "done": "green", "skipped": "green", "failed": "bold red",
          "interrupted": "yellow"}
@@ -72,6 +73,34 @@ def _elapsed(run: EntryState) -> str:
     return f"{int(seconds // 60)}:{seconds % 60:04.1f}" if seconds >= 60 else f"{seconds:.1f} s"
 
 
+def progress(run: EntryState) -> str:
+    """A running run's step and ETA, from the ``progress.json`` its Trainer keeps in its folder
+    (``multigpu.trainer.progress``); written by the run, so read as untrusted: anything else is ''."""
+    if run.state != "running":
+        return ""
+    try:
+        values = json.loads(Folder(run.folder).load_text(PROGRESS_FILE, limit=4096))
+    except (OSError, ValueError, RecursionError):
+        return ""
+    if not isinstance(values, dict):
+        return ""
+
+    def count(key: str) -> Optional[int]:
+        value = values.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**15 else None
+
+    done, of, epoch, epochs = count("done"), count("of"), count("epoch"), count("epochs")
+    eta = values.get("eta_s")
+    parts = []
+    if epoch is not None and epochs is not None and values.get("counts") != "steps":
+        parts.append(f"epoch {epoch}/{epochs}")
+    if done is not None and of:
+        parts.append(f"{'step ' if values.get('counts') == 'steps' else ''}{done}/{of}")
+    if isinstance(eta, (int, float)) and not isinstance(eta, bool) and 0 <= eta < 10**9:
+        parts.append(f"ETA {format_duration(eta)}")
+    return " ".join(parts)
+
+
 def where(run: EntryState) -> str:
     """'0,1', or '0 (1/4)' for a run on a share of GPU 0."""
     return ",".join(run.slots) + (f" ({run.share})" if run.share < 1 and run.slots else "")
@@ -80,11 +109,11 @@ def where(run: EntryState) -> str:
 def status_table(queue: Queue) -> Table:
     unit = "GPUs" if queue.on_gpus else "slots"
     table = Table(title=Text(f"multigpu queue: {queue.root}"), title_justify="left")
-    for column in ("run", "state", unit, "elapsed", "last metric", "note"):
+    for column in ("run", "state", unit, "elapsed", "progress", "last metric", "note"):
         table.add_column(column)
     for run in queue.runs:  # user strings as Text: never read as rich markup
         table.add_row(Text(run.spec.name), Text(run.state, style=STYLE[run.state]), Text(where(run)),
-                      _elapsed(run), Text(headline(run)), Text(run.note))
+                      _elapsed(run), Text(progress(run)), Text(headline(run)), Text(run.note))
     return table
 
 

@@ -25,8 +25,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import yaml
-
 from multigpu import config, validate
 from multigpu.errors import ConfigError, visible
 
@@ -129,7 +127,7 @@ class QueueEntry:
             return RUN_REFERENCE.sub(lambda m: str(folder.parent / m.group(1)), value) if isinstance(value, str) else value
 
         out = [placed(str(a)) for a in self.args]
-        out += [f"{key}={format_value(placed(value))}" for key, value in self.overrides.items()]
+        out += [f"{key}={config.format_value(placed(value))}" for key, value in self.overrides.items()]
         if self.out_dir_key:
             out.append(f"{self.out_dir_key}={folder}")
         return out
@@ -177,19 +175,6 @@ def whole_or_share(value: Any, what: str) -> Union[int, float]:
             raise ConfigError(f"{what} {value!r} is neither a whole number nor a share of one GPU.", hint)
         return value
     return validate.count(value, what, ConfigError, hint=None if isinstance(value, int) else hint)
-
-
-def format_value(value: Any) -> str:
-    """A YAML scalar the recipe's ``key=value`` parser reads back as the same value: a string YAML would read
-    as something else (``"off"`` a boolean, ``"1e-3"`` or ``"007"`` a number, ``"null"`` nothing) is quoted."""
-    if isinstance(value, str):
-        try:
-            if isinstance(yaml.safe_load(value), str) and yaml.safe_load(value) == value:
-                return value
-        except yaml.YAMLError:
-            pass
-    text: str = yaml.safe_dump(value, default_flow_style=True, width=2**31 - 1)
-    return text.strip().removesuffix("...").strip()
 
 
 @dataclass(frozen=True)

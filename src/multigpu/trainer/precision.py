@@ -13,12 +13,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from multigpu.errors import ConfigError
-
-ALIASES = {
-    "32": "32", "fp32": "32", "32-true": "32", "float32": "32",
-    "bf16": "bf16", "bf16-mixed": "bf16", "bfloat16": "bf16",
-    "16": "fp16", "fp16": "fp16", "16-mixed": "fp16", "float16": "fp16",
-}
+from multigpu.trainer.settings import PRECISIONS as ALIASES
 
 
 class Precision:

@@ -32,19 +32,30 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+#: The progress a queue's run leaves in its folder for the queue's table (``multigpu.queue.display``).
+PROGRESS_FILE = "progress.json"
+
+
 class ProgressLine:
+    """``record``: the folder of a queue's run (``World.run_dir``) - every ``record_s`` the same numbers go
+    into its ``progress.json`` as well, so the queue's table shows each run's step and ETA."""
+
     def __init__(self, enabled: bool, stream: Optional[TextIO] = None, interval_s: float = 0.25,
-                 every_s: float = 30.0) -> None:
+                 every_s: float = 30.0, record: Optional[str] = None, record_s: float = 2.0) -> None:
         self.stream = stream or sys.stdout
         self.enabled = enabled
         self.live = enabled and self.stream.isatty()
         self.interval_s = interval_s if self.live else every_s
-        self._last = self.began = time.monotonic()
+        self.record, self.record_s = (record if enabled else None), record_s
+        self._last = self._recorded = self.began = time.monotonic()
         self._width = 0
 
     def wants_update(self) -> bool:
         """Cheap enough for every step: one clock read on rank 0, nothing elsewhere."""
-        return self.enabled and time.monotonic() - self._last >= self.interval_s
+        if not self.enabled:
+            return False
+        now = time.monotonic()
+        return now - self._last >= self.interval_s or (self.record is not None and now - self._recorded >= self.record_s)
 
     def update(self, epoch: int, epochs: int, done: int, total: Optional[int], loss: float, samples_per_s: float,
                eta_s: Optional[float] = None, unit: str = "samples", steps: Optional[tuple[int, int]] = None) -> None:
@@ -53,8 +64,16 @@ class ProgressLine:
         epoch's batches - when ``max_steps`` ends the run before the epoch ends, so bar and ETA agree."""
         if not self.enabled:
             return
-        self._last = time.monotonic()
+        now = time.monotonic()
         bar_done, bar_total = steps if steps is not None else (done, total)
+        if self.record is not None and now - self._recorded >= self.record_s:
+            self._recorded = now
+            self._write_record({"epoch": epoch, "epochs": epochs, "done": bar_done, "of": bar_total,
+                                "counts": "steps" if steps else "batches", "eta_s": eta_s,
+                                "elapsed_s": round(now - self.began, 1)})
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
         if bar_total:
             filled = min(20, int(20 * bar_done / max(bar_total, 1)))
             where = f"[{'=' * filled}{' ' * (20 - filled)}] {'step ' if steps else ''}{bar_done}/{bar_total}"
@@ -69,6 +88,16 @@ class ProgressLine:
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
+
+    def _write_record(self, values: Mapping[str, Any]) -> None:
+        import json
+
+        from multigpu.fileio import Folder
+
+        try:
+            Folder(str(self.record)).write_atomic(PROGRESS_FILE, json.dumps(values))
+        except OSError:  # the table shows no progress for this run; the run goes on
+            self.record = None
 
     def line(self, text: str) -> None:
         """A line of its own (epoch results, evaluations), clearing a live line first."""

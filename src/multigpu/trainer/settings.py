@@ -12,8 +12,14 @@ from typing import Any, Callable, Mapping, Optional
 
 from multigpu.config import check_keys
 from multigpu.errors import ConfigError, shown
-from multigpu.trainer.precision import ALIASES as PRECISIONS
 from multigpu.validate import Rule, activation_checkpointing_settings, checked, compile_settings, profile_settings
+
+#: Every spelling of a precision (Lightning's and torch's too) -> the one it means; read by ``precision``.
+PRECISIONS = {
+    "32": "32", "fp32": "32", "32-true": "32", "float32": "32",
+    "bf16": "bf16", "bf16-mixed": "bf16", "bfloat16": "bf16",
+    "16": "fp16", "fp16": "fp16", "16-mixed": "fp16", "float16": "fp16",
+}
 
 #: The loggers a settings file may name (multigpu.loggers.BACKENDS, spelled here to keep torch out).
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
