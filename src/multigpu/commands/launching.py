@@ -320,8 +320,7 @@ def check_script_arguments(args: argparse.Namespace) -> None:
                               "a module run with -m is not read here.", "pass them to it as trainer.fresh=true or "
                               "trainer.resume_from=PATH, or run the script by its file.")
         return
-    from multigpu import config
-    from multigpu.trainer.recipe_args import check_recipe_arguments, settings_section
+    from multigpu.trainer.recipe_args import check_recipe_arguments, resume_override, settings_section
 
     if fresh or resume is not None:
         section = settings_section(args.script, args.script_args)
@@ -333,8 +332,7 @@ def check_script_arguments(args: argparse.Namespace) -> None:
                               "empty trainer.out_dir.")
         if fresh and resume is not None:
             raise LaunchError("--fresh starts without a checkpoint and --resume from one.", "give one of them.")
-        args.script_args = [*args.script_args, f"{section}.fresh=true" if fresh else
-                            f"{section}.resume_from={config.format_value(resume)}"]
+        args.script_args = [*args.script_args, resume_override(section, fresh, resume)]
     check_recipe_arguments(args.script, args.script_args)
 
 

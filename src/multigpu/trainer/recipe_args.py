@@ -20,7 +20,7 @@ import ast
 from pathlib import Path
 from typing import Optional, Sequence
 
-from multigpu.config import from_mapping, gather, read_text_file
+from multigpu.config import format_value, from_mapping, gather, read_text_file
 from multigpu.errors import ConfigError
 from multigpu.trainer.settings import TrainerSettings
 
@@ -43,6 +43,11 @@ def check_recipe_arguments(script: str, args: Sequence[str]) -> None:
     given = data.get(section) if isinstance(section, str) else None
     if isinstance(section, str) and isinstance(given, dict):
         from_mapping(TrainerSettings, given, source, lines, (section,))
+
+
+def resume_override(section: str, fresh: bool, resume: Optional[str]) -> str:
+    """``--fresh`` / ``--resume PATH`` as the recipe's own override, quoted to read back as the same text."""
+    return f"{section}.fresh=true" if fresh else f"{section}.resume_from={format_value(resume)}"
 
 
 def settings_section(script: str, args: Sequence[str]) -> Optional[str]:
