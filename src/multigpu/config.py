@@ -193,8 +193,8 @@ def format_value(value: Any) -> str:
         try:
             if isinstance(yaml.safe_load(value), str) and yaml.safe_load(value) == value:
                 return value
-        except yaml.YAMLError:
-            pass
+        except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError):
+            pass  # a text YAML reads as a bad date or number ("2020-13-45"): quoted below
     text: str = yaml.safe_dump(value, default_flow_style=True, width=2**31 - 1)
     return text.strip().removesuffix("...").strip()
 

@@ -76,9 +76,15 @@ def _settings_section(script: str) -> "str | bool | None":
     """False: the script does not call multigpu's ``config.load``. Else the name of the field its recipe
     class declares as ``TrainerSettings`` (None when there is none this reading can find)."""
     try:
-        tree = ast.parse(read_text_file(script, "script", limit=MAX_SCRIPT_BYTES), script)
-    except (ConfigError, SyntaxError, ValueError):
-        return False
+        text = read_text_file(script, "script", limit=MAX_SCRIPT_BYTES)
+        if "multigpu" not in text or "load" not in text:
+            return False  # cheap: no recipe of ours, nothing to parse
+        return _section_in(ast.parse(text, script))
+    except (ConfigError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return False  # the script itself says what is wrong with it when it runs
+
+
+def _section_in(tree: ast.Module) -> "str | bool | None":
     modules, loaders = _config_names(tree)
     recipe = None
     for node in ast.walk(tree):
