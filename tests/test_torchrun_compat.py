@@ -238,3 +238,21 @@ def test_fresh_and_resume_are_the_recipes_own_settings(tmp_path, monkeypatch, ca
         err = capsys.readouterr().err.strip()
         assert err.startswith("multigpu: error:") and said in err and "HINT:" in err, err
     assert len(no_launch) == 2
+
+
+def test_resume_paths_yaml_misreads_and_scripts_too_deep_to_parse_are_no_traceback(tmp_path, monkeypatch, no_launch):
+    """Fresh-eyes findings: `--resume 2020-13-45` (YAML reads a bad date) and a script nested deeper than
+    ast.unparse recurses ended in a traceback; each now reaches the launcher as the user wrote it."""
+    from multigpu import cli
+    from multigpu.config import parse_overrides
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(RECIPE)
+    (tmp_path / "h.yaml").write_text("lr: 0.1\n")
+    for path in ("2020-13-45", "2020-02-30 25:00:00", "!!float abc"):
+        assert cli.main(["run", "--resume", path, "train.py", "h.yaml"]) == 0
+        assert parse_overrides([no_launch[-1][-1]]) == {"trainer.resume_from": path}
+    deep = "import multigpu as mg\nfrom multigpu import config\n" + "a" + ".b" * 500 + ".load(R)\n"
+    (tmp_path / "deep.py").write_text(deep)
+    assert cli.main(["run", "deep.py", "trainer.epoch=1"]) == 0  # left to the script, which says what is wrong
+    assert no_launch[-1] == ("deep.py", "trainer.epoch=1")

@@ -315,7 +315,7 @@ def check_script_arguments(args: argparse.Namespace) -> None:
     ``--fresh``/``--resume PATH`` become the recipe's own overrides here."""
     fresh, resume = getattr(args, "fresh", False), getattr(args, "resume", None)
     if args.module or not args.script or not Path(args.script).is_file():
-        if fresh or resume is not None:
+        if args.module and (fresh or resume is not None):  # a missing script: the launcher's own line follows
             raise LaunchError("--fresh and --resume are a recipe's settings (trainer.fresh, trainer.resume_from); "
                               "a module run with -m is not read here.", "pass them to it as trainer.fresh=true or "
                               "trainer.resume_from=PATH, or run the script by its file.")
