@@ -229,9 +229,14 @@ class T(mg.Trainer):
 run = mg.init()
 T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=2, epochs=2, progress_every_s=0.3,
   out_dir=sys.argv[1], plot=False).fit(TensorDataset(torch.randn(40, 2), torch.randn(40, 1)))
+def pipes_held_by_children(fd):  # the stream copiers are this worker's children
+    kids = [p for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[1]
+            == str(os.getpid())]
+    return sum(os.readlink(f'/proc/{k}/fd/2') == os.readlink(f'/proc/self/fd/{fd}') for k in kids)
 if run.is_main:  # one line: two ranks' prints share one stdout and may interleave
-    print(json.dumps({k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', 'NCCL_DEBUG', 'TORCH_FR_BUFFER_SIZE',
-                                                     'TORCH_NCCL_TRACE_BUFFER_SIZE')}))
+    shown = {k: os.environ.get(k) for k in ('TORCH_DISTRIBUTED_DEBUG', 'NCCL_DEBUG', 'TORCH_FR_BUFFER_SIZE',
+                                            'TORCH_NCCL_TRACE_BUFFER_SIZE')}
+    print(json.dumps({**shown, 'copiers_holding_stderr_pipe': pipes_held_by_children(2)}))
 """
 
 
@@ -274,6 +279,9 @@ def test_the_progress_line_prints_in_a_log_file_and_the_start_report(debug_run):
 def test_run_debug_with_ddp_on_cpu_processes_works_and_says_what_it_turned_on(debug_run):
     """torch 2.13's DETAIL mode with DDP over gloo ends in SIGSEGV: on CPU processes --debug turns on INFO."""
     shown = json.loads(debug_run.stdout.strip().splitlines()[-1])
+    # Fresh-eyes finding F7: the stdout copier held the stderr pipe open (the stderr copier then waited
+    # for it at exit, and was killed when a child of the script kept stdout open).
+    assert shown.pop("copiers_holding_stderr_pipe") == 0
     assert shown == {"TORCH_DISTRIBUTED_DEBUG": "INFO", "NCCL_DEBUG": None, "TORCH_FR_BUFFER_SIZE": None,
                      "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
     assert "debug: TORCH_DISTRIBUTED_DEBUG=INFO" in debug_run.stderr

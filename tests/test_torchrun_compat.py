@@ -256,3 +256,48 @@ def test_resume_paths_yaml_misreads_and_scripts_too_deep_to_parse_are_no_traceba
     (tmp_path / "deep.py").write_text(deep)
     assert cli.main(["run", "deep.py", "trainer.epoch=1"]) == 0  # left to the script, which says what is wrong
     assert no_launch[-1] == ("deep.py", "trainer.epoch=1")
+
+
+@pytest.mark.parametrize("source, refused", [
+    (RECIPE, True),
+    # a class of the user's own, or of another library, named TrainerSettings: its keys are its own
+    (RECIPE.replace("mg.TrainerSettings", "TrainerSettings").replace("@dataclass\nclass Recipe",
+     "@dataclass\nclass TrainerSettings:\n    epoch: int = 1\n\n@dataclass\nclass Recipe"), False),
+    (RECIPE.replace("mg.TrainerSettings", "other.TrainerSettings").replace("import multigpu as mg",
+     "import multigpu as mg\nimport other"), False),
+    # two recipes loaded: which one reads these arguments is the script's to say
+    (RECIPE + "\n@dataclass\nclass Other:\n    trainer: dict = None\n\nconfig.load(Other)\n", False),
+    # bound to multigpu's class by import, not by its spelling
+    (RECIPE.replace("mg.TrainerSettings", "TS").replace("import multigpu as mg",
+     "import multigpu as mg\nfrom multigpu import TrainerSettings as TS"), True),
+])
+def test_only_multigpus_own_trainer_settings_are_judged_by_the_launcher(tmp_path, monkeypatch, capsys, no_launch,
+                                                                        source, refused):
+    """Fresh-eyes finding F4: any `*.TrainerSettings` was checked against ours (a false refusal of the
+    user's own class), and the first of several config.load calls decided for all."""
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(source)
+    assert cli.main(["run", "train.py", "trainer.epoch=1"]) == (2 if refused else 0)
+    assert ("did you mean 'trainer.epochs'" in capsys.readouterr().err) == refused
+    assert no_launch == ([] if refused else [("train.py", "trainer.epoch=1")])
+
+
+def test_a_linked_script_is_read_and_a_blank_resume_path_is_refused(tmp_path, monkeypatch, capsys, no_launch):
+    """Fresh-eyes findings F5 and F6: a script reached through a symlink was not read (typos not caught,
+    --fresh refused); `--resume ""` was taken and silently did not resume."""
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real.py").write_text(RECIPE)
+    (tmp_path / "train.py").symlink_to(tmp_path / "real.py")
+    assert cli.main(["run", "train.py", "trainer.epoch=1"]) == 2
+    assert "did you mean 'trainer.epochs'" in capsys.readouterr().err
+    assert cli.main(["run", "--fresh", "train.py"]) == 0
+    assert no_launch == [("train.py", "trainer.fresh=true")]
+    for line in (["--resume", "", "train.py"], ["--resume", "  ", "train.py"], ["train.py", "trainer.resume_from="]):
+        assert cli.main(["run", *line]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "trainer.resume_from" in err and "non-blank text" in err and "\n" not in err, err
+    assert len(no_launch) == 1

@@ -385,8 +385,9 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>"
         _in_bounds(value, fields[name], source, lines, (*path, name))
     try:
         return cls(**values)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc.message}", exc.hint) from None
+    except ConfigError as exc:  # the class's own check: placed at the key it names, where it can be found
+        named = [where(source, lines, (*path, name)) for name in values if f" {name}=" in exc.message]
+        raise ConfigError(f"{(named or [source])[0]}: {exc.message}", exc.hint) from None
     except TypeError as exc:
         missing = str(exc).split(":")[-1].strip()
         raise ConfigError(f"{source}: missing required setting(s) {missing} in {'.'.join(path) or 'the top level'}.",

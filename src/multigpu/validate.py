@@ -299,6 +299,8 @@ class Rule:
     optional: bool = False
     #: The lowest value is excluded (a positive number of seconds).
     positive: bool = False
+    #: Text may be empty or only spaces (False for a path: ``--resume ""`` must not silently not resume).
+    blank: bool = True
 
     def describe(self) -> str:
         if self.choices is not None:
@@ -311,7 +313,7 @@ class Rule:
             hi = "" if self.high is None else f"{'up ' if not lo else ''}to {_number(self.high)}"
             wanted = f"{noun} {lo} {hi}".strip()
         elif self.kind is str:
-            wanted = f"text of at most {MAX_TEXT} characters"
+            wanted = f"{'' if self.blank else 'non-blank '}text of at most {MAX_TEXT} characters"
         else:
             wanted = f"a {self.kind.__name__}"
         return f"{wanted}{', or null' if self.optional else ''}"
@@ -328,6 +330,7 @@ def checked(owner: str, name: str, value: Any, rule: Rule, error: type[MultiGPUE
         ok = isinstance(value, (int, float)) and math.isfinite(value)
     elif rule.kind is str:
         ok = isinstance(value, str) and len(value) <= MAX_TEXT and not _CONTROL.search(value) and _utf8(value)
+        ok = ok and (rule.blank or bool(value.strip()))
     elif rule.kind is list:
         ok = isinstance(value, (list, tuple)) and len(value) <= MAX_ITEMS
     else:

@@ -36,8 +36,8 @@ def copy(source: int, sink: int, log_path: str, prefix: bytes = b"", parent: int
     try:
         log = Folder(path.parent).open_append_bytes(path.name)  # a planted link or FIFO is refused
     except OSError as exc:  # the terminal still gets every byte; only the per-rank copy is lost
-        os.write(sink, f"multigpu: not keeping a copy of this rank's stderr in {log_path}: "
-                       f"{exc.strerror or exc}\n".encode(errors="replace"))
+        os.write(2, f"multigpu: not keeping a copy of this rank's {path.suffix[1:] or 'output'} in {log_path}: "
+                    f"{exc.strerror or exc}\n".encode(errors="replace"))  # stderr: never into the script's stdout
         log = os.fdopen(open_devnull(), "ab", buffering=0)
     with log:
         while True:

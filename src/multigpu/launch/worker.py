@@ -90,9 +90,9 @@ def _tee_streams() -> None:
     log_dir = os.environ.get(LOG_DIR_VAR)
     if not log_dir:
         return
-    _tee(2, log_dir, "stderr")
-    if os.environ.get(KEEP_STDOUT_VAR) == "1":
+    if os.environ.get(KEEP_STDOUT_VAR) == "1":  # first: its copier must not hold stderr's pipe open
         _tee(1, log_dir, "stdout")
+    _tee(2, log_dir, "stderr")
 
 
 def _tee(fd: int, log_dir: str, stream: str) -> None:
@@ -304,9 +304,10 @@ def _drain_tee() -> None:
         os.close(devnull)
     except OSError:
         return
+    deadline = time.monotonic() + 2  # one wait for all copiers, not one each
     for copier in _TEES.values():
         try:
-            copier.wait(timeout=2)
+            copier.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:  # a child of the script still holds the stream: do not wait for it
             copier.kill()
         except OSError:

@@ -9,6 +9,7 @@ every ``every_s`` (default 30 s) so a log shows life before the first epoch ends
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Mapping, Optional, TextIO
@@ -65,6 +66,7 @@ class ProgressLine:
         if not self.enabled:
             return
         now = time.monotonic()
+        eta_s = eta_s if eta_s is not None and math.isfinite(eta_s) else None  # JSON and the line: no NaN
         bar_done, bar_total = steps if steps is not None else (done, total)
         if self.record is not None and now - self._recorded >= self.record_s:
             self._recorded = now
@@ -95,8 +97,8 @@ class ProgressLine:
         from multigpu.fileio import Folder
 
         try:
-            Folder(str(self.record)).write_atomic(PROGRESS_FILE, json.dumps(values))
-        except OSError:  # the table shows no progress for this run; the run goes on
+            Folder(str(self.record)).write_atomic(PROGRESS_FILE, json.dumps(values, allow_nan=False))
+        except (OSError, ValueError):  # the table shows no progress for this run; the run goes on
             self.record = None
 
     def line(self, text: str) -> None:

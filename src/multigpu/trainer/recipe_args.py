@@ -17,6 +17,7 @@ script runs, so the line is the same one it would print, in a tenth of a second:
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -76,7 +77,7 @@ def _settings_section(script: str) -> "str | bool | None":
     """False: the script does not call multigpu's ``config.load``. Else the name of the field its recipe
     class declares as ``TrainerSettings`` (None when there is none this reading can find)."""
     try:
-        text = read_text_file(script, "script", limit=MAX_SCRIPT_BYTES)
+        text = read_text_file(os.path.realpath(script), "script", limit=MAX_SCRIPT_BYTES)
         if "multigpu" not in text or "load" not in text:
             return False  # cheap: no recipe of ours, nothing to parse
         return _section_in(ast.parse(text, script))
@@ -85,47 +86,81 @@ def _settings_section(script: str) -> "str | bool | None":
 
 
 def _section_in(tree: ast.Module) -> "str | bool | None":
-    modules, loaders = _config_names(tree)
-    recipe = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and _is_load(node.func, modules, loaders):
-            recipe = node.args[0].id if node.args and isinstance(node.args[0], ast.Name) else None
-            break
-    else:
+    """The recipe class's ``TrainerSettings`` field, read only where the reading is unambiguous: one
+    recipe class handed to every ``config.load`` call, defined once, with a field annotated by a name
+    bound to multigpu's own class (a user's class of the same name is the user's)."""
+    names = _multigpu_names(tree)
+    recipes = {_first_name(node) for node in ast.walk(tree)
+               if isinstance(node, ast.Call) and _is_load(node.func, names)}
+    if not recipes:
         return False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == recipe:
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and \
-                        _names_settings(item.annotation):
-                    return item.target.id
-    return None
+    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name in recipes]
+    if len(recipes) != 1 or None in recipes or len(classes) != 1:
+        return None  # several recipes, or one this reading cannot name: the script checks its own
+    fields = [item.target.id for item in classes[0].body
+              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+              and _names_settings(item.annotation, names)]
+    return fields[0] if len(fields) == 1 else None
 
 
-def _config_names(tree: ast.Module) -> tuple[set[str], set[str]]:
-    """Names bound to ``multigpu.config`` (or to ``multigpu``, as ``mg``) and to its ``load``."""
-    modules, loaders = set(), set()
+def _first_name(call: ast.Call) -> Optional[str]:
+    return call.args[0].id if call.args and isinstance(call.args[0], ast.Name) else None
+
+
+class _Names:
+    """What the script's imports bind: names for the ``multigpu`` package (``mg``), for
+    ``multigpu.config``, for its ``load``, and for multigpu's ``TrainerSettings``."""
+
+    def __init__(self) -> None:
+        self.package: set[str] = set()
+        self.config: set[str] = set()
+        self.load: set[str] = set()
+        self.settings: set[str] = set()
+        self.shadowed: set[str] = set()  # classes or functions the script defines itself
+
+
+_SETTINGS_HOMES = ("multigpu", "multigpu.trainer", "multigpu.trainer.settings")
+
+
+def _multigpu_names(tree: ast.Module) -> _Names:
+    names = _Names()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "multigpu":
-            modules |= {alias.asname or alias.name for alias in node.names if alias.name == "config"}
-        elif isinstance(node, ast.ImportFrom) and node.module == "multigpu.config":
-            loaders |= {alias.asname or alias.name for alias in node.names if alias.name == "load"}
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            for alias in node.names:
+                bound = alias.asname or alias.name
+                if node.module == "multigpu" and alias.name == "config":
+                    names.config.add(bound)
+                elif node.module == "multigpu.config" and alias.name == "load":
+                    names.load.add(bound)
+                elif node.module in _SETTINGS_HOMES and alias.name == "TrainerSettings":
+                    names.settings.add(bound)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name in ("multigpu", "multigpu.config"):
-                    modules.add(alias.asname or alias.name)
-    return modules, loaders
+                if alias.name == "multigpu":
+                    names.package.add(alias.asname or alias.name)
+                elif alias.name == "multigpu.config":
+                    (names.config if alias.asname else names.package).add(alias.asname or "multigpu")
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.shadowed.add(node.name)
+    names.settings -= names.shadowed
+    names.load -= names.shadowed
+    return names
 
 
-def _is_load(func: ast.expr, modules: set[str], loaders: set[str]) -> bool:
+def _is_load(func: ast.expr, names: _Names) -> bool:
     if isinstance(func, ast.Name):
-        return func.id in loaders
+        return func.id in names.load
     if not (isinstance(func, ast.Attribute) and func.attr == "load"):
         return False
     owner = ast.unparse(func.value)
-    return owner in modules or owner.removesuffix(".config") in modules
+    return owner in names.config or owner in {f"{p}.config" for p in names.package}
 
 
-def _names_settings(annotation: ast.expr) -> bool:
+def _names_settings(annotation: ast.expr, names: _Names) -> bool:
+    """``mg.TrainerSettings``, ``multigpu.trainer.TrainerSettings`` or a name imported from multigpu."""
     text = ast.unparse(annotation).strip("'\"")
-    return text == "TrainerSettings" or text.endswith(".TrainerSettings")
+    if text in names.settings:
+        return True
+    owner, _, name = text.rpartition(".")
+    return name == "TrainerSettings" and any(owner == package or owner == f"{package}.trainer"
+                                             for package in names.package)

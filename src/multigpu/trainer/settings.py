@@ -39,7 +39,7 @@ SETTING_RULES = {
     "shuffle": Rule(bool), "drop_last": Rule(bool), "num_workers": Rule(int, 0, 256),
     "out_dir": Rule(str), "checkpoint_every_epochs": Rule(int, 1, 10**9),
     "checkpoint_every_steps": Rule(int, 1, _BIG, optional=True), "keep_last": Rule(int, 1, 10**6),
-    "resume": Rule(bool), "fresh": Rule(bool), "resume_from": Rule(str, optional=True),
+    "resume": Rule(bool), "fresh": Rule(bool), "resume_from": Rule(str, optional=True, blank=False),
     "verify_checksums": Rule(bool), "loggers": Rule(list),
     "log_every_n_steps": Rule(int, 0, _BIG), "progress": Rule(bool),
     "progress_every_s": Rule(float, 0, 1e7, positive=True), "throughput_unit": Rule(str),
