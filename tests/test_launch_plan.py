@@ -1,5 +1,6 @@
 """Launcher decisions without starting anything: devices per process, rendezvous, ports, device choice."""
 
+import argparse
 import socket
 import sys
 
@@ -664,3 +665,62 @@ def test_the_launchers_stop_handler_holds_raises_once_and_puts_every_handler_bac
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["held True", "after held True None", "then noted True", "raised True",
                                         "noted True", "restored True"], done.stdout + done.stderr
+
+
+def _sample(knob):
+    """A value of this knob other than its default, as the parser would give it."""
+    from multigpu.launch.knobs import nproc_value
+    from multigpu.validate import whole_flag
+
+    if knob.switch:
+        return True
+    if knob.choices:
+        return knob.choices[-1]
+    return {whole_flag: 7, float: 2.5, nproc_value: 3}.get(knob.type, "host-7")
+
+
+def test_each_launch_knob_is_one_flag_its_child_lines_carry_and_its_bounds_are_checked(tmp_path, monkeypatch):
+    """Issue 51: a launch flag is declared once (launch/knobs.py). Derived from it, and checked here to
+    agree: `multigpu run`'s parser (every spelling, the dest, the default), the child `multigpu run` lines
+    RunFlags writes (each handed-on knob's value reads back the same through the parser) and the bounds."""
+    from multigpu.cli import build_parser
+    from multigpu.commands.launching import _check_run_flags
+    from multigpu.launch.flags import RunFlags
+    from multigpu.launch.knobs import KNOBS
+
+    parser = build_parser()
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    by_flag = {flag: action for action in run._actions for flag in action.option_strings}
+    for knob in KNOBS:
+        for flag in knob.spellings():
+            assert by_flag[flag].dest == knob.name and by_flag[flag].default == knob.default, flag
+        if knob.handed_on:
+            value = _sample(knob)
+            args = parser.parse_args(["run", *RunFlags(**{knob.name: value}).flags(), "t.py"])
+            assert getattr(args, knob.name) == value, knob.name
+    with pytest.raises(TypeError, match="no launch flag 'fresh'"):
+        RunFlags(fresh=True)  # shapes this line only: never handed to a child
+    monkeypatch.chdir(tmp_path)
+    for line, said in ((["--max-restarts", "1001"], "--max-restarts 1001 is more than 1,000"),
+                       (["--master-port", "0"], "--master-port 0 must be at least 1"),
+                       (["--monitor-interval", "0"], "--monitor-interval 0.0 must be a positive number of seconds"),
+                       (["--role", "a b"], "--role")):
+        with pytest.raises(LaunchError, match=said):
+            _check_run_flags(parser.parse_args(["run", *line, "t.py"]))
+
+
+def test_a_launch_of_launches_hands_each_child_every_flag_of_its_line():
+    """Each child got a hand-picked list of flags: replica groups dropped --exit-timeout, --profile and
+    --rdzv-timeout, simulated nodes --tee-prefix. Now every handed-on flag reaches each child (RunFlags.from_args),
+    then the child's own are set."""
+    from multigpu.cli import build_parser
+    from multigpu.launch.flags import RunFlags
+    from multigpu.launch.simulate import node_commands
+
+    args = build_parser().parse_args(["run", "--simulate-nodes", "2", "--cpu", "--exit-timeout", "30", "--profile",
+                                      "--tee-prefix", "never", "--rdzv-timeout", "60", "t.py"])
+    flags = RunFlags.from_args(args).replace(simulate_nodes=None)
+    for command in node_commands(2, flags, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500):
+        assert "--simulate-nodes" not in command and "--profile" in command
+        assert [command[command.index(f) + 1] for f in ("--exit-timeout", "--tee-prefix", "--rdzv-timeout")] == \
+            ["30", "never", "60"]

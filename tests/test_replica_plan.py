@@ -123,8 +123,8 @@ def test_group_environment_and_command_line():
     assert env["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:4000" and env["MULTIGPU_MIN_REPLICAS"] == "1"
     argv = RunFlags(nproc=1, cpu=True, local_addr="127.0.0.1", replica_groups=2, replica_group=1, min_replicas=1,
                     lighthouse="127.0.0.1:4000", heartbeat_timeout=5.0).to_argv(["train.py", "--lr", "1"], python="py")
-    assert argv == [*python_module("multigpu", "py"), "run", "--nproc", "1", "--local-addr", "127.0.0.1", "--replica-groups", "2",
-                    "--replica-group", "1", "--lighthouse", "127.0.0.1:4000", "--cpu", "--", "train.py", "--lr", "1"]
+    assert argv == [*python_module("multigpu", "py"), "run", "--nproc", "1", "--replica-groups", "2", "--replica-group", "1",
+                    "--lighthouse", "127.0.0.1:4000", "--local-addr", "127.0.0.1", "--cpu", "--", "train.py", "--lr", "1"]
 
 
 @pytest.mark.parametrize("codes, received, status", [

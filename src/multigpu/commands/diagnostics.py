@@ -140,11 +140,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             ok = False
         if not ok:
             raise LaunchError(f"--sizes {args.sizes!r}: {size!r} is not a size in MiB.", "e.g. --sizes 1,256.")
-    from dataclasses import replace
-
     from multigpu.launch.flags import RunFlags
 
-    flags = replace(RunFlags.from_launch_args(args), tee_prefix="never")
+    flags = RunFlags.from_launch_args(args).replace(tee_prefix="never")
     command = flags.to_argv([
                # --flag=VALUE: a value that starts with "-" (an --out of "-x") is never read as a flag there
                "-m", "multigpu.diagnostics.doctor", f"--out={args.out}", f"--checkpoint-gb={args.checkpoint_gb}",

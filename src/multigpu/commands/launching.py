@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multigpu import validate
-from multigpu.errors import EXIT_STUCK_AT_EXIT, LaunchError
-from multigpu.launch.exit_watch import EXIT_TIMEOUT_S
-from multigpu.launch.process import STOP_TIMEOUT_S
-from multigpu.validate import whole_flag
+from multigpu.errors import LaunchError
+from multigpu.launch.knobs import DEVICES, LAUNCH_GROUPS, LOGS, NODES, REPLICAS, TORCHRUN, add_knobs, check_knobs, spellings
 
 if TYPE_CHECKING:
     from multigpu.launch.local import LaunchRequest
@@ -45,57 +43,10 @@ Inside the script, `run = mg.init()` finds all of this; the same script also run
 and srun unchanged. Batch sizes are per process: the global batch is batch x processes.
 """
 
-def spellings(*names: str) -> list[str]:
-    """A flag in our spelling and in torchrun's: ``--nproc-per-node`` and ``--nproc_per_node``."""
-    out: list[str] = []
-    for name in names:
-        out.append(name)
-        if name.startswith("--") and "-" in name[2:]:
-            out.append("--" + name[2:].replace("-", "_"))
-    return out
-
-
-def nproc_value(text: str) -> "int | str":
-    """``--nproc``: a number, or torchrun's ``auto``/``gpu``/``cpu`` (resolved when devices are planned)."""
-    if text in ("auto", "gpu", "cpu"):
-        return text
-    if text.startswith("-") and validate.is_digits(text[1:]):  # a count below 1: said by the device planner
-        return -int(text[1:])
-    if not validate.is_digits(text):  # int() would take "١٢" and "1_000"
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of processes, auto, gpu or cpu")
-    return int(text)
-
-
 def add_launch_flags(p: argparse.ArgumentParser, rdzv_timeout: int = 900) -> None:
     """Devices and nodes: the flags `multigpu run` and `multigpu doctor` share (both spellings torchrun
     accepts, ``--nproc-per-node`` and ``--nproc_per_node``)."""
-    dev = p.add_argument_group("devices and processes")
-    dev.add_argument("--gpus", metavar="IDS", help="GPUs to use, e.g. 0,2,3 or 0-3 (default: every visible GPU)")
-    dev.add_argument(*spellings("--nproc", "--nproc-per-node"), dest="nproc", type=nproc_value, metavar="N",
-                     help="processes on this machine (default: one per GPU, or 1 on a CPU machine); torchrun's "
-                     "auto, gpu and cpu work too")
-    dev.add_argument(*spellings("--gpus-per-proc"), type=whole_flag, default=1, metavar="K",
-                     help="GPUs owned by each process, for model-parallel strategies (default 1)")
-    dev.add_argument(*spellings("--procs-per-gpu"), type=whole_flag, default=1, metavar="K",
-                     help="processes sharing each GPU, talking over gloo (NCCL refuses two ranks on one GPU); "
-                     "for small models and for testing the multi-process path on one GPU (default 1)")
-    dev.add_argument("--cpu", action="store_true", help="use CPU processes even where GPUs are visible")
-    nodes = p.add_argument_group("several machines")
-    nodes.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="number of machines (default 1)")
-    nodes.add_argument(*spellings("--node-rank"), dest="node_rank", type=whole_flag, default=0, metavar="R",
-                       help="this machine's index, 0..nnodes-1 (static rendezvous)")
-    nodes.add_argument(*spellings("--master-addr"), dest="master_addr", metavar="HOST",
-                       help="address of node 0, reachable from every node")
-    nodes.add_argument(*spellings("--master-port"), dest="master_port", type=whole_flag, metavar="PORT",
-                       help="port on node 0 (default on one machine: a free port is chosen)")
-    nodes.add_argument(*spellings("--rdzv-endpoint"), dest="rdzv_endpoint", metavar="HOST:PORT",
-                       help="c10d rendezvous (elastic --nnodes MIN:MAX)")
-    nodes.add_argument(*spellings("--rdzv-id"), dest="rdzv_id", metavar="ID",
-                       help="job id shared by every node of a c10d rendezvous")
-    nodes.add_argument(*spellings("--rdzv-timeout"), dest="rdzv_timeout", type=whole_flag, default=rdzv_timeout, metavar="S",
-                       help=f"seconds to wait for every node to join (default {rdzv_timeout})")
-    nodes.add_argument(*spellings("--simulate-nodes"), dest="simulate_nodes", type=whole_flag, metavar="N",
-                       help="rehearse an N-node job on this machine: N agents on loopback (GPUs split evenly)")
+    add_knobs(p, LAUNCH_GROUPS, {"rdzv_timeout": rdzv_timeout})
 
 
 #: torchrun flags that `multigpu run` refuses, with why and what to use instead (flag -> (takes a value, hint)).
@@ -133,23 +84,8 @@ class _Refused(argparse.Action):
 
 def add_torchrun_flags(p: argparse.ArgumentParser) -> None:
     """The rest of torchrun's flags: taken with torchrun's meaning, or refused with a reason."""
-    g = p.add_argument_group("torchrun's flags (accepted in both spellings, so torchrun lines work unchanged)")
-    g.add_argument("--standalone", action="store_true",
-                   help="one machine, a free rendezvous port: what multigpu run does on one machine anyway")
-    g.add_argument(*spellings("--rdzv-backend"), dest="rdzv_backend", metavar="c10d|static",
-                   help="c10d (with --rdzv-endpoint) or static (with --master-addr/--master-port); chosen from "
-                   "the other flags when not given")
-    g.add_argument(*spellings("--rdzv-conf"), dest="rdzv_conf", metavar="KEY=VALUE,...",
-                   help="join_timeout=S (the same as --rdzv-timeout S)")
-    g.add_argument(*spellings("--monitor-interval"), dest="monitor_interval", type=float, default=None, metavar="S",
-                   help="how often the agent polls the workers, in seconds (default 0.1)")
-    g.add_argument(*spellings("--start-method"), dest="start_method", metavar="spawn",
-                   help="only spawn: each worker starts a fresh interpreter")
-    g.add_argument("--role", metavar="NAME", help="the worker group's name in torch elastic's logs (default: default)")
-    g.add_argument(*spellings("--run-path"), dest="run_path", action="store_true",
-                   help="run the script as a file: what multigpu run does anyway")
-    g.add_argument(*spellings("--local-addr"), dest="local_addr", metavar="HOST",
-                   help="this node's address as the other nodes reach it (c10d rendezvous)")
+    add_knobs(p, (TORCHRUN,))
+    g = next(group for group in p._action_groups if group.title == TORCHRUN)
     for flag, (takes_value, _hint) in REFUSED_TORCHRUN_FLAGS.items():
         short = [k for k, v in _REFUSED_SHORT.items() if v == flag]
         g.add_argument(*short, *spellings(flag), action=_Refused, nargs=None if takes_value else 0,
@@ -164,34 +100,7 @@ def add_run_parser(sub: argparse._SubParsersAction[Any]) -> None:
         epilog=RUN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from multigpu.commands.replica_groups import add_replica_flags
-
-    add_launch_flags(p)
-    misc = p.add_argument_group("failures and logs")
-    misc.add_argument(*spellings("--max-restarts"), dest="max_restarts", type=whole_flag, default=0, metavar="K",
-                      help="restart all workers up to K times when one fails (default 0)")
-    misc.add_argument(*spellings("--stop-timeout", "--shutdown-timeout"), dest="stop_timeout", type=whole_flag,
-                      default=STOP_TIMEOUT_S, metavar="S", help="on SIGTERM/SIGUSR1, seconds the workers get to "
-                      f"checkpoint before SIGKILL (default {STOP_TIMEOUT_S}; torchrun calls it --shutdown-timeout)")
-    misc.add_argument(*spellings("--exit-timeout"), dest="exit_timeout", type=whole_flag, default=EXIT_TIMEOUT_S,
-                      metavar="S", help="a worker still alive S seconds after every rank here finished its script "
-                      f"has its Python stacks written to the log folder and is ended; exit {EXIT_STUCK_AT_EXIT} "
-                      f"(default {EXIT_TIMEOUT_S})")
-    misc.add_argument(*spellings("--log-dir"), dest="log_dir", metavar="DIR",
-                      help="keep each rank's stderr and stdout here, rankN.attemptK.stderr/.stdout (default: stderr only, in a "
-                      "temporary folder removed after a successful run)")
-    misc.add_argument(*spellings("--tee-prefix"), dest="tee_prefix", choices=("auto", "always", "never"), default="auto",
-                      help="put [rankN] before each line of the workers' stderr: auto (not on a terminal, where "
-                      "progress bars redraw in place; yes in log files with several ranks), always or never")
-    add_resume_flags(misc)
-    misc.add_argument("--verbose", action="store_true", help="show torch elastic's own log lines (and the launcher's C++ logs)")
-    misc.add_argument("--debug", action="store_true",
-                      help="TORCH_DISTRIBUTED_DEBUG=DETAIL, NCCL_DEBUG=INFO and the NCCL flight recorder (dumped "
-                      "into the log folder on a timeout); keeps every rank's log")
-    misc.add_argument("--profile", action="store_true",
-                      help="the Trainer traces steps 3-5 with torch.profiler: one trace per rank in out_dir/profile, "
-                      "rank 0's top operators printed (the trainer setting profile: tunes it)")
-    add_replica_flags(p)
+    add_knobs(p, (DEVICES, NODES, LOGS, REPLICAS))
     add_torchrun_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     p.add_argument("script", help="training script (or module with -m)")
@@ -200,20 +109,7 @@ def add_run_parser(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _check_run_flags(args: argparse.Namespace) -> None:
-    validate.count(args.max_restarts, "--max-restarts", LaunchError, low=0, high=1000)
-    validate.positive_seconds(args.stop_timeout, "--stop-timeout", LaunchError)
-    validate.positive_seconds(args.exit_timeout, "--exit-timeout", LaunchError)
-    validate.positive_seconds(args.rdzv_timeout, "--rdzv-timeout", LaunchError)
-    validate.count(args.node_rank, "--node-rank", LaunchError, low=0, high=validate.MAX_NODES)
-    if args.master_port is not None:
-        validate.count(args.master_port, "--master-port", LaunchError, low=1, high=65535,
-                       hint="use a port from 1024 to 65535.")
-    if args.monitor_interval is not None:
-        validate.positive_seconds(args.monitor_interval, "--monitor-interval", LaunchError)
-    for flag, text in (("--role", args.role), ("--local-addr", args.local_addr)):
-        if text is not None:
-            validate.plain_text(text, flag, LaunchError, allow_space=False, pattern=r"[\w.:\[\]%-]{1,255}",
-                                example="trainer" if flag == "--role" else "10.0.0.2")
+    check_knobs(args)
     if args.log_dir is not None:
         from multigpu.launch.local import prepare_log_dir
 
@@ -301,14 +197,6 @@ def plan_run(args: argparse.Namespace) -> "LaunchRequest":
     )
 
 
-def add_resume_flags(p: "argparse._ArgumentGroup | argparse.ArgumentParser") -> None:
-    """``--fresh`` and ``--resume PATH``: a recipe's ``trainer.fresh=true`` / ``trainer.resume_from=PATH``."""
-    p.add_argument("--fresh", action="store_true",
-                   help="start a new run of the recipe in a folder without checkpoints (its trainer.fresh=true)")
-    p.add_argument("--resume", metavar="PATH", help="start the recipe from this checkpoint: a run folder, its "
-                   "checkpoints folder or a step-N folder (its trainer.resume_from=PATH)")
-
-
 def check_script_arguments(args: argparse.Namespace) -> None:
     """A recipe's YAML file and KEY=VALUE overrides, checked before torch loads anywhere (see
     :mod:`multigpu.trainer.recipe_args`): a typo is its one line now, not after every rank's import.
@@ -345,6 +233,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return run_replica_groups(args, quiet=lambda: import_torch_quietly(args.verbose))
     if args.simulate_nodes is not None:
         from multigpu.launch.devices import visible_gpus
+        from multigpu.launch.flags import RunFlags
         from multigpu.launch.local import split_command
         from multigpu.launch.simulate import simulate
 
@@ -354,12 +243,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         command = split_command(None if args.module else args.script, args.script if args.module else None,
                                 args.script_args)
         nproc, cpu = resolve_nproc(args.nproc, [] if args.cpu else visible_gpus(), args.cpu)
-        return simulate(args.simulate_nodes, command, visible=[] if cpu else visible_gpus(), gpus=args.gpus,
-                        nproc=nproc, gpus_per_proc=args.gpus_per_proc, cpu=cpu,
-                        procs_per_gpu=args.procs_per_gpu,
-                        max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
-                        exit_timeout=args.exit_timeout, rdzv_timeout=args.rdzv_timeout, verbose=args.verbose,
-                        debug=args.debug, profile=args.profile,
+        flags = RunFlags.from_args(args).replace(nproc=nproc, cpu=cpu)
+        return simulate(args.simulate_nodes, command, flags, visible=[] if cpu else visible_gpus(), gpus=args.gpus,
                         clashing={"--nnodes": args.nnodes != "1", "--node-rank": args.node_rank,
                                   "--master-addr": args.master_addr, "--master-port": args.master_port,
                                   "--rdzv-endpoint": args.rdzv_endpoint, "--log-dir": args.log_dir})

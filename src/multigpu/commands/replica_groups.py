@@ -13,31 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from multigpu import validate
-from multigpu.commands.launching import _check_run_flags, fold_torchrun_flags, plan_run, resolve_nproc, spellings
+from multigpu.commands.launching import _check_run_flags, fold_torchrun_flags, plan_run, resolve_nproc
 from multigpu.errors import LaunchError
-from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
     from multigpu.launch.replicas import ReplicaSettings
-
-
-def add_replica_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("replica groups: keep training when a group dies (needs torchft: pip install "
-                             "'multigpu[ft]'; docs/fault-tolerance.md)")
-    g.add_argument(*spellings("--replica-groups"), dest="replica_groups", type=whole_flag, metavar="R",
-                   help="R groups of --nproc processes each, on torchft's fault-tolerant DDP (strategy ft-ddp): a "
-                   "group that dies is left out of the next steps, restarted by its agent (--max-restarts) and heals "
-                   "from a live group; a lighthouse in this launcher holds the quorum of each step")
-    g.add_argument(*spellings("--min-replicas"), dest="min_replicas", type=whole_flag, default=1, metavar="M",
-                   help="the fewest live groups a step needs (default 1)")
-    g.add_argument(*spellings("--heartbeat-timeout"), dest="heartbeat_timeout", type=float, default=5.0, metavar="S",
-                   help="seconds a silent group is waited for before the others go on without it: the pause per "
-                   "failure (default 5)")
-    g.add_argument(*spellings("--replica-group"), dest="replica_group", type=whole_flag, metavar="G",
-                   help="run only group G of --replica-groups R on this machine, joining --lighthouse (what "
-                   "`multigpu slurm --replica-groups` runs on each node)")
-    g.add_argument("--lighthouse", metavar="HOST:PORT", help="the lighthouse of a job whose groups run on "
-                   "several machines (python -m multigpu.launch.replicas --bind HOST:PORT hosts one)")
 
 
 def run_replica_groups(args: argparse.Namespace, quiet: Callable[[], object] = lambda: None) -> int:
@@ -109,14 +89,12 @@ def _run_all_groups(args: argparse.Namespace, settings: "ReplicaSettings", quiet
     with replicas.Lighthouse("127.0.0.1", 0, settings, verbose=args.verbose) as lighthouse:
         for group in range(settings.groups):
             mine = ids[group * per_group:(group + 1) * per_group]
-            flags = RunFlags(nproc=nproc, gpus=",".join(map(str, mine)) if mine else None, cpu=cpu,
-                             gpus_per_proc=args.gpus_per_proc, procs_per_gpu=args.procs_per_gpu,
-                             max_restarts=args.max_restarts, stop_timeout=args.stop_timeout,
-                             log_dir=str(Path(args.log_dir) / f"replica-group-{group}") if args.log_dir else None,
-                             tee_prefix="always" if args.tee_prefix == "auto" else args.tee_prefix,
-                             debug=args.debug, verbose=args.verbose, local_addr="127.0.0.1",
-                             replica_groups=settings.groups, replica_group=group, min_replicas=settings.min_replicas,
-                             heartbeat_timeout=settings.heartbeat_timeout_s, lighthouse=lighthouse.address)
+            flags = RunFlags.from_args(args).replace(  # every flag of this line, then the group's own
+                nproc=nproc, gpus=",".join(map(str, mine)) if mine else None, cpu=cpu,
+                log_dir=str(Path(args.log_dir) / f"replica-group-{group}") if args.log_dir else None,
+                tee_prefix="always" if args.tee_prefix == "auto" else args.tee_prefix, local_addr="127.0.0.1",
+                replica_groups=settings.groups, replica_group=group, min_replicas=settings.min_replicas,
+                heartbeat_timeout=settings.heartbeat_timeout_s, lighthouse=lighthouse.address)
             commands.append(flags.to_argv(command))
             envs.append(replicas.group_env(group, settings, lighthouse.address, loopback=True, verbose=args.verbose,
                                            threads=threads))

@@ -11,68 +11,55 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Sequence
 
-from multigpu.launch.exit_watch import EXIT_TIMEOUT_S
 from multigpu.launch.interpreter import python_module
+from multigpu.launch.knobs import BY_NAME, KNOBS, LAUNCH_GROUPS
 
-#: (field, flag) for flags with a value, in the order they are written; ``None`` values are left out.
-_VALUED = (("nnodes", "--nnodes"), ("node_rank", "--node-rank"), ("master_addr", "--master-addr"),
-           ("master_port", "--master-port"), ("rdzv_endpoint", "--rdzv-endpoint"), ("rdzv_id", "--rdzv-id"),
-           ("rdzv_timeout", "--rdzv-timeout"), ("nproc", "--nproc"), ("gpus", "--gpus"),
-           ("gpus_per_proc", "--gpus-per-proc"), ("procs_per_gpu", "--procs-per-gpu"),
-           ("simulate_nodes", "--simulate-nodes"), ("max_restarts", "--max-restarts"),
-           ("stop_timeout", "--stop-timeout"), ("exit_timeout", "--exit-timeout"), ("log_dir", "--log-dir"),
-           ("tee_prefix", "--tee-prefix"),
-           ("local_addr", "--local-addr"), ("replica_groups", "--replica-groups"), ("replica_group", "--replica-group"),
-           ("min_replicas", "--min-replicas"), ("lighthouse", "--lighthouse"),
-           ("heartbeat_timeout", "--heartbeat-timeout"))
-_SWITCHES = (("cpu", "--cpu"), ("debug", "--debug"), ("verbose", "--verbose"), ("profile", "--profile"))
+#: The knobs a ``multigpu run`` line carries, in the order they are written (switches last).
+_HANDED_ON = tuple(k for k in KNOBS if k.handed_on and not k.switch) + tuple(k for k in KNOBS if k.handed_on and k.switch)
 #: The device and node flags that ``run`` and ``doctor`` share (``doctor`` hands them on to ``run``).
-LAUNCH_FIELDS = ("gpus", "nproc", "gpus_per_proc", "procs_per_gpu", "cpu", "nnodes", "node_rank", "master_addr",
-                 "master_port", "rdzv_endpoint", "rdzv_id", "rdzv_timeout", "simulate_nodes")
-#: What the launcher does when a flag is not given: such values are not written.
-_DEFAULTS = {"nnodes": "1", "node_rank": 0, "gpus_per_proc": 1, "procs_per_gpu": 1, "max_restarts": 0,
-             "min_replicas": 1, "heartbeat_timeout": 5.0, "exit_timeout": EXIT_TIMEOUT_S}
+LAUNCH_FIELDS = tuple(k.name for k in KNOBS if k.group in LAUNCH_GROUPS)
 
 
-@dataclass(frozen=True)
 class RunFlags:
-    """The launcher's flags; a field left at None (or the launcher's default) is not written.
+    """The launcher's flags, by their knob names (:data:`multigpu.launch.knobs.KNOBS`); a flag left out,
+    None, or at the launcher's default is not written.
 
     Values are kept as given: a Slurm script passes ``"$SLURM_JOB_NUM_NODES"`` for ``nnodes``, which
-    the script's shell expands.
+    the script's shell expands. Immutable: :meth:`replace` makes a changed copy.
     """
 
-    nproc: Union[int, str, None] = None
-    gpus: Optional[str] = None
-    gpus_per_proc: Union[int, str, None] = None
-    procs_per_gpu: Union[int, str, None] = None
-    cpu: bool = False
-    nnodes: Union[int, str, None] = None
-    node_rank: Union[int, str, None] = None
-    master_addr: Optional[str] = None
-    master_port: Union[int, str, None] = None
-    rdzv_endpoint: Optional[str] = None
-    rdzv_id: Optional[str] = None
-    rdzv_timeout: Union[int, str, None] = None
-    simulate_nodes: Union[int, str, None] = None
-    max_restarts: Union[int, str, None] = None
-    stop_timeout: Union[int, str, None] = None
-    exit_timeout: Union[int, str, None] = None
-    log_dir: Optional[str] = None
-    tee_prefix: Optional[str] = None
-    local_addr: Optional[str] = None
-    #: Replica groups (``--replica-groups R``; one group of them: ``--replica-group G --lighthouse HOST:PORT``).
-    replica_groups: Union[int, str, None] = None
-    replica_group: Union[int, str, None] = None
-    min_replicas: Union[int, str, None] = None
-    lighthouse: Optional[str] = None
-    heartbeat_timeout: Union[float, str, None] = None
-    debug: bool = False
-    verbose: bool = False
-    profile: bool = False
+    __slots__ = ("_given",)
+
+    def __init__(self, **given: Any) -> None:
+        unknown = [name for name in given if name not in BY_NAME or not BY_NAME[name].handed_on]
+        if unknown:
+            raise TypeError(f"RunFlags has no launch flag {unknown[0]!r}")
+        object.__setattr__(self, "_given", dict(given))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in BY_NAME and BY_NAME[name].handed_on:
+            return self._given.get(name)
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("RunFlags is immutable: use .replace()")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunFlags) and self._given == other._given
+
+    def __repr__(self) -> str:
+        return f"RunFlags({', '.join(f'{k}={v!r}' for k, v in self._given.items())})"
+
+    def replace(self, **changes: Any) -> "RunFlags":
+        return RunFlags(**{**self._given, **changes})
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunFlags":
+        """Every launch flag of a parsed ``multigpu run`` line: what a launch of launches (simulated
+        nodes, replica groups) hands each child before setting its own."""
+        return cls(**{knob.name: getattr(args, knob.name) for knob in _HANDED_ON})
 
     @classmethod
     def from_launch_args(cls, args: argparse.Namespace) -> "RunFlags":
@@ -82,11 +69,12 @@ class RunFlags:
     def flags(self) -> list[str]:
         """Only the flags, in a fixed order."""
         out: list[str] = []
-        for name, flag in _VALUED:
-            value = getattr(self, name)
-            if value is not None and _DEFAULTS.get(name, object()) != value:
-                out += [flag, str(value)]
-        out += [flag for name, flag in _SWITCHES if getattr(self, name)]
+        for knob in _HANDED_ON:
+            value = self._given.get(knob.name)
+            if knob.switch:
+                out += [knob.flags[0]] if value else []
+            elif value is not None and value != knob.default:
+                out += [knob.flags[0], str(value)]
         return out
 
     def to_argv(self, target: Sequence[str], python: str = sys.executable) -> list[str]:

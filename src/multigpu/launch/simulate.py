@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 from multigpu import validate
@@ -47,31 +46,28 @@ def node_commands(nodes: int, flags: RunFlags, target: Sequence[str], visible_gp
         mine = ids[rank * per_node : (rank + 1) * per_node]
         gpus = ",".join(str(i) for i in mine) if mine else None
         if restarts:  # a restart must bring every node's workers to a new round: c10d's rendezvous does, static not
-            node = replace(flags, nnodes=nodes, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"simulated-{port}", gpus=gpus)
+            node = flags.replace(nnodes=nodes, rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"simulated-{port}", gpus=gpus)
         else:
-            node = replace(flags, nnodes=nodes, node_rank=rank, master_addr="127.0.0.1", master_port=port, gpus=gpus)
+            node = flags.replace(nnodes=nodes, node_rank=rank, master_addr="127.0.0.1", master_port=port, gpus=gpus)
         commands.append(node.to_argv(target, python))
     return commands
 
 
-def simulate(nodes: int, command: Sequence[str], *, visible: Sequence[str], gpus: Optional[str],
-             nproc: Optional[int], gpus_per_proc: int, cpu: bool, max_restarts: int, stop_timeout: int,
-             exit_timeout: int, rdzv_timeout: int, verbose: bool, clashing: dict[str, Any], debug: bool = False,
-             procs_per_gpu: int = 1, profile: bool = False) -> int:
-    """``multigpu run --simulate-nodes N``: refuse the real multi-node flags, then run N local agents."""
+def simulate(nodes: int, command: Sequence[str], flags: RunFlags, *, visible: Sequence[str], gpus: Optional[str],
+             clashing: dict[str, Any]) -> int:
+    """``multigpu run --simulate-nodes N``: refuse the real multi-node flags, then run N local agents, each
+    a ``multigpu run`` with ``flags`` (every launch flag of this line) and its node's own."""
     given = [flag for flag, value in clashing.items() if value]
     if given:
         raise LaunchError(f"--simulate-nodes chooses the nodes itself; drop {given[0]}.",
                           "use either --simulate-nodes N or the real multi-node flags.")
     validate.count(nodes, "--simulate-nodes", LaunchError, low=2, high=validate.MAX_SIMULATED_NODES)
-    if nproc is not None:
-        validate.count(nproc * nodes, f"--simulate-nodes {nodes} x --nproc", LaunchError,
+    if flags.nproc is not None:
+        validate.count(flags.nproc * nodes, f"--simulate-nodes {nodes} x --nproc", LaunchError,
                        hint=f"all simulated nodes run on this machine: keep the total at most {validate.MAX_PROCS_PER_NODE}.")
-    flags = RunFlags(nproc=nproc, gpus_per_proc=gpus_per_proc, procs_per_gpu=procs_per_gpu, max_restarts=max_restarts,
-                     stop_timeout=stop_timeout, exit_timeout=exit_timeout, rdzv_timeout=rdzv_timeout, cpu=cpu,
-                     verbose=verbose, debug=debug, profile=profile)
+    flags = flags.replace(simulate_nodes=None, gpus=None)
     with reserved_port() as port:  # held for node 0's store: nobody else is given it meanwhile
-        return run_nodes(node_commands(nodes, flags, command, 0 if cpu else len(visible), gpus, port=port))
+        return run_nodes(node_commands(nodes, flags, command, 0 if flags.cpu else len(visible), gpus, port=port))
 
 
 def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:
