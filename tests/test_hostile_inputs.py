@@ -256,8 +256,8 @@ CASES = [
          write("s.py", "")),
     Case("env-procs-per-device-zero", ["s.py"], "MULTIGPU_PROCS_PER_DEVICE=0 must be at least 1",
          write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_PROCS_PER_DEVICE": "0"}, python=True),
-    Case("run-memory-share-garbage", ["run", "s.py"], "is not a share between 0 and 1",
-         write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_GPU_MEMORY_FRACTION": "nan"}),
+    Case("run-memory-share-garbage", ["run", "s.py"], "MULTIGPU_JOB setting memory_fraction=nan is invalid",
+         write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_JOB": '{"memory_fraction": NaN}'}),
     Case("run-exit-timeout-zero", ["run", "--exit-timeout", "0", "s.py"], "--exit-timeout", write("s.py", "")),
     Case("run-exit-timeout-garbage", ["run", "--exit-timeout", "1e9x", "s.py"], "--exit-timeout", write("s.py", "")),
     # code in the folder the command starts from is never imported (the launcher, the workers, the copier of

@@ -151,7 +151,7 @@ def test_malformed_trial_settings_are_one_line(tmp_path, settings, expect):
         (tmp_path / "trial.json").write_text(settings)
     with pytest.raises(ConfigError, match=expect) as info:
         _channel(tmp_path).report(0.5, 1)
-    assert "MULTIGPU_TRIAL_DIR" in info.value.hint
+    assert "MULTIGPU_JOB" in info.value.hint
     assert not (tmp_path / "reports.csv").exists()
 
 

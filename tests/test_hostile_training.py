@@ -159,7 +159,8 @@ def test_a_malformed_averaged_model_in_a_checkpoint_is_one_line(tmp_path, state,
 
 @pytest.mark.parametrize("argv, env, expect", [
     ([DIGITS, "trainer.activation_checkpointing={every: -2}"], {}, "activation_checkpointing setting every=-2"),
-    (["-c", "import multigpu as mg; mg.init()"], {"MULTIGPU_PROFILE": "yes please"}, "MULTIGPU_PROFILE='yes please'"),
+    (["-c", "import multigpu as mg; mg.init()"], {"MULTIGPU_JOB": '{"profile": "yes please"}'},
+     "MULTIGPU_JOB setting profile='yes please' is invalid"),
 ], ids=["setting", "environment"])
 def test_as_a_real_process_one_line_no_traceback_nothing_written(tmp_path, argv, env, expect):
     before = sorted(tmp_path.rglob("*"))

@@ -122,7 +122,8 @@ def test_python_exception_in_a_worker(tmp_path, no_leftovers):
              "this run more of the GPU"),
 ])
 def test_out_of_memory_names_what_to_change(share, needle, no_leftovers):
-    proc = multigpu("run", str(SCRIPTS / "oom.py"), env={"MULTIGPU_GPU_MEMORY_FRACTION": share})
+    proc = multigpu("run", str(SCRIPTS / "oom.py"), env={"MULTIGPU_JOB": json.dumps({"memory_fraction": float(share)})
+                                                         if share else ""})
     assert proc.returncode == 1
     assert "OutOfMemoryError: CUDA out of memory" in proc.stderr  # the traceback still says where
     assert needle in proc.stderr and proc.stderr.count(needle) == 1

@@ -173,8 +173,9 @@ def test_runs_packed_on_one_gpu_share_it_with_a_memory_share_each(tmp_path):
     assert (status["p0"]["share"], status["whole"]["share"]) == ("1/2", "1")
     assert _max_overlap([(status[n]["started"], status[n]["ended"]) for n in ("p0", "p1")]) == 2
     assert _max_overlap([(status[n]["started"], status[n]["ended"]) for n in status]) == 2  # whole ran alone
-    assert envs["p0"]["MULTIGPU_GPU_MEMORY_FRACTION"] == envs["p1"]["MULTIGPU_GPU_MEMORY_FRACTION"] == "0.5"
-    assert envs["whole"]["MULTIGPU_GPU_MEMORY_FRACTION"] is None and envs["whole"]["CUDA_VISIBLE_DEVICES"] == "3"
+    assert envs["p0"]["memory_fraction"] == envs["p1"]["memory_fraction"] == 0.5
+    assert envs["whole"]["memory_fraction"] is None and envs["whole"]["CUDA_VISIBLE_DEVICES"] == "3"
+    assert envs["p0"]["run_dir"] == str(tmp_path / "q" / "p0")
 
 
 def test_runs_per_gpu_packs_cpu_slots_too(tmp_path):
@@ -186,7 +187,7 @@ def test_runs_per_gpu_packs_cpu_slots_too(tmp_path):
     status = [_status(out / f"r{i}") for i in range(2)]
     assert _max_overlap([(s["started"], s["ended"]) for s in status]) == 2
     assert "on slot 0 (1/2)" in proc.stdout
-    assert json.loads((out / "r0" / "env.json").read_text())["MULTIGPU_GPU_MEMORY_FRACTION"] is None  # CPU: no GPU
+    assert json.loads((out / "r0" / "env.json").read_text())["memory_fraction"] is None  # CPU: no GPU
 
 def test_five_runs_with_inheritance_on_two_slots(tmp_path):
     runs = _runs_file(tmp_path, f"""

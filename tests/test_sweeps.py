@@ -63,7 +63,7 @@ grid < net:
     assert isinstance(trial, Trial) and trial.family == "grid"
     assert trial.overrides == {"score": 0.5, "depth": 3, "optim.lr": 0.001, "model.hidden": 64}  # inherited + swept
     assert trial.args == ["0"] and trial.metric == "valid_score"
-    assert trial.run_env(tmp_path / "x") == {"MULTIGPU_TRIAL_DIR": str(tmp_path / "x" / "trial")}
+    assert trial.job_changes(tmp_path / "x") == {"trial_dir": str(tmp_path / "x" / "trial")}
     plain = load_plan(_write(tmp_path, f"t:\n  script: {SLEEP}\n  args: ['0']\n  overrides: {trial.overrides}\n",
                          "plain.yaml")).runs[0]
     assert trial.fingerprint() == plain.fingerprint()  # a trial computes what the same plain run computes
@@ -374,7 +374,7 @@ def test_the_trainer_stops_a_pruned_trial_on_every_rank_and_keeps_its_checkpoint
     answering.start()
     try:
         proc = multigpu("run", "--nproc", "2", "--cpu", str(script), str(out), timeout=240,
-                        env={"MULTIGPU_TRIAL_DIR": str(channel)})
+                        env={"MULTIGPU_JOB": json.dumps({"trial_dir": str(channel)})})
     finally:
         stop.set()
         answering.join()

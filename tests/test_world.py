@@ -1,5 +1,7 @@
 """World detection from patched environments: torchrun, Slurm (one node and several), node lists, errors."""
 
+import re
+
 import pytest
 
 from multigpu.distributed.world import (
@@ -238,3 +240,48 @@ def test_a_nodelist_of_more_than_65536_names_is_one_line(huge):
 def test_tasks_per_node_repeats_are_bounded():
     with pytest.raises(WorldError, match="more than 65,536 nodes.*HINT"):
         expand_tasks_per_node("1(x100000000)")
+
+
+# ------------------------------------------------------------------ the job: what the starting command asks
+
+
+def test_the_job_is_one_checked_variable_each_command_adds_its_section_to():
+    """Issue 51: seven MULTIGPU_* variables (the queue's folder, memory share and trial channel, check's
+    three, --profile), each a World field, became one JSON value with a section per request, handed on
+    through launches of launches: each command sets its own section and keeps the rest."""
+    import json
+
+    from multigpu.distributed.job import JOB_VAR, Check, Job, job_env
+    from multigpu.distributed.world import read_job
+
+    assert read_job({}) == Job() and read_job({JOB_VAR: ""}) == Job()
+    queued = job_env(None, run_dir="/q/a", memory_fraction=0.5)  # the queue: a run's own job, nothing inherited
+    profiled = job_env(queued[JOB_VAR], profile=True)  # `multigpu run --profile` inside that queue run
+    checked = job_env(profiled[JOB_VAR], check=Check("/c", 3, 2))
+    assert read_job(checked) == Job(run_dir="/q/a", memory_fraction=0.5, profile=True, check=Check("/c", 3, 2))
+    assert json.loads(job_env(checked[JOB_VAR], check=None, memory_fraction=None)[JOB_VAR]) == \
+        {"run_dir": "/q/a", "profile": True}  # a section set to None is gone
+    assert json.loads(job_env(None)[JOB_VAR]) == {}
+
+
+@pytest.mark.parametrize("text, said", [
+    ("{", "is not a JSON object"),
+    ("[1, 2]", "is not a JSON object"),
+    ('{"run_dri": "/x"}', "unknown key 'run_dri'"),
+    ('{"memory_fraction": 1.5}', "memory_fraction=1.5 is invalid"),
+    ('{"memory_fraction": NaN}', "memory_fraction=nan is invalid"),
+    ('{"profile": 1}', "profile=1 is invalid"),
+    ('{"run_dir": "  "}', "run_dir='  ' is invalid"),
+    ('{"check": {"dir": "/c", "steps": 0}}', "steps=0 is invalid"),
+    ('{"check": {"steps": 3}}', "missing"),
+    ('{"check": "/c"}', "is not an object"),
+    ('{"run_dir": "' + "x" * 70_000 + '"}', "characters (at most 65,536)"),
+    ("[" * 100_000 + "]" * 100_000, "characters"),
+])
+def test_a_job_set_by_hand_is_one_line_naming_the_variable(text, said):
+    from multigpu.distributed.world import read_job
+    from multigpu.errors import WorldError
+
+    with pytest.raises(WorldError, match=re.escape(said)) as caught:
+        read_job({"MULTIGPU_JOB": text})
+    assert "MULTIGPU_JOB" in caught.value.one_line() and "HINT:" in caught.value.one_line()

@@ -1,12 +1,11 @@
 """``mg.init()``: the one call at the top of a training script, and the :class:`Run` it returns.
 
 Why: the script should not care whether torchrun, Slurm, ``multigpu run`` or nobody started it.
-``init`` reads the world once, picks this process's device(s) and backend, starts the process group
-with a finite timeout, and owns teardown (registered at exit, so a script that forgets still exits
-cleanly). The ``Run`` composes the pieces a script needs - strategy, data, checkpoints, and the same
-safety a Trainer has (hang watchdog, preemption agreement, consistency check) for a hand-written
-loop - and holds no global state, so two runs in one process (sequentially, or in tests) do not
-interfere.
+``init`` reads the world (and the job's requests) once, picks this process's device(s) and backend,
+starts the process group with a finite timeout, and owns teardown (registered at exit). The ``Run``
+composes the pieces a script needs - strategy, data, checkpoints, and the same safety a Trainer has
+(hang watchdog, preemption agreement, consistency check) for a hand-written loop - and holds no
+global state, so two runs in one process (sequentially, or in tests) do not interfere.
 
 The Run is a facade: what it does is in the rooms it delegates to, one line per method - the
 strategy (``strategies``), data (``data``), the checkpoint choreography (``checkpoint.manager``), the
@@ -37,9 +36,10 @@ from multigpu.data.adapt import adapt
 from multigpu.data.samplers import describe_batch
 from multigpu.distributed import rank_zero
 from multigpu.distributed.agreement import Pending
+from multigpu.distributed.job import Job
 from multigpu.distributed.parallel import Parallelism, check_replica_groups
 from multigpu.distributed.session import DistSession, GroupSettings, choose_devices
-from multigpu.distributed.world import World, detect_world
+from multigpu.distributed.world import World, detect_world, read_job
 from multigpu.errors import ConfigError, visible
 from multigpu.fileio import inside
 from multigpu.guards import Guards, GuardSettings, consistency, interrupt, probe as check_probe
@@ -61,6 +61,7 @@ class Run:
     world: World
     devices: list[torch.device]
     session: DistSession
+    job: Job = field(default_factory=Job)  # what the command that started it asks (queue folder, check, profile)
     #: Strategy name used by ``setup`` when it is not given there ("auto": ddp if several processes).
     strategy_name: str = "auto"
     strategy: Optional[Strategy] = None
@@ -81,7 +82,7 @@ class Run:
     def __post_init__(self) -> None:
         if self.parallelism is None:
             self.parallelism = Parallelism.plain(self.world.world_size)
-        self.guards = Guards(self.session)
+        self.guards = Guards(self.session, self.job.trial_dir)
         self._checkpoints = CheckpointManager(self.session, lambda: self.checkpoint_io, self.guards.paused, self.print)
 
     # ------------------------------------------------------------------ where am I
@@ -420,9 +421,9 @@ class Run:
     def check_writable(self, folder: str | Path, what: str) -> Path:
         """``folder`` if this run may write there: under ``multigpu queue`` only inside the run's own
         folder (a runs file someone handed you cannot point a run at your home folder)."""
-        if not inside(folder, self.world.run_dir):
+        if not inside(folder, self.job.run_dir):
             raise ConfigError(f"{what} {visible(str(folder))[:200]} is outside this queue run's folder "
-                              f"{visible(str(self.world.run_dir))[:200]}.",
+                              f"{visible(str(self.job.run_dir))[:200]}.",
                               "write below the run's folder (the runs file's out_dir_key sets it), or start the "
                               "script yourself instead of from that runs file.")
         return Path(folder)
@@ -500,18 +501,18 @@ def init(
     process (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``, ``pp``: parallelism degrees
     (the rest shards data; ``pp``: stages on consecutive groups of ranks). ``env``: instead of os.environ.
     """
-    world = detect_world(env)
+    world, job = detect_world(env), read_job(env)
     cuda_count = torch.cuda.device_count() if accelerator != "cpu" else 0
     devices = choose_devices(world, cuda_count, accelerator)
-    if world.memory_fraction is not None and devices[0].type == "cuda":
+    if job.memory_fraction is not None and devices[0].type == "cuda":
         for device in devices:  # a packed queue run: an allocation beyond its share fails here, not in a neighbour
-            torch.cuda.set_per_process_memory_fraction(allocator_fraction(world.memory_fraction, device), device)
+            torch.cuda.set_per_process_memory_fraction(allocator_fraction(job.memory_fraction, device), device)
     parallelism = Parallelism.from_degrees(world.world_size, world.local_world_size, dp_replicate=dp_replicate, tp=tp,
                                            pp=pp)
     settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
     session = DistSession(world, devices[0], settings).start()
-    run = Run(world=world, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,
-              seed=seed, same_random_streams=same_random_streams, probe=check_probe.from_world(world))
+    run = Run(world=world, job=job, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,
+              seed=seed, same_random_streams=same_random_streams, probe=check_probe.from_job(job, world.rank))
     atexit.register(run.close)
     interrupt.install(run.guards, world.is_distributed)
     if seed is not None:

@@ -4,7 +4,8 @@
 
 until=PATH: first wait until PATH exists (a test releases the run when it has seen it running).
 
-Writes env.json (CUDA_VISIBLE_DEVICES, MULTIGPU_GPU_MEMORY_FRACTION, OMP_NUM_THREADS as it saw them) too,
+Writes env.json (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS as it saw them, and the memory_fraction and run_dir
+of its job, MULTIGPU_JOB) too,
 and launcher.json: its launcher's command line and the name of the launcher's parent (a queue's launcher
 forked from the queue's server shows the queue's command line, and ``multigpu-fork``).
 """
@@ -17,9 +18,11 @@ import time
 args = dict(a.split("=", 1) for a in sys.argv[2:])
 out = args["out_dir"]
 os.makedirs(out, exist_ok=True)
-names = ("CUDA_VISIBLE_DEVICES", "MULTIGPU_GPU_MEMORY_FRACTION", "OMP_NUM_THREADS")
+names = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+job = json.loads(os.environ.get("MULTIGPU_JOB") or "{}")
 with open(os.path.join(out, "env.json"), "w") as handle:
-    json.dump({name: os.environ.get(name) for name in names}, handle)
+    json.dump({**{name: os.environ.get(name) for name in names}, "memory_fraction": job.get("memory_fraction"),
+               "run_dir": job.get("run_dir")}, handle)
 with open(os.path.join(out, "args.json"), "w") as handle:  # what the queue handed it (a {run:NAME} resolved)
     json.dump(args, handle)
 launcher = os.environ.get("MULTIGPU_AGENT_PID")

@@ -49,7 +49,7 @@ from multigpu.diagnostics.causes import (
     unverified,
     weight_differences,
 )
-from multigpu.distributed.world import CHECK_DIR_VAR, CHECK_SCALE_VAR, CHECK_STEPS_VAR
+from multigpu.distributed.job import JOB_VAR, Check, job_env
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder
 from multigpu.launch.flags import RunFlags
@@ -62,7 +62,7 @@ EQUAL, DIFFERENT, DID_NOT_RUN, UNVERIFIED = 0, 1, 2, 3
 def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool, timeout_s: float,
          stops: StopSignals, procs_per_gpu: int = 1) -> Outcome:
     Folder(folder.parent).make(folder.name)
-    env = {**os.environ, CHECK_DIR_VAR: str(folder), CHECK_STEPS_VAR: str(steps), CHECK_SCALE_VAR: str(scale)}
+    env = {**os.environ, **job_env(os.environ.get(JOB_VAR), check=Check(str(folder), steps, scale))}
     argv = RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu).to_argv(command)
     with launched(argv, stops, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
         stops.release()  # (see launched)

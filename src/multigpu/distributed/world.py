@@ -15,37 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from multigpu import validate as checks
+from multigpu.distributed.job import JOB_VAR, Job, parse_job
 from multigpu.errors import WorldError
 
 #: Set by ``multigpu run --gpus-per-proc K``: how many devices each process owns.
 DEVICES_PER_PROC_VAR = "MULTIGPU_DEVICES_PER_PROC"
 #: Set by ``multigpu run --procs-per-gpu K``: how many processes share each device.
 PROCS_PER_DEVICE_VAR = "MULTIGPU_PROCS_PER_DEVICE"
-#: Set by ``multigpu queue`` for a run on a share of a GPU: the most of its memory the run may take.
-MEMORY_FRACTION_VAR = "MULTIGPU_GPU_MEMORY_FRACTION"
 
 #: Slurm jobs without an explicit MASTER_PORT get one derived from the job id, in this range.
 SLURM_PORT_BASE = 15000
 SLURM_PORT_SPAN = 20000
-#: Set by ``multigpu queue`` for each run: the folder the run may write in. A Trainer's out_dir or a
-#: checkpoint folder outside it (chosen by a runs file someone handed you) is refused.
-RUN_DIR_VAR = "MULTIGPU_RUN_DIR"
-#: Set by ``multigpu check`` for the runs it starts: where the recorder writes, after how many optimizer
-#: steps the run ends, and by how much the one-process run's loaders scale their batch.
-CHECK_DIR_VAR = "MULTIGPU_CHECK_DIR"
-CHECK_STEPS_VAR = "MULTIGPU_CHECK_STEPS"
-CHECK_SCALE_VAR = "MULTIGPU_CHECK_BATCH_SCALE"
-#: Set by ``multigpu run --profile``: the Trainer profiles a few steps (docs/observability.md).
-PROFILE_VAR = "MULTIGPU_PROFILE"
-#: Set by ``multigpu queue`` for a trial of a sweep or search: the folder of its channel to the queue.
-#: The queue writes TRIAL_SETTINGS_FILE there (the metric to report, how long to wait for a verdict);
-#: rank 0 appends ``step,value`` rows to TRIAL_REPORTS_FILE (``run.report``, the Trainer after each
-#: evaluation) and reads the queue's pruning answer from TRIAL_VERDICT_FILE. Files, not a socket: the
-#: queue may be another machine's process (Slurm), and the trial imports nothing of the queue.
-TRIAL_DIR_VAR = "MULTIGPU_TRIAL_DIR"
-TRIAL_SETTINGS_FILE = "trial.json"
-TRIAL_REPORTS_FILE = "reports.csv"
-TRIAL_VERDICT_FILE = "verdict.json"
 #: Set by ``multigpu run --replica-groups R`` for each group (torchft's own names for the first three, so
 #: a job launched the torchft way is read the same): which group this process belongs to, how many there
 #: are, where the lighthouse that holds the per-step quorum listens, and the fewest groups a step needs.
@@ -73,8 +53,6 @@ class World:
     devices_per_process: int = 1
     #: Processes sharing one device (``--procs-per-gpu``); they talk over gloo, not NCCL.
     processes_per_device: int = 1
-    #: The share of its GPU's memory this process may take (a packed queue run), None: all of it.
-    memory_fraction: Optional[float] = None
     restart_count: int = 0
     max_restarts: int = 0
     #: The launcher's id for this job: torchrun's rendezvous run id, or the Slurm job id ("" for none).
@@ -86,16 +64,6 @@ class World:
     nodes: tuple[str, ...] = field(default=())
     #: The Slurm job this process runs in, whatever launched it inside the job ("" outside Slurm).
     slurm_job_id: str = ""
-    #: The folder a queue run may write in (None: not started by ``multigpu queue``).
-    run_dir: Optional[str] = None
-    #: ``multigpu check``'s request: where to record (None: not a check), steps, batch scale.
-    check_dir: Optional[str] = None
-    check_steps: int = 5
-    check_scale: int = 1
-    #: ``multigpu run --profile``: the Trainer traces a few steps per rank.
-    profile: bool = False
-    #: A queue trial's channel to its sweep or search (None: not a trial; see TRIAL_DIR_VAR).
-    trial_dir: Optional[str] = None
     #: Replica groups (``multigpu run --replica-groups R``): this process's group, how many there are,
     #: the lighthouse's address (None: not a fault-tolerant job) and the fewest groups a step needs.
     #: ``rank``/``world_size`` stay the group's own: torch.distributed's world is one group.
@@ -160,30 +128,8 @@ def _common(env: Env) -> dict[str, Any]:
         raise WorldError(
             f"{PROCS_PER_DEVICE_VAR}={sharing} with {DEVICES_PER_PROC_VAR}={per_proc}: processes share a device or "
             "own several, not both.", "use `multigpu run --procs-per-gpu K` or `--gpus-per-proc K`, not both.")
-    fraction: Optional[float] = None
-    raw = env.get(MEMORY_FRACTION_VAR)
-    if raw:
-        try:
-            fraction = float(raw)
-        except ValueError:
-            fraction = -1.0
-        if not 0 < fraction <= 1:  # NaN fails too
-            raise WorldError(f"{MEMORY_FRACTION_VAR}={raw[:40]!r} is not a share between 0 and 1.",
-                             "it is set by `multigpu queue --runs-per-gpu`; unset it when running by hand.")
-    check_steps, check_scale = _int(env, CHECK_STEPS_VAR, 5), _int(env, CHECK_SCALE_VAR, 1)
-    if not (0 < check_steps <= 10_000 and 0 < check_scale <= 4096):
-        raise WorldError(f"{CHECK_STEPS_VAR}={check_steps} / {CHECK_SCALE_VAR}={check_scale} are out of range.",
-                         "they are set by `multigpu check`; unset them when running by hand.")
-    profile = env.get(PROFILE_VAR, "")
-    if profile not in ("", "0", "1"):
-        raise WorldError(f"{PROFILE_VAR}={profile[:40]!r} is not 0 or 1.",
-                         "it is set by `multigpu run --profile`; unset it when running by hand.")
-    return {"check_dir": env.get(CHECK_DIR_VAR) or None, "check_steps": check_steps, "check_scale": check_scale,
-            "profile": profile == "1",
-            "devices_per_process": per_proc, "processes_per_device": sharing, "memory_fraction": fraction,
-            "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
-            "slurm_job_id": env.get("SLURM_JOB_ID", ""), "run_dir": env.get(RUN_DIR_VAR) or None,
-            "trial_dir": env.get(TRIAL_DIR_VAR) or None,
+    return {"devices_per_process": per_proc, "processes_per_device": sharing,
+            "visible_devices": env.get("CUDA_VISIBLE_DEVICES"), "slurm_job_id": env.get("SLURM_JOB_ID", ""),
             **_replica_groups(env)}
 
 
@@ -430,6 +376,11 @@ def validate(world: World) -> World:
             "check --ntasks-per-node against --ntasks, or --nproc against the job size.",
         )
     return world
+
+
+def read_job(env: Optional[Env] = None) -> Job:
+    """What the command that started this process asks of it (:mod:`multigpu.distributed.job`), checked."""
+    return parse_job((os.environ if env is None else env).get(JOB_VAR))
 
 
 def detect_world(env: Optional[Env] = None, readers: Sequence[Reader] = READERS) -> World:

@@ -40,8 +40,9 @@ class GuardSettings:
 class Guards:
     """One Run's safety, over the Run's process group (``session``)."""
 
-    def __init__(self, session: DistSession) -> None:
+    def __init__(self, session: DistSession, trial_dir: Optional[str] = None) -> None:
         self.session = session
+        self.trial_dir = trial_dir  # a queue trial's channel to its search (Job.trial_dir)
         self.settings = GuardSettings()
         #: Why this rank left the lockstep (None: it has not).
         self.interrupted_by: Optional[str] = None
@@ -99,7 +100,7 @@ class Guards:
         once the search pruned the trial. Nothing at all outside a queue trial."""
         if self._trial is None:
             world, session = self.session.world, self.session
-            self._trial = TrialChannel(world.trial_dir, world.is_main, say=say,
+            self._trial = TrialChannel(self.trial_dir, world.is_main, say=say,
                                        agree=lambda flag: any_rank(flag, session.control, session.active),
                                        stopping=lambda: self._stop is not None and self._stop.received is not None)
         if self._trial.folder is None:

@@ -4,7 +4,7 @@ Why inside the script: the check must run the user's own code, unchanged, and st
 step trained on - how many forward passes (micro-steps) it made and how many samples each held, a
 digest of every rank's inputs, the random state, whether the gradients were synchronised, each step's
 loss, which parameters got no gradient, and the weights. ``mg.init`` creates a :class:`Probe` only when
-``multigpu check`` asked for one (``World.check_dir``); otherwise ``run.probe`` is :data:`NO_PROBE`, whose
+``multigpu check`` asked for one (the job's ``check`` section); otherwise ``run.probe`` is :data:`NO_PROBE`, whose
 hooks are no-op method calls.
 
 What is counted where, and why there:
@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from multigpu.distributed.job import Job
 from multigpu.fileio import Folder
 
 #: After its K-th step a rank waits this long at most for the others to reach theirs (they normally
@@ -52,11 +53,11 @@ class CheckDone(SystemExit):
         super().__init__(0)
 
 
-def from_world(world: Any) -> "Probe | NoProbe":
-    """The recorder ``multigpu check`` asked for (its request is part of the World), or NO_PROBE."""
-    if not world.check_dir:
+def from_job(job: Job, rank: int) -> "Probe | NoProbe":
+    """The recorder ``multigpu check`` asked for (its section of the Job), or NO_PROBE."""
+    if job.check is None:
         return NO_PROBE
-    return Probe(Path(world.check_dir), world.rank, steps=world.check_steps, scale=world.check_scale)
+    return Probe(Path(job.check.dir), rank, steps=job.check.steps, scale=job.check.scale)
 
 
 def _tensors(value: Any, found: list[Any], depth: int = 0) -> list[Any]:

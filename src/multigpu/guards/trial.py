@@ -1,7 +1,7 @@
 """A queue trial's line to its sweep or search: report the metric after each evaluation, and hear
 whether the search pruned the trial.
 
-Why files in the trial's own folder (``MULTIGPU_TRIAL_DIR``, see :mod:`multigpu.distributed.world`):
+Why files in the trial's own folder (the job's ``trial_dir``, see :mod:`multigpu.distributed.job`):
 the queue that reads them may be another process on another machine (a Slurm search), and the trial
 must import nothing of the queue (the queue never imports the trainer, the trainer never imports the
 queue). Rank 0 appends ``step,value`` to ``reports.csv``; when the search prunes, it waits (at most
@@ -10,7 +10,7 @@ caused it, the same way on every run of the test suite. The answer is then agree
 one all-reduce of a flag, so all ranks stop at the same evaluation - through the Trainer's
 early-stop path, which keeps a checkpoint.
 
-Outside a queue trial (no ``MULTIGPU_TRIAL_DIR``), :meth:`TrialChannel.report` does nothing and
+Outside a queue trial (no ``trial_dir`` in the job), :meth:`TrialChannel.report` does nothing and
 answers False on every rank without any collective.
 """
 
@@ -22,7 +22,7 @@ import operator
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from multigpu.distributed.world import TRIAL_DIR_VAR, TRIAL_REPORTS_FILE, TRIAL_SETTINGS_FILE, TRIAL_VERDICT_FILE
+from multigpu.distributed.job import JOB_VAR, TRIAL_REPORTS_FILE, TRIAL_SETTINGS_FILE, TRIAL_VERDICT_FILE
 from multigpu.errors import ConfigError, shown
 from multigpu.fileio import Folder
 
@@ -122,7 +122,7 @@ class TrialChannel:
         if self._settings_read:
             return
         where = f"the trial settings {self._folder / TRIAL_SETTINGS_FILE}"
-        hint = f"start this run from its queue, or unset {TRIAL_DIR_VAR} to run it on its own."
+        hint = f"start this run from its queue, or unset {JOB_VAR} to run it on its own."
         try:
             data = json.loads(self._folder.load_text(TRIAL_SETTINGS_FILE, limit=64 * 1024))
         except (OSError, ValueError) as exc:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from multigpu import validate
-from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR, PROFILE_VAR
+from multigpu.distributed.job import JOB_VAR, job_env
+from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STUCK_AT_EXIT, LaunchError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.launch.attempts import clear_records
@@ -78,7 +79,7 @@ class LaunchRequest:
     #: torchrun's ``--role`` (the worker group's name in torch elastic's logs) and ``--local-addr``.
     role: str = "default"
     local_addr: Optional[str] = None
-    #: ``--profile``: the workers' Trainers trace a few steps (``MULTIGPU_PROFILE=1``).
+    #: ``--profile``: the workers' Trainers trace a few steps (the job's ``profile``).
     profile: bool = False
     #: What the restart line says happens next (replica groups heal from a live group instead).
     restart_note: str = RESTART_NOTE
@@ -119,8 +120,8 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
         # torchrun's default of 1 starves CPU training; split the cores this process may use instead
         # (its affinity: a Slurm task sees its allocation, not the whole node).
         env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // request.devices.nproc))
-    if request.profile:
-        env[PROFILE_VAR] = "1"
+    if request.profile:  # beside what the command that started this launcher asked (a queue run's folder)
+        env.update(job_env(os.environ.get(JOB_VAR), profile=True))
     env.update({k: str(v) for k, v in request.extra_env.items()})
     return env
 

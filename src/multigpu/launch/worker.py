@@ -238,13 +238,16 @@ def out_of_memory_line(exc: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     if cause is None or type(cause).__name__ != "OutOfMemoryError":
         return ""
-    from multigpu.distributed.world import MEMORY_FRACTION_VAR
+    from multigpu.distributed.world import read_job
     from multigpu.errors import MultiGPUError
 
-    share = os.environ.get(MEMORY_FRACTION_VAR)
+    try:
+        share = read_job().memory_fraction
+    except MultiGPUError:
+        share = None
     if share:  # the same words on every rank: the launcher prints them once
         return MultiGPUError(
-            f"out of GPU memory in a packed queue run, which may use {share[:12]} of the GPU.",
+            f"out of GPU memory in a packed queue run, which may use {share:.6g} of the GPU.",
             "give this run more of the GPU (gpus: 1, or a lower --runs-per-gpu), or lower its batch size.").one_line()
     return MultiGPUError("out of GPU memory.",
                          "lower the per-process batch size (raise accumulate to keep the global batch), use "

@@ -139,8 +139,9 @@ class QueueEntry:
         flags = RunFlags(nproc=self.processes(on_gpus), cpu=not on_gpus, log_dir=str(folder / "logs"))
         return flags.to_argv([*target, *self.recipe_args(folder)], python)
 
-    def run_env(self, folder: Path) -> dict[str, str]:
-        """Variables the queue sets for this run besides its own ``env`` (a sweep's trial: its channel)."""
+    def job_changes(self, folder: Path) -> dict[str, Any]:
+        """What the queue asks of this run besides its folder (a sweep's trial: its channel; a
+        :class:`multigpu.distributed.job.Job` field each)."""
         return {}
 
     def prepare(self, folder: Path) -> None:

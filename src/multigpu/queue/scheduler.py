@@ -2,7 +2,7 @@
 (every ``multigpu run`` picks a free one), its own folder with its resolved config, log and status.
 
 ``--runs-per-gpu K`` (or ``gpus: 0.5`` in the runs file) packs small runs onto one GPU: each is held
-to its share of the GPU's memory (``MULTIGPU_GPU_MEMORY_FRACTION``, applied by ``mg.init``), so a run
+to its share of the GPU's memory (the job's ``memory_fraction``, applied by ``mg.init``), so a run
 that does not fit fails alone, with a message that names its share, instead of starving its neighbours.
 
 A failing run frees its devices and the others go on; the queue reports it at the end with the tail
@@ -28,7 +28,7 @@ from typing import IO, Any, Callable, Optional, Sequence
 import yaml
 
 from multigpu import validate
-from multigpu.distributed.world import MEMORY_FRACTION_VAR, RUN_DIR_VAR
+from multigpu.distributed.job import job_env
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, visible
 from multigpu.fileio import Folder, as_shown, atomic_write_text, ensure_real_folder, open_append
 from multigpu.launch.local import usable_cores
@@ -285,13 +285,12 @@ class Queue:
         env, held = validate.run_environment(os.environ, {k: str(v) for k, v in run.spec.env.items()})
         if held:
             run.note = f"credentials not passed (its env names an endpoint): {', '.join(held)[:120]}"
-        env.update(run.spec.run_env(run.folder))
         env["MULTIGPU_RUN_NAME"] = run.spec.name
-        env[RUN_DIR_VAR] = str(run.folder)  # the run may write here only (distributed.world.RUN_DIR_VAR)
+        # The run's job is the queue's own, never inherited: it may write in its folder only, and only a
+        # packed run gets a memory share.
+        env.update(job_env(None, run_dir=str(run.folder), **run.spec.job_changes(run.folder),
+                           memory_fraction=float(f"{float(run.share):.6g}") if self.on_gpus and run.share < 1 else None))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
-        env.pop(MEMORY_FRACTION_VAR, None)  # never inherited: only a packed run gets a memory share
-        if self.on_gpus and run.share < 1:
-            env[MEMORY_FRACTION_VAR] = f"{float(run.share):.6g}"
         threads = self._threads(run.share, run.spec.processes(self.on_gpus), len(slots))
         if threads:
             env["OMP_NUM_THREADS"] = threads

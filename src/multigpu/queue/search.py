@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from multigpu.distributed.world import TRIAL_REPORTS_FILE
+from multigpu.distributed.job import TRIAL_REPORTS_FILE
 from multigpu.errors import ConfigError, MultiGPUError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.queue.lock import RunLock

@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from multigpu import validate
-from multigpu.distributed.world import RUN_DIR_VAR
+from multigpu.distributed.job import job_env
 from multigpu.fileio import atomic_write_text
 from multigpu.launch import slurm
 from multigpu.queue.lock import RunLock
@@ -55,8 +55,8 @@ def run_options(options: slurm.SlurmOptions, spec: QueueEntry) -> slurm.SlurmOpt
 
 def _job(spec: QueueEntry, folder: Path, options: slurm.SlurmOptions, job_name: str) -> slurm.SlurmJob:
     target = ("-m", spec.module) if spec.module else (spec.script,)
-    env = {**{k: str(v) for k, v in spec.env.items()}, RUN_DIR_VAR: str(folder),  # it writes only there
-           **spec.run_env(folder)}
+    env = {**{k: str(v) for k, v in spec.env.items()},  # the run writes only in its folder
+           **job_env(None, run_dir=str(folder), **spec.job_changes(folder))}
     _, held = validate.run_environment(os.environ, env)
     return slurm.SlurmJob(command=(*target, *spec.recipe_args(folder)), run_dir=folder,
                           options=replace(run_options(options, spec), job_name=job_name),

@@ -24,14 +24,14 @@ from typing import Any, Optional, Sequence
 from rich.table import Table
 from rich.text import Text
 
-from multigpu.distributed.world import TRIAL_DIR_VAR, TRIAL_REPORTS_FILE, TRIAL_SETTINGS_FILE, TRIAL_VERDICT_FILE
+from multigpu.distributed.job import TRIAL_REPORTS_FILE, TRIAL_SETTINGS_FILE, TRIAL_VERDICT_FILE
 from multigpu.errors import MultiGPUError, visible
 from multigpu.fileio import Folder
 from multigpu.loggers import read_csv
 from multigpu.queue.runs import QueueEntry
 from multigpu.queue.space import Space, value_text
 
-#: In a trial's folder: its channel to the queue (MULTIGPU_TRIAL_DIR).
+#: In a trial's folder: its channel to the queue (its job's trial_dir).
 TRIAL_FOLDER = "trial"
 #: In the queue's folder: each family's record and each search's study (no run name starts with a dot).
 SWEEPS_FOLDER = ".sweeps"
@@ -55,8 +55,8 @@ class Trial(QueueEntry):
         """The same as the plain run with these settings: where a run came from does not change it."""
         return QueueEntry(**{f.name: getattr(self, f.name) for f in fields(QueueEntry)}).fingerprint()
 
-    def run_env(self, folder: Path) -> dict[str, str]:
-        return {TRIAL_DIR_VAR: str(Path(folder) / TRIAL_FOLDER)}
+    def job_changes(self, folder: Path) -> dict[str, Any]:
+        return {"trial_dir": str(Path(folder) / TRIAL_FOLDER)}
 
     def prepare(self, folder: Path) -> None:
         settings = {"metric": self.metric or "valid_loss", "wait_s": self.wait_s}

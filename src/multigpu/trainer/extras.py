@@ -25,7 +25,7 @@ class StepExtras:
         self.run = run
         self.out_dir = out_dir
         self.memory_snapshot = s.memory_snapshot_on_oom
-        profile = s.profile or (dict(PROFILE_DEFAULTS) if getattr(run.world, "profile", False) else None)  # None: off
+        profile = s.profile or (dict(PROFILE_DEFAULTS) if run.job.profile else None)  # None: off
         self.profiler: Optional[StepProfiler] = (
             StepProfiler(profile, out_dir, run.rank, run.is_main, run.device, run.print) if profile else None)
         self.averaging: Optional[WeightAverage] = None

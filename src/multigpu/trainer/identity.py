@@ -236,7 +236,7 @@ def settle(run: Any, model: nn.Module, optimizer: Any, out_dir: str, fresh: bool
     launch = run.world.launch_id if run.world.launch_id not in ("", "multigpu", "none") else ""
 
     def chosen() -> tuple[Path, Optional[str]]:
-        folder, line = place(base, mine, fresh, in_queue=run.world.run_dir is not None,
+        folder, line = place(base, mine, fresh, in_queue=run.job.run_dir is not None,
                              restarted=run.world.restart_count > 0, launch=launch)
         if fresh and launch:
             Folder(folder).create().write_atomic(MARKER, launch + "\n")  # a planted link there is replaced

@@ -107,7 +107,7 @@ class Trainer(abc.ABC):
         identity.check_owned(self.out_dir)
         self.tracker = BestTracker(s.monitor, s.mode, s.patience, s.min_delta) if s.monitor else None
         self._pruned = False  # a queue search pruned this trial (run.report): stop as early stopping does
-        self.progress = ProgressLine(s.progress and run.is_main, every_s=s.progress_every_s, record=run.world.run_dir)
+        self.progress = ProgressLine(s.progress and run.is_main, every_s=s.progress_every_s, record=run.job.run_dir)
         self.loggers = Loggers([], self.out_dir, enabled=False)
         self._valid: Any = None
         self._epochs = s.epochs
