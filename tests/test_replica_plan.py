@@ -228,6 +228,5 @@ def test_the_slurm_line_gives_each_node_its_group_before_the_script(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         *python_module("multigpu", str(stub))[1:], "run", "--replica-group", "1", "--local-addr", "10.9.9.2",
-        "--replica-groups", "2",
-        "--min-replicas", "1", "--heartbeat-timeout", "5", "--lighthouse", "10.9.9.1:35007", "--nproc", "1", "--cpu",
-        "--max-restarts", "2", "--", "train.py", "--lr", "3e-4"]
+        "--nproc", "1", "--max-restarts", "2", "--replica-groups", "2", "--lighthouse", "10.9.9.1:35007", "--cpu",
+        "--", "train.py", "--lr", "3e-4"]  # RunFlags' line: --min-replicas 1 and --heartbeat-timeout 5 are the defaults

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from multigpu import validate
 from multigpu.errors import LaunchError, visible
 from multigpu.fileio import Folder, read_regular
+from multigpu.launch.knobs import BY_NAME
 from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
@@ -98,15 +99,13 @@ def add_slurm_parser(sub: argparse._SubParsersAction[Any]) -> None:
     add_slurm_job_options(submit)
     submit.add_argument("--run-dir", metavar="DIR",
                         help="folder for the script and log (default: outputs/slurm/<name>-<time>)")
-    submit.add_argument("--max-restarts", type=whole_flag, default=0, metavar="K", help="restarts of the workers inside the job")
+    BY_NAME["max_restarts"].add_to(submit, help="restarts of the workers inside the job")  # run's own knobs
     replica = submit.add_argument_group("replica groups (torchft; docs/fault-tolerance.md)")
-    replica.add_argument("--replica-groups", type=whole_flag, metavar="R", help="one replica group per node (R = --nodes): "
-                         "a node that fails is restarted by its own agent (--max-restarts) and heals while the others "
-                         "keep training; the lighthouse runs on the first node")
-    replica.add_argument("--min-replicas", type=whole_flag, default=1, metavar="M", help="the fewest live groups a step "
-                         "needs (default 1)")
-    replica.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S", help="seconds a silent group is "
-                         "waited for before the others go on without it (default 5)")
+    BY_NAME["replica_groups"].add_to(replica, help="one replica group per node (R = --nodes): a node that fails is "
+                                     "restarted by its own agent (--max-restarts) and heals while the others keep "
+                                     "training; the lighthouse runs on the first node")
+    for name in ("min_replicas", "heartbeat_timeout"):
+        BY_NAME[name].add_to(replica)
     submit.add_argument("-m", "--module", action="store_true", help="the target is a module, run as with python -m")
     submit.add_argument("script", help="training script (or module with -m)")
     submit.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -50,13 +50,14 @@ class Knob:
         """Ours and torchrun's: ``--nproc-per-node`` and ``--nproc_per_node``."""
         return spellings(*self.flags)
 
-    def add_to(self, group: "argparse._ArgumentGroup", default: Any) -> None:
+    def add_to(self, group: "argparse._ActionsContainer", default: Any = None, help: Optional[str] = None) -> None:
+        """This flag in ``group``; ``default``/``help``: another command's own (``slurm submit``'s)."""
         if self.switch:
-            group.add_argument(*self.spellings(), dest=self.name, action="store_true", help=self.help)
+            group.add_argument(*self.spellings(), dest=self.name, action="store_true", help=help or self.help)
             return
         typed: dict[str, Any] = {"type": self.type} if self.type is not None else {}
-        group.add_argument(*self.spellings(), dest=self.name, default=default, metavar=self.metavar,
-                           choices=self.choices, help=self.help, **typed)
+        group.add_argument(*self.spellings(), dest=self.name, default=self.default if default is None else default,
+                           metavar=self.metavar, choices=self.choices, help=help or self.help, **typed)
 
 
 def spellings(*names: str) -> list[str]:

@@ -29,6 +29,7 @@ from multigpu import validate
 from multigpu.distributed.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from multigpu.errors import LaunchError
 from multigpu.fileio import atomic_write_text, ensure_real_folder
+from multigpu.launch.flags import RunFlags
 from multigpu.launch.interpreter import python_module
 from multigpu.launch.slurm_options import (  # explicit re-exports, for the commands
     CPUS_PER_GPU_PROCESS as CPUS_PER_GPU_PROCESS,
@@ -132,12 +133,9 @@ def _sbatch_lines(o: SlurmOptions, job_name: str, output: Path) -> list[str]:
 def _launcher(o: SlurmOptions, python: str) -> str:
     """``python -P -m multigpu run ...`` for each node (:mod:`.interpreter`): our $-variables double-quoted (bash expands them),
     everything else single-quoted."""
-    launcher = [*python_module("multigpu", python), "run", "--nnodes", "$SLURM_JOB_NUM_NODES",
-                "--nproc", str(o.processes), "--rdzv-endpoint", "$MASTER_ADDR:$MASTER_PORT", "--rdzv-id", "$SLURM_JOB_ID"]
-    if not o.gpus:
-        launcher.append("--cpu")
-    if o.max_restarts:
-        launcher += ["--max-restarts", str(o.max_restarts)]
+    flags = RunFlags(nnodes="$SLURM_JOB_NUM_NODES", nproc=o.processes, rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT",
+                     rdzv_id="$SLURM_JOB_ID", cpu=not o.gpus, max_restarts=o.max_restarts)
+    launcher = [*python_module("multigpu", python), "run", *flags.flags()]
     return " ".join(f'"{part}"' if part.startswith("$") else shlex.quote(part) for part in launcher)
 
 
@@ -153,12 +151,10 @@ def _replica_lines(o: SlurmOptions, python: str, target: str) -> list[str]:
     q = shlex.quote
     groups = f"--replica-groups {o.replica_groups} --min-replicas {o.min_replicas} --heartbeat-timeout {o.heartbeat_timeout:g}"
     module = python_module("multigpu", python)
-    launcher = [*module, "run", *groups.split(), "--lighthouse", "$MASTER_ADDR:$LIGHTHOUSE_PORT",
-                "--nproc", str(o.processes)]
-    if not o.gpus:
-        launcher.append("--cpu")
-    if o.max_restarts:
-        launcher += ["--max-restarts", str(o.max_restarts)]
+    flags = RunFlags(replica_groups=o.replica_groups, min_replicas=o.min_replicas, heartbeat_timeout=o.heartbeat_timeout,
+                     lighthouse="$MASTER_ADDR:$LIGHTHOUSE_PORT", nproc=o.processes, cpu=not o.gpus,
+                     max_restarts=o.max_restarts)
+    launcher = [*module, "run", *flags.flags()]
     words = " ".join(f'"{part}"' if part.startswith("$") else q(part) for part in launcher[len(module) + 1:])  # after "run"
     per_node = ('addr=$(scontrol show node "$SLURMD_NODENAME" 2>/dev/null | grep -o "NodeAddr=[^ ]*" | cut -d= -f2 '
                 f'|| true); exec "$1" {" ".join(q(w) for w in module[1:])} run --replica-group "$SLURM_NODEID" '
