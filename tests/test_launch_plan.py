@@ -1,8 +1,10 @@
 """Launcher decisions without starting anything: devices per process, rendezvous, ports, device choice."""
 
 import argparse
+import os
 import socket
 import sys
+import time
 
 import pytest
 import torch
@@ -724,3 +726,51 @@ def test_a_launch_of_launches_hands_each_child_every_flag_of_its_line():
         assert "--simulate-nodes" not in command and "--profile" in command
         assert [command[command.index(f) + 1] for f in ("--exit-timeout", "--tee-prefix", "--rdzv-timeout")] == \
             ["30", "never", "60"]
+
+
+_IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+
+
+def _started(children, code):
+    """A child that ignores SIGTERM, once it is up (its handler set)."""
+    children.start([sys.executable, "-c", code], None)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and children.procs[-1].poll() is None:
+        try:
+            if "S" in open(f"/proc/{children.procs[-1].pid}/stat").read().rsplit(")", 1)[1].split()[0]:
+                break  # asleep in time.sleep: its handler is set
+        except OSError:
+            break
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_the_children_of_a_launch_of_launches_stop_as_one(no_leftovers):
+    """Issue 51: simulated nodes and replica groups share one supervisor (launch/children.py). A child that
+    fails can stop the others; the first stop signal is forwarded and starts the deadline, the deadline or a
+    second signal ends what still runs with SIGKILL (simulated nodes waited 30 s for a second Ctrl-C)."""
+    import signal
+
+    from multigpu.launch.children import Children
+
+    with Children((signal.SIGTERM,), grace_s=60, poll_s=0.02) as children:  # a failure stops the others
+        children.start([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"], None)
+        children.start([sys.executable, "-c", "import time; time.sleep(60)"], None)
+        assert children.watch(lambda index, code: code != 0) == {0: 3, 1: -signal.SIGTERM}
+    with Children((signal.SIGTERM,), grace_s=0.3, poll_s=0.02) as children:  # the deadline after a stop
+        _started(children, _IGNORES_TERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process, which forwards it; the child ignores it
+        assert children.watch(lambda index, code: False) == {0: -signal.SIGKILL}
+        assert children.received == [signal.SIGTERM]
+    began = time.monotonic()
+    with Children((signal.SIGTERM,), grace_s=600, poll_s=0.02) as children:  # a second stop: at once
+        _started(children, _IGNORES_TERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert children.watch(lambda index, code: False) == {0: -signal.SIGKILL}
+    assert time.monotonic() - began < 60  # not the 600 s deadline
+    with pytest.raises(RuntimeError), Children((signal.SIGTERM,), grace_s=600) as children:
+        children.start([sys.executable, "-c", "import time; time.sleep(60)"], None)
+        raise RuntimeError("the launcher failed")
+    assert children.procs[0].poll() == -signal.SIGKILL  # nothing left running, whatever ended the block

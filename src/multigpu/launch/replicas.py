@@ -26,7 +26,6 @@ import argparse
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from multigpu.distributed.world import (
     REPLICA_GROUPS_VAR,
 )
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, LaunchError
+from multigpu.launch.children import Children
 from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
@@ -155,42 +155,21 @@ def follow_launcher() -> None:
 def run_groups(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, Any]], lighthouse: Lighthouse,
                say: Callable[[str], None], poll_s: float = 0.1, grace_s: float = 180.0) -> int:
     """Start every group's agent, forward stop signals to them, report groups that end; the status."""
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in _FORWARDED}
-    procs: list[subprocess.Popen[Any]] = []
-    codes: dict[int, int] = {}
-    forwarded = 0
-    deadline: Optional[float] = None
-    try:
+
+    def ended(group: int, code: int) -> bool:
+        if code not in (0, EXIT_PREEMPTED) and not children.received and children.running():
+            say(f"replica group {group} ended with status {code} (its restarts are used up); the other groups go "
+                "on without it")
+        return False  # the others keep training
+
+    with Children(_FORWARDED, grace_s, poll_s) as children:
         for command, env in zip(commands, envs):
-            procs.append(subprocess.Popen(list(command), env={**os.environ, **env, LAUNCHER_PID_VAR: str(os.getpid())},
-                                          start_new_session=True))
+            children.start(command, {**os.environ, **env, LAUNCHER_PID_VAR: str(os.getpid())})
         say(f"lighthouse {lighthouse.address} (at least {lighthouse.settings.min_replicas} group(s) per step, a "
-            f"silent group is left out after {lighthouse.settings.heartbeat_timeout_s:g} s); {len(procs)} replica "
+            f"silent group is left out after {lighthouse.settings.heartbeat_timeout_s:g} s); {len(commands)} replica "
             "groups started")
-        while len(codes) < len(procs):
-            if len(received) > forwarded:
-                sig = received[forwarded] if forwarded == 0 else signal.SIGKILL  # a second Ctrl-C: at once
-                _signal_all(procs, sig)
-                forwarded = len(received)
-                deadline = deadline or time.monotonic() + grace_s
-            for group, proc in enumerate(procs):
-                code = proc.poll()
-                if code is not None and group not in codes:
-                    codes[group] = code
-                    if code not in (0, EXIT_PREEMPTED) and not received and len(codes) < len(procs):
-                        say(f"replica group {group} ended with status {code} (its restarts are used up); the "
-                            "other groups go on without it")
-            if deadline is not None and time.monotonic() > deadline:
-                _signal_all(procs, signal.SIGKILL)
-            time.sleep(poll_s)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _signal_all(procs, signal.SIGKILL)
-        for proc in procs:
-            proc.wait()
-    return _status(codes, received, say)
+        codes = children.watch(ended)
+    return _status(codes, children.received, say)
 
 
 def _status(codes: dict[int, int], received: list[int], say: Callable[[str], None]) -> int:
@@ -208,15 +187,6 @@ def _status(codes: dict[int, int], received: list[int], say: Callable[[str], Non
             say(f"training finished; replica group(s) {', '.join(map(str, failed))} had failed for good on the way.")
         return 0
     return next((code for code in values if code != 0), 1)
-
-
-def _signal_all(procs: Sequence[subprocess.Popen[Any]], sig: int) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

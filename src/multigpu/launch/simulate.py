@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 from multigpu import validate
 from multigpu.errors import LaunchError
+from multigpu.launch.children import Children
 from multigpu.launch.devices import parse_gpu_ids
 from multigpu.launch.flags import RunFlags
 from multigpu.launch.ports import reserved_port
@@ -70,50 +70,25 @@ def simulate(nodes: int, command: Sequence[str], flags: RunFlags, *, visible: Se
         return run_nodes(node_commands(nodes, flags, command, 0 if flags.cpu else len(visible), gpus, port=port))
 
 
-def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1) -> int:
-    """Start every node's agent (node 0 first); return 0, or the status of the first node that failed."""
-    procs: list[subprocess.Popen[Any]] = []
-    stop: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1, grace_s: float = 30.0) -> int:
+    """Start every node's agent (node 0 first); return 0, or the status of the first node that failed
+    (the others are stopped), or 128 + the stop signal received (forwarded to every node)."""
+    failed: list[int] = []
+
+    def ended(node: int, code: int) -> bool:
+        if code == 0 or children.received or failed:
+            return False
+        print(f"multigpu: simulated node {node} failed (exit {code}); stopping the others.", file=sys.stderr,
+              flush=True)
+        failed.append(code)
+        return True
+
+    with Children((signal.SIGINT, signal.SIGTERM), grace_s, poll_s) as children:
         env = {**os.environ, SIMULATED_VAR: "1"}  # the nodes' launchers: "we start the other nodes", not "you"
         for command in commands:
-            procs.append(subprocess.Popen(list(command), start_new_session=True, env=env))
+            children.start(command, env)
             time.sleep(0.2)  # node 0 opens the store first; the others would wait for it anyway
-        failed: Optional[int] = None
-        while True:
-            codes = [p.poll() for p in procs]
-            if stop:
-                failed = 128 + stop[0]
-                break
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                node, failed = bad[0]
-                print(f"multigpu: simulated node {node} failed (exit {failed}); stopping the others.", file=sys.stderr,
-                      flush=True)
-                break
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(poll_s)
-        _stop(procs, signal.SIGTERM if not stop else stop[0])
-        return failed
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _stop(procs, signal.SIGKILL, grace_s=0)
-
-
-def _stop(procs: Sequence[subprocess.Popen[Any]], sig: int, grace_s: float = 30.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        children.watch(ended)
+    if children.received:
+        return 128 + children.received[0]
+    return failed[0] if failed else 0
