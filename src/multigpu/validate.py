@@ -10,8 +10,10 @@ further in. Standard library only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
+import typing
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -317,6 +319,41 @@ class Rule:
         else:
             wanted = f"a {self.kind.__name__}"
         return f"{wanted}{', or null' if self.optional else ''}"
+
+
+def setting(default: Any = dataclasses.MISSING, **rule: Any) -> Any:
+    """A dataclass field with its bounds declared beside it, ``epochs: int = setting(1, low=0, high=10**9)``
+    (``low``, ``high``, ``choices``, ``positive``, ``blank`` as :class:`Rule` has them); its type and whether
+    None is allowed are the annotation's (:func:`rules_of`)."""
+    return dataclasses.field(default=default, metadata={"rule": rule})
+
+
+def rules_of(cls: type) -> dict[str, Rule]:
+    """Each field's :class:`Rule`: the annotation's type (``Optional``: None allowed) and the bounds its
+    :func:`setting` declares. Fields of other types (``Any``, mappings, functions) have no rule here: their
+    own checks read them."""
+    hints = typing.get_type_hints(cls)
+    rules = {}
+    for item in dataclasses.fields(cls):
+        kind, optional = _kind(hints[item.name])
+        if kind is not None:
+            rules[item.name] = Rule(kind, optional=optional, **item.metadata.get("rule", {}))
+        elif "rule" in item.metadata:
+            raise TypeError(f"{cls.__name__}.{item.name}: bounds on a field of type {hints[item.name]}")
+    return rules
+
+
+def _kind(annotation: Any) -> tuple[Optional[type], bool]:
+    """``Optional[int]`` -> (int, True); ``list[Any]`` -> (list, False); anything else -> (None, False)."""
+    optional = False
+    if typing.get_origin(annotation) is typing.Union:
+        rest = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        optional = len(rest) < len(typing.get_args(annotation))
+        if len(rest) != 1:
+            return None, False
+        annotation = rest[0]
+    origin = typing.get_origin(annotation) or annotation
+    return (origin, optional) if origin in (bool, int, float, str, list) else (None, False)
 
 
 def checked(owner: str, name: str, value: Any, rule: Rule, error: type[MultiGPUError] = MultiGPUError) -> Any:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from multigpu.errors import WorldError, shown
-from multigpu.validate import Rule, checked
+from multigpu.validate import Rule, checked, rules_of, setting
 
 JOB_VAR = "MULTIGPU_JOB"
 MAX_JOB_BYTES = 64 * 1024
@@ -39,9 +39,9 @@ class Check:
     """``multigpu check``'s request: the recorder's folder, after how many optimizer steps the run ends,
     by how much the one-process run's loaders scale their batch."""
 
-    dir: str
-    steps: int = 5
-    scale: int = 1
+    dir: str = setting(blank=False)
+    steps: int = setting(5, low=1, high=10_000)
+    scale: int = setting(1, low=1, high=4096)
 
 
 @dataclass(frozen=True)
@@ -50,19 +50,17 @@ class Job:
 
     #: The folder a queue run may write in (None: not started by ``multigpu queue``): a Trainer's out_dir or
     #: a checkpoint folder outside it (chosen by a runs file someone handed you) is refused.
-    run_dir: Optional[str] = None
+    run_dir: Optional[str] = setting(None, blank=False)
     #: The share of its GPU's memory this process may take (a packed queue run); None: all of it.
-    memory_fraction: Optional[float] = None
+    memory_fraction: Optional[float] = setting(None, low=0, high=1, positive=True)
     #: A queue trial's channel to its sweep or search (None: not a trial).
-    trial_dir: Optional[str] = None
+    trial_dir: Optional[str] = setting(None, blank=False)
     check: Optional[Check] = None
     #: ``multigpu run --profile``: the Trainer traces a few steps per rank.
     profile: bool = False
 
 
-_RULES = {"run_dir": Rule(str, optional=True, blank=False), "trial_dir": Rule(str, optional=True, blank=False),
-          "memory_fraction": Rule(float, 0, 1, optional=True, positive=True), "profile": Rule(bool)}
-_CHECK_RULES = {"dir": Rule(str, blank=False), "steps": Rule(int, 1, 10_000), "scale": Rule(int, 1, 4096)}
+_RULES, _CHECK_RULES = rules_of(Job), rules_of(Check)  # from the declarations above
 
 
 def parse_job(text: Optional[str]) -> Job:

@@ -12,7 +12,15 @@ from typing import Any, Callable, Mapping, Optional
 
 from multigpu.config import check_keys
 from multigpu.errors import ConfigError, shown
-from multigpu.validate import Rule, activation_checkpointing_settings, checked, compile_settings, profile_settings
+from multigpu.validate import (
+    Rule,
+    activation_checkpointing_settings,
+    checked,
+    compile_settings,
+    profile_settings,
+    rules_of,
+    setting,
+)
 
 #: Every spelling of a precision (Lightning's and torch's too) -> the one it means; read by ``precision``.
 PRECISIONS = {
@@ -26,74 +34,46 @@ LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 _BIG = 10**15
 #: torch.distributed.pipelining's schedules a run may choose (multigpu.strategies.schedules.SCHEDULES).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-#: Each setting's type and bounds: the door every value passes (docs/security.md).
-SETTING_RULES = {
-    "epochs": Rule(int, 0, 10**9), "max_steps": Rule(int, 0, _BIG, optional=True),
-    "batch_size": Rule(int, 1, 2**31), "eval_batch_size": Rule(int, 1, 2**31, optional=True),
-    "accumulate": Rule(int, 1, 10**6), "clip_grad_norm": Rule(float, 0, 1e12, optional=True, positive=True),
-    "precision": Rule(str, choices=tuple(PRECISIONS)), "strategy": Rule(str, optional=True),
-    "tp": Rule(int, 1, 4096), "dp_replicate": Rule(int, 1, 65536), "pp": Rule(int, 1, 4096),
-    "pipeline_schedule": Rule(str, choices=PIPELINE_SCHEDULES), "micro_batches": Rule(int, 1, 4096, optional=True),
-    "split_points": Rule(list, optional=True),
-    "scheduler_interval": Rule(str, choices=("step", "epoch")), "seed": Rule(int, 0, 2**63 - 1),
-    "shuffle": Rule(bool), "drop_last": Rule(bool), "num_workers": Rule(int, 0, 256),
-    "out_dir": Rule(str), "checkpoint_every_epochs": Rule(int, 1, 10**9),
-    "checkpoint_every_steps": Rule(int, 1, _BIG, optional=True), "keep_last": Rule(int, 1, 10**6),
-    "resume": Rule(bool), "fresh": Rule(bool), "resume_from": Rule(str, optional=True, blank=False),
-    "verify_checksums": Rule(bool), "loggers": Rule(list),
-    "log_every_n_steps": Rule(int, 0, _BIG), "progress": Rule(bool),
-    "progress_every_s": Rule(float, 0, 1e7, positive=True), "throughput_unit": Rule(str),
-    "items_per_sample": Rule(float, 0, 1e12, positive=True), "eval_every_steps": Rule(int, 1, _BIG, optional=True),
-    "monitor": Rule(str, optional=True), "mode": Rule(str, choices=("min", "max")),
-    "patience": Rule(int, 0, 10**9, optional=True), "min_delta": Rule(float, 0, 1e30), "plot": Rule(bool),
-    "preemption": Rule(bool), "stop_check_every": Rule(int, 1, 10**9, optional=True),
-    "hang_timeout_s": Rule(float, 0, 1e9, optional=True, positive=True),
-    "hang_notice_s": Rule(float, 0, 1e9, optional=True, positive=True), "check_consistency": Rule(bool),
-    "async_checkpoint": Rule(bool, optional=True),
-    "ema": Rule(float, 0, 1, optional=True, positive=True), "swa_start": Rule(int, 1, _BIG, optional=True),
-    "skip_nonfinite": Rule(bool), "skip_grad_norm_above": Rule(float, 0, 1e12, optional=True, positive=True),
-    "skip_loss_above": Rule(float, -1e12, 1e12, optional=True), "max_skipped_in_a_row": Rule(int, 1, 10**9),
-    "memory_snapshot_on_oom": Rule(bool),
-}
 
 
 @dataclass
 class TrainerSettings:
     """Everything the loop does besides your ``compute_loss``; each field can come from a YAML file."""
 
-    epochs: int = 1
+    epochs: int = setting(1, low=0, high=10**9)
     #: Stop after this many optimizer steps, even inside an epoch (None: run every epoch).
-    max_steps: Optional[int] = None
-    batch_size: int = 32  # per data-parallel rank: the global batch is batch_size x ranks x accumulate
-    eval_batch_size: Optional[int] = None
-    accumulate: int = 1
-    clip_grad_norm: Optional[float] = None
-    precision: str = "32"
+    max_steps: Optional[int] = setting(None, low=0, high=_BIG)
+    #: Per data-parallel rank: the global batch is batch_size x ranks x accumulate.
+    batch_size: int = setting(32, low=1, high=2**31)
+    eval_batch_size: Optional[int] = setting(None, low=1, high=2**31)
+    accumulate: int = setting(1, low=1, high=10**6)
+    clip_grad_norm: Optional[float] = setting(None, low=0, high=1e12, positive=True)
+    precision: str = setting("32", choices=tuple(PRECISIONS))
     strategy: Optional[str] = None  # None: the one given to mg.init() ("auto" unless said otherwise)
     strategy_options: dict[str, Any] = field(default_factory=dict)
     #: Tensor-parallel ranks per model replica (strategy fsdp+tp) and replica groups (hsdp).
-    tp: int = 1
-    dp_replicate: int = 1
+    tp: int = setting(1, low=1, high=4096)
+    dp_replicate: int = setting(1, low=1, high=65536)
     #: Pipeline stages on consecutive groups of ranks (each stage wrapped by the strategy: ddp, fsdp,
     #: hsdp, fsdp+tp); its schedule, micro-batches per batch (None: one per stage) and where stages begin
     #: (names or indexes of the model's children; None: balanced by parameters). docs/strategies.md.
-    pp: int = 1
-    pipeline_schedule: str = "1f1b"
-    micro_batches: Optional[int] = None
+    pp: int = setting(1, low=1, high=4096)
+    pipeline_schedule: str = setting("1f1b", choices=PIPELINE_SCHEDULES)
+    micro_batches: Optional[int] = setting(None, low=1, high=4096)
     split_points: Optional[list[Any]] = None
     #: torch.compile the model after wrapping: true, or a mapping of torch.compile's options.
     compile: Any = False
-    scheduler_interval: str = "step"  # or "epoch"
-    seed: int = 0
+    scheduler_interval: str = setting("step", choices=("step", "epoch"))
+    seed: int = setting(0, low=0, high=2**63 - 1)
     shuffle: bool = True
     drop_last: bool = False
-    num_workers: int = 0
+    num_workers: int = setting(0, low=0, high=256)
     #: Batches from datasets are collated with this (not from YAML; your DataLoader keeps its own).
     collate_fn: Optional[Callable[..., Any]] = None
     out_dir: str = "outputs"
-    checkpoint_every_epochs: int = 1
-    checkpoint_every_steps: Optional[int] = None
-    keep_last: int = 2
+    checkpoint_every_epochs: int = setting(1, low=1, high=10**9)
+    checkpoint_every_steps: Optional[int] = setting(None, low=1, high=_BIG)
+    keep_last: int = setting(2, low=1, high=10**6)
     #: Write checkpoints in the background: training waits only while the state is copied to CPU memory
     #: (one more copy of it held there). At most one in flight; preemption checkpoints are synchronous.
     #: null: in the background when training on an accelerator (on CPU the writer competes with training
@@ -105,37 +85,37 @@ class TrainerSettings:
     #: step-N folder) unless this run's folder already holds checkpoints of its own (a restart continues).
     resume: bool = True
     fresh: bool = False
-    resume_from: Optional[str] = None
+    resume_from: Optional[str] = setting(None, blank=False)
     verify_checksums: bool = True
     #: Where the numbers go besides metrics.csv/steps.csv: tensorboard, wandb, mlflow.
     loggers: list[Any] = field(default_factory=list)
     #: A row of step metrics (loss, lr, samples/s, grad norm, GPU memory) every N optimizer steps (0: none).
-    log_every_n_steps: int = 50
+    log_every_n_steps: int = setting(50, low=0, high=_BIG)
     progress: bool = True
     #: In a log file (not a terminal), a progress line every so many seconds.
-    progress_every_s: float = 30.0
+    progress_every_s: float = setting(30.0, low=0, high=1e7, positive=True)
     #: The progress line's throughput: ``items_per_sample`` x samples/s, named ``throughput_unit``
     #: (a language model's block of 1,024 tokens: 1024 and "tokens").
     throughput_unit: str = "samples"
-    items_per_sample: float = 1.0
+    items_per_sample: float = setting(1.0, low=0, high=1e12, positive=True)
     #: Validate every N optimizer steps too, not only after each epoch (exact across ranks).
-    eval_every_steps: Optional[int] = None
+    eval_every_steps: Optional[int] = setting(None, low=1, high=_BIG)
     #: Keep the best checkpoint by this metric (e.g. valid_loss) in checkpoints/best; stop early after
     #: ``patience`` validations without an improvement larger than ``min_delta``.
     monitor: Optional[str] = None
-    mode: str = "min"
-    patience: Optional[int] = None
-    min_delta: float = 0.0
+    mode: str = setting("min", choices=("min", "max"))
+    patience: Optional[int] = setting(None, low=0, high=10**9)
+    min_delta: float = setting(0.0, low=0, high=1e30)
     #: Write curves.png into out_dir at the end of fit (when matplotlib is installed).
     plot: bool = True
     #: Stop cleanly on SIGTERM/SIGUSR1: finish the step, checkpoint, exit 75 (requeue under Slurm on USR1).
     preemption: bool = True
     #: Agree on stopping every K optimizer steps (None: about every 2 s, from the step time).
-    stop_check_every: Optional[int] = None
+    stop_check_every: Optional[int] = setting(None, low=1, high=10**9)
     #: Write where every rank is stuck and exit when no step finishes for this long (None: off).
-    hang_timeout_s: Optional[float] = 900.0
+    hang_timeout_s: Optional[float] = setting(900.0, low=0, high=1e9, positive=True)
     #: Before that, one line naming where every rank is after this long without a step (None: none).
-    hang_notice_s: Optional[float] = 60.0
+    hang_notice_s: Optional[float] = setting(60.0, low=0, high=1e9, positive=True)
     #: Compare model, settings, data and versions across ranks before training; fail with a diff.
     check_consistency: bool = True
     #: Recompute each block's activations in backward instead of keeping them: true (every repeated block),
@@ -148,14 +128,14 @@ class TrainerSettings:
     memory_snapshot_on_oom: bool = False
     #: Keep an exponential moving average of the weights with this decay (e.g. 0.999), or an equal-weight
     #: average of the weights after every optimizer step from step ``swa_start`` on; validation uses it.
-    ema: Optional[float] = None
-    swa_start: Optional[int] = None
+    ema: Optional[float] = setting(None, low=0, high=1, positive=True)
+    swa_start: Optional[int] = setting(None, low=1, high=_BIG)
     #: Skip an optimizer step (on every rank) whose loss or gradient norm is NaN/inf, whose gradient norm is
     #: above ``skip_grad_norm_above`` or whose loss is above ``skip_loss_above``; stop after so many in a row.
     skip_nonfinite: bool = False
-    skip_grad_norm_above: Optional[float] = None
-    skip_loss_above: Optional[float] = None
-    max_skipped_in_a_row: int = 20
+    skip_grad_norm_above: Optional[float] = setting(None, low=0, high=1e12, positive=True)
+    skip_loss_above: Optional[float] = setting(None, low=-1e12, high=1e12)
+    max_skipped_in_a_row: int = setting(20, low=1, high=10**9)
     #: Replica groups that keep training when one dies (torchft): ``{replica_groups: R, min_replicas: M}``.
     #: The launch decides (``multigpu run --replica-groups R --min-replicas M``); set here, it must match
     #: it, so a recipe meant for replica groups is not run without them by mistake.
@@ -227,6 +207,10 @@ class TrainerSettings:
     def plain(self) -> dict[str, Any]:
         """The settings as data (for hashing, logging, checkpoints): no functions."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "collate_fn"}
+
+
+#: Each setting's type and bounds, from its declaration above: the door every value passes (docs/security.md).
+SETTING_RULES = rules_of(TrainerSettings)
 
 
 #: ``fault_tolerance``'s keys, typed and bounded like every other setting.
