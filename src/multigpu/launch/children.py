@@ -10,7 +10,6 @@ whatever happens, nothing is left running when the block ends.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -46,8 +45,8 @@ class Children:
             proc.wait()
 
     def start(self, command: Sequence[str], env: Optional[Mapping[str, str]] = None) -> None:
-        self.procs.append(subprocess.Popen(list(command), start_new_session=True,
-                                           env=dict(os.environ if env is None else env)))
+        self.procs.append(subprocess.Popen(list(command), start_new_session=True,  # env None: this one's
+                                           env=None if env is None else dict(env)))
 
     def running(self) -> int:
         return sum(proc.poll() is None for proc in self.procs)
