@@ -254,8 +254,9 @@ CASES = [
          write("s.py", "")),
     Case("run-procs-per-gpu-huge", ["run", "--procs-per-gpu", "99999", "s.py"], "--procs-per-gpu 99999 is more than",
          write("s.py", "")),
-    Case("env-procs-per-device-zero", ["s.py"], "MULTIGPU_PROCS_PER_DEVICE=0 must be at least 1",
-         write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_PROCS_PER_DEVICE": "0"}, python=True),
+    Case("env-procs-per-device-zero", ["s.py"], "workers setting processes_per_device=0 is invalid",
+         write("s.py", "import multigpu as mg\nmg.init()\n"),
+         env={"MULTIGPU_JOB": '{"workers": {"processes_per_device": 0}}'}, python=True),
     Case("run-memory-share-garbage", ["run", "s.py"], "MULTIGPU_JOB setting memory_fraction=nan is invalid",
          write("s.py", "import multigpu as mg\nmg.init()\n"), env={"MULTIGPU_JOB": '{"memory_fraction": NaN}'}),
     Case("run-exit-timeout-zero", ["run", "--exit-timeout", "0", "s.py"], "--exit-timeout", write("s.py", "")),
@@ -554,8 +555,8 @@ CASES = [
     Case("env-slurm-tasks", ["-c", "import multigpu as mg; mg.init()"], "cannot parse SLURM_TASKS_PER_NODE",
          env={"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(x"},
          python=True),
-    Case("env-devices-per-proc", ["-c", "import multigpu as mg; mg.init()"], "MULTIGPU_DEVICES_PER_PROC=0",
-         env={"MULTIGPU_DEVICES_PER_PROC": "0"}, python=True),
+    Case("env-devices-per-proc", ["-c", "import multigpu as mg; mg.init()"], "devices_per_process=0 is invalid",
+         env={"MULTIGPU_JOB": '{"workers": {"devices_per_process": 0}}'}, python=True),
 ]
 
 

@@ -1,6 +1,7 @@
 """Launcher decisions without starting anything: devices per process, rendezvous, ports, device choice."""
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from multigpu.distributed.session import choose_backend, choose_devices
-from multigpu.distributed.world import World
+from multigpu.distributed.world import World, read_job
 from multigpu.errors import LaunchError, WorldError
 from multigpu.launch.devices import parse_gpu_ids, plan_devices
 from multigpu.launch.local import LaunchRequest, worker_env
@@ -57,7 +58,7 @@ def test_procs_per_gpu_shares_each_gpu():
     plan = plan_devices(FOUR, nproc=4, procs_per_gpu=2)
     assert (plan.nproc, plan.visible) == (4, "0,1")
     env = worker_env(LaunchRequest(("t.py",), plan, plan_rendezvous()))
-    assert env["MULTIGPU_PROCS_PER_DEVICE"] == "2" and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert read_job(env).workers.processes_per_device == 2 and env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 @pytest.mark.parametrize(
@@ -347,7 +348,7 @@ def test_worker_env_sets_devices_and_threads(monkeypatch):
     request = LaunchRequest(("t.py",), plan_devices(FOUR, gpus="1,2", gpus_per_proc=2), plan_rendezvous())
     env = worker_env(request)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,2"
-    assert env["MULTIGPU_DEVICES_PER_PROC"] == "2"
+    assert read_job(env).workers.devices_per_process == 2
     assert "OMP_NUM_THREADS" not in env  # one process: torch's own default
     env = worker_env(LaunchRequest(("t.py",), plan_devices([], nproc=2), plan_rendezvous()))
     assert int(env["OMP_NUM_THREADS"]) >= 1 and "CUDA_VISIBLE_DEVICES" not in env
@@ -373,10 +374,12 @@ def test_device_choice_follows_local_rank_and_devices_per_process():
 def test_processes_sharing_a_device_are_read_from_the_launcher():
     from multigpu.distributed.world import detect_world
 
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1234", "MULTIGPU_PROCS_PER_DEVICE": "2"}
-    assert detect_world(env).processes_per_device == 2
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1234"}
+    job = json.dumps({"workers": {"processes_per_device": 2}})
+    assert detect_world({**env, "MULTIGPU_JOB": job}).processes_per_device == 2
     with pytest.raises(WorldError, match="share a device or own several, not both"):
-        detect_world({**env, "MULTIGPU_DEVICES_PER_PROC": "2"})
+        detect_world({**env, "MULTIGPU_JOB": json.dumps({"workers": {"processes_per_device": 2,
+                                                                      "devices_per_process": 2}})})
 
 
 def test_more_tasks_per_node_than_gpus_is_a_hint_error():

@@ -193,7 +193,7 @@ def test_the_exit_watch_ends_only_a_worker_that_has_stopped_moving_after_every_r
             proc.wait()
 
 
-WORKER_PROBE = """import concurrent.futures, os, pickle, sys, threading, time
+WORKER_PROBE = """import concurrent.futures, json, os, pickle, sys, threading, time
 import test  # the user's own file named like a module of Python's: theirs to import
 
 def later(name):
@@ -208,7 +208,8 @@ pid = os.fork()
 if pid == 0:
     sys.exit(0)  # a forked child leaving through the wrapper: not this rank's end
 os.waitpid(pid, 0)
-print("exit record before the end:", os.path.exists(os.path.join(os.environ["MULTIGPU_LOG_DIR"], "rank0.attempt0.exit")))
+logs = json.loads(os.environ["MULTIGPU_JOB"])["workers"]["log_dir"]
+print("exit record before the end:", os.path.exists(os.path.join(logs, "rank0.attempt0.exit")))
 if len(sys.argv) > 1:
     import tempfile  # imports random: a random.pyc beside this script would hide Python's
 """
@@ -225,7 +226,7 @@ def test_the_worker_runs_a_script_as_python_would(tmp_path):
     subprocess.run([PY, "-c", "import pickle, test; pickle.dump(test.Thing(), open('obj.pkl', 'wb'))"], cwd=tmp_path,
                    check=True, env={**child_env(), "PYTHONPATH": str(tmp_path)})
     logs = tmp_path / "logs"
-    env = {**child_env(), "MULTIGPU_LOG_DIR": str(logs), "RANK": "0"}
+    env = {**child_env(), "MULTIGPU_JOB": json.dumps({"workers": {"log_dir": str(logs)}}), "RANK": "0"}
     run = subprocess.run([*python_module("multigpu.launch.worker"), "probe.py"], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=60)
     assert run.returncode == 0, run.stderr

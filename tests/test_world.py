@@ -163,7 +163,8 @@ def test_expand_tasks_per_node():
         ({**SLURM_TWO_NODES, "SLURM_NODEID": "2"}, "node rank 2 is outside the 2 node(s)"),
         ({**SLURM_TWO_NODES, "SLURM_JOB_NODELIST": "gpu[01-03]"}, "node list has 3 hosts but SLURM_NNODES=2"),
         ({**SLURM_TWO_NODES, "SLURM_TASKS_PER_NODE": "4(x3)"}, "lists 3 nodes but the step has 2"),
-        ({"MULTIGPU_DEVICES_PER_PROC": "0"}, "MULTIGPU_DEVICES_PER_PROC=0 must be at least 1"),
+        ({"MULTIGPU_JOB": '{"workers": {"devices_per_process": 0}}'},
+         "MULTIGPU_JOB workers setting devices_per_process=0 is invalid"),
     ],
 )
 def test_inconsistent_values_name_the_variable_and_give_a_hint(env, needle):

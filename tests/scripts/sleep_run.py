@@ -25,7 +25,7 @@ with open(os.path.join(out, "env.json"), "w") as handle:
                "run_dir": job.get("run_dir")}, handle)
 with open(os.path.join(out, "args.json"), "w") as handle:  # what the queue handed it (a {run:NAME} resolved)
     json.dump(args, handle)
-launcher = os.environ.get("MULTIGPU_AGENT_PID")
+launcher = (job.get("workers") or {}).get("agent_pid")
 if launcher:
     with open(f"/proc/{launcher}/cmdline", "rb") as cmdline, open(f"/proc/{launcher}/stat") as stat:
         argv = cmdline.read().decode(errors="replace").split("\0")[:-1]

@@ -1,9 +1,10 @@
 """What the command that started this process asks of it, beside where it stands (:class:`World`).
 
 Why one value: ``multigpu queue`` (the run's folder, its GPU memory share, a trial's channel), ``multigpu
-check`` (where to record, for how many steps, at what batch scale) and ``multigpu run --profile`` each
-asked their runs through variables of their own - seven of them, each parsed and checked as a field of
-``World``, which is about ranks and topology. Here they are one typed value with a section per request,
+check`` (where to record, for how many steps, at what batch scale), ``multigpu run --profile`` and the
+launcher itself (its workers' devices, log folder, output prefix) each spoke to their runs through
+variables of their own - fourteen of them, half parsed and checked as fields of ``World``, which is
+about ranks and topology. Here they are one typed value with a section per request,
 handed on as one JSON variable (:data:`JOB_VAR`): the command that starts a launch sets its section with
 :func:`job_env`, the launches inside it inherit the rest, and ``mg.init`` reads it once
 (:func:`multigpu.distributed.world.read_job`). A value someone set by hand is checked like any outside
@@ -45,6 +46,24 @@ class Check:
 
 
 @dataclass(frozen=True)
+class Workers:
+    """What a launcher tells its own workers: each launcher writes its own section, so the workers of a
+    launch started inside a worker never read their parent's."""
+
+    #: The agent that started them (the worker dies with it; 0: none).
+    agent_pid: int = setting(0, low=0, high=2**31)
+    #: ``--gpus-per-proc K`` and ``--procs-per-gpu K``: devices each process owns, processes per device.
+    devices_per_process: int = setting(1, low=1, high=4096)
+    processes_per_device: int = setting(1, low=1, high=4096)
+    #: Where each rank's stderr (and with ``keep_stdout``, stdout) is copied; ``tee_prefix``: [rankN] lines.
+    log_dir: Optional[str] = setting(None, blank=False)
+    keep_stdout: bool = False
+    tee_prefix: bool = False
+    #: A c10d rendezvous of several nodes: the first worker of each node says its node number.
+    announce_node: bool = False
+
+
+@dataclass(frozen=True)
 class Job:
     """Each command's request, one field or section each; a key this version does not know is refused."""
 
@@ -58,9 +77,12 @@ class Job:
     check: Optional[Check] = None
     #: ``multigpu run --profile``: the Trainer traces a few steps per rank.
     profile: bool = False
+    workers: Optional[Workers] = None
 
 
-_RULES, _CHECK_RULES = rules_of(Job), rules_of(Check)  # from the declarations above
+_RULES = rules_of(Job)  # from the declarations above
+_SECTIONS: dict[str, tuple[type, dict[str, Rule]]] = {"check": (Check, rules_of(Check)),
+                                                      "workers": (Workers, rules_of(Workers))}
 
 
 def parse_job(text: Optional[str]) -> Job:
@@ -75,14 +97,18 @@ def parse_job(text: Optional[str]) -> Job:
         raise WorldError(f"{JOB_VAR}={shown(text, 60)} is not a JSON object.", _HINT) from None
     if not isinstance(data, dict):
         raise WorldError(f"{JOB_VAR}={shown(text, 60)} is not a JSON object.", _HINT)
-    check = data.pop("check", None)
+    sections = {name: data.pop(name) for name in _SECTIONS if name in data}
     values = _typed(data, _RULES, JOB_VAR)
-    if check is not None:
-        if not isinstance(check, dict):
-            raise WorldError(f"{JOB_VAR}: check={shown(check, 60)} is not an object.", _HINT)
-        if "dir" not in check:
-            raise WorldError(f"{JOB_VAR}: check={shown(check, 60)} is missing its dir.", _HINT)
-        values["check"] = Check(**_typed(check, _CHECK_RULES, f"{JOB_VAR} check"))
+    for name, section in sections.items():
+        cls, rules = _SECTIONS[name]
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise WorldError(f"{JOB_VAR}: {name}={shown(section, 60)} is not an object.", _HINT)
+        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in section]
+        if missing:
+            raise WorldError(f"{JOB_VAR}: {name}={shown(section, 60)} is missing its {missing[0]}.", _HINT)
+        values[name] = cls(**_typed(section, rules, f"{JOB_VAR} {name}"))
     return Job(**values)
 
 
@@ -103,7 +129,7 @@ def job_text(job: Job) -> str:
     for item in dataclasses.fields(Job):
         value = getattr(job, item.name)
         if value != getattr(defaults, item.name):
-            out[item.name] = dataclasses.asdict(value) if isinstance(value, Check) else value
+            out[item.name] = dataclasses.asdict(value) if isinstance(value, (Check, Workers)) else value
     return json.dumps(out, sort_keys=True)
 
 

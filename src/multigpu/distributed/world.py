@@ -15,13 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from multigpu import validate as checks
-from multigpu.distributed.job import JOB_VAR, Job, parse_job
+from multigpu.distributed.job import JOB_VAR, Job, Workers, parse_job
 from multigpu.errors import WorldError
-
-#: Set by ``multigpu run --gpus-per-proc K``: how many devices each process owns.
-DEVICES_PER_PROC_VAR = "MULTIGPU_DEVICES_PER_PROC"
-#: Set by ``multigpu run --procs-per-gpu K``: how many processes share each device.
-PROCS_PER_DEVICE_VAR = "MULTIGPU_PROCS_PER_DEVICE"
 
 #: Slurm jobs without an explicit MASTER_PORT get one derived from the job id, in this range.
 SLURM_PORT_BASE = 15000
@@ -115,19 +110,12 @@ def _int(env: Env, name: str, default: Optional[int] = None, hint: str = "") -> 
 
 def _common(env: Env) -> dict[str, Any]:
     """Settings that every launcher passes the same way."""
-    per_proc = _int(env, DEVICES_PER_PROC_VAR, 1)
-    if per_proc < 1:
-        raise WorldError(
-            f"{DEVICES_PER_PROC_VAR}={per_proc} must be at least 1.", "use `multigpu run --gpus-per-proc K` with K >= 1."
-        )
-    sharing = _int(env, PROCS_PER_DEVICE_VAR, 1)
-    if sharing < 1:
-        raise WorldError(f"{PROCS_PER_DEVICE_VAR}={sharing} must be at least 1.",
-                         "use `multigpu run --procs-per-gpu K` with K >= 1.")
+    workers = read_job(env).workers or Workers()  # what `multigpu run` told its workers (none: torchrun's)
+    per_proc, sharing = workers.devices_per_process, workers.processes_per_device
     if sharing > 1 and per_proc > 1:
-        raise WorldError(
-            f"{PROCS_PER_DEVICE_VAR}={sharing} with {DEVICES_PER_PROC_VAR}={per_proc}: processes share a device or "
-            "own several, not both.", "use `multigpu run --procs-per-gpu K` or `--gpus-per-proc K`, not both.")
+        raise WorldError(f"{JOB_VAR}: processes_per_device={sharing} with devices_per_process={per_proc}: processes "
+                         "share a device or own several, not both.",
+                         "use `multigpu run --procs-per-gpu K` or `--gpus-per-proc K`, not both.")
     return {"devices_per_process": per_proc, "processes_per_device": sharing,
             "visible_devices": env.get("CUDA_VISIBLE_DEVICES"), "slurm_job_id": env.get("SLURM_JOB_ID", ""),
             **_replica_groups(env)}

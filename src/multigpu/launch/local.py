@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from multigpu import validate
-from multigpu.distributed.job import JOB_VAR, job_env
-from multigpu.distributed.world import DEVICES_PER_PROC_VAR, PROCS_PER_DEVICE_VAR
+from multigpu.distributed.job import JOB_VAR, Workers, job_env
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STUCK_AT_EXIT, LaunchError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.launch.attempts import clear_records
@@ -55,7 +54,6 @@ from multigpu.launch.reporting import (
 )
 from multigpu.launch.simulate import SIMULATED_VAR
 from multigpu.launch.torch_agent import cheap_method_names
-from multigpu.launch.worker import AGENT_PID_VAR, ANNOUNCE_NODE_VAR, KEEP_STDOUT_VAR, LOG_DIR_VAR, PREFIX_VAR
 
 WORKER_MODULE = "multigpu.launch.worker"
 
@@ -102,12 +100,15 @@ def prepare_log_dir(path: str) -> Path:
     return folder
 
 
-def worker_env(request: LaunchRequest) -> dict[str, str]:
-    """What the children inherit beyond torch's own RANK/WORLD_SIZE/MASTER_* variables."""
-    env = {AGENT_PID_VAR: str(os.getpid()), DEVICES_PER_PROC_VAR: str(request.devices.gpus_per_proc),
-           PROCS_PER_DEVICE_VAR: str(request.devices.procs_per_gpu)}
-    if request.rendezvous.backend == "c10d" and request.rendezvous.max_nodes > 1:
-        env[ANNOUNCE_NODE_VAR] = "1"
+def worker_env(request: LaunchRequest, log_dir: Optional[str] = None, tee_prefix: bool = False) -> dict[str, str]:
+    """What the children inherit beyond torch's own RANK/WORLD_SIZE/MASTER_* variables: their job (what
+    started this launcher asked, and this launcher's word to its own workers) and a few of torch's."""
+    workers = Workers(agent_pid=os.getpid(), devices_per_process=request.devices.gpus_per_proc,
+                      processes_per_device=request.devices.procs_per_gpu, log_dir=log_dir or None,
+                      keep_stdout=request.log_dir is not None,  # the user's folder keeps both streams (--tee 3)
+                      tee_prefix=tee_prefix,
+                      announce_node=request.rendezvous.backend == "c10d" and request.rendezvous.max_nodes > 1)
+    env = job_env(os.environ.get(JOB_VAR), workers=workers, **({"profile": True} if request.profile else {}))
     if request.rendezvous.backend == "c10d":
         # torch 2.13's c10d rendezvous otherwise shares one TCPStore across restarts, un-prefixed: a
         # restarted worker can read the previous attempt's gloo addresses and fail to connect (seen
@@ -120,8 +121,6 @@ def worker_env(request: LaunchRequest) -> dict[str, str]:
         # torchrun's default of 1 starves CPU training; split the cores this process may use instead
         # (its affinity: a Slurm task sees its allocation, not the whole node).
         env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // request.devices.nproc))
-    if request.profile:  # beside what the command that started this launcher asked (a queue run's folder)
-        env.update(job_env(os.environ.get(JOB_VAR), profile=True))
     env.update({k: str(v) for k, v in request.extra_env.items()})
     return env
 
@@ -227,10 +226,10 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             log_dir = (str(prepare_log_dir(request.log_dir)) if request.log_dir is not None
                        else tempfile.mkdtemp(prefix="multigpu-logs-"))
         clear_records(log_dir)  # a reused --log-dir: only this launch's workers speak through it
-        env = worker_env(request)
-        env[LOG_DIR_VAR] = log_dir
-        if request.log_dir is not None:  # the user's folder keeps both streams, as torchrun's --tee 3
-            env[KEEP_STDOUT_VAR] = "1"
+        prefix = request.tee_prefix == "always" or (request.tee_prefix == "auto" and request.devices.nproc
+                                                    * request.rendezvous.max_nodes > 1
+                                                    and not (sys.stderr and sys.stderr.isatty()))
+        env = worker_env(request, log_dir, prefix)
         if request.debug:
             from importlib.metadata import version
 
@@ -239,9 +238,6 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             env.update(debug)
             print("multigpu: debug: " + " ".join(f"{k}={v}" for k, v in debug.items())
                   + f"; every rank's log is kept in {log_dir}", file=sys.stderr, flush=True)
-        if request.tee_prefix == "always" or (request.tee_prefix == "auto" and not (sys.stderr and sys.stderr.isatty())
-                                               and request.devices.nproc * request.rendezvous.max_nodes > 1):
-            env[PREFIX_VAR] = "1"
         # frozen where the command's own process imports it (a Python process that calls the launcher keeps
         # its heap as it is)
         with collector_paused(freeze=is_command_process() and "torch" not in sys.modules):

@@ -40,21 +40,15 @@ import traceback
 from pathlib import Path
 from typing import IO, Optional
 
+from multigpu.distributed.job import Workers
+from multigpu.distributed.world import read_job
+from multigpu.errors import MultiGPUError
 from multigpu.fileio import Folder, open_devnull
 from multigpu.launch.attempts import lost_a_peer, record_path, write_record
 from multigpu.launch.exit_watch import STACKS_SIGNAL
 from multigpu.launch.interpreter import python_module
 from multigpu.launch.process import die_with_parent
 
-#: Set by ``multigpu run``: the launcher's pid, the per-rank log folder, and the rank prefix to add.
-AGENT_PID_VAR = "MULTIGPU_AGENT_PID"
-LOG_DIR_VAR = "MULTIGPU_LOG_DIR"
-PREFIX_VAR = "MULTIGPU_TEE_PREFIX"
-#: Set when the user named ``--log-dir``: stdout is kept there too (the temporary folder of a launch
-#: without one keeps stderr only, for the failure report, and is removed after a successful run).
-KEEP_STDOUT_VAR = "MULTIGPU_KEEP_STDOUT"
-#: Set under a c10d rendezvous of several nodes: the first worker of each node says its node number.
-ANNOUNCE_NODE_VAR = "MULTIGPU_ANNOUNCE_NODE"
 _TEES: "dict[int, subprocess.Popen[bytes]]" = {}  # fd -> its copier
 
 
@@ -64,12 +58,21 @@ def stream_log_path(log_dir: str, rank: int, attempt: int, stream: str = "stderr
     return os.path.join(log_dir, f"rank{rank}.attempt{attempt}.{stream}")
 
 
+def launched_by() -> Workers:
+    """What ``multigpu run`` told its workers (its job's ``workers`` section; none for torchrun's, or one
+    set wrongly by hand - ``mg.init`` names that in its one line)."""
+    try:
+        return read_job().workers or Workers()
+    except MultiGPUError:
+        return Workers()
+
+
 def die_with_launcher() -> None:
     """Ask Linux to SIGKILL this worker when the agent that started it dies."""
-    expected = os.environ.get(AGENT_PID_VAR)
+    expected = launched_by().agent_pid
     if not expected or not die_with_parent(signal.SIGKILL):
         return
-    if str(os.getppid()) != expected:  # the launcher died before prctl took effect
+    if os.getppid() != expected:  # the launcher died before prctl took effect
         os._exit(1)
 
 
@@ -87,15 +90,15 @@ def _above_standard(*fds: int) -> list[int]:
 
 def _tee_streams() -> None:
     """stderr always (the failure report reads it), stdout when the user named the log folder."""
-    log_dir = os.environ.get(LOG_DIR_VAR)
-    if not log_dir:
+    workers = launched_by()
+    if not workers.log_dir:
         return
-    if os.environ.get(KEEP_STDOUT_VAR) == "1":  # first: its copier must not hold stderr's pipe open
-        _tee(1, log_dir, "stdout")
-    _tee(2, log_dir, "stderr")
+    if workers.keep_stdout:  # first: its copier must not hold stderr's pipe open
+        _tee(1, workers.log_dir, "stdout", False)
+    _tee(2, workers.log_dir, "stderr", workers.tee_prefix)
 
 
-def _tee(fd: int, log_dir: str, stream: str) -> None:
+def _tee(fd: int, log_dir: str, stream: str, prefixed: bool) -> None:
     """Send ``fd`` through a pseudo-terminal (or a pipe when it is not a terminal) read by a small
     copier process: the terminal sees the bytes unchanged, the file keeps a copy."""
     path = stream_log_path(log_dir, int(os.environ.get("RANK", "0")),
@@ -117,8 +120,7 @@ def _tee(fd: int, log_dir: str, stream: str) -> None:
         else:
             reader, writer = _above_standard(*os.pipe())
         group = f"group{os.environ['REPLICA_GROUP_ID']} " if os.environ.get("REPLICA_GROUP_ID") else ""
-        prefix = (f"[{group}rank{os.environ.get('RANK', '0')}]: " if os.environ.get(PREFIX_VAR) == "1" and fd == 2
-                  else "")  # stdout reads as it would without the copy (--tee-prefix is stderr's)
+        prefix = f"[{group}rank{os.environ.get('RANK', '0')}]: " if prefixed else ""  # (--tee-prefix: stderr's)
         terminal = os.dup(fd)
         _TEES[fd] = subprocess.Popen([*python_module("multigpu.launch.tee"), str(reader), path,
                                       *([prefix] if prefix else [])],
@@ -170,7 +172,6 @@ def print_user_traceback(exc: BaseException) -> None:
 
 def run_user_code(argv: list[str]) -> int:
     """Run the script or module as ``__main__``; return the status it would have exited with."""
-    from multigpu.errors import MultiGPUError
     from multigpu.launch.shadowing import guard
 
     if not argv:
@@ -216,7 +217,7 @@ def run_user_code(argv: list[str]) -> int:
 
 
 def _under_launcher() -> bool:
-    return bool(os.environ.get(AGENT_PID_VAR) and os.environ.get("TORCHELASTIC_ERROR_FILE"))
+    return bool(launched_by().agent_pid and os.environ.get("TORCHELASTIC_ERROR_FILE"))
 
 
 def _show_line(line: str) -> None:
@@ -238,9 +239,6 @@ def out_of_memory_line(exc: BaseException) -> str:
         cause = cause.__cause__ or cause.__context__
     if cause is None or type(cause).__name__ != "OutOfMemoryError":
         return ""
-    from multigpu.distributed.world import read_job
-    from multigpu.errors import MultiGPUError
-
     try:
         share = read_job().memory_fraction
     except MultiGPUError:
@@ -255,7 +253,7 @@ def out_of_memory_line(exc: BaseException) -> str:
 
 
 def _append_to_rank_log(line: str) -> None:
-    log_dir = os.environ.get(LOG_DIR_VAR)
+    log_dir = launched_by().log_dir
     if not log_dir:
         print(line, file=sys.stderr)
         return
@@ -319,14 +317,14 @@ def _drain_tee() -> None:
 
 def _where() -> tuple[Optional[str], int, int]:
     """(log folder, rank, attempt) of this worker."""
-    return (os.environ.get(LOG_DIR_VAR), int(os.environ.get("RANK", "0")),
+    return (launched_by().log_dir, int(os.environ.get("RANK", "0")),
             int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 def _announce_node() -> None:
     """Under a c10d rendezvous the node numbers are handed out when every node has joined: the first
     worker of each node says which one it got (the launcher could not know it in advance)."""
-    if os.environ.get(ANNOUNCE_NODE_VAR) != "1" or os.environ.get("LOCAL_RANK") != "0":
+    if not launched_by().announce_node or os.environ.get("LOCAL_RANK") != "0":
         return
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     print(f"multigpu: this machine is node {os.environ.get('GROUP_RANK', '?')} of "
@@ -366,8 +364,6 @@ def _drop_unused_stacks() -> None:
 def _one_line_in_threads(args: "threading.ExceptHookArgs") -> None:
     """A MultiGPUError raised in one of the script's threads (a file that hides a module, imported there)
     is its one line, as on the main thread; anything else gets Python's own report."""
-    from multigpu.errors import MultiGPUError
-
     if isinstance(args.exc_value, MultiGPUError):
         print(args.exc_value.one_line(), file=sys.stderr, flush=True)
     else:
