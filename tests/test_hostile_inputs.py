@@ -298,7 +298,7 @@ CASES = [
     Case("run-simulate-with-port", ["run", "--simulate-nodes", "2", "--master-port", "29500", "s.py"],
          "drop --master-port", write("s.py", "")),
     Case("run-missing-script", ["run", "nope.py"], "does not exist"),
-    Case("run-script-is-folder", ["run", "."], "does not exist"),
+    Case("run-script-is-folder", ["run", "."], "is a folder"),
     # multigpu slurm: every value that reaches the sbatch script
     Case("slurm-nodes-zero", ["slurm", "--dry-run", "--nodes", "0", "s.py"], "--nodes 0", write("s.py", "")),
     Case("slurm-partition-newline", ["slurm", "--dry-run", "--partition", f"gpu\ntouch {PWNED}", "s.py"],

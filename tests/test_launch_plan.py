@@ -777,3 +777,37 @@ def test_the_children_of_a_launch_of_launches_stop_as_one(no_leftovers):
         children.start([sys.executable, "-c", "import time; time.sleep(60)"], None)
         raise RuntimeError("the launcher failed")
     assert children.procs[0].poll() == -signal.SIGKILL  # nothing left running, whatever ended the block
+
+
+def test_fresh_eyes_launch_flag_findings(tmp_path, monkeypatch):
+    """A value that starts with '-' was two words in a child's line (its flag then lost its value); a
+    --rdzv-conf value was cut to 9 digits and a second one silently won; a folder, a FIFO or a device were
+    all "does not exist"; a poll interval of 1e-300 s was a busy loop; --min-replicas and
+    --heartbeat-timeout had no bounds of their own."""
+    from multigpu.cli import build_parser
+    from multigpu.commands.launching import _check_run_flags, fold_torchrun_flags
+    from multigpu.launch.flags import RunFlags
+    from multigpu.launch.local import split_command
+
+    parser = build_parser()
+    line = RunFlags(log_dir="-x/logs", rdzv_id="-y", nproc=2).flags()
+    assert line == ["--nproc", "2", "--rdzv-id=-y", "--log-dir=-x/logs"]
+    args = parser.parse_args(["run", *line, "t.py"])
+    assert (args.log_dir, args.rdzv_id) == ("-x/logs", "-y")
+    args = parser.parse_args(["run", "--rdzv-conf", "join_timeout=0000000000900", "t.py"])
+    fold_torchrun_flags(args)
+    assert args.rdzv_timeout == 900
+    with pytest.raises(LaunchError, match="more than once"):
+        fold_torchrun_flags(parser.parse_args(["run", "--rdzv-conf", "join_timeout=900,timeout=5", "t.py"]))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    for target, said in (("pkg", "is a folder"), ("fifo", "not a regular file"), ("/dev/zero", "not a regular file"),
+                         ("nothere.py", "does not exist")):
+        with pytest.raises(LaunchError, match=said):
+            split_command(target, None, [])
+    for flags, said in ((["--monitor-interval", "1e-300"], "shorter than 0.01 s"),
+                        (["--min-replicas", "0"], "--min-replicas 0 must be at least 1"),
+                        (["--heartbeat-timeout", "nan"], "--heartbeat-timeout nan must be a positive number")):
+        with pytest.raises(LaunchError, match=said):
+            _check_run_flags(parser.parse_args(["run", *flags, "t.py"]))

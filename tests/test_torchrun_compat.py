@@ -301,3 +301,30 @@ def test_a_linked_script_is_read_and_a_blank_resume_path_is_refused(tmp_path, mo
         err = capsys.readouterr().err.strip()
         assert "trainer.resume_from" in err and "non-blank text" in err and "\n" not in err, err
     assert len(no_launch) == 1
+
+
+@pytest.mark.parametrize("rebinding", [
+    "TrainerSettings = MySettings",  # rebound by assignment
+    "from mine import TrainerSettings",  # rebound by another import
+])
+def test_a_rebound_trainer_settings_is_the_scripts_own(tmp_path, monkeypatch, capsys, no_launch, rebinding):
+    """Fresh-eyes finding: multigpu's TrainerSettings rebound later in the script was still judged as ours."""
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(
+        "from dataclasses import dataclass, field\nimport multigpu as mg\nfrom multigpu import config\n"
+        "from multigpu import TrainerSettings\n\n@dataclass\nclass MySettings:\n    my_knob: int = 1\n\n"
+        f"{rebinding}\n\n@dataclass\nclass Recipe:\n    trainer: TrainerSettings = field(default_factory=TrainerSettings)\n\n"
+        "cfg = config.load(Recipe)\n")
+    assert cli.main(["run", "train.py", "trainer.my_knob=3"]) == 0
+    assert no_launch == [("train.py", "trainer.my_knob=3")]
+
+
+def test_a_missing_recipe_file_with_fresh_is_named(tmp_path, monkeypatch, capsys, no_launch):
+    from multigpu import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(RECIPE)
+    assert cli.main(["run", "--fresh", "train.py", "missing.yaml"]) == 2
+    assert "the recipe's settings file 'missing.yaml' does not exist" in capsys.readouterr().err

@@ -276,8 +276,8 @@ def test_the_job_is_one_checked_variable_each_command_adds_its_section_to():
     ('{"check": {"dir": "/c", "steps": 0}}', "steps=0 is invalid"),
     ('{"check": {"steps": 3}}', "missing"),
     ('{"check": "/c"}', "is not an object"),
-    ('{"run_dir": "' + "x" * 70_000 + '"}', "characters (at most 65,536)"),
-    ("[" * 100_000 + "]" * 100_000, "characters"),
+    ('{"run_dir": "' + "x" * 70_000 + '"}', "bytes (at most 65,536)"),
+    ("[" * 100_000 + "]" * 100_000, "bytes"),
 ])
 def test_a_job_set_by_hand_is_one_line_naming_the_variable(text, said):
     from multigpu.distributed.world import read_job
@@ -286,3 +286,24 @@ def test_a_job_set_by_hand_is_one_line_naming_the_variable(text, said):
     with pytest.raises(WorldError, match=re.escape(said)) as caught:
         read_job({"MULTIGPU_JOB": text})
     assert "MULTIGPU_JOB" in caught.value.one_line() and "HINT:" in caught.value.one_line()
+
+
+def test_the_jobs_writer_makes_its_folders_absolute_and_refuses_what_its_readers_would():
+    """Fresh-eyes findings: a queue run's relative run_dir was a fence that moved with the script's current
+    folder; a folder name its readers refuse (a lone surrogate) was written, and every rank failed blaming
+    the user; duplicate keys were last-wins."""
+    import json
+    import os
+
+    from multigpu.distributed.job import JOB_VAR, Check, job_env, parse_job
+
+    written = json.loads(job_env(None, run_dir="q/run", check=Check("c"))[JOB_VAR])
+    assert written == {"run_dir": os.path.abspath("q/run"), "check": {"dir": os.path.abspath("c"), "steps": 5,
+                                                                      "scale": 1}}
+    with pytest.raises(WorldError, match="give the run's folders names of plain text"):
+        job_env(None, run_dir="/q/\udcff")
+    for text, said in (('{"run_dir": "q/run"}', "run_dir='q/run' is not an absolute path"),
+                       ('{"run_dir": "/a", "run_dir": "/b"}', "gives 'run_dir' twice"),
+                       ('{"memory_fraction": 5e-324}', "memory_fraction=5e-324 is invalid")):
+        with pytest.raises(WorldError, match=re.escape(said)):
+            parse_job(text)

@@ -126,12 +126,16 @@ def fold_torchrun_flags(args: argparse.Namespace) -> None:
         raise LaunchError("--standalone is one machine; it contradicts --nnodes/--rdzv-endpoint/--master-addr.",
                           "drop --standalone for a job of several machines.")
     if args.rdzv_conf:
-        for item in args.rdzv_conf.split(","):
+        items = args.rdzv_conf.split(",")
+        for item in items:
             key, _, value = item.partition("=")
             if key.strip() not in ("join_timeout", "timeout") or not validate.is_digits(value.strip()):
                 raise LaunchError(f"--rdzv-conf {item[:60]!r}: multigpu run takes join_timeout=SECONDS only.",
                                   "write --rdzv-conf join_timeout=900 (or --rdzv-timeout 900).")
-            args.rdzv_timeout = int(value.strip()[:9])
+            if len(items) > 1:
+                raise LaunchError(f"--rdzv-conf {args.rdzv_conf[:60]!r} gives the join timeout more than once.",
+                                  "give it once: --rdzv-conf join_timeout=900.")
+            args.rdzv_timeout = validate.whole_number(value.strip(), "--rdzv-conf join_timeout", LaunchError)
     backend = args.rdzv_backend
     if backend in ("etcd", "etcd-v2"):
         raise LaunchError(f"--rdzv-backend {backend}: the etcd rendezvous needs an etcd server of its own.",
@@ -212,6 +216,10 @@ def check_script_arguments(args: argparse.Namespace) -> None:
 
     if fresh or resume is not None:
         section = settings_section(args.script, args.script_args)
+        first = args.script_args[0] if args.script_args else ""
+        if section is None and first.endswith((".yaml", ".yml")) and not Path(first).is_file():
+            raise LaunchError(f"the recipe's settings file {first!r} does not exist.",
+                              "check the path (it is relative to the current folder).")
         if section is None:
             raise LaunchError(f"--fresh and --resume set a recipe's trainer settings, and {args.script} reads none "
                               "this launcher can find (a dataclass field of type mg.TrainerSettings filled by "

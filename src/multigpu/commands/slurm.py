@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from multigpu import validate
 from multigpu.errors import LaunchError, visible
 from multigpu.fileio import Folder, read_regular
-from multigpu.launch.knobs import BY_NAME
+from multigpu.launch.knobs import BY_NAME, check_knobs
 from multigpu.validate import whole_flag
 
 if TYPE_CHECKING:
@@ -154,6 +154,7 @@ def _cmd_slurm_submit(args: argparse.Namespace) -> int:
 
     command = split_command(None if args.module else args.script, args.script if args.module else None,
                             args.script_args)
+    check_knobs(args)  # run's own flags here (--max-restarts, the replica groups'): run's bounds
     check_script_arguments(args)  # a typo is one line now, not a job that fails after its wait in the queue
     options = slurm_options_from_args(args)
     if options.gpu_request() is None and options.gpus_per_node is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -32,7 +33,7 @@ MAX_JOB_BYTES = 64 * 1024
 TRIAL_SETTINGS_FILE = "trial.json"
 TRIAL_REPORTS_FILE = "reports.csv"
 TRIAL_VERDICT_FILE = "verdict.json"
-_HINT = f"{JOB_VAR} is set by multigpu queue, check and run --profile; unset it when running by hand."
+_HINT = f"{JOB_VAR} is set by multigpu run, queue and check; unset it when running by hand."
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Job:
     #: a checkpoint folder outside it (chosen by a runs file someone handed you) is refused.
     run_dir: Optional[str] = setting(None, blank=False)
     #: The share of its GPU's memory this process may take (a packed queue run); None: all of it.
-    memory_fraction: Optional[float] = setting(None, low=0, high=1, positive=True)
+    memory_fraction: Optional[float] = setting(None, low=0.001, high=1)
     #: A queue trial's channel to its sweep or search (None: not a trial).
     trial_dir: Optional[str] = setting(None, blank=False)
     check: Optional[Check] = None
@@ -89,12 +90,15 @@ def parse_job(text: Optional[str]) -> Job:
     """The job a :data:`JOB_VAR` value describes (none set: a plain run, ``Job()``)."""
     if not text:
         return Job()
-    if len(text) > MAX_JOB_BYTES:
-        raise WorldError(f"{JOB_VAR} holds {len(text):,} characters (at most {MAX_JOB_BYTES:,}).", _HINT)
+    size = len(text.encode("utf-8", "surrogateescape"))
+    if size > MAX_JOB_BYTES:
+        raise WorldError(f"{JOB_VAR} holds {size:,} bytes (at most {MAX_JOB_BYTES:,}).", _HINT)
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        raise WorldError(f"{JOB_VAR}={shown(text, 60)} is not a JSON object.", _HINT) from None
+        data = json.loads(text, object_pairs_hook=_no_duplicates)
+    except _Duplicate as exc:
+        raise WorldError(f"{JOB_VAR} gives {shown(str(exc), 40)} twice.", _HINT) from None
+    except (ValueError, RecursionError) as exc:
+        raise WorldError(f"{JOB_VAR}={shown(text, 60)} is not a JSON object ({shown(str(exc), 60)}).", _HINT) from None
     if not isinstance(data, dict):
         raise WorldError(f"{JOB_VAR}={shown(text, 60)} is not a JSON object.", _HINT)
     sections = {name: data.pop(name) for name in _SECTIONS if name in data}
@@ -109,7 +113,32 @@ def parse_job(text: Optional[str]) -> Job:
         if missing:
             raise WorldError(f"{JOB_VAR}: {name}={shown(section, 60)} is missing its {missing[0]}.", _HINT)
         values[name] = cls(**_typed(section, rules, f"{JOB_VAR} {name}"))
-    return Job(**values)
+    job = Job(**values)
+    for where, path in _paths(job):
+        if not os.path.isabs(path):  # a fence that moves with the script's current folder is no fence
+            raise WorldError(f"{JOB_VAR}: {where}={shown(path, 60)} is not an absolute path.", _HINT)
+    return job
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Duplicate(key)
+        out[key] = value
+    return out
+
+
+def _paths(job: Job) -> list[tuple[str, str]]:
+    """The job's folders, by where they are: each must be absolute."""
+    found = [("run_dir", job.run_dir), ("trial_dir", job.trial_dir),
+             ("check.dir", job.check.dir if job.check else None),
+             ("workers.log_dir", job.workers.log_dir if job.workers else None)]
+    return [(where, path) for where, path in found if path is not None]
 
 
 def _typed(data: Mapping[str, Any], rules: Mapping[str, Rule], owner: str) -> dict[str, Any]:
@@ -136,4 +165,16 @@ def job_text(job: Job) -> str:
 def job_env(inherited: Optional[str], **changes: Any) -> dict[str, str]:
     """The :data:`JOB_VAR` entry of a child's environment: the job this process was given (``inherited``,
     its own variable's value), with ``changes`` (a section set to None is cleared)."""
-    return {JOB_VAR: job_text(dataclasses.replace(parse_job(inherited), **changes))}
+    for name in ("run_dir", "trial_dir"):  # made absolute here, once: the run's folder stays where it was
+        if isinstance(changes.get(name), str):
+            changes[name] = os.path.abspath(changes[name])
+    for name, folder in (("check", "dir"), ("workers", "log_dir")):
+        if changes.get(name) is not None and getattr(changes[name], folder) is not None:
+            changes[name] = dataclasses.replace(changes[name], **{folder: os.path.abspath(getattr(changes[name], folder))})
+    text = job_text(dataclasses.replace(parse_job(inherited), **changes))
+    try:
+        parse_job(text)  # what the runs will read: a value they would refuse is refused here, by its writer
+    except WorldError as exc:
+        raise WorldError(exc.message, "give the run's folders names of plain text (valid UTF-8, no control "
+                                      "characters).") from None
+    return {JOB_VAR: text}

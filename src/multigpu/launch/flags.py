@@ -73,8 +73,9 @@ class RunFlags:
             value = self._given.get(knob.name)
             if knob.switch:
                 out += [knob.flags[0]] if value else []
-            elif value is not None and value != knob.default:
-                out += [knob.flags[0], str(value)]
+            elif value is not None and value != knob.default:  # "-x" as one word: never read as a flag
+                text = str(value)
+                out += [f"{knob.flags[0]}={text}"] if text.startswith("-") else [knob.flags[0], text]
         return out
 
     def to_argv(self, target: Sequence[str], python: str = sys.executable) -> list[str]:

@@ -89,6 +89,13 @@ def _seconds(value: Any, flag: str) -> object:
     return validate.positive_seconds(value, flag, LaunchError)
 
 
+def _interval(value: Any, flag: str) -> object:
+    """Seconds between polls: a busy loop below a hundredth of a second."""
+    if _seconds(value, flag) and value < 0.01:
+        raise LaunchError(f"{flag} {value!r} is shorter than 0.01 s (a busy loop).", f"e.g. {flag} 0.1.")
+    return value
+
+
 def _address(example: str) -> Check:
     return lambda value, flag: validate.plain_text(value, flag, LaunchError, allow_space=False,
                                                     pattern=r"[\w.:\[\]%-]{1,255}", example=example)
@@ -109,7 +116,7 @@ KNOBS: tuple[Knob, ...] = (
          "R", check=_count(0, validate.MAX_NODES)),
     Knob("master_addr", ("--master-addr",), NODES, "address of node 0, reachable from every node", metavar="HOST"),
     Knob("master_port", ("--master-port",), NODES, "port on node 0 (default on one machine: a free port is chosen)",
-         type=whole_flag, metavar="PORT", check=_count(1, 65535, "use a port from 1024 to 65535.")),
+         type=whole_flag, metavar="PORT", check=_count(1, 65535, "use a port from 1 to 65535 (below 1024 only as root).")),
     Knob("rdzv_endpoint", ("--rdzv-endpoint",), NODES, "c10d rendezvous (elastic --nnodes MIN:MAX)",
          metavar="HOST:PORT"),
     Knob("rdzv_id", ("--rdzv-id",), NODES, "job id shared by every node of a c10d rendezvous", metavar="ID"),
@@ -146,9 +153,9 @@ KNOBS: tuple[Knob, ...] = (
          "agent (--max-restarts) and heals from a live group; a lighthouse in this launcher holds the quorum of "
          "each step", type=whole_flag, metavar="R"),
     Knob("min_replicas", ("--min-replicas",), REPLICAS, "the fewest live groups a step needs (default 1)", 1,
-         whole_flag, "M"),
+         whole_flag, "M", check=_count(1, 1024)),
     Knob("heartbeat_timeout", ("--heartbeat-timeout",), REPLICAS, "seconds a silent group is waited for before the "
-         "others go on without it: the pause per failure (default 5)", 5.0, float, "S"),
+         "others go on without it: the pause per failure (default 5)", 5.0, float, "S", check=_seconds),
     Knob("replica_group", ("--replica-group",), REPLICAS, "run only group G of --replica-groups R on this machine, "
          "joining --lighthouse (what `multigpu slurm --replica-groups` runs on each node)", type=whole_flag,
          metavar="G"),
@@ -161,7 +168,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("rdzv_conf", ("--rdzv-conf",), TORCHRUN, "join_timeout=S (the same as --rdzv-timeout S)",
          metavar="KEY=VALUE,...", handed_on=False),
     Knob("monitor_interval", ("--monitor-interval",), TORCHRUN, "how often the agent polls the workers, in seconds "
-         "(default 0.1)", type=float, metavar="S", handed_on=False, check=_seconds),
+         "(default 0.1)", type=float, metavar="S", handed_on=False, check=_interval),
     Knob("start_method", ("--start-method",), TORCHRUN, "only spawn: each worker starts a fresh interpreter",
          metavar="spawn", handed_on=False),
     Knob("role", ("--role",), TORCHRUN, "the worker group's name in torch elastic's logs (default: default)",

@@ -389,6 +389,12 @@ def split_command(script: Optional[str], module: Optional[str], args: Sequence[s
                           "write `multigpu run train.py ...` or `multigpu run -m pkg.train ...`.")
     if module is not None:
         return ("-m", module, *args)
-    if script is None or not Path(script).is_file():  # None: refused above
+    path = Path(script or "")  # None: refused above
+    if path.is_dir():
+        raise LaunchError(f"script {script!r} is a folder.", f"run its __main__.py ({script}/__main__.py), or the "
+                          "package as a module with -m.")
+    if path.exists() and not path.is_file():
+        raise LaunchError(f"script {script!r} is not a regular file (a FIFO or a device).", "give the script's file.")
+    if not path.is_file():
         raise LaunchError(f"script {script!r} does not exist.", "check the path (it is relative to the current folder).")
-    return (script, *args)
+    return (str(script), *args)

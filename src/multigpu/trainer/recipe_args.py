@@ -116,7 +116,9 @@ class _Names:
         self.config: set[str] = set()
         self.load: set[str] = set()
         self.settings: set[str] = set()
-        self.shadowed: set[str] = set()  # classes or functions the script defines itself
+        #: Names the script binds to something else too (a class of its own, an assignment, another
+        #: library's import): which one a line means is the script's to say.
+        self.shadowed: set[str] = set()
 
 
 _SETTINGS_HOMES = ("multigpu", "multigpu.trainer", "multigpu.trainer.settings")
@@ -125,25 +127,33 @@ _SETTINGS_HOMES = ("multigpu", "multigpu.trainer", "multigpu.trainer.settings")
 def _multigpu_names(tree: ast.Module) -> _Names:
     names = _Names()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0:
+        if isinstance(node, ast.ImportFrom):
             for alias in node.names:
                 bound = alias.asname or alias.name
-                if node.module == "multigpu" and alias.name == "config":
+                if node.level == 0 and node.module == "multigpu" and alias.name == "config":
                     names.config.add(bound)
-                elif node.module == "multigpu.config" and alias.name == "load":
+                elif node.level == 0 and node.module == "multigpu.config" and alias.name == "load":
                     names.load.add(bound)
-                elif node.module in _SETTINGS_HOMES and alias.name == "TrainerSettings":
+                elif node.level == 0 and node.module in _SETTINGS_HOMES and alias.name == "TrainerSettings":
                     names.settings.add(bound)
+                elif node.level or node.module not in ("multigpu", *_SETTINGS_HOMES):
+                    names.shadowed.add(bound)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "multigpu":
                     names.package.add(alias.asname or alias.name)
                 elif alias.name == "multigpu.config":
                     (names.config if alias.asname else names.package).add(alias.asname or "multigpu")
+                elif not alias.name.startswith("multigpu."):
+                    names.shadowed.add(alias.asname or alias.name.partition(".")[0])
         elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             names.shadowed.add(node.name)
-    names.settings -= names.shadowed
-    names.load -= names.shadowed
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.shadowed.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.shadowed.add(node.arg)
+    for group in (names.package, names.config, names.load, names.settings):
+        group -= names.shadowed
     return names
 
 
