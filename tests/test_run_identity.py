@@ -172,7 +172,10 @@ class _Run:
     control_group = None
 
     def __init__(self, restart_count: int) -> None:
-        self.world = type("W", (), {"restart_count": restart_count, "run_dir": None, "launch_id": ""})()
+        from multigpu.distributed.job import Job
+
+        self.world = type("W", (), {"restart_count": restart_count, "launch_id": ""})()
+        self.job = Job()
         self.lines: list[str] = []
 
     def check_writable(self, folder, what):

@@ -122,3 +122,20 @@ def test_rebuilt_optimizer_keeps_its_hyperparameters():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rebuilt = rebuild_optimizer(optimizer, {id(p): n for n, p in model.named_parameters()}, model)
     assert rebuilt is not optimizer and rebuilt.param_groups[0]["lr"] == 0.1
+
+
+def test_a_trainer_keeps_the_degrees_given_to_init_unless_its_settings_say():
+    """Issue 51 (degrees from three places): `mg.init(tp=2)` and a Trainer with default settings ran tp 1 -
+    the settings' tp=1 default silently replaced init's 2 before the model was set up. Unset (None), the
+    settings take the Run's degrees; set, they are the Trainer's (as before)."""
+    from multigpu.distributed.parallel import Parallelism
+    from multigpu.trainer.settings import TrainerSettings
+
+    inits = Parallelism.from_degrees(4, 4, tp=2, pp=2)
+    kept = TrainerSettings().with_degrees(inits)
+    assert (kept.tp, kept.dp_replicate, kept.pp) == (2, 1, 2)
+    assert kept.setup_options() == {"schedule": "1f1b", "micro_batches": None, "split_points": None}  # pp's own
+    said = TrainerSettings(tp=1, dp_replicate=2).with_degrees(inits)
+    assert (said.tp, said.dp_replicate, said.pp) == (1, 2, 2)
+    with pytest.raises(ConfigError, match="micro_batches"):  # pp's checks run once pp is known
+        TrainerSettings(batch_size=3, micro_batches=2).with_degrees(inits)

@@ -69,7 +69,7 @@ class Trainer(abc.ABC):
         """``config``: your recipe's own settings (any dataclass or mapping); ranks must agree on it."""
         base = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} if settings else {}
         self.settings = s = TrainerSettings.from_mapping({**base, **overrides})
-        self.settings = s = run.probe.trainer_settings(s)  # `multigpu check`: its own folder, never the user's
+        self.settings = s = run.probe.trainer_settings(s).with_degrees(run.degrees)  # check: its own folder
         self.run = run
         self.config = config
         run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate, pp=s.pp, fault_tolerance=s.fault_tolerance)
