@@ -74,7 +74,7 @@ DOOR = [
     ({"pp": 2, "compile": True}, "trainer setting compile=True is invalid"),
     ({"pp": 2, "precision": "16-mixed"}, "trainer setting precision='16-mixed' is invalid"),
     ({"pp": 2, "strategy_options": {"schedule": "gpipe"}}, "trainer setting strategy_options="),
-    ({"pp": 1, "micro_batches": 2}, "trainer setting pp=1 is invalid"),
+    ({"micro_batches": 2}, "trainer setting pp=1 is invalid"),
     ({"pp": 2, "batch_size": 3}, "trainer setting micro_batches=None is invalid"),  # the default: 2, one per stage
 ]
 
@@ -87,18 +87,6 @@ def test_every_pipeline_setting_is_typed_and_bounded_at_the_door(values, message
     with pytest.raises(ConfigError) as caught:
         TrainerSettings.from_mapping(values)
     assert message in str(caught.value) and caught.value.hint and "\n" not in str(caught.value)
-
-
-def test_pipeline_settings_without_pp_are_judged_once_the_runs_pp_is_known():
-    """pp unset is mg.init()'s: micro_batches without pp is refused when the Run says pp 1."""
-    from multigpu.distributed.parallel import Parallelism
-    from multigpu.errors import ConfigError
-    from multigpu.trainer.settings import TrainerSettings
-
-    settings = TrainerSettings.from_mapping({"micro_batches": 2})
-    with pytest.raises(ConfigError, match="trainer setting pp=1 is invalid"):
-        settings.with_degrees(Parallelism.plain(2))
-    assert settings.with_degrees(Parallelism.from_degrees(2, 2, pp=2)).pp == 2
 
 
 def test_the_table_is_unique():

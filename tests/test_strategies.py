@@ -126,8 +126,8 @@ def test_rebuilt_optimizer_keeps_its_hyperparameters():
 
 def test_a_trainer_keeps_the_degrees_given_to_init_unless_its_settings_say():
     """Issue 51 (degrees from three places): `mg.init(tp=2)` and a Trainer with default settings ran tp 1 -
-    the settings' tp=1 default silently replaced init's 2 before the model was set up. Unset (None), the
-    settings take the Run's degrees; set, they are the Trainer's (as before)."""
+    the settings' tp=1 default silently replaced init's 2 before the model was set up. Settings that leave
+    every degree at 1 now take the Run's; settings that name one are the Trainer's (as before)."""
     from multigpu.distributed.parallel import Parallelism
     from multigpu.trainer.settings import TrainerSettings
 
@@ -135,7 +135,8 @@ def test_a_trainer_keeps_the_degrees_given_to_init_unless_its_settings_say():
     kept = TrainerSettings().with_degrees(inits)
     assert (kept.tp, kept.dp_replicate, kept.pp) == (2, 1, 2)
     assert kept.setup_options() == {"schedule": "1f1b", "micro_batches": None, "split_points": None}  # pp's own
-    said = TrainerSettings(tp=1, dp_replicate=2).with_degrees(inits)
-    assert (said.tp, said.dp_replicate, said.pp) == (1, 2, 2)
-    with pytest.raises(ConfigError, match="micro_batches"):  # pp's checks run once pp is known
-        TrainerSettings(batch_size=3, micro_batches=2).with_degrees(inits)
+    said = TrainerSettings(dp_replicate=2).with_degrees(inits)
+    assert (said.tp, said.dp_replicate, said.pp) == (1, 2, 1)
+    with pytest.raises(ConfigError, match="micro_batches"):  # pp's checks run on the degrees taken
+        TrainerSettings(batch_size=3).with_degrees(inits)
+    assert TrainerSettings().with_degrees(Parallelism.plain(4)) == TrainerSettings()

@@ -51,14 +51,14 @@ class TrainerSettings:
     precision: str = setting("32", choices=tuple(PRECISIONS))
     strategy: Optional[str] = None  # None: the one given to mg.init() ("auto" unless said otherwise)
     strategy_options: dict[str, Any] = field(default_factory=dict)
-    #: Tensor-parallel ranks per model replica (strategy fsdp+tp) and replica groups (hsdp); None: the
-    #: degree given to mg.init() (1 unless given there).
-    tp: Optional[int] = setting(None, low=1, high=4096)
-    dp_replicate: Optional[int] = setting(None, low=1, high=65536)
+    #: Tensor-parallel ranks per model replica (strategy fsdp+tp) and replica groups (hsdp). Left at 1 with
+    #: pp, the Trainer takes the degrees given to mg.init() (``with_degrees``).
+    tp: int = setting(1, low=1, high=4096)
+    dp_replicate: int = setting(1, low=1, high=65536)
     #: Pipeline stages on consecutive groups of ranks (each stage wrapped by the strategy: ddp, fsdp,
     #: hsdp, fsdp+tp); its schedule, micro-batches per batch (None: one per stage) and where stages begin
     #: (names or indexes of the model's children; None: balanced by parameters). docs/strategies.md.
-    pp: Optional[int] = setting(None, low=1, high=4096)
+    pp: int = setting(1, low=1, high=4096)
     pipeline_schedule: str = setting("1f1b", choices=PIPELINE_SCHEDULES)
     micro_batches: Optional[int] = setting(None, low=1, high=4096)
     split_points: Optional[list[Any]] = None
@@ -161,8 +161,7 @@ class TrainerSettings:
         for point in self.split_points or []:  # a child's name, or its index
             checked("trainer", "split_points", point, Rule(str) if isinstance(point, str) else Rule(int, 0, 4096),
                     ConfigError)
-        pp = self.pp or 1  # None: mg.init()'s, not known yet (checked again once with_degrees fills it in)
-        pipelined = self.pp is None or pp > 1 or (self.pipeline_schedule == "1f1b" and self.micro_batches is None
+        pipelined = self.pp > 1 or (self.pipeline_schedule == "1f1b" and self.micro_batches is None
                                     and self.split_points is None)
         relations = [
             (self.collate_fn is None or callable(self.collate_fn), "collate_fn", "a function (set it in code)"),
@@ -171,12 +170,12 @@ class TrainerSettings:
             (self.ema is None or self.swa_start is None, "swa_start", "null when ema is set (one average at a time)"),
             (pipelined, "pp", "2 or more with pipeline_schedule, micro_batches or split_points (the in-process "
                               "pipeline strategy takes its own in strategy_options)"),
-            (pp == 1 or not self.compile, "compile", "false with pp (the pipeline runs each stage itself)"),
-            (pp == 1 or PRECISIONS[str(self.precision).lower()] != "fp16", "precision",
+            (self.pp == 1 or not self.compile, "compile", "false with pp (the pipeline runs each stage itself)"),
+            (self.pp == 1 or PRECISIONS[str(self.precision).lower()] != "fp16", "precision",
              "32 or bf16 with pp (fp16's loss scaler would skip steps on some stages and not others)"),
-            (pp == 1 or self.batch_size % self._micro_batches() == 0, "micro_batches",
+            (self.pp == 1 or self.batch_size % self._micro_batches() == 0, "micro_batches",
              f"a divisor of batch_size {self.batch_size} (micro-batches are equal; the default is one per stage)"),
-            (pp == 1 or not {"schedule", "micro_batches", "split_points"} & set(self.strategy_options),
+            (self.pp == 1 or not {"schedule", "micro_batches", "split_points"} & set(self.strategy_options),
              "strategy_options", "the strategy's own options; with pp set pipeline_schedule, micro_batches and "
                                  "split_points as trainer settings"),
         ]
@@ -195,21 +194,25 @@ class TrainerSettings:
 
     def _micro_batches(self) -> int:
         """Micro-batches per batch with pp: as set, or one per stage (strategies.pipeline_parallel's default)."""
-        stages = len(self.split_points) + 1 if self.split_points else (self.pp or 1) * (
+        stages = len(self.split_points) + 1 if self.split_points else self.pp * (
             2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
         return self.micro_batches or stages
 
     def setup_options(self) -> dict[str, Any]:
         """The strategy's options for ``run.setup``; with pp > 1 the pipeline's too."""
-        if (self.pp or 1) == 1:
+        if self.pp == 1:
             return dict(self.strategy_options)
         return {**self.strategy_options, "schedule": self.pipeline_schedule, "micro_batches": self.micro_batches,
                 "split_points": self.split_points}
 
     def with_degrees(self, degrees: Any) -> "TrainerSettings":
-        """The parallelism degrees left None filled in from the Run's (mg.init()'s): a script that gave
-        ``mg.init(tp=2)`` keeps tp 2 under a Trainer whose settings do not say (they set it back to 1)."""
-        given = {name: getattr(degrees, name) for name in ("tp", "dp_replicate", "pp") if getattr(self, name) is None}
+        """Settings that leave tp, dp_replicate and pp at 1 take the Run's degrees (mg.init()'s): a script
+        that gave ``mg.init(tp=2)`` keeps tp 2 under a Trainer whose settings say nothing of it (they set it
+        back to 1). Settings that name a degree are the Trainer's, as before."""
+        names = ("tp", "dp_replicate", "pp")
+        if any(getattr(self, name) != 1 for name in names):
+            return self
+        given = {name: getattr(degrees, name) for name in names if getattr(degrees, name) != 1}
         return dataclasses.replace(self, **given) if given else self
 
     def plain(self) -> dict[str, Any]:
