@@ -20,8 +20,9 @@ import pytest
 from conftest import PY, REPO, child_env, multigpu
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from multigpu import validate
 from multigpu.errors import ConfigError, MultiGPUError
+from multigpu.launch import environment
+from multigpu.trainer import options
 
 pytestmark = pytest.mark.timeout(240)
 SRC = REPO / "src" / "multigpu"
@@ -340,8 +341,8 @@ def test_any_options_dict_is_options_of_the_declared_types_or_one_line(name, opt
 
 def test_a_profiler_schedule_torch_crashes_on_is_refused_with_the_reason():
     with pytest.raises(MultiGPUError, match="with_stack: true needs a step of wait or warmup"):
-        validate.profile_settings({"wait": 0, "warmup": 0, "active": 1, "repeat": 2, "with_stack": True})
-    assert validate.profile_settings({"wait": 0, "warmup": 1, "active": 1, "with_stack": True})["warmup"] == 1
+        options.profile_settings({"wait": 0, "warmup": 0, "active": 1, "repeat": 2, "with_stack": True})
+    assert options.profile_settings({"wait": 0, "warmup": 1, "active": 1, "with_stack": True})["warmup"] == 1
 
 
 # ------------------------------------------------------------------ 7. plots of a sweep record
@@ -409,15 +410,15 @@ def test_any_sweep_record_plots_or_is_one_line(tmp_path_factory, trials, params)
 ])
 def test_allow_listed_variables_take_only_values_of_their_type(name, value, ok):
     if ok:
-        assert validate.env_value(name, value, ConfigError) == value
+        assert environment.env_value(name, value, ConfigError) == value
     else:
         with pytest.raises(ConfigError, match=f"environment variable {name}="):
-            validate.env_value(name, value, ConfigError)
+            environment.env_value(name, value, ConfigError)
 
 
 def test_every_allow_listed_name_has_a_typed_value():
-    assert set(validate.ENV_ALLOWED) == set(validate.ENV_VALUES)
-    assert all(rule.why for rule in validate.ENV_VALUES.values())
+    assert set(environment.ENV_ALLOWED) == set(environment.ENV_VALUES)
+    assert all(rule.why for rule in environment.ENV_VALUES.values())
 
 
 def test_a_runs_file_value_every_run_would_die_of_is_refused_when_the_file_is_read(tmp_path):

@@ -6,6 +6,7 @@ from typing import Optional
 import pytest
 
 from multigpu import config
+from multigpu.config import yaml_file
 from multigpu.errors import ConfigError
 from multigpu.trainer import TrainerSettings
 
@@ -129,9 +130,9 @@ def test_a_config_difference_between_ranks_is_named_down_to_the_setting():
 def test_yaml_whole_numbers_are_base_10_digits_only(value):
     """YAML 1.1 reads these as ints (1000, 16, 8, 72000, 3); a setting in another form is one line."""
     with pytest.raises(ConfigError) as info:
-        config.parse_yaml(f"trainer:\n  epochs: {value}\n", "h.yaml")
+        yaml_file.parse_yaml(f"trainer:\n  epochs: {value}\n", "h.yaml")
     assert info.value.one_line().startswith("multigpu: error: h.yaml:2: ") and "HINT:" in str(info.value)
-    assert config.parse_yaml(f"name: '{value}'\nepochs: 12\nlow: -3\n")[0] == {"name": value, "epochs": 12, "low": -3}
+    assert yaml_file.parse_yaml(f"name: '{value}'\nepochs: 12\nlow: -3\n")[0] == {"name": value, "epochs": 12, "low": -3}
 
 
 @pytest.mark.parametrize("items, needle, hint", [

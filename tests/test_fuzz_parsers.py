@@ -17,8 +17,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from multigpu import config, validate
 from multigpu.errors import MultiGPUError, shown, visible
 from multigpu.fileio import Folder, UnsafePath
+from multigpu.launch import environment
 from multigpu.loggers import read_csv
-from multigpu.queue.scheduler import read_status
+from multigpu.queue.run_folder import read_status
+from multigpu.trainer import options
 from multigpu.trainer.settings import SETTING_RULES, TrainerSettings
 
 pytestmark = pytest.mark.timeout(120)  # each property: a few hundred examples, ~1-5 s here
@@ -56,7 +58,7 @@ def test_every_trainer_setting_is_checked_whatever_the_value(name, value):
 @given(VALUES)
 def test_compile_settings_never_pass_a_string_option(value):
     try:
-        checked = validate.compile_settings({"options": value} if isinstance(value, dict) else value)
+        checked = options.compile_settings({"options": value} if isinstance(value, dict) else value)
     except MultiGPUError:
         return
     if isinstance(checked, dict):
@@ -67,10 +69,10 @@ def test_compile_settings_never_pass_a_string_option(value):
 @given(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=30))
 def test_the_environment_door_lets_through_exact_names_only(name):
     try:
-        validate.env_allowed(name)
+        environment.env_allowed(name)
     except MultiGPUError:
         return
-    assert name in validate.ENV_ALLOWED
+    assert name in environment.ENV_ALLOWED
 
 
 @FAST
@@ -78,8 +80,8 @@ def test_the_environment_door_lets_through_exact_names_only(name):
                        max_size=6))
 def test_credentials_never_reach_a_run_whose_endpoint_came_from_a_file(from_file):
     inherited = {"WANDB_API_KEY": "secret", "HF_TOKEN": "secret", "HOME": "/home/u"}
-    env, held = validate.run_environment(inherited, from_file)
-    if any(part in name for name in from_file for part in validate.ENV_ENDPOINT_PARTS):
+    env, held = environment.run_environment(inherited, from_file)
+    if any(part in name for name in from_file for part in environment.ENV_ENDPOINT_PARTS):
         assert all(env.get(name) != "secret" or name in from_file for name in ("WANDB_API_KEY", "HF_TOKEN"))
         assert "HOME" in env
 

@@ -22,8 +22,9 @@ from multigpu.checkpoint.files import MANIFEST, finalize_folder, save_state, ste
 from multigpu.errors import ConfigError, LaunchError
 from multigpu.queue.display import status_table
 from multigpu.queue.lock import RunLock
+from multigpu.queue.run_folder import decide
 from multigpu.queue.runs import QueueEntry
-from multigpu.queue.scheduler import EntryState, decide
+from multigpu.queue.scheduler import EntryState
 
 # Queues of short runs and small subprocesses (each under a minute on 2 busy cores); a stuck one ends here.
 pytestmark = pytest.mark.timeout(180)

@@ -192,6 +192,7 @@ def test_the_mapping_settings_are_values_or_one_line():
 
     from multigpu import validate
     from multigpu.errors import MultiGPUError
+    from multigpu.trainer import options
 
     values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
@@ -201,7 +202,7 @@ def test_the_mapping_settings_are_values_or_one_line():
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(values)
     def check(value):
-        for checker in (validate.activation_checkpointing_settings, validate.profile_settings):
+        for checker in (validate.activation_checkpointing_settings, options.profile_settings):
             try:
                 out = checker(value)
             except MultiGPUError as exc:

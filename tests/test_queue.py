@@ -16,8 +16,8 @@ import pytest
 import yaml
 from conftest import PY, REPO, SCRIPTS, child_env, multigpu, multigpu_here, processes_with, wait_for_files
 
-from multigpu.config import resolve_inheritance
 from multigpu.errors import ConfigError
+from multigpu.queue.inheritance import resolve_inheritance
 from multigpu.queue.runs import QueueEntry, load_runs
 from multigpu.queue.scheduler import Queue
 from multigpu.strategies.stages import Stages
@@ -545,7 +545,7 @@ def test_a_log_file_gets_whole_lines_and_tables_not_80_columns(monkeypatch):
 
 
 def test_a_parent_outside_the_queue_counts_only_when_its_real_folder_is_done_with_these_settings(tmp_path):
-    from multigpu.queue.scheduler import finished_as
+    from multigpu.queue.run_folder import finished_as
 
     folder = tmp_path / "net"
     folder.mkdir()

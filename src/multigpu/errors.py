@@ -60,6 +60,23 @@ def shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit - 15]}... ({len(text)} chars)"
 
 
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def as_shown(line: str) -> str:
+    """A log line as a terminal showed it: a progress bar's redraws (\\r) keep their last state, ANSI
+    colour codes are dropped (anything else that steers a terminal is made visible by
+    :func:`visible` where it is printed)."""
+    line = _ANSI.sub("", line).rstrip("\r")
+    return line.rsplit("\r", 1)[-1]
+
+
+def last_shown(raw: "list[str]", lines: int) -> "list[str]":
+    """The last ``lines`` non-blank lines of a log's tail as a terminal showed them, safe to print."""
+    return [visible(text) for text in map(as_shown, raw) if text.strip()][-lines:]
+
+
 class MultiGPUError(Exception):
     """A problem with the user's input or environment, with the fix in ``hint``."""
 

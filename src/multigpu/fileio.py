@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import stat
 import uuid
 from pathlib import Path
@@ -465,15 +464,8 @@ def tail_lines(path: PathLike, lines: int, max_bytes: int = 1 << 20) -> tuple[li
     return Folder(path.parent).tail_lines(path.name, lines, max_bytes)
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def as_shown(line: str) -> str:
-    """A log line as a terminal showed it: a progress bar's redraws (\\r) keep their last state, ANSI
-    colour codes are dropped (anything else that steers a terminal is made visible by
-    ``multigpu.errors.visible`` where it is printed)."""
-    line = _ANSI.sub("", line).rstrip("\r")
-    return line.rsplit("\r", 1)[-1]
 
 
 def open_devnull() -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from multigpu import validate
 from multigpu.commands.slurm import add_slurm_job_options, slurm_options_from_args
 from multigpu.errors import ConfigError
+from multigpu.launch import environment
 from multigpu.validate import whole_flag
 
 QUEUE_EXAMPLES = """\
@@ -76,7 +77,7 @@ def _show_plan(specs: list[Any], searches: list[Any], out: Any, on_gpus: bool, s
     import shlex
 
     from multigpu.errors import visible
-    from multigpu.queue.scheduler import decide
+    from multigpu.queue.run_folder import decide
 
     unit = "GPU(s)" if on_gpus else "slot(s)"
     print(f"multigpu queue --dry-run: {len(specs)} run(s) on {slots} {unit}, folders in {visible(str(out))}; "
@@ -102,7 +103,7 @@ def _cmd_queue(args: argparse.Namespace) -> int:
     from multigpu.queue.space import parse_cli
 
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
-    allowed = [validate.env_name(n, ConfigError, "--allow-env: ") for a in args.allow_env for n in a.split(",") if n]
+    allowed = [environment.env_name(n, ConfigError, "--allow-env: ") for a in args.allow_env for n in a.split(",") if n]
     plan = load_plan(args.runs_file, only, allow_env=allowed, sweep=parse_cli(args.sweep), samples=args.samples)
     specs = plan.runs
     if args.gpus_per_run is not None:
@@ -127,7 +128,7 @@ def _cmd_queue(args: argparse.Namespace) -> int:
                               "ask per node with --gpus-per-node N (or --gres gpu:N) instead.")
         if args.status:
             return show_status(specs, out)
-        from multigpu.queue.scheduler import finished_as
+        from multigpu.queue.run_folder import finished_as
 
         for spec in specs:  # a run may wait only for runs already done (its folder says so, with these settings)
             pending = [n for n in spec.waits_for() if not finished_as(out / n, spec.upstream.get(n))]

@@ -38,15 +38,12 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from multigpu import validate
-from multigpu.diagnostics.causes import (
-    BLOCKING,
-    WRONG,
+from multigpu.diagnostics.causes import BLOCKING, WRONG, diagnose, unverified
+from multigpu.diagnostics.outcome import (
     Outcome,
     batch_shape,
-    diagnose,
     finite_or_inf,
     tolerance_for,
-    unverified,
     weight_differences,
 )
 from multigpu.distributed.job import JOB_VAR, Check, job_env

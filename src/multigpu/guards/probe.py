@@ -27,7 +27,6 @@ hook is removed again when the probe closes (after the K-th step).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -38,12 +37,11 @@ from torch import nn
 
 from multigpu.distributed.job import Job
 from multigpu.fileio import Folder
+from multigpu.guards.digests import first_tensor, rng_digest, tensor_digest, tensors_in
 
 #: After its K-th step a rank waits this long at most for the others to reach theirs (they normally
 #: arrive within milliseconds: the K-th step follows the same all-reduce on every rank).
 PEER_WAIT_S = 60.0
-#: Elements of a tensor that go into its digest (enough to tell batches or replicas apart).
-DIGEST_LIMIT = 1 << 20
 
 
 class CheckDone(SystemExit):
@@ -60,44 +58,12 @@ def from_job(job: Job, rank: int) -> "Probe | NoProbe":
     return Probe(Path(job.check.dir), rank, steps=job.check.steps, scale=job.check.scale)
 
 
-def _tensors(value: Any, found: list[Any], depth: int = 0) -> list[Any]:
-    """Every tensor in a (nested) batch: tensors, mappings, sequences, dataclass-like objects."""
-    if depth > 6 or len(found) > 64:
-        return found
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _tensors(item, found, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _tensors(item, found, depth + 1)
-    elif hasattr(value, "__dataclass_fields__"):
-        for name in value.__dataclass_fields__:
-            _tensors(getattr(value, name, None), found, depth + 1)
-    return found
 
 
-def _first_tensor(value: Any) -> Optional[torch.Tensor]:
-    found = _tensors(value, [])
-    return found[0] if found else None
 
 
-def _digest(tensors: list[Any]) -> str:
-    """One digest of the bytes of every tensor given (each cut at :data:`DIGEST_LIMIT` elements)."""
-    h = hashlib.sha256()
-    for tensor in tensors:
-        flat = tensor.detach().reshape(-1)[:DIGEST_LIMIT].cpu().contiguous()
-        h.update(str(tuple(tensor.shape)).encode())
-        h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
-    return h.hexdigest()[:16]
 
 
-def _rng_digest(device: Optional[torch.device]) -> str:
-    h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    if device is not None and device.type == "cuda":
-        h.update(torch.cuda.get_rng_state(device).numpy().tobytes())  # dropout on a GPU draws from its generator
-    return h.hexdigest()[:16]
 
 
 class Probe:
@@ -289,7 +255,7 @@ class Probe:
         return rows
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        tensors = _tensors((args, kwargs), [])
+        tensors = tensors_in((args, kwargs), [])
         first = tensors[0] if tensors else None
         if not module.training:
             self._eval_samples += int(first.shape[0]) if first is not None and first.dim() else 0
@@ -301,8 +267,8 @@ class Probe:
                                       next((p.dtype for p in module.parameters() if p.is_floating_point()),
                                            torch.float32)).replace("torch.", "")
         self._rows.append(self._rows_of(first))
-        self._inputs.append(_digest(tensors) if tensors else "")
-        self._rng.append(_rng_digest(first.device if first is not None else None))
+        self._inputs.append(tensor_digest(tensors) if tensors else "")
+        self._rng.append(rng_digest(first.device if first is not None else None))
         # DDP's no_sync() (and nanoGPT's toggle) set this; the forward decides whether the backward syncs.
         sync = getattr(module, "require_backward_grad_sync", None)
         self._sync.append(None if sync is None else bool(sync))
@@ -341,7 +307,7 @@ class Probe:
 
     @staticmethod
     def _params_digest(params: list[Any]) -> str:
-        return _digest(params) if params else ""
+        return tensor_digest(params) if params else ""
 
     def _on_step(self, optimizer: Any) -> None:
         if self._closed:
@@ -416,7 +382,7 @@ class CountingLoader:
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self._loader:
-            first = _first_tensor(batch)
+            first = first_tensor(batch)
             if first is not None and first.dim():
                 self._probe._loader_rows = int(first.shape[0])
                 self._probe._loader_batches.append(int(first.shape[0]))

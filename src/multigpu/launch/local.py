@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from multigpu import validate
 from multigpu.distributed.job import JOB_VAR, Workers, job_env
 from multigpu.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_STUCK_AT_EXIT, LaunchError, shown, visible
 from multigpu.fileio import Folder
+from multigpu.launch import environment
 from multigpu.launch.attempts import clear_records
 from multigpu.launch.devices import DevicePlan
 from multigpu.launch.exit_watch import EXIT_TIMEOUT_S, Ended, watching_exits
@@ -157,7 +157,7 @@ def usable_cores() -> int:
 
 def launch(request: LaunchRequest) -> int:
     """Run the workers of this node to completion; return the exit status for the shell."""
-    validate.launch_environment(os.environ, LaunchError)  # a value every rank would die of: one line, now
+    environment.launch_environment(os.environ, LaunchError)  # a value every rank would die of: one line, now
     if request.rendezvous.endpoint.rpartition(":")[0] not in ("localhost", "127.0.0.1"):
         require_resolvable(request.rendezvous.endpoint.rpartition(":")[0],
                            "--master-addr" if request.rendezvous.backend == "static" else "--rdzv-endpoint")

@@ -18,8 +18,8 @@ from typing import Any, Iterator, Optional
 
 from typing_extensions import override
 
-from multigpu.errors import visible
-from multigpu.fileio import Folder, as_shown, tail_lines
+from multigpu.errors import last_shown, visible
+from multigpu.fileio import Folder, tail_lines
 from multigpu.launch.attempts import files_of, lost_a_peer, recorded
 
 STDERR_TAIL_LINES = 20
@@ -182,9 +182,9 @@ def _stderr_log(log_dir: str, rank: int) -> Optional[Path]:
 
 
 def _tail(path: Path, lines: int) -> list[str]:
-    """The last lines as a terminal would have shown them (see :func:`multigpu.fileio.as_shown`)."""
+    """The last lines as a terminal would have shown them (see :func:`multigpu.errors.as_shown`)."""
     raw, _ = tail_lines(path, lines * 20, 64 * 1024)
-    return [visible(shown) for shown in map(as_shown, raw) if shown.strip()][-lines:]
+    return last_shown(raw, lines)
 
 
 def say(message: str) -> None:

@@ -29,6 +29,7 @@ from multigpu import validate
 from multigpu.distributed.world import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from multigpu.errors import LaunchError
 from multigpu.fileio import atomic_write_text, ensure_real_folder
+from multigpu.launch import environment
 from multigpu.launch.flags import RunFlags
 from multigpu.launch.interpreter import python_module
 from multigpu.launch.slurm_options import (  # explicit re-exports, for the commands
@@ -102,9 +103,9 @@ def _check_folder(folder: Path, what: str) -> None:
 def _check_job(job: SlurmJob) -> None:
     _check_folder(job.run_dir, "run folder")
     for name in job.unset:
-        validate.env_name(name, LaunchError)
+        environment.env_name(name, LaunchError)
     for name, value in job.env:
-        validate.env_name(name, LaunchError)
+        environment.env_name(name, LaunchError)
         validate.plain_text(value, f"environment variable {name}", LaunchError)
     for part in (*job.command, str(job.workdir), job.python):
         validate.plain_text(part, "an argument of the job", LaunchError)

@@ -20,7 +20,8 @@ from rich.text import Text
 from multigpu.errors import MultiGPUError, visible
 from multigpu.fileio import Folder
 from multigpu.loggers import read_csv
-from multigpu.queue.scheduler import EntryState, Queue, log_tail
+from multigpu.queue.run_folder import log_tail
+from multigpu.queue.scheduler import EntryState, Queue
 from multigpu.trainer.progress import PROGRESS_FILE, format_duration
 
 STYLE = {"queued": "dim", "running": "bold cyan", "done": "green", "skipped": "green", "failed": "bold red",

@@ -15,7 +15,8 @@ from typing import Any, Optional, Sequence
 from multigpu import validate
 from multigpu.errors import ConfigError
 from multigpu.queue.runs import Entry, QueueEntry, load_entries
-from multigpu.queue.space import MAX_TRIALS, Param, Space, check_names, parse_space, points
+from multigpu.queue.space import MAX_TRIALS, Param, Space, parse_space, points
+from multigpu.queue.trial_names import check_names
 from multigpu.queue.trials import Trial, make_trial
 
 

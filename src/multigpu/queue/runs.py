@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from multigpu import config, validate
+from multigpu.config import yaml_file
 from multigpu.errors import ConfigError, visible
+from multigpu.launch import environment
+from multigpu.queue import inheritance
 
 
 @dataclass
@@ -96,7 +99,7 @@ class QueueEntry:
                 raise ConfigError(f"{where}gpus: {self.gpus} (a share of one GPU) with nproc: {self.nproc}.",
                                   "a run on a share of a GPU runs one process: drop nproc:, or give it gpus: 1 or more.")
         for name, value in self.env.items():
-            validate.env_name(name, ConfigError, where)
+            environment.env_name(name, ConfigError, where)
             validate.plain_text(value, f"{where}env {name}", ConfigError)
         for key in self.overrides:
             validate.plain_text(key, f"{where}override key", ConfigError, allow_space=False)
@@ -197,21 +200,21 @@ def load_entries(path: str | Path, allow_env: Sequence[str] = ()) -> list[Entry]
     child sets ``sweep: null`` to be a plain run again), in file order.
 
     ``allow_env``: variables the person starting the queue allows beyond the library knobs
-    (:data:`multigpu.validate.ENV_ALLOWED`)."""
-    data, lines = config.load_yaml(path)
+    (:data:`multigpu.environment.ENV_ALLOWED`)."""
+    data, lines = yaml_file.load_yaml(path)
     if not data:
         raise ConfigError(f"{path} defines no runs.", "add `name:` entries with script:, args:, overrides:.")
     folded: dict[str, str] = {}
     for key in data:
-        name, parent = config.split_run_key(key)
+        name, parent = inheritance.split_run_key(key)
         at = f"{config.where(str(path), lines, (str(key),))}: "
         validate.run_name(name, ConfigError, at)
         if name.lower() in folded and folded[name.lower()] != name:
             raise ConfigError(f"{at}run names {folded[name.lower()]!r} and {name!r} differ only in case.",
                               "they would share one folder on some file systems; rename one.")
         folded[name.lower()] = name
-    resolved = config.resolve_inheritance(data, str(path), lines)
-    raw_keys = {config.split_run_key(key)[0]: key for key in data}
+    resolved = inheritance.resolve_inheritance(data, str(path), lines)
+    raw_keys = {inheritance.split_run_key(key)[0]: key for key in data}
     entries = []
     for name, settings in resolved.items():
         run_lines = {path_[1:]: line for path_, line in lines.items() if path_ and path_[0] == raw_keys[name]}
@@ -228,8 +231,8 @@ def load_entries(path: str | Path, allow_env: Sequence[str] = ()) -> list[Entry]
         entries.append(Entry(spec, blocks, f"{at} (run {name!r})"))
     for entry in entries:
         for name, value in entry.spec.env.items():
-            validate.env_allowed(name, allow_env, ConfigError, f"run {entry.spec.name!r}: ")
-            validate.env_value(name, value, ConfigError, f"run {entry.spec.name!r}: ")
+            environment.env_allowed(name, allow_env, ConfigError, f"run {entry.spec.name!r}: ")
+            environment.env_value(name, value, ConfigError, f"run {entry.spec.name!r}: ")
     check_order(entries)
     return entries
 

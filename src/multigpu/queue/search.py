@@ -34,8 +34,9 @@ from multigpu.errors import ConfigError, MultiGPUError, shown, visible
 from multigpu.fileio import Folder
 from multigpu.queue.lock import RunLock
 from multigpu.queue.runs import QueueEntry
-from multigpu.queue.space import Param, SearchSettings, Space, _labels, trial_name
+from multigpu.queue.space import Param, SearchSettings, Space, _labels
 from multigpu.queue.study_file import check_study
+from multigpu.queue.trial_names import trial_name
 from multigpu.queue.trials import (
     SWEEPS_FOLDER,
     TRIAL_FOLDER,

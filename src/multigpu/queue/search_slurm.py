@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from multigpu.launch import slurm
-from multigpu.queue.scheduler import EntryState, read_status
+from multigpu.queue.run_folder import read_status
+from multigpu.queue.scheduler import EntryState
 from multigpu.queue.slurm_jobs import submit_runs
 
 #: How often the queue reads the trials' reports and states (each report waits at most this long).

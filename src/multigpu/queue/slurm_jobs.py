@@ -23,13 +23,13 @@ from typing import Any, Optional, Sequence
 from rich.table import Table
 from rich.text import Text
 
-from multigpu import validate
 from multigpu.distributed.job import job_env
 from multigpu.fileio import atomic_write_text
-from multigpu.launch import slurm
+from multigpu.launch import environment, slurm
 from multigpu.queue.lock import RunLock
+from multigpu.queue.run_folder import STATUS_FILE, decide, move_aside, read_status, write_run_config
 from multigpu.queue.runs import QueueEntry
-from multigpu.queue.scheduler import STATUS_FILE, EntryState, decide, move_aside, read_status, write_run_config
+from multigpu.queue.scheduler import EntryState
 
 #: Inside the queue's folder, where array scripts go (a run name cannot start with a dot).
 ARRAYS_FOLDER = ".slurm"
@@ -57,7 +57,7 @@ def _job(spec: QueueEntry, folder: Path, options: slurm.SlurmOptions, job_name: 
     target = ("-m", spec.module) if spec.module else (spec.script,)
     env = {**{k: str(v) for k, v in spec.env.items()},  # the run writes only in its folder
            **job_env(None, run_dir=str(folder), **spec.job_changes(folder))}
-    _, held = validate.run_environment(os.environ, env)
+    _, held = environment.run_environment(os.environ, env)
     return slurm.SlurmJob(command=(*target, *spec.recipe_args(folder)), run_dir=folder,
                           options=replace(run_options(options, spec), job_name=job_name),
                           env=tuple(sorted(env.items())), unset=tuple(held),

@@ -26,29 +26,25 @@ by (seed, sample, grid point), so adding samples or grid values never changes th
 from __future__ import annotations
 
 import difflib
-import hashlib
 import itertools
 import math
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Optional, Sequence
 
 from multigpu import validate
 from multigpu.errors import ConfigError, shown
+from multigpu.queue.sweep_values import MAX_VALUE_TEXT, checked_value, checked_values, written_values
+from multigpu.queue.trial_names import labels_of, stable_text, trial_name, value_text
 from multigpu.validate import Rule, checked
 
 #: Trials one sweep (or one search) may have: a typo such as an axis of 1000 values times three more is
 #: refused before a single folder is written.
 MAX_TRIALS = 10_000
 MAX_PARAMS = 64
-MAX_VALUES = 1_000
-MAX_VALUE_TEXT = 200
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "int")
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("none", "asha", "median")
-_NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")  # ASCII digits only
-_CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\((.*)\)\s*", re.S)
 
 
 @dataclass(frozen=True)
@@ -234,9 +230,9 @@ def parse_param(key: Any, spec: Any, where: str, out_dir_key: Optional[str] = No
     if out_dir_key and key == out_dir_key:
         raise ConfigError(f"{at}: the queue sets {key} (each trial's own folder).", "sweep another override.")
     if isinstance(spec, str):
-        spec = _call(spec, at)
+        spec = written_values(spec, at)
     if isinstance(spec, (list, tuple)):
-        return Param(key, "grid", _values(spec, at))
+        return Param(key, "grid", checked_values(spec, at))
     if isinstance(spec, Mapping) and len(spec) == 1:
         (kind, arguments), = spec.items()
         if kind not in DISTRIBUTIONS:
@@ -245,88 +241,24 @@ def parse_param(key: Any, spec: Any, where: str, out_dir_key: Optional[str] = No
                               (f"did you mean {close[0]!r}? " if close else "") +
                               f"use a list of values, or one of {', '.join(DISTRIBUTIONS)}.")
         if kind == "choice":
-            return Param(key, "choice", _values(arguments, at))
+            return Param(key, "choice", checked_values(arguments, at))
         return _range(key, kind, arguments, at)
     raise ConfigError(f"{at}: {shown(spec)} is neither a list of values nor one distribution.",
                       "write [0.001, 0.003], or {loguniform: [1e-4, 1e-1]} (choice, uniform, loguniform, int).")
 
 
-def _call(text: str, at: str) -> Any:
-    """``loguniform(1e-4, 1e-1)`` -> {"loguniform": [1e-4, 1e-1]}; ``1e-3,3e-3`` -> ['1e-3', '3e-3']."""
-    if len(text) > 100 * MAX_VALUE_TEXT:
-        raise ConfigError(f"{at}: {shown(text)} is too long.", "sweep fewer values.")
-    match = _CALL.fullmatch(text)
-    if match:
-        arguments = [part.strip() for part in match.group(2).split(",")] if match.group(2).strip() else []
-        return {match.group(1): [_scalar(part) for part in arguments]}
-    if "(" in text or ")" in text:
-        raise ConfigError(f"{at}: cannot read {shown(text)}.", "write e.g. loguniform(1e-4,1e-1) or 0.001,0.003.")
-    return [_scalar(part.strip()) for part in text.split(",")] if text.strip() else []
 
 
-def _scalar(text: str) -> Any:
-    """A value written on the command line: a number, true/false/null, or text."""
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("null", "none", "~"):
-        return None
-    return text
 
 
-def _values(values: Any, at: str) -> tuple[Any, ...]:
-    if not isinstance(values, (list, tuple)):
-        raise ConfigError(f"{at}: {shown(values)} is not a list of values.", "write e.g. [32, 64, 128].")
-    if not values:
-        raise ConfigError(f"{at}: the list of values is empty.", "give at least one value.")
-    if len(values) > MAX_VALUES:
-        raise ConfigError(f"{at}: {len(values):,} values; at most {MAX_VALUES:,} per override.",
-                          "draw from a range instead: {uniform: [lo, hi]} or {int: [lo, hi]}, with samples: N.")
-    out = tuple(_value(v, at) for v in values)
-    seen: dict[Any, Any] = {}
-    for original, value in zip(values, out):
-        marker = (type(value) if not isinstance(value, (int, float)) or isinstance(value, bool) else float, value)
-        if marker in seen:
-            raise ConfigError(f"{at}: the value {shown(original)} is given twice (also as {shown(seen[marker])}).",
-                              "give each value once: the two trials would train the same thing.")
-        seen[marker] = original
-    return out
 
 
-def _value(value: Any, at: str) -> Any:
-    """A swept value: a finite number, true/false, null, or short plain text (numbers written as text,
-    like YAML's ``1e-3``, become numbers)."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if abs(value) > 2**63:
-            raise ConfigError(f"{at}: {shown(value)} is too large.", "give a number below 2**63.")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ConfigError(f"{at}: {shown(value)} is not a finite number.", "give finite numbers (no nan or inf).")
-        return value
-    if isinstance(value, str):
-        if len(value) > MAX_VALUE_TEXT:
-            raise ConfigError(f"{at}: a value of {len(value):,} characters; at most {MAX_VALUE_TEXT}.",
-                              "give short values (a name, a number).")
-        validate.plain_text(value, f"{at}: value", ConfigError)
-        if _NUMBER.fullmatch(value.strip()):
-            number = float(value)
-            if not math.isfinite(number):
-                raise ConfigError(f"{at}: {shown(value)} is not a finite number.", "give a smaller number.")
-            return int(value) if re.fullmatch(r"[-+]?[0-9]+", value.strip()) else number
-        if value.strip().lower() in ("nan", "inf", "+inf", "-inf", "infinity", ".nan", ".inf", "-.inf"):
-            raise ConfigError(f"{at}: {shown(value)} is not a finite number.", "give finite numbers (no nan or inf).")
-        return value
-    raise ConfigError(f"{at}: {shown(value)} is not a number, true/false, null or text.",
-                      "sweep single values; put structured settings in separate runs.")
 
 
 def _range(key: str, kind: str, bounds: Any, at: str) -> Param:
     if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
         raise ConfigError(f"{at}: {kind} takes [low, high], not {shown(bounds)}.", f"write {{{kind}: [low, high]}}.")
-    low, high = (_value(b, at) for b in bounds)
+    low, high = (checked_value(b, at) for b in bounds)
     numbers = all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in (low, high))
     if not numbers or (kind == "int" and not all(isinstance(b, int) for b in (low, high))):
         noun = "whole numbers" if kind == "int" else "numbers"
@@ -389,7 +321,7 @@ def points(family: str, space: Space) -> list[Point]:
         for sample in range(space.samples):
             values = dict(fixed)
             if drawn:
-                rng = random.Random(f"{space.seed}:{sample}:{_stable(fixed)}")
+                rng = random.Random(f"{space.seed}:{sample}:{stable_text(fixed)}")
                 values.update((p.key, p.draw(rng)) for p in drawn)
             ordered = {p.key: values[p.key] for p in space.params}
             prefix = f"s{sample}" if drawn else ""
@@ -397,60 +329,21 @@ def points(family: str, space: Space) -> list[Point]:
     return out
 
 
-def trial_name(family: str, values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None,
-               prefix: str = "", short: bool = False) -> str:
-    """``net-lr0.001-hidden64`` (``prefix``: ``s3`` for a random sample, ``t7`` for a search trial). Too
-    long for a folder name: cut, with a hash of every value so that it stays distinct and stable."""
-    labels = labels or _labels_of(list(values))
-    parts = [prefix] if prefix else []
-    parts += [f"{labels[key]}{_safe(value_text(value, short))}" for key, value in values.items()]
-    name = "-".join([family, *parts])
-    if len(name) > 100:
-        digest = hashlib.sha256(_stable(values).encode()).hexdigest()[:8]
-        name = f"{name[:90]}-{digest}"
-    return name
 
 
-def value_text(value: Any, short: bool = False) -> str:
-    """A value as a name shows it: exact for listed values, 3 significant digits for drawn ones."""
-    if isinstance(value, bool) or value is None:
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:.3g}" if short else repr(value)
-    return str(value)
 
 
 def _labels(params: Sequence[Param]) -> dict[str, str]:
-    return _labels_of([p.key for p in params])
+    return labels_of([p.key for p in params])
 
 
-def _labels_of(keys: Sequence[str]) -> dict[str, str]:
-    """The last part of each dotted key (``optim.lr`` -> ``lr``), the whole key where two would clash."""
-    last = [key.rsplit(".", 1)[-1] for key in keys]
-    return {key: _safe(key if last.count(short) > 1 else short) for key, short in zip(keys, last)}
 
 
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text).replace("+", "")[:40]
 
 
-def _stable(values: Mapping[str, Any]) -> str:
-    return ";".join(f"{key}={value!r}" for key, value in values.items())
 
 
 def _round(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def check_names(names: Sequence[tuple[str, str]], taken: Mapping[str, str]) -> None:
-    """Refuse two trials (or a trial and a run) with one name (or names differing only in case:
-    one folder on some file systems). ``names``: (name, what it is); ``taken``: lowercased -> run."""
-    seen = dict(taken)
-    for name, what in names:
-        validate.run_name(name, ConfigError, f"{what}: ")
-        folded = name.lower()
-        if folded in seen:
-            raise ConfigError(f"{what} would be named {name!r}, like {seen[folded]}.",
-                              "make the values differ in their first 3 significant digits, rename the family, or "
-                              "rename the other run: each trial needs its own folder.")
-        seen[folded] = what

@@ -29,7 +29,8 @@ from multigpu.errors import MultiGPUError, visible
 from multigpu.fileio import Folder
 from multigpu.loggers import read_csv
 from multigpu.queue.runs import QueueEntry
-from multigpu.queue.space import Space, value_text
+from multigpu.queue.space import Space
+from multigpu.queue.trial_names import value_text
 
 #: In a trial's folder: its channel to the queue (its job's trial_dir).
 TRIAL_FOLDER = "trial"
@@ -254,7 +255,7 @@ def _left_out(runs: Sequence[Any], root: Path, every: Sequence[Trial]) -> list[A
     """Trials of the family this queue did not run (``--only``) but that ran before: as their folders say."""
     from types import SimpleNamespace
 
-    from multigpu.queue.scheduler import read_status
+    from multigpu.queue.run_folder import read_status
 
     here = {run.spec.name for run in runs}
     out = []

@@ -13,9 +13,9 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 
 from multigpu.trainer.averaging import WeightAverage
+from multigpu.trainer.options import PROFILE_DEFAULTS
 from multigpu.trainer.profiling import StepProfiler, snapshot_on_oom
 from multigpu.trainer.step_guard import StepGuard
-from multigpu.validate import PROFILE_DEFAULTS
 
 
 class StepExtras:

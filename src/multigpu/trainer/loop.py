@@ -25,7 +25,6 @@ The loop is written so a reader can check it against a hand-written DDP loop lin
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import dataclasses
 import time
@@ -36,31 +35,26 @@ import torch
 from torch import nn
 
 from multigpu.data import LoaderLike
-from multigpu.errors import CheckpointError, ConfigError, visible
+from multigpu.errors import ConfigError
 from multigpu.guards import consistency
 from multigpu.guards.preemption import Preempted
 from multigpu.loggers import Loggers, hparams_of
 from multigpu.runtime import Run
 from multigpu.strategies.base import OptimizerLike
-from multigpu.trainer import identity, replicas, resume
+from multigpu.trainer import checkpoints, identity, replicas, reports, validation
 from multigpu.trainer.batches import batch_length, move_to
 from multigpu.trainer.extras import StepExtras
+from multigpu.trainer.hooks import Hooks
 from multigpu.trainer.monitor import BestTracker
 from multigpu.trainer.precision import Precision
-from multigpu.trainer.progress import ProgressLine, format_metrics, show_progress, start_report
+from multigpu.trainer.progress import ProgressLine, show_progress
 from multigpu.trainer.settings import TrainerSettings, TrainState
 from multigpu.trainer.step import make_step
 
 SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
 
 
-#: The folders a Trainer owns in its out_dir: each must be a real folder (or not there yet). A link there
-#: - in an out_dir someone handed you - would make a save, a log or pruning act on another folder.
-class _StopTraining(Exception):
-    """Early stopping decided inside an epoch (the same on every rank)."""
-
-
-class Trainer(abc.ABC):
+class Trainer(Hooks):
     """Subclass, implement ``compute_loss(batch) -> loss``, call ``fit(train_set, valid_set)``."""
 
     def __init__(self, run: Run, model: nn.Module, optimizer: OptimizerLike,
@@ -114,60 +108,6 @@ class Trainer(abc.ABC):
         self._grad_norm: Optional[torch.Tensor] = None
         self.extras = StepExtras(s, run, self.strategy.unwrap(self.state_model), self.out_dir)  # profile, ema, guard
 
-    # ------------------------------------------------------------------ your code
-    @abc.abstractmethod
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of one batch (already on ``self.device``), averaged over its samples."""
-
-    def evaluate_batch(self, batch: Any) -> Mapping[str, tuple[Any, Any]]:
-        """Metric *sums* and counts for one evaluation batch: ``{"accuracy": (correct, n)}``.
-
-        Sums and counts (not means) make the result over several processes exact. The default is the
-        loss, weighted by the batch size.
-        """
-        n = batch_length(batch)
-        return {"loss": (self.compute_loss(batch).detach() * n, n)}
-
-    def model_inputs(self, batch: Any) -> Any:
-        """What ``compute_loss`` passes to ``self.model`` (with pp: the first stage's input): ``batch[0]``."""
-        return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-    # hooks (all optional; called on every rank; see the module docstring for the order)
-    def on_fit_start(self) -> None:  # noqa: B027
-        """Before the first batch (after a resume has restored the state)."""
-
-    def on_epoch_start(self, epoch: int) -> None:  # noqa: B027
-        """``epoch`` counts from 1."""
-
-    def on_train_batch_end(self, step: int, loss: torch.Tensor) -> None:  # noqa: B027
-        """After every batch; ``loss`` is this rank's, a tensor on the device (reading it syncs)."""
-
-    def on_evaluate_start(self) -> None:  # noqa: B027
-        """Before a validation pass (after an epoch, or every ``eval_every_steps``)."""
-
-    def on_validation_end(self, metrics: Mapping[str, float]) -> None:  # noqa: B027
-        """The global validation metrics, the same on every rank."""
-
-    def on_epoch_end(self, epoch: int, metrics: Mapping[str, Any]) -> None:  # noqa: B027
-        """After each epoch's validation, with the epoch's row (the same on every rank)."""
-
-    def on_checkpoint(self, path: Path) -> None:  # noqa: B027
-        """After a checkpoint was written (every rank; it exists when this is called)."""
-
-    def on_fit_end(self) -> None:  # noqa: B027
-        """After the last epoch (not after a preemption or an error)."""
-
-    def rank_state(self) -> Optional[dict[str, Any]]:
-        """This rank's own state to checkpoint (e.g. an LSTM's hidden state over a token stream).
-
-        Saved for every rank, like the RNG states, and given back to the same rank by
-        ``load_rank_state``. Tensors are moved to the CPU. Return None for nothing.
-        """
-        return None
-
-    def load_rank_state(self, state: dict[str, Any]) -> None:  # noqa: B027
-        """Restore what ``rank_state`` returned on this rank. When the world size changed, rank r gets
-        old rank r's state if there was one (a warning says which ranks got none)."""
 
     # ------------------------------------------------------------------ loops
     def fit(self, train: Any, valid: Any = None, epochs: Optional[int] = None) -> list[dict[str, Any]]:
@@ -193,7 +133,7 @@ class Trainer(abc.ABC):
         self.loggers = Loggers(s.loggers, self.out_dir, resume_step=self.state.global_step if s.resume else None,
                                enabled=self.run.is_main)
         self.loggers.log_hparams(hparams_of(s.plain(), consistency.plain(self.config)))
-        self._report_start(train_loader)
+        reports.report_start(self, train_loader)
         clean = False
         try:
             self.on_fit_start()
@@ -231,14 +171,14 @@ class Trainer(abc.ABC):
             try:
                 train_metrics, samples, completed = self._train_epoch(train_loader, epoch, epochs)
                 stopping = False
-            except _StopTraining:
+            except validation.StopTraining:
                 train_metrics, samples, completed, stopping = {}, 0, False, True
             elapsed = time.monotonic() - started
             if completed:
                 if self.scheduler is not None and s.scheduler_interval == "epoch":
                     self.scheduler.step()
                 self.state = TrainState(epoch + 1, 0, self.state.global_step)
-            valid_metrics = self._validate() if completed and self._valid is not None else {}
+            valid_metrics = validation.validate(self) if completed and self._valid is not None else {}
             length = train_loader.length
             done = 1 if completed else (self.state.batch_in_epoch / length if length else 0)
             row = {"epoch": round(epoch + done, 4), "step": self.state.global_step,
@@ -251,7 +191,7 @@ class Trainer(abc.ABC):
                 self.progress.epoch_done(epoch + 1, epochs, {k: v for k, v in row.items() if k not in ("epoch", "step")})
             stopping = stopping or (self.tracker is not None and self.tracker.should_stop) or self._pruned
             if not completed or stopping:
-                self._save()  # resumable from here (a larger max_steps, or the best checkpoint is kept)
+                checkpoints.save(self)  # resumable from here (a larger max_steps, or the best checkpoint is kept)
                 if stopping and self.tracker is not None and not self._pruned:
                     self.run.print(f"multigpu: early stop: {s.monitor} did not improve by more than "
                                        f"{s.min_delta:g} for {s.patience} validation(s); best {self.tracker.best:.6g} "
@@ -260,7 +200,7 @@ class Trainer(abc.ABC):
             with self.run.paused_watchdog():
                 self.on_epoch_end(epoch + 1, row)
             if (epoch + 1) % s.checkpoint_every_epochs == 0 or epoch + 1 == epochs:
-                self._save()
+                checkpoints.save(self)
 
     def _train_epoch(self, loader: LoaderLike, epoch: int, epochs: int) -> tuple[dict[str, float], int, bool]:
         """One epoch (or what is left of it); returns (metrics, samples, completed)."""
@@ -319,16 +259,16 @@ class Trainer(abc.ABC):
             step = self.state.global_step
             if s.log_every_n_steps and step % s.log_every_n_steps == 0:
                 now = time.monotonic()
-                self._log_step((loss_sum - window_start) / max(window_batches, 1), log_samples, now - last_log, epoch,
+                reports.log_step(self, (loss_sum - window_start) / max(window_batches, 1), log_samples, now - last_log, epoch,
                                index + 1, total)
                 window_start = loss_sum.clone()
                 window_batches, log_samples, last_log = 0, 0, now
             if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
-                self._save()
+                checkpoints.save(self)
             last_of_epoch = total is not None and index + 1 == total  # the epoch's own validation follows
             if (s.eval_every_steps and step % s.eval_every_steps == 0 and self._valid is not None
                     and not last_of_epoch):
-                self._validate_inside_epoch(epoch, index + 1, total)
+                validation.validate_inside_epoch(self, epoch, index + 1, total)
             if run.should_stop():
                 self._preempt()
             if self._steps_done():
@@ -338,56 +278,16 @@ class Trainer(abc.ABC):
         metrics.add("loss", loss_sum, batches)
         return metrics.compute(), samples * self.run.dp_size, completed
 
-    def _log_step(self, mean_loss: torch.Tensor, samples: int, elapsed: float, epoch: int, done: int,
-                  total: Optional[int]) -> None:
-        """A step row - rank 0's own loss (reading it is the only sync, on logging steps only)."""
-        if not self.run.is_main:
-            return
-        row: dict[str, Any] = {"epoch": round(epoch + (done / total if total else 0), 4),
-                               "loss": mean_loss.item(), "lr": self.optimizer.param_groups[0]["lr"],
-                               "samples_per_s": samples * self.run.dp_size / elapsed if elapsed > 0 else 0.0}
-        if self._grad_norm is not None:
-            row["grad_norm"] = float(self._grad_norm)
-        row.update(self.extras.row())
-        if self.device.type == "cuda":
-            row["gpu_mem_peak_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        self.loggers.log_metrics(row, self.state.global_step, kind="step")
 
     def _steps_done(self) -> bool:
         return self.settings.max_steps is not None and self.state.global_step >= self.settings.max_steps
 
     def _preempt(self) -> None:
         """Every rank agreed to stop at this step: checkpoint it, requeue under Slurm on USR1, exit 75."""
-        path = self._save(blocking=True)
+        path = checkpoints.save(self, blocking=True)
         self.run.exit_preempted(path, self.state.global_step)
 
-    # ------------------------------------------------------------------ validation, best, early stop
-    def _validate(self) -> dict[str, float]:
-        self.run.settle()  # the evaluation loader may fork workers: no all-reduce in flight meanwhile
-        self.on_evaluate_start()
-        with self.run.paused_watchdog(), self.extras.averaged():  # the averaged weights, when averaging is on
-            metrics = self.evaluate(self._valid)
-        self.on_validation_end(metrics)
-        value = {**{f"valid_{k}": v for k, v in metrics.items()}, **metrics}
-        if self.tracker is not None:
-            key = self.settings.monitor
-            if self.tracker.value(value) is None:
-                raise ConfigError(f"monitor {key!r} is not among the validation metrics "
-                                  f"({', '.join(f'valid_{k}' for k in metrics)}).", "set monitor to one of them.")
-            if self.tracker.update(value, self.state.global_step):
-                self._save_best(self.tracker)
-        self._pruned |= self.run.report(value, self.state.global_step)  # a queue trial: every rank hears the same
-        return metrics
 
-    def _validate_inside_epoch(self, epoch: int, done: int, total: Optional[int]) -> None:
-        metrics = self._validate()
-        row = {"epoch": round(epoch + (done / total if total else 0), 4), "step": self.state.global_step,
-               **{f"valid_{k}": v for k, v in metrics.items()}}
-        self._record(row)
-        self.progress.line(f"step {self.state.global_step}: {format_metrics({k: v for k, v in row.items() if k != 'step'})}")
-        if (self.tracker is not None and self.tracker.should_stop) or self._pruned:
-            raise _StopTraining()
-        self.model.train()
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> dict[str, float]:
@@ -421,100 +321,29 @@ class Trainer(abc.ABC):
         self.history.append(row)
         self.loggers.log_metrics(row, row["step"], kind="epoch")
 
-    def _report_start(self, loader: LoaderLike) -> None:
-        """What runs, on rank 0, before the first step: nobody trains a week with the wrong setup."""
-        if self.run.is_main:
-            for line in start_report(self.run, self.settings, self.state_model, loader, self.strategy.name,
-                                     self.precision.mode) + self.extras.report():
-                self.run.print(line)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
         """Everything needed to continue exactly: the model and optimizer (as objects: the run saves them
         in the strategy's format), scheduler, scaler, counters, data layout, settings and the best-metric
         tracker. Extend it to save more (for state that differs per rank, use ``rank_state``)."""
-        return {
-            "model": self.state_model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.precision.state_dict(),
-            "trainer": dataclasses.asdict(self.state),
-            "data": {"batch_size": self.settings.batch_size, "dp_size": self.run.dp_size,
-                     "world_size": self.run.world_size, "seed": self.settings.seed},
-            "settings": resume.plain_data(self.settings.plain()),
-            "config": resume.plain_data(consistency.plain(self.config)),
-            "monitor": self.tracker.state_dict() if self.tracker is not None else None,
-            **self.extras.state_dict(),
-        }
+        return checkpoints.state_of(self)
 
     def save(self) -> Path:
         """Write a checkpoint of the current state (every rank calls it; returns once it exists)."""
-        return self._save(blocking=True)
-
-    def _save(self, directory: Optional[Path] = None, keep_last: Optional[int] = None, meta: Optional[dict[str, Any]] = None,
-              blocking: bool = False) -> Path:
-        self.run.wait_for_checkpoint(then=self.on_checkpoint)  # async_checkpoint: on_checkpoint once written
-        asynchronous = not blocking and self.settings.background_checkpoints(self.device)
-        path = self.run.save_checkpoint(directory or self.checkpoint_dir, self.state.global_step, self.checkpoint_state(),
-                                        keep_last=keep_last or self.settings.keep_last, asynchronous=asynchronous,
-                                        meta={"epoch": self.state.epoch, identity.LAYOUT_KEY: self.layout.meta(), **(meta or {})},
-                                        rank_state=self.rank_state())
-        if not asynchronous:
-            with self.run.paused_watchdog():
-                self.on_checkpoint(path)
-        return path
-
-    def _save_best(self, tracker: BestTracker) -> Path:
-        """The best checkpoint so far, in checkpoints/best (its own folder: never pruned with the others)."""
-        path = self._save(self.best_dir, keep_last=1, meta={"monitor": self.settings.monitor, "value": tracker.best})
-        self.progress.line(f"multigpu: new best {self.settings.monitor} {tracker.best:.6g} at step "
-                           f"{self.state.global_step}: {path}")
-        return path
+        return checkpoints.save(self, blocking=True)
 
     def resume(self) -> bool:
         """Load the newest checkpoint that verifies, if any; corrupt ones are reported and skipped.
         Settings given now win over the checkpoint's for hyperparameters (learning rate, weight decay,
         ...); every difference is printed once. A changed model still fails, clearly."""
-        info = self.replicas.latest(self.settings.verify_checksums)  # with replica groups: the newest of any group
-        if info is None and self.settings.resume_from:  # this run's own checkpoints first: a restart continues
-            info = self.run.run_on_main(identity.explicit, self.settings.resume_from)
-        elif info is not None and self.settings.resume_from:
-            self.run.print(f"multigpu: trainer.resume_from not used: {visible(str(self.checkpoint_dir))} holds this run's own")
-        if info is None:
-            return False
-        wanted = resume.wanted_hyperparameters(self.optimizer.param_groups)
-        state = self.run.load_checkpoint(info, self.state_model, self.optimizer) or {}
-        self.load_checkpoint_state(state)
-        changes = resume.apply_hyperparameters(self.optimizer.param_groups, wanted, getattr(self.scheduler, "base_lrs", None))
-        changes += resume.changed_settings({"trainer": state.get("settings"), "config": state.get("config")},
-                                           {"trainer": self.settings.plain(), "config": consistency.plain(self.config)})
-        self.run.print(f"multigpu: resumed from {visible(str(info.path))} (epoch {self.state.epoch}, "
-                       f"batch {self.state.batch_in_epoch}, step {self.state.global_step})")
-        if changes:
-            self.run.print("multigpu: settings changed since the checkpoint (the ones given now are used): "
-                           + "; ".join(changes))
-        return True
+        return checkpoints.resume_latest(self)
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Restore the rest of ``checkpoint_state()`` (the run already restored model and optimizer).
         A checkpoint is data from disk: counters of the wrong type or sign, or states that do not fit,
         are a CheckpointError naming what is wrong, never a traceback or an endless loop."""
-        self.state = resume.checked_counters(state.get("trainer"))
-        data = resume.checked_data_layout(state.get("data"))
-        try:
-            if self.scheduler is not None and state.get("scheduler") is not None:
-                self.scheduler.load_state_dict(state["scheduler"])
-            self.precision.load_state_dict(state.get("scaler") or {})
-            if self.tracker is not None and isinstance(state.get("monitor"), Mapping):
-                self.tracker.load_state_dict(state["monitor"])
-            self.extras.load_state_dict(state)
-        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
-            raise CheckpointError(f"the checkpoint's scheduler, scaler or monitor state does not fit: "
-                                  f"{' '.join(str(exc).split())[:200]}", "resume with the same settings, or start a "
-                                  "new out_dir.") from None
-        self.state.batch_in_epoch = resume.realigned_batches(self.state.batch_in_epoch, data,
-                                                             self.settings.batch_size * self.run.dp_size, self.run.print)
-        if state.get("rank_state") is not None:
-            self.load_rank_state(move_to(state["rank_state"], self.device, non_blocking=False))
+        checkpoints.restore(self, state)
+
 
 __all__ = ["Trainer"]

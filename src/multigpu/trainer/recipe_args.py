@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from multigpu.config import format_value, from_mapping, gather, read_text_file
+from multigpu.config import format_value, from_mapping, gather
+from multigpu.config.yaml_file import read_text_file
 from multigpu.errors import ConfigError
 from multigpu.trainer.settings import TrainerSettings
 

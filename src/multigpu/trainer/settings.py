@@ -12,12 +12,11 @@ from typing import Any, Callable, Mapping, Optional
 
 from multigpu.config import check_keys
 from multigpu.errors import ConfigError, shown
+from multigpu.trainer.options import compile_settings, profile_settings
 from multigpu.validate import (
     Rule,
     activation_checkpointing_settings,
     checked,
-    compile_settings,
-    profile_settings,
     rules_of,
     setting,
 )

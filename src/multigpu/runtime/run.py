@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import sys
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
@@ -28,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from multigpu import metrics
-from multigpu.checkpoint import files as checkpoint_files
 from multigpu.checkpoint.io import CheckpointIO, choose_io
 from multigpu.checkpoint.manager import CheckpointManager
 from multigpu.checkpoint.rng import seed_everything
@@ -38,11 +36,12 @@ from multigpu.distributed import rank_zero
 from multigpu.distributed.agreement import Pending
 from multigpu.distributed.job import Job
 from multigpu.distributed.parallel import Parallelism, check_replica_groups
-from multigpu.distributed.session import DistSession, GroupSettings, choose_devices
-from multigpu.distributed.world import World, detect_world, read_job
+from multigpu.distributed.session import DistSession
+from multigpu.distributed.world import World
 from multigpu.errors import ConfigError, visible
 from multigpu.fileio import inside
 from multigpu.guards import Guards, GuardSettings, consistency, interrupt, probe as check_probe
+from multigpu.runtime.checkpoints import Checkpoints
 from multigpu.strategies import Strategy, make_strategy
 from multigpu.strategies.base import OptimizerLike
 
@@ -55,7 +54,7 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 @dataclass(eq=False)  # compared and hashed by identity: it is a live object, not a value
-class Run:
+class Run(Checkpoints):
     """One training job as seen from this process."""
 
     world: World
@@ -359,63 +358,9 @@ class Run:
     def _ensure_usable(self, doing: str = "a collective") -> None:
         self.guards.ensure_usable(doing)
 
-    # ------------------------------------------------------------------ checkpoints (bring-your-own loop)
-    def save_checkpoint(self, directory: str | Path, step: int, state: dict[str, Any], keep_last: Optional[int] = None,
-                        meta: Optional[dict[str, Any]] = None, rank_state: Optional[dict[str, Any]] = None,
-                        asynchronous: bool = False) -> Path:
-        """Write ``state`` as an atomic, verified checkpoint; every rank calls this and returns after it exists.
 
-        Put the model under ``"model"`` and the optimizer under ``"optimizer"``. Replicated strategies
-        write one ``state.pt`` from rank 0 with a clean model state dict (loads into a plain model
-        anywhere); sharded ones (fsdp, hsdp, fsdp+tp) write DCP shards from every rank, loadable at any
-        world size. ``keep_last``: delete all but the newest so many (checkpoints of later steps, left
-        by a run that was abandoned, are moved aside, never deleted).
 
-        Every rank's random-generator states are saved too (and restored by ``load_checkpoint``), so a
-        loop with dropout resumes exactly; ``rank_state``: this rank's own state (tensors to the CPU),
-        given back to the same rank by ``load_checkpoint`` as ``state["rank_state"]``.
 
-        ``asynchronous=True``: return as soon as the state is copied to CPU memory; a background thread
-        writes it (the returned path exists after ``wait_for_checkpoint``). At most one is in flight: the
-        next save, ``latest_checkpoint`` and ``close`` wait for it.
-        """
-        self._ensure_usable("saving a checkpoint")
-        self.check_writable(directory, "the checkpoint folder")
-        meta = {"world_size": self.world_size, "strategy": self._need_strategy().name, **(meta or {})}
-        return self._checkpoints.save(Path(directory), step, state, keep_last, meta, rank_state,
-                                      asynchronous=asynchronous)
-
-    def wait_for_checkpoint(self, then: Optional[Callable[[Path], Any]] = None) -> Optional[Path]:
-        """Wait for the asynchronous checkpoint in flight (every rank calls it); its path, or None when none
-        was (``then(path)`` is called once it is written, with the hang watchdog paused). A write that
-        failed on any rank raises a CheckpointError on every rank."""
-        self._ensure_usable("waiting for a checkpoint")
-        path = self._checkpoints.wait()
-        if path is not None and then is not None:
-            with self.guards.paused():
-                then(path)
-        return path
-
-    def latest_checkpoint(self, directory: str | Path, checksums: bool = True) -> Optional[checkpoint_files.CheckpointInfo]:
-        """The newest checkpoint that verifies, chosen by rank 0 and the same on every rank.
-
-        Rank 0 alone reads and checks the files (each skipped one is reported); the others take its
-        choice, so ranks never pick different steps from a lagging shared-filesystem listing.
-        """
-        self._ensure_usable("choosing a checkpoint")
-        return self._checkpoints.latest(Path(directory), checksums)
-
-    def load_checkpoint(self, where: "str | Path | checkpoint_files.CheckpointInfo", model: Optional[nn.Module] = None,
-                        optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[dict[str, Any]]:
-        """Load a checkpoint: ``where`` is a ``step-N`` folder, a folder of them (the newest good one), or
-        what ``latest_checkpoint`` returned (already verified).
-
-        With ``model``/``optimizer`` their states are restored in place, whatever the checkpoint's world
-        size; the rest of the saved dict is returned. None when there is no checkpoint. A folder is
-        verified against its manifest first, and read the way this run's strategy reads checkpoints.
-        """
-        self._ensure_usable("loading a checkpoint")
-        return self._checkpoints.load(where, model, optimizer, self.device)
 
     # ------------------------------------------------------------------ helpers
     def check_writable(self, folder: str | Path, what: str) -> Path:
@@ -464,57 +409,7 @@ class Run:
         self.close()
 
 
-#: What each process on a GPU holds outside PyTorch's allocator (its CUDA context, cuBLAS workspaces):
-#: kept out of a packed run's allocator cap, so K runs at 1/K each never overfill the GPU together.
-CONTEXT_RESERVE_BYTES = 1 << 30
 
 
-def allocator_fraction(share: float, device: torch.device) -> float:
-    """The cap for PyTorch's allocator that keeps a process within ``share`` of the GPU: the share less
-    the memory its CUDA context takes outside the allocator (1 GiB, at most a quarter of the share)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    mine = share * total
-    return (mine - min(CONTEXT_RESERVE_BYTES, mine / 4)) / total
 
 
-def init(
-    *,
-    backend: Optional[str] = None,
-    timeout_s: float = 1800.0,
-    accelerator: str = "auto",
-    strategy: str = "auto",
-    seed: Optional[int] = None,
-    same_random_streams: bool = False,
-    tp: int = 1,
-    dp_replicate: int = 1,
-    pp: int = 1,
-    env: Optional[Mapping[str, str]] = None,
-) -> Run:
-    """Find where this process stands and join the others.
-
-    ``backend``: nccl for GPUs and gloo for CPUs unless given. ``timeout_s``: how long a collective may wait for a
-    missing rank before it fails (instead of hanging; joining waits 600 s at least:
-    ``GroupSettings.join_timeout``). ``accelerator``: 'auto', 'cuda' or 'cpu'. ``strategy``: what ``run.setup``
-    wraps models with (see ``multigpu.strategies``; auto: ddp with several processes, single otherwise). ``seed``:
-    seed python, numpy and torch the same on every rank now - models built before ``run.setup`` are identical -
-    and per rank after it, so dropout and augmentation differ between ranks as they differ between samples of one
-    process (``same_random_streams=True`` keeps them equal). ``tp``, ``dp_replicate``, ``pp``: parallelism degrees
-    (the rest shards data; ``pp``: stages on consecutive groups of ranks). ``env``: instead of os.environ.
-    """
-    world, job = detect_world(env), read_job(env)
-    cuda_count = torch.cuda.device_count() if accelerator != "cpu" else 0
-    devices = choose_devices(world, cuda_count, accelerator)
-    if job.memory_fraction is not None and devices[0].type == "cuda":
-        for device in devices:  # a packed queue run: an allocation beyond its share fails here, not in a neighbour
-            torch.cuda.set_per_process_memory_fraction(allocator_fraction(job.memory_fraction, device), device)
-    parallelism = Parallelism.from_degrees(world.world_size, world.local_world_size, dp_replicate=dp_replicate, tp=tp,
-                                           pp=pp)
-    settings = GroupSettings(backend=backend, timeout=timedelta(seconds=timeout_s))
-    session = DistSession(world, devices[0], settings).start()
-    run = Run(world=world, job=job, devices=devices, session=session, strategy_name=strategy, parallelism=parallelism,
-              seed=seed, same_random_streams=same_random_streams, probe=check_probe.from_job(job, world.rank))
-    atexit.register(run.close)
-    interrupt.install(run.guards, world.is_distributed)
-    if seed is not None:
-        seed_everything(seed)
-    return run
