@@ -37,11 +37,13 @@ demo: $(VENV)/.demo-installed
 	@echo
 	@echo "multigpu is installed in $(VENV). To use the command: source $(VENV)/bin/activate  (or call $(VENV)/bin/multigpu)"
 
-# Lint first: ruff with the rules in pyproject.toml (a second), then mypy with its settings there, in one
+# Lint first: ruff's formatter (100 columns: the size cap in tests/test_architecture.py judges its layout)
+# and ruff with the rules in pyproject.toml (a second), then mypy with its settings there, in one
 # process. Not mypy 2's --num-workers (49 s in two where one took 61 s on a clean clone here): mypy gives a
 # worker 3 s to start (mypy/defaults.py WORKER_START_TIMEOUT), and on these 2 busy cores 2 lint runs of 5
 # failed with "Failed to establish connection with worker" - a bound that is luck.
 lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 

@@ -37,13 +37,24 @@ import tempfile
 import time
 from pathlib import Path
 
-METHODS = ["torch.save", "torch.save+fsync", "dcp.save", "dcp.save 2 threads", "dcp.async_save", "fabric.save",
-           "accelerate.save_state",
-           "multigpu", "multigpu async", "multigpu sharded", "multigpu sharded async"]
+METHODS = [
+    "torch.save",
+    "torch.save+fsync",
+    "dcp.save",
+    "dcp.save 2 threads",
+    "dcp.async_save",
+    "fabric.save",
+    "accelerate.save_state",
+    "multigpu",
+    "multigpu async",
+    "multigpu sharded",
+    "multigpu sharded async",
+]
 ASYNC = {"dcp.async_save", "multigpu async", "multigpu sharded async"}
 
 
 # ----------------------------------------------------------------------------------------- one measurement
+
 
 def _rss_kb(field: str) -> int:
     with open("/proc/self/status") as status:
@@ -54,7 +65,8 @@ def _rss_kb(field: str) -> int:
 
 
 def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:  # "5": reset the peak RSS (VmHWM) of this process
+    # "5": reset the peak RSS (VmHWM) of this process
+    with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
 
 
@@ -81,7 +93,8 @@ def measure(method: str, params: int, steps: int, folder: Path) -> dict:
         train_step()
         step_times.append(time.perf_counter() - started)
     step_s = statistics.median(step_times)
-    before_kb = _rss_kb("VmRSS:")  # the peak below counts buffers a method keeps from one save to the next
+    # the peak below counts buffers a method keeps from one save to the next
+    before_kb = _rss_kb("VmRSS:")
     _reset_peak()
     save(0)  # warm: first-call costs (imports, group creation) are not a checkpoint's cost
     finish()
@@ -97,8 +110,14 @@ def measure(method: str, params: int, steps: int, folder: Path) -> dict:
         train_step()
     finish()
     lost = time.perf_counter() - started - steps * step_s
-    return {"method": method, "save_s": saved, "stall_s": stall, "lost_s": lost,
-            "extra_mib": (peak_kb - before_kb) / 1024, "step_s": step_s}
+    return {
+        "method": method,
+        "save_s": saved,
+        "stall_s": stall,
+        "lost_s": lost,
+        "extra_mib": (peak_kb - before_kb) / 1024,
+        "step_s": step_s,
+    }
 
 
 def _method(method: str, model, optimizer, folder: Path):  # noqa: C901 - one branch per tool, as they are used
@@ -111,12 +130,16 @@ def _method(method: str, model, optimizer, folder: Path):  # noqa: C901 - one br
         done[0] = lambda: None
 
     if method.startswith("torch.save"):
+
         def save(step: int) -> None:
             with open(folder / f"plain-{step}.pt", "wb") as handle:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, handle)
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, handle
+                )
                 if method.endswith("fsync"):
                     handle.flush()
                     os.fsync(handle.fileno())
+
         return save, finish
     if method.startswith("dcp."):
         import torch.distributed.checkpoint as dcp
@@ -127,20 +150,30 @@ def _method(method: str, model, optimizer, folder: Path):  # noqa: C901 - one br
             state = {"model": model_state, "optimizer": optim_state}
             if method == "dcp.save":
                 dcp.save(state, checkpoint_id=str(folder / f"dcp-{step}"))
-            elif method == "dcp.save 2 threads":  # what multigpu's sharded save asks of DCP (its default is 1)
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder / f"dcp-{step}"), sync_files=True,
-                                                                    thread_count=2))
+            # what multigpu's sharded save asks of DCP (its default is 1)
+            elif method == "dcp.save 2 threads":
+                dcp.save(
+                    state,
+                    storage_writer=dcp.FileSystemWriter(
+                        str(folder / f"dcp-{step}"), sync_files=True, thread_count=2
+                    ),
+                )
             else:
                 future = dcp.async_save(state, checkpoint_id=str(folder / f"dcp-{step}"))
                 done[0] = future.result
+
         return save, finish
     if method == "fabric.save":
         import lightning as L
 
         fabric = L.Fabric(accelerator="cpu", devices=1)
         wrapped, wrapped_opt = fabric.setup(model, optimizer)
-        return (lambda step: fabric.save(folder / f"fabric-{step}.ckpt", {"model": wrapped, "optimizer": wrapped_opt}),
-                finish)
+        return (
+            lambda step: fabric.save(
+                folder / f"fabric-{step}.ckpt", {"model": wrapped, "optimizer": wrapped_opt}
+            ),
+            finish,
+        )
     if method == "accelerate.save_state":
         from accelerate import Accelerator
 
@@ -158,20 +191,45 @@ def _method(method: str, model, optimizer, folder: Path):  # noqa: C901 - one br
         def save(step: int) -> None:
             extra = {"trainer": {"step": step}}
             if method.endswith("async"):
-                pending = sharded.start_save(folder / "sharded", step, model, optimizer, extra, is_main=True,
-                                             barrier=lambda: None, meta={}, stager=stager, group=None,
-                                             after=lambda: None)
+                pending = sharded.start_save(
+                    folder / "sharded",
+                    step,
+                    model,
+                    optimizer,
+                    extra,
+                    is_main=True,
+                    barrier=lambda: None,
+                    meta={},
+                    stager=stager,
+                    group=None,
+                    after=lambda: None,
+                )
                 done[0] = lambda: _raise(pending.join())
             else:
-                sharded.save(folder / "sharded", step, model, optimizer, extra, is_main=True, barrier=lambda: None)
+                sharded.save(
+                    folder / "sharded",
+                    step,
+                    model,
+                    optimizer,
+                    extra,
+                    is_main=True,
+                    barrier=lambda: None,
+                )
+
         return save, finish
     run = mg.init(env={})
     wrapped, wrapped_opt = run.setup(model, optimizer)
 
     def save(step: int) -> None:
-        run.save_checkpoint(folder / "ours", step, {"model": wrapped, "optimizer": wrapped_opt}, keep_last=2,
-                            asynchronous=method.endswith("async"))
+        run.save_checkpoint(
+            folder / "ours",
+            step,
+            {"model": wrapped, "optimizer": wrapped_opt},
+            keep_last=2,
+            asynchronous=method.endswith("async"),
+        )
         done[0] = run.wait_for_checkpoint
+
     return save, finish
 
 
@@ -182,11 +240,16 @@ def _raise(error) -> None:
 
 # ----------------------------------------------------------------------------------------- side by side
 
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--params", type=float, default=20e6)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=8, help="training steps after each save (see 'lost')")
+    parser.add_argument(
+        "--steps", type=int, default=8, help="training steps after each save (see 'lost')"
+    )
     parser.add_argument("--dir", default=None)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -201,11 +264,24 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
     results: dict[str, list[dict]] = {m: [] for m in methods}
     for index in range(args.repeats):
-        order = methods[index % len(methods):] + methods[:index % len(methods)]
+        order = methods[index % len(methods) :] + methods[: index % len(methods)]
         for method in order:
-            proc = subprocess.run([sys.executable, __file__, "--one", method, "--params", str(args.params),
-                                   "--steps", str(args.steps), *(["--dir", args.dir] if args.dir else [])],
-                                  capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    method,
+                    "--params",
+                    str(args.params),
+                    "--steps",
+                    str(args.steps),
+                    *(["--dir", args.dir] if args.dir else []),
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
             if proc.returncode != 0:
                 print(f"{method}: failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 continue
@@ -228,16 +304,25 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
             versions.append(f"{name} {__import__(name).__version__}")
         except Exception:
             pass
-    print(f"\nstate {size_mib:.0f} MiB (model + AdamW), median of {args.repeats} fresh processes each, "
-          f"{args.steps} training steps after each save; {', '.join(versions)}")
-    print("| method | save s | stall s | lost s | extra MiB | save / torch.save+fsync | save / dcp.save |")
+    print(
+        f"\nstate {size_mib:.0f} MiB (model + AdamW), median of {args.repeats} fresh processes each, "
+        f"{args.steps} training steps after each save; {', '.join(versions)}"
+    )
+    print(
+        "| method | save s | stall s | lost s | extra MiB | save / torch.save+fsync | save / dcp.save |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for method, rows in results.items():
         if not rows:
             continue
-        med = {k: statistics.median(r[k] for r in rows) for k in ("save_s", "stall_s", "lost_s", "extra_mib")}
-        print(f"| {method} | {med['save_s']:.3f} | {med['stall_s']:.3f} | {med['lost_s']:.3f} | "
-              f"{med['extra_mib']:.0f} | {med['save_s'] / base_s:.2f} | {med['save_s'] / dcp_s:.2f} |")
+        med = {
+            k: statistics.median(r[k] for r in rows)
+            for k in ("save_s", "stall_s", "lost_s", "extra_mib")
+        }
+        print(
+            f"| {method} | {med['save_s']:.3f} | {med['stall_s']:.3f} | {med['lost_s']:.3f} | "
+            f"{med['extra_mib']:.0f} | {med['save_s'] / base_s:.2f} | {med['save_s'] / dcp_s:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ SETTINGS = {
     "defaults": {},
     "skip_nonfinite": {"skip_nonfinite": True},
     "ema 0.999": {"ema": 0.999},
-    "clip_grad_norm 1e9": {"clip_grad_norm": 1e9},  # the norm the guard reads, alone: separates the two costs
+    # the norm the guard reads, alone: separates the two costs
+    "clip_grad_norm 1e9": {"clip_grad_norm": 1e9},
 }
 
 
@@ -59,11 +60,23 @@ def measure(run, width: int, settings: dict) -> tuple[float, float]:
 
     model.register_forward_pre_hook(stamp)
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(6400 // run.dp_size * run.dp_size, width, generator=g),
-                         torch.randint(0, 10, (6400 // run.dp_size * run.dp_size,), generator=g))
-    Fit(run, model, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), batch_size=32 // run.dp_size, epochs=1,
-        out_dir=f"{folder(run)}/{next(RUNS)}", progress=False, plot=False, log_every_n_steps=0,
-        check_consistency=False, **settings).fit(data)
+    data = TensorDataset(
+        torch.randn(6400 // run.dp_size * run.dp_size, width, generator=g),
+        torch.randint(0, 10, (6400 // run.dp_size * run.dp_size,), generator=g),
+    )
+    Fit(
+        run,
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+        batch_size=32 // run.dp_size,
+        epochs=1,
+        out_dir=f"{folder(run)}/{next(RUNS)}",
+        progress=False,
+        plot=False,
+        log_every_n_steps=0,
+        check_consistency=False,
+        **settings,
+    ).fit(data)
 
     def gap(stamps: list[float]) -> float:
         kept = stamps[20:]
@@ -73,7 +86,9 @@ def measure(run, width: int, settings: dict) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--only", choices=sorted(SETTINGS), nargs="*")
@@ -90,12 +105,19 @@ def main() -> None:
     run.barrier()
     if run.is_main:
         shutil.rmtree(folder(run), ignore_errors=True)
-        print(f"torch {torch.__version__}, {run.world_size} process(es) on {run.device.type}, width {args.width}, "
-              f"{args.repeats} repeats (medians)")
+        print(
+            f"torch {torch.__version__}, {run.world_size} process(es) on {run.device.type}, width {args.width}, "
+            f"{args.repeats} repeats (medians)"
+        )
         for name, values in results.items():
-            wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
-            print(f"{name:20s} wall {wall:7.1f} us/step ({wall - base_wall:+6.1f})   "
-                  f"cpu {cpu:7.1f} us/step ({cpu - base_cpu:+6.1f})")
+            wall, cpu = (
+                statistics.median(w for w, _ in values),
+                statistics.median(c for _, c in values),
+            )
+            print(
+                f"{name:20s} wall {wall:7.1f} us/step ({wall - base_wall:+6.1f})   "
+                f"cpu {cpu:7.1f} us/step ({cpu - base_cpu:+6.1f})"
+            )
 
 
 if __name__ == "__main__":

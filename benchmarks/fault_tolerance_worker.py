@@ -52,13 +52,31 @@ class Bench(mg.Trainer):
         if run.rank == 0:
             live = self.strategy.participants() if run.world.lighthouse else 1
             with open(out / f"steps-g{group}.jsonl", "a") as handle:
-                handle.write(json.dumps({"step": step, "t": time.time(), "live": live,
-                                         "attempt": run.world.restart_count}) + "\n")
+                handle.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "t": time.time(),
+                            "live": live,
+                            "attempt": run.world.restart_count,
+                        }
+                    )
+                    + "\n"
+                )
 
 
 g = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randint(0, 4, (4096,), generator=g))
-trainer = Bench(run, nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)),
-                lambda p: torch.optim.SGD(p, lr=0.1), epochs=1000, max_steps=args.steps, batch_size=16,
-                checkpoint_every_steps=args.checkpoint_every, out_dir=str(out / "run"), progress=False, plot=False)
+trainer = Bench(
+    run,
+    nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)),
+    lambda p: torch.optim.SGD(p, lr=0.1),
+    epochs=1000,
+    max_steps=args.steps,
+    batch_size=16,
+    checkpoint_every_steps=args.checkpoint_every,
+    out_dir=str(out / "run"),
+    progress=False,
+    plot=False,
+)
 trainer.fit(data)

@@ -40,12 +40,22 @@ from torch.utils.data import DataLoader, TensorDataset
 
 HERE = Path(__file__).resolve().parent
 #: Dense bf16 peaks (TFLOP/s) by device name, most specific first (an H100 PCIe is not an SXM H100).
-PEAKS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4, "A100": 312.0,
-         "L40S": 362.0, "A10": 125.0}
+PEAKS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.4,
+    "H200": 989.4,
+    "GH200": 989.4,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10": 125.0,
+}
 
 
 def load_recipe():
-    spec = importlib.util.spec_from_file_location("char_gpt", HERE.parent / "examples" / "char_gpt" / "train.py")
+    spec = importlib.util.spec_from_file_location(
+        "char_gpt", HERE.parent / "examples" / "char_gpt" / "train.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["char_gpt"] = module  # its dataclasses look their module up while it loads
     spec.loader.exec_module(module)
@@ -71,23 +81,37 @@ def build(recipe, cfg, vocab: int, tie: bool) -> torch.nn.Module:
 
 
 def model_flops_per_token(model: torch.nn.Module, cfg) -> int:
-    n = sum(p.numel() for p in model.parameters()) - model[0].positions.weight.numel()  # unique parameters
+    # unique parameters
+    n = sum(p.numel() for p in model.parameters()) - model[0].positions.weight.numel()
     return 6 * n + 12 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", choices=("gpt2", "char"), default="gpt2")
     parser.add_argument("--batch", type=int, help="sequences per step (default: gpt2 16, char 64)")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per window (with the default, each "
-                        "Trainer window holds about one of its step rows, logged every 50 steps)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=50,
+        help="timed steps per window (with the default, each "
+        "Trainer window holds about one of its step rows, logged every 50 steps)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--trace-dir", default="outputs/gpu_speed", help="where --profile writes its table and trace")
+    parser.add_argument(
+        "--trace-dir",
+        default="outputs/gpu_speed",
+        help="where --profile writes its table and trace",
+    )
     parser.add_argument("--peak-tflops", type=float)
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--cpu-dry-run", action="store_true", help="check the script on the CPU (no GPU figures)")
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="check the script on the CPU (no GPU figures)"
+    )
     args = parser.parse_args()
     if args.steps < 6 or args.repeats < 1:
         sys.exit("gpu_speed.py: --steps must be at least 6 and --repeats at least 1")
@@ -116,7 +140,9 @@ def main() -> None:
     n_params = sum(p.numel() for p in hand_model.parameters())
     hand_opt = torch.optim.AdamW(hand_model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     hand_step_model = torch.compile(hand_model) if compiled else hand_model
-    hand_loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=device.type == "cuda")
+    hand_loader = DataLoader(
+        data, batch_size=batch, shuffle=True, drop_last=True, pin_memory=device.type == "cuda"
+    )
 
     def hand_window() -> float:
         start, end = event(), event()
@@ -168,41 +194,75 @@ def main() -> None:
                 timings["hand"].append(hand)
 
     trainer_model = build(recipe, cfg, vocab, tie=args.shape == "gpt2")
-    scratch = tempfile.TemporaryDirectory(prefix="gpu_speed-")  # its final checkpoint is not a figure
-    trainer = Timed(run, trainer_model, lambda p: torch.optim.AdamW(p, lr=3e-4, weight_decay=0.1, fused=True),
-                    epochs=args.repeats + 1 + bool(args.profile), batch_size=batch, precision="bf16", compile=compiled,
-                    drop_last=True,
-                    out_dir=scratch.name, resume=False, checkpoint_every_epochs=10**6, plot=False,
-                    progress_every_s=3600)
+    # its final checkpoint is not a figure
+    scratch = tempfile.TemporaryDirectory(prefix="gpu_speed-")
+    trainer = Timed(
+        run,
+        trainer_model,
+        lambda p: torch.optim.AdamW(p, lr=3e-4, weight_decay=0.1, fused=True),
+        epochs=args.repeats + 1 + bool(args.profile),
+        batch_size=batch,
+        precision="bf16",
+        compile=compiled,
+        drop_last=True,
+        out_dir=scratch.name,
+        resume=False,
+        checkpoint_every_epochs=10**6,
+        plot=False,
+        progress_every_s=3600,
+    )
     wall = time.perf_counter()
     trainer.fit(data)
     wall = time.perf_counter() - wall
 
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU dry run (not GPU figures)"
+    name = (
+        torch.cuda.get_device_name() if device.type == "cuda" else "CPU dry run (not GPU figures)"
+    )
     peak = args.peak_tflops or next((v for k, v in PEAKS.items() if k in name), None)
     tokens_per_step = batch * cfg.block_size
     rows = {}
     for path, values in timings.items():
         step_s = statistics.median(values)
         tokens_per_s = tokens_per_step / step_s
-        rows[path] = {"step_ms": step_s * 1e3, "min_ms": min(values) * 1e3, "max_ms": max(values) * 1e3,
-                      "tokens_per_s": tokens_per_s,
-                      "mfu": flops_per_token * tokens_per_s / (peak * 1e12) if peak else None}
+        rows[path] = {
+            "step_ms": step_s * 1e3,
+            "min_ms": min(values) * 1e3,
+            "max_ms": max(values) * 1e3,
+            "tokens_per_s": tokens_per_s,
+            "mfu": flops_per_token * tokens_per_s / (peak * 1e12) if peak else None,
+        }
     ratio = rows["trainer"]["step_ms"] / rows["hand"]["step_ms"]
-    print(f"{name}; torch {torch.__version__}; CUDA {torch.version.cuda}; shape {args.shape}: "
-          f"{n_params / 1e6:.1f}M parameters, {cfg.n_layer} layers x {cfg.n_embd} wide, block {cfg.block_size}, "
-          f"vocabulary {vocab}; batch {batch} x {cfg.block_size} tokens; bf16{', compiled' if compiled else ''}; "
-          f"{args.repeats} interleaved repeats of {args.steps} steps (wall {wall:.0f} s incl. compiling)")
+    print(
+        f"{name}; torch {torch.__version__}; CUDA {torch.version.cuda}; shape {args.shape}: "
+        f"{n_params / 1e6:.1f}M parameters, {cfg.n_layer} layers x {cfg.n_embd} wide, block {cfg.block_size}, "
+        f"vocabulary {vocab}; batch {batch} x {cfg.block_size} tokens; bf16{', compiled' if compiled else ''}; "
+        f"{args.repeats} interleaved repeats of {args.steps} steps (wall {wall:.0f} s incl. compiling)"
+    )
     print(f"{'path':<10}{'step ms (median)':>18}{'min-max':>16}{'tokens/s':>14}{'MFU':>8}")
     for path, row in rows.items():
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "?"
-        print(f"{path:<10}{row['step_ms']:>18.2f}{row['min_ms']:>8.2f}-{row['max_ms']:<7.2f}"
-              f"{row['tokens_per_s']:>14,.0f}{mfu:>8}")
+        print(
+            f"{path:<10}{row['step_ms']:>18.2f}{row['min_ms']:>8.2f}-{row['max_ms']:<7.2f}"
+            f"{row['tokens_per_s']:>14,.0f}{mfu:>8}"
+        )
     print(f"Trainer / hand-written loop: {ratio:.3f}x (goal <= 1.02)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "shape": args.shape,
-                                               "batch": batch, "params": n_params, "rows": rows, "ratio": ratio,
-                                               "flops_per_token": flops_per_token, "peak_tflops": peak}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": name,
+                    "torch": torch.__version__,
+                    "shape": args.shape,
+                    "batch": batch,
+                    "params": n_params,
+                    "rows": rows,
+                    "ratio": ratio,
+                    "flops_per_token": flops_per_token,
+                    "peak_tflops": peak,
+                },
+                indent=1,
+            )
+        )
     if profiler is not None:
         profiler.report()
     run.close()
@@ -231,9 +291,12 @@ class Profiler:
         from torch.profiler import ProfilerActivity, profile, schedule
 
         self.trace_dir = trace_dir
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self.prof = profile(activities=activities,
-                            schedule=schedule(wait=1, warmup=1, active=self.STEPS - 2))
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+        )
+        self.prof = profile(
+            activities=activities, schedule=schedule(wait=1, warmup=1, active=self.STEPS - 2)
+        )
         self.active, self.done = False, 0
 
     def start(self) -> None:
@@ -260,8 +323,10 @@ class Profiler:
         gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / active
         cpu_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / active
         print(table)
-        print(f"profiled {active} Trainer steps: kernels {gpu_ms:.2f} ms/step of GPU time, host {cpu_ms:.2f} ms/step "
-              f"of CPU time (all threads); {self.trace_dir / 'profile.txt'}, {self.trace_dir / 'trace.json'}")
+        print(
+            f"profiled {active} Trainer steps: kernels {gpu_ms:.2f} ms/step of GPU time, host {cpu_ms:.2f} ms/step "
+            f"of CPU time (all threads); {self.trace_dir / 'profile.txt'}, {self.trace_dir / 'trace.json'}"
+        )
 
 
 if __name__ == "__main__":

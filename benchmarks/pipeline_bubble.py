@@ -27,8 +27,16 @@ from torch import nn
 
 import multigpu as mg
 
-CASES = [("gpipe", 2), ("gpipe", 4), ("gpipe", 8), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8),
-         ("interleaved_1f1b", 4), ("interleaved_1f1b", 8)]
+CASES = [
+    ("gpipe", 2),
+    ("gpipe", 4),
+    ("gpipe", 8),
+    ("1f1b", 2),
+    ("1f1b", 4),
+    ("1f1b", 8),
+    ("interleaved_1f1b", 4),
+    ("interleaved_1f1b", 8),
+]
 WORKED = [0.0]  # seconds of block work on this rank, measured around each wait
 
 
@@ -68,7 +76,9 @@ def theory(schedule: str, micro: int, pp: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ms-per-row", type=float, default=0.25)
@@ -81,8 +91,9 @@ def main() -> None:
     for schedule, micro in CASES:
         torch.manual_seed(0)
         model = nn.Sequential(*(Block(args.ms_per_row / 1e3) for _ in range(8)))
-        parts, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=1e-3), schedule=schedule,
-                                     micro_batches=micro)
+        parts, optimizer = run.setup(
+            model, lambda p: torch.optim.SGD(p, lr=1e-3), schedule=schedule, micro_batches=micro
+        )
 
         def step(parts=parts, optimizer=optimizer) -> None:
             parts.train_step(batch, lambda m: F.mse_loss(parts(m[0]), m[1]))
@@ -101,18 +112,31 @@ def main() -> None:
         mine = torch.tensor([min(times), fractions[times.index(min(times))]], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(run.world_size)]
         dist.all_gather(every, mine)
-        rows.append((schedule, micro, max(t[0].item() for t in every), [t[1].item() for t in every],
-                     theory(schedule, micro, 2)))
+        rows.append(
+            (
+                schedule,
+                micro,
+                max(t[0].item() for t in every),
+                [t[1].item() for t in every],
+                theory(schedule, micro, 2),
+            )
+        )
     if run.is_main:
-        print(f"pipeline bubble, pp 2, {platform.machine()} CPU processes (gloo), torch {torch.__version__}, "
-              f"{datetime.date.today()}, load average {os.getloadavg()[0]:.1f}; 8 blocks of "
-              f"{args.ms_per_row} ms per row forward (2x backward), batch 64, fastest of {args.repeats} x "
-              f"{args.steps} steps")
-        print(f"{'schedule':<18}{'micro-batches':>14}{'step ms':>9}{'idle (mean; per rank)':>26}{'theory':>8}")
+        print(
+            f"pipeline bubble, pp 2, {platform.machine()} CPU processes (gloo), torch {torch.__version__}, "
+            f"{datetime.date.today()}, load average {os.getloadavg()[0]:.1f}; 8 blocks of "
+            f"{args.ms_per_row} ms per row forward (2x backward), batch 64, fastest of {args.repeats} x "
+            f"{args.steps} steps"
+        )
+        print(
+            f"{'schedule':<18}{'micro-batches':>14}{'step ms':>9}{'idle (mean; per rank)':>26}{'theory':>8}"
+        )
         for schedule, micro, step_s, idle, expected in rows:
             per_rank = ", ".join(f"{i:.2f}" for i in idle)
-            print(f"{schedule:<18}{micro:>14}{step_s * 1e3:>9.1f}{statistics.mean(idle):>12.2f} ({per_rank})"
-                  f"{expected:>8.2f}")
+            print(
+                f"{schedule:<18}{micro:>14}{step_s * 1e3:>9.1f}{statistics.mean(idle):>12.2f} ({per_rank})"
+                f"{expected:>8.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def record(name: str, figures: dict[str, Any], files: Iterable[str], notes: str 
     data = {
         "benchmark": name,
         "date": datetime.date.today().isoformat(),
-        "command": "python " + shlex.join([str(Path(sys.argv[0]).resolve().relative_to(REPO)), *sys.argv[1:]]),
+        "command": "python "
+        + shlex.join([str(Path(sys.argv[0]).resolve().relative_to(REPO)), *sys.argv[1:]]),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU(s), {platform.system()} {platform.release()}",

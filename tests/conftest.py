@@ -26,8 +26,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torch's inductor sets its cache folder in this process's environment the first time a test uses it (for its
 # compile workers), so launches after that inherited it and launches before did not: set from the start, to
 # torch's own default, every launch gets the same environment.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-    tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())))
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    ),
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -35,7 +39,9 @@ PY = sys.executable
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--soak", action="store_true", help="run the soak tier: many launches in a row (make soak)")
+    parser.addoption(
+        "--soak", action="store_true", help="run the soak tier: many launches in a row (make soak)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
@@ -63,24 +69,42 @@ def child_env(extra: Optional[dict] = None, base: Optional[dict] = None) -> dict
     source = os.environ if base is None else base
     # Set in this process by in-process loggers of earlier tests: MLFLOW_ALLOW_FILE_STORE (MLflow's file
     # store), WANDB_SERVICE (the address of this process's W&B service, for its own children).
-    env = {k: v for k, v in source.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                          "MASTER_ADDR", "MASTER_PORT",
-                                                                          "MLFLOW_ALLOW_FILE_STORE",
-                                                                          "WANDB_SERVICE")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(SCRIPTS), env.get("PYTHONPATH")]))
+    env = {
+        k: v
+        for k, v in source.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_"))
+        and k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "MLFLOW_ALLOW_FILE_STORE",
+            "WANDB_SERVICE",
+        )
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO / "src"), str(SCRIPTS), env.get("PYTHONPATH")])
+    )
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
-    if "SLURM_CONF" not in env:  # not the test cluster: Slurm's tools answer "no cluster" (see fakebin/)
+    # not the test cluster: Slurm's tools answer "no cluster" (see fakebin/)
+    if "SLURM_CONF" not in env:
         # after a test's own stand-ins (a PATH it gave), before the machine's
         inherited, fakebin = source.get("PATH", ""), str(REPO / "tests" / "fakebin")
         path = env.get("PATH", "")
-        env["PATH"] = (path[:-len(inherited)] + os.pathsep.join([fakebin, inherited]) if inherited and path.endswith(inherited)
-                       else os.pathsep.join([fakebin, path]))
+        env["PATH"] = (
+            path[: -len(inherited)] + os.pathsep.join([fakebin, inherited])
+            if inherited and path.endswith(inherited)
+            else os.pathsep.join([fakebin, path])
+        )
     return env
 
 
-def shared_output(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+def shared_output(
+    factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]
+) -> Path:
     """A folder that ``build(folder)`` fills once per test session, for every test file and pytest-xdist
     worker that asks for ``name``: a launch whose output several files compare against (the fault tests'
     uninterrupted reference). The first to ask builds it under a lock; the others wait and read it."""
@@ -100,14 +124,27 @@ def shared_output(factory: pytest.TempPathFactory, name: str, build: Callable[[P
     return folder
 
 
-def multigpu(*args: str, timeout: float = 120, env: Optional[dict] = None, cwd: Optional[Path] = None,
-             check: bool = False) -> subprocess.CompletedProcess:
+def multigpu(
+    *args: str,
+    timeout: float = 120,
+    env: Optional[dict] = None,
+    cwd: Optional[Path] = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
     """Run ``multigpu ARGS`` to completion in a new interpreter, as a shell would (``python -P -m multigpu``:
     the current folder is not on ``sys.path``, as under the ``multigpu`` command), and capture its output."""
-    proc = subprocess.run([*python_module("multigpu"), *args], capture_output=True, text=True, timeout=timeout,
-                          env=child_env(env), cwd=str(cwd or REPO))
+    proc = subprocess.run(
+        [*python_module("multigpu"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(env),
+        cwd=str(cwd or REPO),
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        raise AssertionError(
+            f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
     return proc
 
 
@@ -194,7 +231,6 @@ def wait_for_files(folder: Path, names: Iterable[str], timeout: float = 60.0) ->
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {names} in {folder}")
-
 
 
 def listening(port: int) -> bool:

@@ -51,7 +51,9 @@ def agrees(printed: str, value: float) -> bool:
 def _constant(path: str, name: str) -> float:
     tree = ast.parse((REPO / path).read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
             return float(ast.literal_eval(node.value))
     raise KeyError(f"{path} has no module-level constant {name}")
 
@@ -71,10 +73,14 @@ def result_problems() -> list[str]:
         if "files" in data and "sha256" in data:
             missing = [f for f in data["files"] if not (REPO / f).is_file()]
             if missing:
-                problems.append(f"{path.relative_to(REPO)}: measured with {missing}, which no longer exist(s)")
+                problems.append(
+                    f"{path.relative_to(REPO)}: measured with {missing}, which no longer exist(s)"
+                )
             elif files_hash(data["files"]) != data["sha256"]:
-                problems.append(f"{path.relative_to(REPO)}: {', '.join(data['files'])} changed since it measured on "
-                                f"{data.get('date')}: measure again with `{data.get('command')}`")
+                problems.append(
+                    f"{path.relative_to(REPO)}: {', '.join(data['files'])} changed since it measured on "
+                    f"{data.get('date')}: measure again with `{data.get('command')}`"
+                )
     return problems
 
 
@@ -90,12 +96,18 @@ def figure_problems(pages: Iterable[Path]) -> list[str]:
                 data = results(name)
                 value = data["figures"][key]
             except (OSError, KeyError, ValueError) as exc:
-                problems.append(f"{where}:{line}: figure {name}.{key}: {exc!r} (benchmarks/results/{name}.json)")
+                problems.append(
+                    f"{where}:{line}: figure {name}.{key}: {exc!r} (benchmarks/results/{name}.json)"
+                )
                 continue
             if not agrees(printed, value):
-                problems.append(f"{where}:{line}: prints {printed} for {name}.{key}, measured {value} on {data['date']}")
+                problems.append(
+                    f"{where}:{line}: prints {printed} for {name}.{key}, measured {value} on {data['date']}"
+                )
             if data["date"] not in text:
-                problems.append(f"{where}:{line}: {name}.{key} was measured on {data['date']}; the page does not say so")
+                problems.append(
+                    f"{where}:{line}: {name}.{key} was measured on {data['date']}; the page does not say so"
+                )
         for match in CONSTANT.finditer(text):
             path, name, printed = match.groups()
             line = text.count("\n", 0, match.start()) + 1
@@ -105,7 +117,9 @@ def figure_problems(pages: Iterable[Path]) -> list[str]:
                 problems.append(f"{where}:{line}: constant {path} {name}: {exc}")
                 continue
             if not agrees(printed, value):
-                problems.append(f"{where}:{line}: prints {printed} for {path}'s {name}, which is {value}")
+                problems.append(
+                    f"{where}:{line}: prints {printed} for {path}'s {name}, which is {value}"
+                )
     return problems
 
 
@@ -145,6 +159,7 @@ LINK = re.compile(r"\[([^\]\n]*)\]\(([^)\s]*)\)")
 def masked(text: str) -> str:
     """``text`` with everything that is not prose blanked out (same length, so positions hold): fenced
     blocks, headings, HTML comments, inline code, and the text and target of links."""
+
     def blank(match: re.Match) -> str:
         return re.sub(r"[^\n]", " ", match.group(0))
 
@@ -168,7 +183,8 @@ def first_uses(page: Path) -> dict[str, tuple[int, int, str]]:
     found = {}
     for anchor, pattern in TERMS.items():
         hits = [(m.start(), m.end()) for m in re.finditer(pattern, prose)]
-        for link in links:  # a use inside a glossary link counts too (its text is blanked in `prose`)
+        # a use inside a glossary link counts too (its text is blanked in `prose`)
+        for link in links:
             if link.group(2).endswith(f"#{anchor}") and re.search(pattern, link.group(1)):
                 hits.append((link.start(), link.end()))
         if hits:
@@ -179,8 +195,10 @@ def first_uses(page: Path) -> dict[str, tuple[int, int, str]]:
 
 def glossary_problems(pages: Iterable[Path]) -> list[str]:
     glossary = (REPO / "docs" / "glossary.md").read_text()
-    anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-               for h in re.findall(r"^## (.+)$", glossary, flags=re.M)}
+    anchors = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^## (.+)$", glossary, flags=re.M)
+    }
     problems = [f"docs/glossary.md: no entry for {a!r}" for a in TERMS if a not in anchors]
     for page in pages:
         if page.name == "glossary.md":
@@ -189,8 +207,10 @@ def glossary_problems(pages: Iterable[Path]) -> list[str]:
         for anchor, (start, end, line) in first_uses(page).items():
             link = LINK.match(text, start)
             if not (link and link.group(2) == glossary_link(page, anchor)):
-                problems.append(f"{page.relative_to(REPO)}:{line}: the first use of {text[start:end]!r} is not a link "
-                                f"to {glossary_link(page, anchor)}")
+                problems.append(
+                    f"{page.relative_to(REPO)}:{line}: the first use of {text[start:end]!r} is not a link "
+                    f"to {glossary_link(page, anchor)}"
+                )
     return problems
 
 
@@ -234,4 +254,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--update"]:
         print("\n".join(update_figures(all_pages())) or "no figure changed")
     else:
-        print("\n".join(figure_problems(all_pages()) + glossary_problems(all_pages())) or "figures and glossary links agree")
+        print(
+            "\n".join(figure_problems(all_pages()) + glossary_problems(all_pages()))
+            or "figures and glossary links agree"
+        )

@@ -75,10 +75,21 @@ def blocks(page: Path) -> list[Block]:
             end += 1
         if end == len(lines):
             raise ValueError(f"{page.name}:{i + 1}: a fence that is never closed")
-        body = "\n".join(line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[i + 1:end])
+        body = "\n".join(
+            line[len(indent) :] if line.startswith(indent) else line.lstrip()
+            for line in lines[i + 1 : end]
+        )
         before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         marker = SKIP.search(before)
-        found.append(Block(str(page.relative_to(REPO)), i + 1, lang, body + "\n", marker.group(1) if marker else None))
+        found.append(
+            Block(
+                str(page.relative_to(REPO)),
+                i + 1,
+                lang,
+                body + "\n",
+                marker.group(1) if marker else None,
+            )
+        )
         i = end + 1
     return found
 
@@ -100,21 +111,39 @@ def make_sandbox(root: Path) -> dict[str, str]:
     for item in QUICKSTART.iterdir():
         if item.is_file():
             shutil.copy(item, root / item.name)
-    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("outputs", "__pycache__"))
+    shutil.copytree(
+        REPO / "examples",
+        root / "examples",
+        ignore=shutil.ignore_patterns("outputs", "__pycache__"),
+    )
     shims = root / ".bin"
     shims.mkdir()
     # Scripts, not symbolic links: a link to a virtual environment's python outside its folder is not in
     # that environment (Python finds pyvenv.cfg next to the path it was started by).
-    for name, args in (("python", ""), ("python3", ""), ("multigpu", " -P -m multigpu"),
-                       ("torchrun", " -m torch.distributed.run")):
+    for name, args in (
+        ("python", ""),
+        ("python3", ""),
+        ("multigpu", " -P -m multigpu"),
+        ("torchrun", " -m torch.distributed.run"),
+    ):
         shim = shims / name
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
         shim.chmod(0o755)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PYTEST_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}
-    env.update(PATH=f"{shims}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1",
-               MPLBACKEND="Agg", WANDB_MODE="offline", HOME=str(root / ".home"))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "PYTEST_"))
+        and k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
+    }
+    env.update(
+        PATH=f"{shims}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(REPO / "src"),
+        OMP_NUM_THREADS="1",
+        MPLBACKEND="Agg",
+        WANDB_MODE="offline",
+        HOME=str(root / ".home"),
+    )
     (root / ".home").mkdir()
     return env
 
@@ -132,8 +161,9 @@ def leftovers(folder: Path) -> list[int]:
     return found
 
 
-def run_block(block: Block, root: Path, env: dict[str, str], timeout: float = BLOCK_TIMEOUT_S
-              ) -> tuple[int, str, float]:
+def run_block(
+    block: Block, root: Path, env: dict[str, str], timeout: float = BLOCK_TIMEOUT_S
+) -> tuple[int, str, float]:
     """Run one block in ``root``: bash with ``set -euo pipefail`` (every line must succeed), Python as a
     file of its own in a fresh interpreter. Returns (status, output, seconds)."""
     if block.lang == "bash":
@@ -143,8 +173,15 @@ def run_block(block: Block, root: Path, env: dict[str, str], timeout: float = BL
         script.write_text(block.source)
         command = [sys.executable, script.name]
     started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -167,7 +204,10 @@ def run_page(page: Path, echo: bool = False) -> Iterator[tuple[Block, int, str, 
             for block in todo:
                 status, output, seconds = run_block(block, root, env)
                 if echo:
-                    print(f"--- {block.where} ({block.lang}): exit {status}, {seconds:.1f} s\n{output}", flush=True)
+                    print(
+                        f"--- {block.where} ({block.lang}): exit {status}, {seconds:.1f} s\n{output}",
+                        flush=True,
+                    )
                 yield block, status, output, seconds
                 if status != 0:
                     return
@@ -199,8 +239,10 @@ def table() -> str:
                 skipped[b.skip] = skipped.get(b.skip, 0) + 1
         why = " / ".join(f"{n} x {reason}" if n > 1 else reason for reason, n in skipped.items())
         name = str(page.relative_to(REPO))
-        rows.append(f"| {name} | {sum(1 for b in found if not b.skip)} | {sum(skipped.values())}"
-                    f"{': ' + why if why else ''} |")
+        rows.append(
+            f"| {name} | {sum(1 for b in found if not b.skip)} | {sum(skipped.values())}"
+            f"{': ' + why if why else ''} |"
+        )
     return "\n".join(rows)
 
 
@@ -211,7 +253,11 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--list"]:
         for page in pages():
             for b in blocks(page):
-                state = "run" if runnable(b) else (f"not run: {b.skip}" if b.skip else "not code (not run)")
+                state = (
+                    "run"
+                    if runnable(b)
+                    else (f"not run: {b.skip}" if b.skip else "not code (not run)")
+                )
                 print(f"{b.where:32} {b.lang or '(plain)':7} {state}")
         return 0
     worst = 0

@@ -26,7 +26,9 @@ def test_an_async_checkpoint_is_the_state_when_it_was_asked_for(tmp_path):
     with mg.init(env={}) as run:
         model, opt = run.setup(nn.Linear(64, 64), lambda p: torch.optim.SGD(p, lr=0.1))
         expected = {k: v.clone() for k, v in model.state_dict().items()}
-        path = run.save_checkpoint(tmp_path, 1, {"model": model, "optimizer": opt}, asynchronous=True)
+        path = run.save_checkpoint(
+            tmp_path, 1, {"model": model, "optimizer": opt}, asynchronous=True
+        )
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # training goes on while the write does
@@ -48,7 +50,8 @@ def test_the_next_save_waits_for_the_one_in_flight(tmp_path):
 
 def test_a_failed_background_write_raises_where_the_loop_waits_and_leaves_nothing(tmp_path):
     class Unpicklable:
-        def __deepcopy__(self, memo):  # staged fine, fails only when the background thread pickles it
+        # staged fine, fails only when the background thread pickles it
+        def __deepcopy__(self, memo):
             return self
 
         def __reduce__(self):
@@ -72,6 +75,7 @@ def test_close_finishes_the_checkpoint_in_flight(tmp_path):
 
 # ------------------------------------------------------------------------------------------- real processes
 
+
 def _run(out: Path, *extra: str, launcher: tuple = ()) -> subprocess.CompletedProcess:
     return multigpu("run", "--nproc", "2", *launcher, SCRIPT, str(out), *extra)
 
@@ -94,17 +98,40 @@ def reference(tmp_path_factory) -> dict:
 
 
 def _background(out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", SCRIPT, str(out), "--async-checkpoint", *extra],
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "multigpu",
+            "run",
+            "--nproc",
+            "2",
+            SCRIPT,
+            str(out),
+            "--async-checkpoint",
+            *extra,
+        ],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def test_sigkill_during_an_async_write_resumes_from_the_previous_one(tmp_path, reference, no_leftovers):
+def test_sigkill_during_an_async_write_resumes_from_the_previous_one(
+    tmp_path, reference, no_leftovers
+):
     launcher = _background(tmp_path, "--ballast", "150")
     try:
-        deadline = time.monotonic() + 120  # a 150 MB write per step: the first drafts appear within seconds
+        # a 150 MB write per step: the first drafts appear within seconds
+        deadline = time.monotonic() + 120
         partial = []
         while not partial and time.monotonic() < deadline:
-            done = checkpoint.list_checkpoints(tmp_path / "checkpoints") if (tmp_path / "checkpoints").is_dir() else []
+            done = (
+                checkpoint.list_checkpoints(tmp_path / "checkpoints")
+                if (tmp_path / "checkpoints").is_dir()
+                else []
+            )
             if done:
                 partial = list((tmp_path / "checkpoints").glob(".tmp-step-*"))
             time.sleep(0.01)
@@ -116,7 +143,9 @@ def test_sigkill_during_an_async_write_resumes_from_the_previous_one(tmp_path, r
     assert wait_until_gone(str(tmp_path)) == []
     in_flight = int(partial[0].name.split("-")[2])
     good = checkpoint.latest(tmp_path / "checkpoints")
-    assert good is not None and (good.step < in_flight or (tmp_path / "checkpoints" / f"step-{in_flight:08d}").exists())
+    assert good is not None and (
+        good.step < in_flight or (tmp_path / "checkpoints" / f"step-{in_flight:08d}").exists()
+    )
     resumed = _run(tmp_path, "--async-checkpoint")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
@@ -128,7 +157,11 @@ def test_sigterm_waits_for_the_async_write_and_exits_resumable(tmp_path, referen
     try:
         deadline = time.monotonic() + 120  # 18 steps of 0.1 s: the fourth checkpoint within seconds
         while time.monotonic() < deadline:
-            done = checkpoint.list_checkpoints(tmp_path / "checkpoints") if (tmp_path / "checkpoints").is_dir() else []
+            done = (
+                checkpoint.list_checkpoints(tmp_path / "checkpoints")
+                if (tmp_path / "checkpoints").is_dir()
+                else []
+            )
             if done and done[0].step >= 4:
                 break
             time.sleep(0.02)
@@ -150,8 +183,15 @@ def test_a_killed_rank_with_async_checkpoints_resumes_bitwise(tmp_path, referenc
     """Rank 1 dies while step 10 runs; the checkpoint of step 9 may still have been in flight: the
     resume takes the newest one that was finished, and the result is the same. The agent restarts the
     job (one launch: the restart's resume reads the checkpoints as a new launch's would)."""
-    resumed = _run(tmp_path, "--async-checkpoint", "--kill-at", "9", "--kill-rank", "1",
-                   launcher=("--max-restarts", "1"))
+    resumed = _run(
+        tmp_path,
+        "--async-checkpoint",
+        "--kill-at",
+        "9",
+        "--kill-rank",
+        "1",
+        launcher=("--max-restarts", "1"),
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert (tmp_path / "killed-at-9").exists()  # the first attempt was killed there
     step = int(resumed.stdout.split("resumed from")[1].split("step ")[1].split(")")[0])
@@ -171,14 +211,30 @@ def test_the_trainer_reports_each_async_checkpoint_once_it_is_written(tmp_path):
 
     data = torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
     with mg.init(env={}) as run:
-        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
-                      checkpoint_every_steps=3, out_dir=str(tmp_path), progress=False, plot=False,
-                      async_checkpoint=True)
+        trainer = Fit(
+            run,
+            nn.Linear(2, 1),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            batch_size=4,
+            epochs=2,
+            checkpoint_every_steps=3,
+            out_dir=str(tmp_path),
+            progress=False,
+            plot=False,
+            async_checkpoint=True,
+        )
         assert trainer.settings.background_checkpoints(run.device)
         trainer.fit(data)
     from multigpu.trainer.settings import TrainerSettings
 
     default = TrainerSettings()  # null: in the background on accelerators, synchronous on the CPU
-    assert default.background_checkpoints(torch.device("cuda", 0)) and not default.background_checkpoints(run.device)
-    assert [name for name, _ in trainer.seen] == ["step-00000003", "step-00000004", "step-00000006", "step-00000008"]
+    assert default.background_checkpoints(
+        torch.device("cuda", 0)
+    ) and not default.background_checkpoints(run.device)
+    assert [name for name, _ in trainer.seen] == [
+        "step-00000003",
+        "step-00000004",
+        "step-00000006",
+        "step-00000008",
+    ]
     assert all(exists for _, exists in trainer.seen)

@@ -21,7 +21,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, SCRIPTS, child_env, kill_all, listening, multigpu, wait_for_files, wait_until_gone
+from conftest import (
+    PY,
+    REPO,
+    SCRIPTS,
+    child_env,
+    kill_all,
+    listening,
+    multigpu,
+    wait_for_files,
+    wait_until_gone,
+)
 
 pytestmark = pytest.mark.timeout(300)
 MUTANTS = str(SCRIPTS / "check_mutants.py")
@@ -76,8 +86,17 @@ BUGS = {
     "unused": ("DIFFERENT", {"unused"}),
     "drop_last_padding": ("DIFFERENT", {"padding"}),
 }
-CORRECT = ["none", "late_optimizer", "seq_first", "plain_backward", "accumulate", "nanogpt_toggle", "amp_clip",
-           "scheduler_per_step", "trainer"]
+CORRECT = [
+    "none",
+    "late_optimizer",
+    "seq_first",
+    "plain_backward",
+    "accumulate",
+    "nanogpt_toggle",
+    "amp_clip",
+    "scheduler_per_step",
+    "trainer",
+]
 EXIT = {"EQUAL": 0, "DIFFERENT": 1, "EQUAL numbers": 1, "UNVERIFIED": 3}
 
 
@@ -92,11 +111,36 @@ def verdict(report: str) -> str:
     return "EQUAL numbers" if line.startswith("verdict: EQUAL numbers") else line.split()[1]
 
 
-def _launch(nproc: int, scale: int, cases: list[str], records: Path, token: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "multigpu", "run", "--nproc", str(nproc), "--tee-prefix", "never", MUTANTS,
-                           "--table", ",".join(cases), "--records", str(records), "--steps", str(STEPS),
-                           "--scale", str(scale), token], capture_output=True, text=True, timeout=240, env=child_env(),
-                          cwd=str(REPO))
+def _launch(
+    nproc: int, scale: int, cases: list[str], records: Path, token: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            PY,
+            "-m",
+            "multigpu",
+            "run",
+            "--nproc",
+            str(nproc),
+            "--tee-prefix",
+            "never",
+            MUTANTS,
+            "--table",
+            ",".join(cases),
+            "--records",
+            str(records),
+            "--steps",
+            str(STEPS),
+            "--scale",
+            str(scale),
+            token,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=child_env(),
+        cwd=str(REPO),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +149,15 @@ def table(tmp_path_factory) -> dict[str, tuple[int, str]]:
     from multigpu.diagnostics import check
 
     root = tmp_path_factory.mktemp("mutants")
-    cases = [*BUGS, *CORRECT, "opaque_inputs", "per_rank_generator", "zero_loss", "zero_lr", "nan_loss"]
+    cases = [
+        *BUGS,
+        *CORRECT,
+        "opaque_inputs",
+        "per_rank_generator",
+        "zero_loss",
+        "zero_lr",
+        "nan_loss",
+    ]
     token = f"mgtest-table-{time.monotonic_ns()}"
     started = time.monotonic()
     try:
@@ -119,13 +171,18 @@ def table(tmp_path_factory) -> dict[str, tuple[int, str]]:
 
     def outcome(folder: Path):
         statuses = [json.loads(p.read_text()) for p in sorted(folder.glob("status.rank*.json"))]
-        return check.Outcome.read(folder, max(s["status"] for s in statuses),
-                                  "\n".join(s["error"] for s in statuses if s["error"]))
+        return check.Outcome.read(
+            folder,
+            max(s["status"] for s in statuses),
+            "\n".join(s["error"] for s in statuses if s["error"]),
+        )
 
     reports = {}
     for case in cases:
         lines: list[str] = []
-        code = check.report(outcome(root / "n2" / case), outcome(root / "n1" / case), 2, STEPS, None, lines.append)
+        code = check.report(
+            outcome(root / "n2" / case), outcome(root / "n1" / case), 2, STEPS, None, lines.append
+        )
         reports[case] = (code, "\n".join(lines))
     print(f"mutation table: {len(cases)} cases in {time.monotonic() - started:.1f} s")
     return reports
@@ -137,16 +194,21 @@ def test_a_planted_bug_is_caught_and_named(table, bug):
     expected_verdict, expected_causes = BUGS[bug]
     assert verdict(report) == expected_verdict and code == EXIT[expected_verdict], report
     assert named(report) == expected_causes, report
-    if bug == "plain_loader":  # the issue's case: run.loader built, a plain DataLoader used - every rank
-        assert re.search(r"^\s+1 .* 16 / 8$", report, re.M), report  # trains on the same data: 8 distinct of 16
+    # the issue's case: run.loader built, a plain DataLoader used - every rank
+    if bug == "plain_loader":
+        # trains on the same data: 8 distinct of 16
+        assert re.search(r"^\s+1 .* 16 / 8$", report, re.M), report
 
 
 @pytest.mark.parametrize("variant", CORRECT)
 def test_a_correct_variant_is_equal(table, variant):
     code, report = table[variant]
-    assert code == 0 and "verdict: EQUAL - 2 processes compute what 1 process computes" in report, report
+    assert code == 0 and "verdict: EQUAL - 2 processes compute what 1 process computes" in report, (
+        report
+    )
     assert not named(report), report
-    assert re.search(r"^\s+1 .* (16 / 16|32 / 32)$", report, re.M), report  # samples counted in both runs
+    # samples counted in both runs
+    assert re.search(r"^\s+1 .* (16 / 16|32 / 32)$", report, re.M), report
 
 
 def test_the_loss_shown_is_the_scripts_own_undivided_by_accumulation(table):
@@ -156,13 +218,17 @@ def test_the_loss_shown_is_the_scripts_own_undivided_by_accumulation(table):
         first = next(line for line in table[variant][1].splitlines() if re.match(r"\s+1\s", line))
         many, one = float(first.split()[1]), float(first.split()[2])
         assert 0.9 < many < 1.4 and 0.9 < one < 1.4, table[variant][1]
-    assert "2 processes x 2 micro-step(s) x 8 samples = 32   |   1 process x 2 micro-step(s) x 16 samples = 32" in \
-        table["accumulate"][1]
+    assert (
+        "2 processes x 2 micro-step(s) x 8 samples = 32   |   1 process x 2 micro-step(s) x 16 samples = 32"
+        in table["accumulate"][1]
+    )
 
 
 def test_a_world_size_dependent_accumulation_shows_both_global_batches(table):
-    assert "2 processes x 1 micro-step(s) x 8 samples = 16   |   1 process x 2 micro-step(s) x 16 samples = 32" in \
-        table["accum_div_world"][1]
+    assert (
+        "2 processes x 1 micro-step(s) x 8 samples = 16   |   1 process x 2 micro-step(s) x 16 samples = 32"
+        in table["accum_div_world"][1]
+    )
 
 
 def test_a_script_whose_inputs_cannot_be_seen_is_unverified(table):
@@ -173,10 +239,16 @@ def test_a_script_whose_inputs_cannot_be_seen_is_unverified(table):
 def test_a_script_that_trains_nothing_is_unverified_never_equal(table):
     """The PyTorch DDP tutorial's toy loss is always 0: 2 processes and 1 agree exactly, and prove nothing."""
     code, report = table["zero_loss"]
-    assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"still_weights", "still_loss"}, report
+    assert (
+        code == 3
+        and verdict(report) == "UNVERIFIED"
+        and named(report) == {"still_weights", "still_loss"}
+    ), report
     assert "the loss was 0 at every one of 3 steps" in report
     code, report = table["zero_lr"]  # the losses move with the batches; the weights do not
-    assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"still_weights"}, report
+    assert code == 3 and verdict(report) == "UNVERIFIED" and named(report) == {"still_weights"}, (
+        report
+    )
     code, report = table["nan_loss"]  # NaN in both runs: not "NaN in one run only", not DIFFERENT
     assert code == 3 and "the loss is NaN or infinite in both runs from step 1" in report, report
 
@@ -192,8 +264,17 @@ def test_batches_made_by_hand_with_a_generator_per_rank_are_named_as_unscaled(ta
 
 
 def test_a_correct_script_is_equal_and_its_own_output_is_shown(no_leftovers):
-    proc = multigpu("check", "--nproc", "2", "--steps", str(STEPS), "--show-output", MUTANTS, no_leftovers,
-                    timeout=200)
+    proc = multigpu(
+        "check",
+        "--nproc",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--show-output",
+        MUTANTS,
+        no_leftovers,
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: EQUAL - 2 processes compute" in proc.stdout
     assert "check_mutants: training with bug 'none' on 2 process(es)" in proc.stdout
@@ -203,10 +284,23 @@ def test_a_correct_script_is_equal_and_its_own_output_is_shown(no_leftovers):
 def test_an_optimizer_step_on_rank_0_only_is_named(no_leftovers):
     """Rank 1 never steps: rank 0 stops at step K, sees rank 1 go past without stepping, and leaves
     without the goodbye barrier; rank 1's next all-reduce fails at once instead of waiting."""
-    proc = multigpu("check", "--nproc", "2", "--steps", str(STEPS), MUTANTS, "--bug", "rank0_step", no_leftovers,
-                    timeout=200)
+    proc = multigpu(
+        "check",
+        "--nproc",
+        "2",
+        "--steps",
+        str(STEPS),
+        MUTANTS,
+        "--bug",
+        "rank0_step",
+        no_leftovers,
+        timeout=200,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "rank(s) 1 stepped the optimizer 0 time(s) while rank(s) 0 stepped it 3 time(s)" in proc.stdout
+    assert (
+        "rank(s) 1 stepped the optimizer 0 time(s) while rank(s) 0 stepped it 3 time(s)"
+        in proc.stdout
+    )
     assert named(proc.stdout) == {"rank_steps"}, proc.stdout
 
 
@@ -214,7 +308,10 @@ def test_a_script_that_never_steps_is_refused_with_a_hint(tmp_path, no_leftovers
     script = tmp_path / "plain.py"
     script.write_text("import multigpu as mg\n\nrun = mg.init()\nprint('no training here')\n")
     proc = multigpu("check", "--nproc", "2", str(script), no_leftovers, timeout=120)
-    assert proc.returncode == 2 and "recorded no step (exit 0): it ran, but no optimizer step" in proc.stdout
+    assert (
+        proc.returncode == 2
+        and "recorded no step (exit 0): it ran, but no optimizer step" in proc.stdout
+    )
     assert "HINT:" in proc.stdout, proc.stdout
     bad = multigpu("check", "--nproc", "1", str(script))
     assert bad.returncode == 2 and "multigpu: error: --nproc" in bad.stderr
@@ -225,17 +322,38 @@ def test_the_nanogpt_port_trains_on_two_processes_and_checks_equal(tmp_path, no_
     then `multigpu check` says EQUAL."""
     train = str(REPO / "examples" / "nanogpt" / "train.py")
     data, out = f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / no_leftovers}"
-    first = multigpu("run", "--nproc", "2", train, data, out, "--max_iters=2", "--eval_interval=2", timeout=200)
+    first = multigpu(
+        "run", "--nproc", "2", train, data, out, "--max_iters=2", "--eval_interval=2", timeout=200
+    )
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "step 2: train loss" in first.stdout and "saved a checkpoint" in first.stdout and "sample:" in first.stdout
-    resumed = multigpu("run", "--nproc", "2", train, data, out, "--max_iters=3", "--eval_interval=2",
-                       "--log_interval=1", "--init_from=resume", timeout=200)
-    assert resumed.returncode == 0 and "iter 2: loss" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert (
+        "step 2: train loss" in first.stdout
+        and "saved a checkpoint" in first.stdout
+        and "sample:" in first.stdout
+    )
+    resumed = multigpu(
+        "run",
+        "--nproc",
+        "2",
+        train,
+        data,
+        out,
+        "--max_iters=3",
+        "--eval_interval=2",
+        "--log_interval=1",
+        "--init_from=resume",
+        timeout=200,
+    )
+    assert resumed.returncode == 0 and "iter 2: loss" in resumed.stdout, (
+        resumed.stdout + resumed.stderr
+    )
     proc = multigpu("check", "--nproc", "2", "--steps", str(STEPS), train, data, out, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: EQUAL - 2 processes compute" in proc.stdout
-    assert "2 processes x 2 micro-step(s) x 8 samples = 32   |   1 process x 2 micro-step(s) x 16 samples = 32" in \
-        proc.stdout
+    assert (
+        "2 processes x 2 micro-step(s) x 8 samples = 32   |   1 process x 2 micro-step(s) x 16 samples = 32"
+        in proc.stdout
+    )
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "SIGKILL"])
@@ -245,18 +363,37 @@ def test_a_stopped_check_leaves_no_run_behind(tmp_path, no_leftovers, how):
     workers stop (a SIGKILLed check's through the kernel: its children ask for SIGTERM when it dies), and
     only a SIGKILL may leave its own folder. Before, a SIGTERM left the run training forever."""
     temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))
-    check = subprocess.Popen([PY, "-m", "multigpu", "check", "--nproc", "2", str(SCRIPTS / "sleeper.py"),
-                              str(tmp_path), no_leftovers], env=child_env({"TMPDIR": str(temp)}),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell
+    check = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "multigpu",
+            "check",
+            "--nproc",
+            "2",
+            str(SCRIPTS / "sleeper.py"),
+            str(tmp_path),
+            no_leftovers,
+        ],
+        env=child_env({"TMPDIR": str(temp)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # as from a shell
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
-        wait_for_files(tmp_path, ["pid0", "pid1"], timeout=100)  # (the three waits within the file's 300 s)
+        # (the three waits within the file's 300 s)
+        wait_for_files(tmp_path, ["pid0", "pid1"], timeout=100)
         if how == "Ctrl-C":
             os.killpg(check.pid, signal.SIGINT)
         else:
             check.send_signal(getattr(signal, how))
-        _, err = check.communicate(timeout=90)  # the bound of a hang: the launcher stops its workers in seconds
-        assert wait_until_gone(no_leftovers, timeout=80) == []  # each removes its folders before it leaves
+        # the bound of a hang: the launcher stops its workers in seconds
+        _, err = check.communicate(timeout=90)
+        # each removes its folders before it leaves
+        assert wait_until_gone(no_leftovers, timeout=80) == []
         left = [p.name for p in temp.iterdir() if p.name.startswith("multigpu-")]
     finally:
         check.kill()
@@ -267,7 +404,9 @@ def test_a_stopped_check_leaves_no_run_behind(tmp_path, no_leftovers, how):
         assert len(left) == 1 and left[0].startswith("multigpu-check-"), left
     else:
         assert left == [], left
-        assert err.splitlines()[-1] == ("multigpu: interrupted" if how == "Ctrl-C" else "multigpu: stopped by SIGTERM")
+        assert err.splitlines()[-1] == (
+            "multigpu: interrupted" if how == "Ctrl-C" else "multigpu: stopped by SIGTERM"
+        )
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "--timeout"])
@@ -284,12 +423,37 @@ def test_a_stopped_doctor_leaves_no_launch_behind(tmp_path, no_leftovers, how):
     temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))
     with reserved_port() as port:
         doctor = subprocess.Popen(
-            [PY, "-m", "multigpu", "doctor", "--nproc", "1", "--nnodes", "2", "--node-rank", "0", "--master-addr",
-             "127.0.0.1", "--master-port", str(port), "--rdzv-timeout", "300", "--sizes", "1",
-             *(["--timeout", "8"] if how == "--timeout" else []),
-             "--out", str(tmp_path / no_leftovers)],  # the token on every command line of the launch
-            env=child_env({"TMPDIR": str(temp)}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            [
+                PY,
+                "-m",
+                "multigpu",
+                "doctor",
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--rdzv-timeout",
+                "300",
+                "--sizes",
+                "1",
+                *(["--timeout", "8"] if how == "--timeout" else []),
+                # the token on every command line of the launch
+                "--out",
+                str(tmp_path / no_leftovers),
+            ],
+            env=child_env({"TMPDIR": str(temp)}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             if how != "--timeout":
                 deadline = time.monotonic() + 120
@@ -309,18 +473,30 @@ def test_a_stopped_doctor_leaves_no_launch_behind(tmp_path, no_leftovers, how):
     assert "Traceback" not in err and left == [], (err, left)
     if how == "--timeout":
         assert doctor.returncode == 2, err  # (a LaunchError)
-        assert "multigpu: stopped by SIGTERM" in err  # the launcher's line (while waiting, or before)
+        # the launcher's line (while waiting, or before)
+        assert "multigpu: stopped by SIGTERM" in err
         assert err.splitlines()[-1].startswith("multigpu: error: doctor did not finish in 8 s"), err
         return
     sig = "SIGINT" if how == "Ctrl-C" else "SIGTERM"
     assert doctor.returncode == (130 if how == "Ctrl-C" else 143), err
-    assert f"multigpu: stopped by {sig} while waiting for the other nodes; no worker had started." in err
-    assert err.splitlines()[-1] == ("multigpu: interrupted" if how == "Ctrl-C" else "multigpu: stopped by SIGTERM")
+    assert (
+        f"multigpu: stopped by {sig} while waiting for the other nodes; no worker had started."
+        in err
+    )
+    assert err.splitlines()[-1] == (
+        "multigpu: interrupted" if how == "Ctrl-C" else "multigpu: stopped by SIGTERM"
+    )
 
 
 def test_a_bad_nanogpt_setting_is_one_line(tmp_path):
-    proc = multigpu("run", "--nproc", "1", str(REPO / "examples" / "nanogpt" / "train.py"), "--max_itres=3",
-                    timeout=120)
+    proc = multigpu(
+        "run",
+        "--nproc",
+        "1",
+        str(REPO / "examples" / "nanogpt" / "train.py"),
+        "--max_itres=3",
+        timeout=120,
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("multigpu: error:")]
     assert "--max_itres is not a setting" in line and "HINT:" in line
@@ -330,11 +506,23 @@ def test_a_bad_nanogpt_setting_is_one_line(tmp_path):
 
 
 def test_doctor_on_one_machine_reports_a_table_and_the_first_fault(tmp_path):
-    healthy = multigpu("doctor", "--nproc", "2", "--out", str(tmp_path), "--sizes", "1,4", timeout=120)
+    healthy = multigpu(
+        "doctor", "--nproc", "2", "--out", str(tmp_path), "--sizes", "1,4", timeout=120
+    )
     assert healthy.returncode == 0, healthy.stderr
     assert "shared             ok" in healthy.stdout and "all-reduce 4 MiB   ok" in healthy.stdout
-    full = multigpu("doctor", "--nproc", "2", "--out", str(tmp_path), "--sizes", "1", "--checkpoint-gb", "1e9",
-                    timeout=120)
+    full = multigpu(
+        "doctor",
+        "--nproc",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--sizes",
+        "1",
+        "--checkpoint-gb",
+        "1e9",
+        timeout=120,
+    )
     assert full.returncode == 1
     (line,) = [x for x in full.stderr.splitlines() if x.startswith("multigpu: error:")]
     assert "the checkpoints need 1e+09 GB" in line and "HINT:" in line
@@ -342,16 +530,31 @@ def test_doctor_on_one_machine_reports_a_table_and_the_first_fault(tmp_path):
     assert bad.returncode == 2 and "--sizes" in bad.stderr
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
-    unwritable = multigpu("doctor", "--nproc", "2", "--out", str(blocked / "sub"), "--sizes", "1", timeout=120)
-    assert unwritable.returncode == 1 and "is not writable on" in unwritable.stderr  # every rank agreed: no hang
+    unwritable = multigpu(
+        "doctor", "--nproc", "2", "--out", str(blocked / "sub"), "--sizes", "1", timeout=120
+    )
+    # every rank agreed: no hang
+    assert unwritable.returncode == 1 and "is not writable on" in unwritable.stderr
 
 
 def test_a_script_that_sets_up_its_own_ddp_is_told_why_check_cannot_compare_it(tmp_path):
     """The PyTorch DDP tutorial's multigpu_torchrun.py never calls mg.init: exit 2 with the reason and
     what to do, not a line of its output quoted as an error."""
     shutil.copytree(SCRIPTS / "ddp_tutorial", tmp_path / "tutorial")
-    proc = multigpu("check", "--nproc", "2", "--steps", "2", "multigpu_torchrun.py", "2", "1", cwd=tmp_path / "tutorial",
-                    timeout=180)
+    proc = multigpu(
+        "check",
+        "--nproc",
+        "2",
+        "--steps",
+        "2",
+        "multigpu_torchrun.py",
+        "2",
+        "1",
+        cwd=tmp_path / "tutorial",
+        timeout=180,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "finished (exit 0) without calling mg.init()" in proc.stdout and "HINT: such a script runs unchanged" in \
-        proc.stdout, proc.stdout
+    assert (
+        "finished (exit 0) without calling mg.init()" in proc.stdout
+        and "HINT: such a script runs unchanged" in proc.stdout
+    ), proc.stdout

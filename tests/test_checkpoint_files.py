@@ -16,7 +16,12 @@ from multigpu.strategies import clean_state_dict, unwrap_module
 
 
 def _state(value: float) -> dict:
-    return {"model": {"w": torch.full((4,), value)}, "epoch": int(value), "name": "x", "lr": [0.1, 0.2]}
+    return {
+        "model": {"w": torch.full((4,), value)},
+        "epoch": int(value),
+        "name": "x",
+        "lr": [0.1, 0.2],
+    }
 
 
 def test_save_writes_a_folder_with_a_matching_manifest(tmp_path):

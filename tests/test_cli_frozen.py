@@ -41,10 +41,16 @@ def describe(parser: argparse.ArgumentParser, prefix: str = "multigpu") -> dict[
     for action in parser._actions:
         if isinstance(action, (argparse._SubParsersAction, argparse._HelpAction)):
             continue
-        args.append({"flags": list(action.option_strings) or [action.dest], "dest": action.dest,
-                     "nargs": _plain(action.nargs), "default": _plain(action.default),
-                     "choices": _plain(sorted(action.choices) if action.choices else None),
-                     "kind": type(action).__name__})
+        args.append(
+            {
+                "flags": list(action.option_strings) or [action.dest],
+                "dest": action.dest,
+                "nargs": _plain(action.nargs),
+                "default": _plain(action.default),
+                "choices": _plain(sorted(action.choices) if action.choices else None),
+                "kind": type(action).__name__,
+            }
+        )
     commands[prefix] = sorted(args, key=lambda a: a["flags"])
     for name, sub in sorted(_subparsers(parser).items()):
         commands.update(describe(sub, f"{prefix} {name}"))
@@ -62,7 +68,9 @@ def test_the_command_line_is_what_was_frozen():
     now = current()
     gone = sorted(set(frozen) - set(now))
     added = sorted(set(now) - set(frozen))
-    assert not gone and not added, f"commands removed: {gone}; added: {added} (see this file's docstring)"
+    assert not gone and not added, (
+        f"commands removed: {gone}; added: {added} (see this file's docstring)"
+    )
     changed = [name for name in frozen if frozen[name] != now[name]]
     details = []
     for name in changed:
@@ -70,8 +78,14 @@ def test_the_command_line_is_what_was_frozen():
         after = {tuple(a["flags"]): a for a in now[name]}
         details += [f"{name}: {' '.join(f)} removed" for f in before if f not in after]
         details += [f"{name}: {' '.join(f)} added" for f in after if f not in before]
-        details += [f"{name}: {' '.join(f)} {before[f]} -> {after[f]}" for f in before if f in after and before[f] != after[f]]
-    assert not changed, "the command line changed (see this file's docstring):\n" + "\n".join(details)
+        details += [
+            f"{name}: {' '.join(f)} {before[f]} -> {after[f]}"
+            for f in before
+            if f in after and before[f] != after[f]
+        ]
+    assert not changed, "the command line changed (see this file's docstring):\n" + "\n".join(
+        details
+    )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,19 @@ def _write(tmp_path, text):
 
 
 def test_load_with_nested_values_and_overrides(tmp_path):
-    path = _write(tmp_path, "name: big\ninner:\n  hidden: 32\nlayers: [3, 4]\ntrainer:\n  epochs: 4\n")
-    cfg = config.load(Outer, path, ["inner.rate=1e-3", "flag=true", "trainer.batch_size=16", "note=hello"])
-    assert (cfg.name, cfg.inner.hidden, cfg.inner.rate, cfg.layers, cfg.flag) == ("big", 32, 0.001, [3, 4], True)
+    path = _write(
+        tmp_path, "name: big\ninner:\n  hidden: 32\nlayers: [3, 4]\ntrainer:\n  epochs: 4\n"
+    )
+    cfg = config.load(
+        Outer, path, ["inner.rate=1e-3", "flag=true", "trainer.batch_size=16", "note=hello"]
+    )
+    assert (cfg.name, cfg.inner.hidden, cfg.inner.rate, cfg.layers, cfg.flag) == (
+        "big",
+        32,
+        0.001,
+        [3, 4],
+        True,
+    )
     assert (cfg.trainer.epochs, cfg.trainer.batch_size, cfg.note) == (4, 16, "hello")
 
 
@@ -56,7 +66,9 @@ def test_wrong_type_names_file_line_and_type(tmp_path):
 
 
 def test_unknown_override_is_an_error(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'trainer.epoch'.*did you mean 'trainer.epochs'"):
+    with pytest.raises(
+        ConfigError, match="unknown key 'trainer.epoch'.*did you mean 'trainer.epochs'"
+    ):
         config.load(Outer, None, ["trainer.epoch=3"])
     with pytest.raises(ConfigError, match="is not KEY=VALUE"):
         config.load(Outer, None, ["trainer.epochs"])
@@ -85,7 +97,10 @@ def test_dump_round_trips(tmp_path):
 
 
 def test_merge_is_deep():
-    assert config.merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}, "d": 1}
+    assert config.merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 3}}) == {
+        "a": {"b": 3, "c": 2},
+        "d": 1,
+    }
 
 
 def test_sequence_and_optional_sequence_fields():
@@ -102,7 +117,9 @@ def test_sequence_and_optional_sequence_fields():
 def test_config_hash_ignores_memory_addresses():
     from multigpu.guards.consistency import config_hash
 
-    assert config_hash({"fn": lambda: 1, "tags": {"b", "a"}}) == config_hash({"fn": lambda: 2, "tags": {"a", "b"}})
+    assert config_hash({"fn": lambda: 1, "tags": {"b", "a"}}) == config_hash(
+        {"fn": lambda: 2, "tags": {"a", "b"}}
+    )
     assert config_hash({"lr": 0.1}) != config_hash({"lr": 0.2})
 
 
@@ -115,13 +132,24 @@ def test_a_config_difference_between_ranks_is_named_down_to_the_setting():
     class Model:
         hidden: int = 64
 
-    rank0 = config_items("trainer_settings", {"out_dir": "/tmp/a", "lr": 0.1, "model": Model(), "fn": lambda: 1})
-    rank1 = config_items("trainer_settings", {"out_dir": "/tmp/b", "lr": 0.1, "model": Model(128), "fn": lambda: 2})
-    assert compare([rank0, rank1]) == ["trainer_settings.model.hidden: rank 0 = 64, rank 1 = 128",
-                                       "trainer_settings.out_dir: rank 0 = '/tmp/a', rank 1 = '/tmp/b'"]
+    rank0 = config_items(
+        "trainer_settings", {"out_dir": "/tmp/a", "lr": 0.1, "model": Model(), "fn": lambda: 1}
+    )
+    rank1 = config_items(
+        "trainer_settings", {"out_dir": "/tmp/b", "lr": 0.1, "model": Model(128), "fn": lambda: 2}
+    )
+    assert compare([rank0, rank1]) == [
+        "trainer_settings.model.hidden: rank 0 = 64, rank 1 = 128",
+        "trainer_settings.out_dir: rank 0 = '/tmp/a', rank 1 = '/tmp/b'",
+    ]
     from pathlib import Path
 
-    assert compare([config_items("c", {"data": Path("/data/v1")}), config_items("c", {"data": Path("/data/v2")})])
+    assert compare(
+        [
+            config_items("c", {"data": Path("/data/v1")}),
+            config_items("c", {"data": Path("/data/v2")}),
+        ]
+    )
     huge = config_items("config", {f"k{i}": i for i in range(1000)})
     assert list(huge) == ["config"]  # too many keys: one hash, the all-gather stays small
 
@@ -131,15 +159,28 @@ def test_yaml_whole_numbers_are_base_10_digits_only(value):
     """YAML 1.1 reads these as ints (1000, 16, 8, 72000, 3); a setting in another form is one line."""
     with pytest.raises(ConfigError) as info:
         yaml_file.parse_yaml(f"trainer:\n  epochs: {value}\n", "h.yaml")
-    assert info.value.one_line().startswith("multigpu: error: h.yaml:2: ") and "HINT:" in str(info.value)
-    assert yaml_file.parse_yaml(f"name: '{value}'\nepochs: 12\nlow: -3\n")[0] == {"name": value, "epochs": 12, "low": -3}
+    assert info.value.one_line().startswith("multigpu: error: h.yaml:2: ") and "HINT:" in str(
+        info.value
+    )
+    assert yaml_file.parse_yaml(f"name: '{value}'\nepochs: 12\nlow: -3\n")[0] == {
+        "name": value,
+        "epochs": 12,
+        "low": -3,
+    }
 
 
-@pytest.mark.parametrize("items, needle, hint", [
-    (["+model.hidden=8"], "Hydra's + adds a key", "write 'model.hidden=8'"),
-    (["~model.hidden"], "Hydra's ~ deletes a key", "leave the override out"),
-    (["lr=1e-3,3e-3", "--multirun"], "--multirun is Hydra's sweep switch", "multigpu queue runs.yaml --sweep"),
-])
+@pytest.mark.parametrize(
+    "items, needle, hint",
+    [
+        (["+model.hidden=8"], "Hydra's + adds a key", "write 'model.hidden=8'"),
+        (["~model.hidden"], "Hydra's ~ deletes a key", "leave the override out"),
+        (
+            ["lr=1e-3,3e-3", "--multirun"],
+            "--multirun is Hydra's sweep switch",
+            "multigpu queue runs.yaml --sweep",
+        ),
+    ],
+)
 def test_hydra_habits_are_one_line_naming_what_says_it_here(items, needle, hint):
     with pytest.raises(ConfigError) as caught:
         config.parse_overrides(items)

@@ -59,8 +59,8 @@ def test_global_batches_match_one_process_with_the_global_batch():
     single = list(ShardedSampler(length, 1, 0, seed=3))
     shards = [list(ShardedSampler(length, world, r, seed=3)) for r in range(world)]
     for k in range(length // (world * b)):
-        union = sorted(i for shard in shards for i in shard[k * b:(k + 1) * b])
-        assert union == sorted(single[k * world * b:(k + 1) * world * b])
+        union = sorted(i for shard in shards for i in shard[k * b : (k + 1) * b])
+        assert union == sorted(single[k * world * b : (k + 1) * world * b])
 
 
 def test_eval_sampler_has_no_padding():
@@ -95,7 +95,8 @@ def test_loader_rejects_bad_arguments():
 
 def test_describe_batch_states_the_global_batch():
     assert describe_batch(32, 4, 2, length=1000) == (
-        "1000 samples, batch 32 per process x 4 process(es) x 2 accumulation steps = global batch 256")
+        "1000 samples, batch 32 per process x 4 process(es) x 2 accumulation steps = global batch 256"
+    )
     assert describe_batch(16, 1) == "batch 16 per process x 1 process(es) = global batch 16"
 
 
@@ -119,9 +120,10 @@ def test_position_after_an_epochs_last_batch_is_the_next_epoch():
     batches = list(resumed)
     assert len(batches) == 1 and resumed.position() == (1, 0)
     resumed.resume_at(*seen[0])
-    assert [b.tolist() for b in resumed] == [b.tolist() for b in list(make_loader(list(range(12)), 4, rank=0,
-                                                                                  world_size=1, shuffle=True,
-                                                                                  seed=0))][1:]
+    assert [b.tolist() for b in resumed] == [
+        b.tolist()
+        for b in list(make_loader(list(range(12)), 4, rank=0, world_size=1, shuffle=True, seed=0))
+    ][1:]
 
 
 def test_move_to_keeps_the_batch_structure_and_accepts_any_mapping():
@@ -130,9 +132,14 @@ def test_move_to_keeps_the_batch_structure_and_accepts_any_mapping():
     from multigpu.trainer.batches import batch_length, move_to
 
     pair = namedtuple("pair", "x y")
-    batch = {"a": (torch.ones(3, 2), [torch.zeros(3)]), "b": pair(torch.ones(3), 7), "c": OrderedDict(d=torch.ones(3))}
+    batch = {
+        "a": (torch.ones(3, 2), [torch.zeros(3)]),
+        "b": pair(torch.ones(3), 7),
+        "c": OrderedDict(d=torch.ones(3)),
+    }
     moved = move_to(batch, torch.device("cpu"), non_blocking=False)
     assert type(moved["b"]) is pair and moved["b"].y == 7 and type(moved["c"]) is OrderedDict
     assert torch.equal(moved["a"][0], batch["a"][0]) and batch_length(moved) == 3
-    counts = defaultdict(list, x=torch.ones(2))  # its constructor takes a factory: a plain dict comes back
+    # its constructor takes a factory: a plain dict comes back
+    counts = defaultdict(list, x=torch.ones(2))
     assert torch.equal(move_to(counts, torch.device("cpu"))["x"], torch.ones(2))

@@ -34,9 +34,20 @@ CASES = {
 }
 #: Each strategy's (case, mode) pairs: one launch per strategy trains all of them.
 PARALLEL = {
-    "ddp": [("plain", "trainer"), ("plain", "loop"), ("accumulation", "trainer"), ("accumulation", "loop"),
-            ("clipping", "trainer"), ("clipping", "loop")],
-    "fsdp": [("plain", "trainer"), ("accumulation", "trainer"), ("clipping", "trainer"), ("plain", "loop")],
+    "ddp": [
+        ("plain", "trainer"),
+        ("plain", "loop"),
+        ("accumulation", "trainer"),
+        ("accumulation", "loop"),
+        ("clipping", "trainer"),
+        ("clipping", "loop"),
+    ],
+    "fsdp": [
+        ("plain", "trainer"),
+        ("accumulation", "trainer"),
+        ("clipping", "trainer"),
+        ("plain", "loop"),
+    ],
     "ddp+pipeline": [("plain", "trainer"), ("accumulation", "trainer"), ("clipping", "trainer")],
 }
 #: float64 runs that differ only in the order of float sums: at most ~1e-8 apart after 12 AdamW steps
@@ -47,12 +58,24 @@ TOLERANCE = 1e-7
 
 def _train_all(folder: Path, nproc: int, runs: dict[str, list[str]]) -> dict[str, dict]:
     """One launch of ``nproc`` processes training every run of ``runs`` (name -> arguments) in turn."""
-    plan = [[str(folder / f"{name}.pt"), "--global-batch", str(GLOBAL), *args] for name, args in runs.items()]
+    plan = [
+        [str(folder / f"{name}.pt"), "--global-batch", str(GLOBAL), *args]
+        for name, args in runs.items()
+    ]
     (folder / "plan.json").write_text(json.dumps(plan))
     with leftovers_checked() as token:
         # A launch trains up to 7 cases of 12 steps: seconds each; 240 s is for a loaded machine.
-        multigpu("run", "--nproc", str(nproc), SCRIPT, "--plan", str(folder / "plan.json"), token, check=True,
-                 timeout=240)
+        multigpu(
+            "run",
+            "--nproc",
+            str(nproc),
+            SCRIPT,
+            "--plan",
+            str(folder / "plan.json"),
+            token,
+            check=True,
+            timeout=240,
+        )
     return {name: torch.load(folder / f"{name}.pt", weights_only=True) for name in runs}
 
 
@@ -86,18 +109,34 @@ def parallel(tmp_path_factory):
 
     def get(strategy: str) -> dict[str, dict]:
         if strategy not in cache:
-            runs = {f"{case}-{mode}": ["--batch", str(GLOBAL // 2), *CASES[case], "--mode", mode, "--strategy", strategy]
-                    for case, mode in PARALLEL[strategy]}
+            runs = {
+                f"{case}-{mode}": [
+                    "--batch",
+                    str(GLOBAL // 2),
+                    *CASES[case],
+                    "--mode",
+                    mode,
+                    "--strategy",
+                    strategy,
+                ]
+                for case, mode in PARALLEL[strategy]
+            }
             if strategy == "ddp":
                 runs["doubled"] = ["--batch", str(GLOBAL)]
-            cache[strategy] = _train_all(tmp_path_factory.mktemp(strategy.replace("+", "-")), 2, runs)
+            cache[strategy] = _train_all(
+                tmp_path_factory.mktemp(strategy.replace("+", "-")), 2, runs
+            )
         return cache[strategy]
 
     return get
 
 
-@pytest.mark.parametrize("strategy, case, mode", [(s, c, m) for s, pairs in PARALLEL.items() for c, m in pairs])
-def test_two_processes_equal_one_process_with_the_global_batch(single, parallel, strategy, case, mode):
+@pytest.mark.parametrize(
+    "strategy, case, mode", [(s, c, m) for s, pairs in PARALLEL.items() for c, m in pairs]
+)
+def test_two_processes_equal_one_process_with_the_global_batch(
+    single, parallel, strategy, case, mode
+):
     reference = single[case]
     assert _max_diff(parallel(strategy)[f"{case}-{mode}"], reference) < TOLERANCE
     assert _max_diff(reference, single["init"], losses=False) > 1e-2  # it trained

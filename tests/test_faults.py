@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PY, REPO, SCRIPTS, child_env, multigpu, shared_output, wait_for_files, wait_until_gone
+from conftest import (
+    PY,
+    REPO,
+    SCRIPTS,
+    child_env,
+    multigpu,
+    shared_output,
+    wait_for_files,
+    wait_until_gone,
+)
 
 from multigpu import checkpoint
 
@@ -20,7 +29,9 @@ pytestmark = pytest.mark.timeout(300)
 SCRIPT = str(SCRIPTS / "faults.py")
 
 
-def _run(out: Path, *extra: str, nproc: int = 2, launcher: tuple = ()) -> subprocess.CompletedProcess:
+def _run(
+    out: Path, *extra: str, nproc: int = 2, launcher: tuple = ()
+) -> subprocess.CompletedProcess:
     return multigpu("run", "--nproc", str(nproc), *launcher, SCRIPT, str(out), *extra)
 
 
@@ -35,6 +46,7 @@ def _bitwise_equal(a: dict, b: dict) -> bool:
 def faults_reference(factory: pytest.TempPathFactory) -> dict:
     """faults.py uninterrupted on 2 processes, synchronous checkpoints: one launch for the session (the
     asynchronous checkpoint tests compare against it too)."""
+
     def build(out: Path) -> None:
         proc = _run(out)
         assert proc.returncode == 0, proc.stderr
@@ -49,8 +61,13 @@ def reference(tmp_path_factory) -> dict:
 
 
 def _background(out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "multigpu", "run", "--nproc", "2", SCRIPT, str(out), *extra],
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [PY, "-m", "multigpu", "run", "--nproc", "2", SCRIPT, str(out), *extra],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 #: Mid-epoch and at an epoch boundary (6 steps each) one step apart, after it; the last, restarted by the agent.
@@ -74,8 +91,12 @@ def test_kill_at_any_step_then_resume_is_bitwise_equal(tmp_path, reference, no_l
             assert f"step {KILLS[attempt - 1]})" in killed.stdout, killed.stdout
     resumed = _run(tmp_path, "--kill-at", kills, no_leftovers, launcher=("--max-restarts", "1"))
     assert resumed.returncode == 0, resumed.stderr
-    assert (tmp_path / f"killed-at-{KILLS[-1]}").exists() and "Restarting every worker (restart 1 of 1)" in resumed.stderr
-    assert f"step {KILLS[-2]})" in resumed.stdout and f"step {KILLS[-1]})" in resumed.stdout, resumed.stdout
+    assert (
+        tmp_path / f"killed-at-{KILLS[-1]}"
+    ).exists() and "Restarting every worker (restart 1 of 1)" in resumed.stderr
+    assert f"step {KILLS[-2]})" in resumed.stdout and f"step {KILLS[-1]})" in resumed.stdout, (
+        resumed.stdout
+    )
     assert _bitwise_equal(_final(tmp_path), reference)
 
 
@@ -85,7 +106,15 @@ def test_resume_inside_an_epoch_with_accumulation_is_bitwise_equal(tmp_path, no_
     assert _run(reference, "--accumulate", "4", no_leftovers).returncode == 0
     assert (reference / "steps.txt").read_text() == "6"
     interrupted = tmp_path / "interrupted"  # killed at step 3, restarted by the agent (one launch)
-    resumed = _run(interrupted, "--accumulate", "4", "--kill-at", "3", no_leftovers, launcher=("--max-restarts", "1"))
+    resumed = _run(
+        interrupted,
+        "--accumulate",
+        "4",
+        "--kill-at",
+        "3",
+        no_leftovers,
+        launcher=("--max-restarts", "1"),
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert (interrupted / "killed-at-3").exists()
     assert "(epoch 1, batch 4, step 3)" in resumed.stdout
@@ -93,25 +122,36 @@ def test_resume_inside_an_epoch_with_accumulation_is_bitwise_equal(tmp_path, no_
     assert _bitwise_equal(_final(interrupted), _final(reference))
 
 
-def test_elastic_restart_after_sigkill_resumes_by_itself_with_a_static_rendezvous(tmp_path, reference, no_leftovers):
+def test_elastic_restart_after_sigkill_resumes_by_itself_with_a_static_rendezvous(
+    tmp_path, reference, no_leftovers
+):
     """As the kill chain's last launch (c10d), with a static rendezvous on a port of the test's."""
     from multigpu.launch.ports import reserved_port
 
     with reserved_port() as held:  # kept from every other process until the launch is over
-        proc = _run(tmp_path, "--kill-at", "9", no_leftovers, launcher=("--max-restarts", "2", "--master-port", str(held)))
+        proc = _run(
+            tmp_path,
+            "--kill-at",
+            "9",
+            no_leftovers,
+            launcher=("--max-restarts", "2", "--master-port", str(held)),
+        )
     assert proc.returncode == 0, proc.stderr
     assert "resumed from" in proc.stdout and "step 9)" in proc.stdout
     assert _bitwise_equal(_final(tmp_path), reference)
 
 
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, reference, no_leftovers):
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(
+    tmp_path, reference, no_leftovers
+):
     """The checkpoint of step 3 blocks inside its write (faults.py --block-save-at): the kill lands mid-write
     every time, not when a poll happens to catch a slow write."""
     launcher = _background(tmp_path, "--block-save-at", "3", no_leftovers)
     try:
         wait_for_files(tmp_path, ["saving"], timeout=120)
         partial = list((tmp_path / "checkpoints").glob(".tmp-step-*"))
-        assert [p.name.split("-")[2] for p in partial] == ["00000003"], partial  # written, not yet renamed
+        # written, not yet renamed
+        assert [p.name.split("-")[2] for p in partial] == ["00000003"], partial
         launcher.kill()  # the workers die with their launcher (parent-death signal)
         launcher.wait(timeout=30)
     finally:
@@ -135,7 +175,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_resumes(tmp_path, reference, no
         out, err = launcher.communicate(timeout=120)
     finally:
         launcher.kill()
-    assert launcher.returncode == 75, err  # every worker checkpointed: EXIT_PREEMPTED, "run again to resume"
+    # every worker checkpointed: EXIT_PREEMPTED, "run again to resume"
+    assert launcher.returncode == 75, err
     assert "stopped by SIGTERM after step" in out
     stopped_at = int(out.split("stopped by SIGTERM after step ")[1].split(";")[0])
     assert checkpoint.latest(tmp_path / "checkpoints").step == stopped_at < 18
@@ -171,12 +212,18 @@ def test_hang_watchdog_names_the_stuck_rank_and_ends_the_job(tmp_path, no_leftov
     lines = {line.split(":")[0]: line for line in report.splitlines() if line.startswith("rank ")}
     assert "in the data loader" in lines["rank 1"] and "__getitem__" in lines["rank 1"]
     assert "in the data loader" not in lines["rank 0"]
-    assert all(3 <= int(line.split("no progress for ")[1].split(" s")[0]) < 60 for line in lines.values()), report
+    assert all(
+        3 <= int(line.split("no progress for ")[1].split(" s")[0]) < 60 for line in lines.values()
+    ), report
     assert "hang detected" in proc.stderr
     # the notice (hang_notice_s 1.5 s) came first, in one line, naming both ranks' places
     notice = next(line for line in proc.stderr.splitlines() if "no training step for" in line)
     assert proc.stderr.index(notice) < proc.stderr.index("hang detected"), proc.stderr
-    assert "rank 1 in the data loader" in notice and "rank 0 in " in notice and "ends the job at 3 s" in notice, notice
+    assert (
+        "rank 1 in the data loader" in notice
+        and "rank 0 in " in notice
+        and "ends the job at 3 s" in notice
+    ), notice
     for rank in (0, 1):
         stack = (tmp_path / "hang" / f"rank{rank}.stack").read_text()
         assert "Thread" in stack and "File" in stack  # a real faulthandler dump
@@ -201,7 +248,10 @@ def test_the_exit_status_table_is_what_the_code_uses():
 
     page = (REPO / "docs" / "fault-tolerance.md").read_text()
     table = page.split("## Exit statuses", 1)[1].split("\n## ", 1)[0]
-    named = {m.group(2): int(m.group(1)) for m in re.finditer(r"^\| (\d+) \| `(EXIT_[A-Z_]+)` \|", table, re.MULTILINE)}
+    named = {
+        m.group(2): int(m.group(1))
+        for m in re.finditer(r"^\| (\d+) \| `(EXIT_[A-Z_]+)` \|", table, re.MULTILINE)
+    }
     constants = {name: getattr(errors, name) for name in dir(errors) if name.startswith("EXIT_")}
     assert named == constants
     from multigpu.guards.preemption import Preempted
@@ -217,17 +267,25 @@ def test_the_hang_notice_comes_once_per_stall_and_again_after_steps_resume(tmp_p
 
     exits: list[int] = []
 
-    def notices(at_least_s: float) -> list[str]:  # what the watchdog printed after at least that long
+    # what the watchdog printed after at least that long
+    def notices(at_least_s: float) -> list[str]:
         time.sleep(at_least_s)
         seen: list[str] = []
-        deadline = time.monotonic() + 20  # a busy machine may wake the thread late; never a bound on speed
+        # a busy machine may wake the thread late; never a bound on speed
+        deadline = time.monotonic() + 20
         while not seen and time.monotonic() < deadline:
-            seen += [line for line in capfd.readouterr().err.splitlines() if "no training step" in line]
+            seen += [
+                line for line in capfd.readouterr().err.splitlines() if "no training step" in line
+            ]
             time.sleep(0.05)
         time.sleep(0.5)  # a second notice for the same stall would come within this
-        return seen + [line for line in capfd.readouterr().err.splitlines() if "no training step" in line]
+        return seen + [
+            line for line in capfd.readouterr().err.splitlines() if "no training step" in line
+        ]
 
-    dog = HangWatchdog(30.0, tmp_path / "hang", 0, 1, grace_s=0.2, exit=exits.append, notice_s=0.2).start()
+    dog = HangWatchdog(
+        30.0, tmp_path / "hang", 0, 1, grace_s=0.2, exit=exits.append, notice_s=0.2
+    ).start()
     try:
         dog.beat(1)
         first = notices(0.2)
@@ -235,8 +293,13 @@ def test_the_hang_notice_comes_once_per_stall_and_again_after_steps_resume(tmp_p
         second = notices(0.2)
     finally:
         dog.stop()
-    assert len(first) == 1 and "after step 1: rank 0 in user code" in first[0] and "at 30 s" in first[0], first
+    assert (
+        len(first) == 1
+        and "after step 1: rank 0 in user code" in first[0]
+        and "at 30 s" in first[0]
+    ), first
     assert len(second) == 1 and "after step 2" in second[0], second
     assert not exits and not (tmp_path / "hang" / "report.txt").exists()
     assert _ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7, 8" and _ranks([3]) == "rank 3"
-    assert HangWatchdog(5.0, tmp_path, 0, 1, notice_s=60.0).notice_s is None  # a notice after the exit is none
+    # a notice after the exit is none
+    assert HangWatchdog(5.0, tmp_path, 0, 1, notice_s=60.0).notice_s is None

@@ -24,13 +24,21 @@ def test_links_below_the_root_are_refused_at_every_component(tree):
     out, victim = tree
     (out / "checkpoints").symlink_to(victim)
     root = Folder(out)
-    for call in (lambda: root.child("checkpoints"), lambda: root.child("checkpoints/step-1"),
-                 lambda: root.write_atomic("checkpoints/x.txt", "x"), lambda: root.load_text("checkpoints/precious.txt"),
-                 lambda: root.open_append("checkpoints/log.txt"), lambda: root.entries("checkpoints"),
-                 lambda: root.remove_tree("checkpoints/precious.txt")):
+    for call in (
+        lambda: root.child("checkpoints"),
+        lambda: root.child("checkpoints/step-1"),
+        lambda: root.write_atomic("checkpoints/x.txt", "x"),
+        lambda: root.load_text("checkpoints/precious.txt"),
+        lambda: root.open_append("checkpoints/log.txt"),
+        lambda: root.entries("checkpoints"),
+        lambda: root.remove_tree("checkpoints/precious.txt"),
+    ):
         with pytest.raises(UnsafePath):
             call()
-    assert sorted(os.listdir(victim)) == ["precious.txt"] and (victim / "precious.txt").read_text() == "keep me"
+    assert (
+        sorted(os.listdir(victim)) == ["precious.txt"]
+        and (victim / "precious.txt").read_text() == "keep me"
+    )
 
 
 def test_a_link_as_the_last_component_is_never_written_through(tree):
@@ -103,7 +111,8 @@ def test_rename_never_replaces_and_a_failed_write_leaves_the_old_file(tree):
             handle.write(b"half")
             raise RuntimeError("crash while writing")
     assert root.load_text("b.txt") == "b"
-    assert [name for name, _ in root.entries()] == ["a.txt", "b.txt"]  # no temporary file left behind
+    # no temporary file left behind
+    assert [name for name, _ in root.entries()] == ["a.txt", "b.txt"]
 
 
 def test_child_refuses_a_file_in_place_of_a_folder(tree):

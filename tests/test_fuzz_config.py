@@ -24,7 +24,9 @@ SEEDS = [
     "base: &b {x: 1, y: [1, 2, 3]}\nchild:\n  <<: *b\n  x: 2\n",
     "a: &a [1, 2]\nb: [*a, *a]\nc: !!binary aGVsbG8=\nd: 2020-01-01\ne: 1e-3\nf: ~\n",
 ]
-YAML_ALPHABET = st.sampled_from(list(":-[]{},&*!|>'\"#%@`?<\n\t ") + list("abcxyz019.") + ["\x00", "\xff", "\u2028"])
+YAML_ALPHABET = st.sampled_from(
+    list(":-[]{},&*!|>'\"#%@`?<\n\t ") + list("abcxyz019.") + ["\x00", "\xff", "\u2028"]
+)
 
 
 @dataclasses.dataclass
@@ -50,14 +52,14 @@ def _mutate(seed: str, data: st.DataObject) -> str:
         if op == "insert":
             text = text[:at] + data.draw(st.text(YAML_ALPHABET, max_size=8)) + text[at:]
         elif op == "delete":
-            text = text[:at] + text[at + data.draw(st.integers(1, 10)):]
+            text = text[:at] + text[at + data.draw(st.integers(1, 10)) :]
         elif op == "duplicate":
             line_start = text.rfind("\n", 0, at) + 1
             line_end = text.find("\n", at)
-            line = text[line_start:line_end if line_end >= 0 else len(text)]
+            line = text[line_start : line_end if line_end >= 0 else len(text)]
             text = text[:line_start] + line + "\n" + text[line_start:]
         else:
-            text = text[:at] + data.draw(st.text(YAML_ALPHABET, max_size=3)) + text[at + 3:]
+            text = text[:at] + data.draw(st.text(YAML_ALPHABET, max_size=3)) + text[at + 3 :]
     return text
 
 
@@ -76,16 +78,24 @@ def _memory_cap():
     """At most 1 GiB more address space than the process has now: a bomb that expands in memory ends
     in MemoryError (a failure: only ConfigError is allowed), not in swapping the machine."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    vm_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    vm_kib = next(
+        int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")
+    )
     cap = vm_kib * 1024 + (1 << 30)
-    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    resource.setrlimit(
+        resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard)
+    )
     try:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(st.data())
 def test_mutated_yaml_only_raises_config_error(tmp_path_factory, data):
     text = _mutate(data.draw(st.sampled_from(SEEDS)), data)
@@ -96,7 +106,11 @@ def test_mutated_yaml_only_raises_config_error(tmp_path_factory, data):
     _bounded(lambda: load_runs(path))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(st.text(YAML_ALPHABET, max_size=200))
 def test_random_text_only_raises_config_error(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("fuzz") / "r.yaml"
@@ -106,7 +120,9 @@ def test_random_text_only_raises_config_error(tmp_path_factory, text):
     _bounded(lambda: config.parse_overrides([f"model.hidden={text}", f"x.y={text}"]))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.binary(max_size=300))
 def test_random_bytes_only_raise_config_error(tmp_path_factory, raw):
     path = tmp_path_factory.mktemp("fuzz") / "b.yaml"

@@ -24,11 +24,17 @@ from multigpu.trainer import options
 from multigpu.trainer.settings import SETTING_RULES, TrainerSettings
 
 pytestmark = pytest.mark.timeout(120)  # each property: a few hundred examples, ~1-5 s here
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FAST = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 ANY_TEXT = st.text(max_size=60)
-VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                      max_leaves=12)
+VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 STEERING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -51,7 +57,10 @@ def test_every_trainer_setting_is_checked_whatever_the_value(name, value):
         assert len(exc.one_line()) <= 2000 and "\n" not in exc.one_line()
         return
     rule = SETTING_RULES[name]
-    assert validate.checked("trainer", name, getattr(settings_, name), rule) is not None or rule.optional
+    assert (
+        validate.checked("trainer", name, getattr(settings_, name), rule) is not None
+        or rule.optional
+    )
 
 
 @FAST
@@ -66,7 +75,9 @@ def test_compile_settings_never_pass_a_string_option(value):
 
 
 @FAST
-@given(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=30))
+@given(
+    st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=30)
+)
 def test_the_environment_door_lets_through_exact_names_only(name):
     try:
         environment.env_allowed(name)
@@ -76,13 +87,20 @@ def test_the_environment_door_lets_through_exact_names_only(name):
 
 
 @FAST
-@given(st.dictionaries(st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=20), st.text(max_size=10),
-                       max_size=6))
+@given(
+    st.dictionaries(
+        st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=20),
+        st.text(max_size=10),
+        max_size=6,
+    )
+)
 def test_credentials_never_reach_a_run_whose_endpoint_came_from_a_file(from_file):
     inherited = {"WANDB_API_KEY": "secret", "HF_TOKEN": "secret", "HOME": "/home/u"}
     env, held = environment.run_environment(inherited, from_file)
     if any(part in name for name in from_file for part in environment.ENV_ENDPOINT_PARTS):
-        assert all(env.get(name) != "secret" or name in from_file for name in ("WANDB_API_KEY", "HF_TOKEN"))
+        assert all(
+            env.get(name) != "secret" or name in from_file for name in ("WANDB_API_KEY", "HF_TOKEN")
+        )
         assert "HOME" in env
 
 
@@ -95,18 +113,35 @@ def test_metrics_csv_and_status_read_back_are_rows_or_nothing(tmp_path_factory, 
     rows = read_csv(folder / "metrics.csv")
     assert all(isinstance(row, dict) for row in rows)
     status = read_status(folder)
-    assert all(isinstance(status[k], kind) for k, kind in (("state", str), ("exit_code", int), ("started", float))
-               if k in status)
+    assert all(
+        isinstance(status[k], kind)
+        for k, kind in (("state", str), ("exit_code", int), ("started", float))
+        if k in status
+    )
 
 
 @FAST
-@given(st.dictionaries(st.sampled_from(["state", "exit_code", "started", "ended", "fingerprint", "job_id", "x"]),
-                       VALUES, max_size=6))
+@given(
+    st.dictionaries(
+        st.sampled_from(["state", "exit_code", "started", "ended", "fingerprint", "job_id", "x"]),
+        VALUES,
+        max_size=6,
+    )
+)
 def test_status_fields_are_typed_whatever_json_holds(tmp_path_factory, fields):
     folder = tmp_path_factory.mktemp("run")
     (folder / "status.json").write_text(json.dumps(fields, default=str))
     status = read_status(folder)
-    assert set(status) <= {"state", "exit_code", "started", "ended", "slots", "share", "fingerprint", "job_id"}
+    assert set(status) <= {
+        "state",
+        "exit_code",
+        "started",
+        "ended",
+        "slots",
+        "share",
+        "fingerprint",
+        "job_id",
+    }
     assert not isinstance(status.get("exit_code"), bool)
 
 

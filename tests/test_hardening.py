@@ -57,11 +57,14 @@ def test_a_crash_between_the_two_renames_of_a_replacement_is_recovered(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         save_state(tmp_path, 5, _state(2.0))
     monkeypatch.setattr(Folder, "move", real_rename)
-    assert not (tmp_path / step_name(5)).exists() and any(p.name.startswith(".old-step-") for p in tmp_path.iterdir())
+    assert not (tmp_path / step_name(5)).exists() and any(
+        p.name.startswith(".old-step-") for p in tmp_path.iterdir()
+    )
     checkpoint.prune(tmp_path, keep_last=1, newest=5)  # what the next save does first
     info = checkpoint.latest(tmp_path)
     assert info is not None and info.step == 5
-    assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.ones(3))  # the old copy, whole
+    # the old copy, whole
+    assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.ones(3))
 
 
 def test_a_crash_after_the_replacement_leaves_no_stale_copy(tmp_path):
@@ -70,18 +73,25 @@ def test_a_crash_after_the_replacement_leaves_no_stale_copy(tmp_path):
     (aside).mkdir()
     (aside / "state.pt").write_bytes(b"old")
     reports = []
-    checkpoint.files.recover(tmp_path)  # what a resume does first (checkpoint.latest itself only reads)
+    # what a resume does first (checkpoint.latest itself only reads)
+    checkpoint.files.recover(tmp_path)
     info = checkpoint.latest(tmp_path, report=reports.append)
     assert info.step == 5 and not aside.exists() and not reports
     assert torch.equal(checkpoint.load_state(info.path)["model"]["w"], torch.full((3,), 2.0))
 
 
-@pytest.mark.parametrize("change, why", [
-    (lambda m: m.__setitem__("files", ["state.pt"]), "no 'files' mapping"),
-    (lambda m: m["files"]["state.pt"].pop("xxh3"), "8-digit hex 'crc32'"),
-    (lambda m: m.__setitem__("files", {}), "does not list state.pt"),
-    (lambda m: m["files"].__setitem__("../../x", {"size": 1, "crc32": "00000000"}), "not inside the checkpoint"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda m: m.__setitem__("files", ["state.pt"]), "no 'files' mapping"),
+        (lambda m: m["files"]["state.pt"].pop("xxh3"), "8-digit hex 'crc32'"),
+        (lambda m: m.__setitem__("files", {}), "does not list state.pt"),
+        (
+            lambda m: m["files"].__setitem__("../../x", {"size": 1, "crc32": "00000000"}),
+            "not inside the checkpoint",
+        ),
+    ],
+)
 def test_a_resume_skips_a_malformed_manifest_as_corrupt(tmp_path, change, why):
     """Used to crash the Trainer's resume (and verify/list/consolidate) with a KeyError or TypeError."""
     save_state(tmp_path, 1, _state(1.0))
@@ -93,7 +103,11 @@ def test_a_resume_skips_a_malformed_manifest_as_corrupt(tmp_path, change, why):
     info = checkpoint.latest(tmp_path, report=reports.append)
     assert info.step == 1 and len(reports) == 1 and why in reports[0]
     listing = multigpu_here("checkpoint", "list", str(tmp_path))
-    assert listing.returncode == 0 and "CORRUPT" in listing.stdout and "Traceback" not in listing.stderr
+    assert (
+        listing.returncode == 0
+        and "CORRUPT" in listing.stdout
+        and "Traceback" not in listing.stderr
+    )
 
 
 def test_the_trainer_resumes_past_a_malformed_checkpoint(tmp_path):
@@ -106,16 +120,30 @@ def test_the_trainer_resumes_past_a_malformed_checkpoint(tmp_path):
 
     data = torch.utils.data.TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
     with mg.init(env={}) as run:
-        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
-                      out_dir=str(tmp_path), progress=False)
+        trainer = Fit(
+            run,
+            nn.Linear(2, 1),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            batch_size=4,
+            epochs=2,
+            out_dir=str(tmp_path),
+            progress=False,
+        )
         trainer.fit(data)
     newest = max((tmp_path / "checkpoints").glob("step-*"))
     manifest = json.loads((newest / MANIFEST).read_text())
     manifest["files"] = ["state.pt"]
     (newest / MANIFEST).write_text(json.dumps(manifest))
     with mg.init(env={}) as run:
-        trainer = Fit(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
-                      out_dir=str(tmp_path), progress=False)
+        trainer = Fit(
+            run,
+            nn.Linear(2, 1),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            batch_size=4,
+            epochs=2,
+            out_dir=str(tmp_path),
+            progress=False,
+        )
         assert trainer.resume() and trainer.state.global_step == 4  # the epoch-1 checkpoint
 
 
@@ -125,7 +153,9 @@ def test_consolidate_never_replaces_the_source(tmp_path):
 
     model = nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
-    step = sharded.save(tmp_path, 4, model, opt, {"trainer": {}}, is_main=True, barrier=lambda: None)
+    step = sharded.save(
+        tmp_path, 4, model, opt, {"trainer": {}}, is_main=True, barrier=lambda: None
+    )
     before = {p.name: p.stat().st_mtime_ns for p in step.iterdir()}
     proc = multigpu_here("checkpoint", "consolidate", str(step), "--out", str(tmp_path))
     assert proc.returncode == 2 and "already exists" in proc.stderr
@@ -153,7 +183,9 @@ def test_decide_follows_the_same_rules_for_local_and_slurm(tmp_path):
     (folder / "status.json").write_text(json.dumps({"state": "done", "fingerprint": "f1"}))
     assert decide(folder, "f1").action == "skip"
     assert decide(folder, "f2").action == "fresh"
-    (folder / "status.json").write_text(json.dumps({"state": "submitted", "job_id": "7", "fingerprint": "f1"}))
+    (folder / "status.json").write_text(
+        json.dumps({"state": "submitted", "job_id": "7", "fingerprint": "f1"})
+    )
     assert decide(folder, "f1", active_job=lambda job: True).action == "skip"
     assert "already submitted as job 7" in decide(folder, "f1", active_job=lambda job: True).note
     assert decide(folder, "f1", active_job=lambda job: False).action == "resume"
@@ -164,10 +196,20 @@ def test_decide_follows_the_same_rules_for_local_and_slurm(tmp_path):
 
 
 def test_the_lock_dies_with_its_holder(tmp_path):
-    holder = subprocess.Popen([PY, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-                               "from multigpu.queue.lock import RunLock; from pathlib import Path; "
-                               "lock = RunLock(Path(sys.argv[2]), 'a'); assert lock.acquire(); print('held', flush=True); "
-                               "time.sleep(60)", str(REPO / "src"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            PY,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); "
+            "from multigpu.queue.lock import RunLock; from pathlib import Path; "
+            "lock = RunLock(Path(sys.argv[2]), 'a'); assert lock.acquire(); print('held', flush=True); "
+            "time.sleep(60)",
+            str(REPO / "src"),
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         lock = RunLock(tmp_path, "a")
@@ -186,10 +228,18 @@ def test_two_queues_on_one_out_never_run_a_run_twice(tmp_path):
     the second queue meets it running however long it takes to start, not within a sleep of 4 s."""
     release = tmp_path / "release"
     runs = tmp_path / "runs.yaml"
-    runs.write_text(f"slow:\n  script: {SLEEP}\n  args: ['0', 'until={release}']\n  out_dir_key: out_dir\n")
+    runs.write_text(
+        f"slow:\n  script: {SLEEP}\n  args: ['0', 'until={release}']\n  out_dir_key: out_dir\n"
+    )
     out = tmp_path / "q"
-    first = subprocess.Popen([PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out), "--no-live"],
-                             env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [PY, "-m", "multigpu", "queue", str(runs), "--slots", "1", "--out", str(out), "--no-live"],
+        env=child_env(),
+        cwd=str(REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for_files(out / "slow", ["env.json"], timeout=120)  # the run itself has started
         second = multigpu("queue", str(runs), "--slots", "1", "--out", str(out), "--no-live")
@@ -243,15 +293,23 @@ def test_markup_in_notes_and_metrics_is_shown_as_text(tmp_path):
 def test_the_queue_job_script_writes_its_end_state_and_is_valid_bash(tmp_path):
     from multigpu.launch import slurm
 
-    job = slurm.SlurmJob(command=("t.py", "a b"), run_dir=tmp_path / "r", options=slurm.SlurmOptions(),
-                         env=(("A", "x y"),), status_file=tmp_path / "r" / "status.json", fingerprint="ab12")
+    job = slurm.SlurmJob(
+        command=("t.py", "a b"),
+        run_dir=tmp_path / "r",
+        options=slurm.SlurmOptions(),
+        env=(("A", "x y"),),
+        status_file=tmp_path / "r" / "status.json",
+        fingerprint="ab12",
+    )
     text = slurm.render(job)
     assert "|| code=$?" in text and '"fingerprint": \\"ab12\\"' not in text
     script = tmp_path / "job.sh"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     # run the trailer alone with a failing srun: it must write a parseable status
-    trailer = re.sub(r"(?m)^srun .* \|\| code=\$\?$", "false || code=$?", text[text.index("code=0"):])
+    trailer = re.sub(
+        r"(?m)^srun .* \|\| code=\$\?$", "false || code=$?", text[text.index("code=0") :]
+    )
     assert "false || code=$?" in trailer
     runner = tmp_path / "trailer.sh"
     runner.write_text("SLURM_JOB_ID=42\n" + trailer)
@@ -266,7 +324,10 @@ def _fake_scontrol(tmp_path: Path, stderr: str, code: int) -> dict:
     """A fake scontrol, and a sacct that answers as on a cluster without job accounting (scontrol is then asked)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text, exit_code in (("scontrol", stderr, code), ("sacct", "Slurm accounting storage is disabled", 1)):
+    for name, text, exit_code in (
+        ("scontrol", stderr, code),
+        ("sacct", "Slurm accounting storage is disabled", 1),
+    ):
         tool = bin_dir / name
         tool.write_text(f"#!/bin/sh\necho '{text}' >&2\nexit {exit_code}\n")
         tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
@@ -274,11 +335,14 @@ def _fake_scontrol(tmp_path: Path, stderr: str, code: int) -> dict:
 
 
 def test_slurm_status_tells_an_unreachable_controller_from_an_unknown_job(tmp_path):
-    env = _fake_scontrol(tmp_path, "slurm_load_jobs error: Unable to contact slurm controller (connect failure)", 1)
+    env = _fake_scontrol(
+        tmp_path, "slurm_load_jobs error: Unable to contact slurm controller (connect failure)", 1
+    )
     proc = multigpu("slurm", "status", "123", env=env)
     assert proc.returncode == 2 and "cannot reach the Slurm controller" in proc.stderr
-    (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\n"
-                                               "exit 1\n")
+    (tmp_path / "bin" / "scontrol").write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n"
+    )
     proc = multigpu("slurm", "status", "123", env=env)
     assert proc.returncode == 2 and "Slurm knows no job 123" in proc.stderr
 
@@ -297,8 +361,9 @@ def _requeue_with_fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize("signal_name, requeued", [("TERM", True), ("KILL", False)])
-def test_a_requeue_outlives_the_sigterm_it_causes_and_a_killed_one_says_so(tmp_path, monkeypatch, capsys,
-                                                                           signal_name, requeued):
+def test_a_requeue_outlives_the_sigterm_it_causes_and_a_killed_one_says_so(
+    tmp_path, monkeypatch, capsys, signal_name, requeued
+):
     """`scontrol requeue` ends every process of the job, scontrol among them: a fake scontrol that gets that
     SIGTERM (it signals itself) must still answer, and one killed all the same (srun kills its step) is not a
     failed requeue with an empty reason but one line naming the signal. The line that announces the requeue
@@ -310,15 +375,23 @@ def test_a_requeue_outlives_the_sigterm_it_causes_and_a_killed_one_says_so(tmp_p
     if requeued:
         assert err == ""
     else:
-        assert err.count("\n") == 1 and "scontrol requeue 1003 was ended by SIGKILL before it answered" in err
+        assert (
+            err.count("\n") == 1
+            and "scontrol requeue 1003 was ended by SIGKILL before it answered" in err
+        )
         assert "HINT: `scontrol show job 1003`" in err
 
 
-def test_a_requeue_never_hands_a_forged_job_id_to_scontrol_and_prints_its_refusal_safely(tmp_path, monkeypatch,
-                                                                                        capsys):
+def test_a_requeue_never_hands_a_forged_job_id_to_scontrol_and_prints_its_refusal_safely(
+    tmp_path, monkeypatch, capsys
+):
     requeue = _requeue_with_fake_scontrol(
-        tmp_path, monkeypatch, "printf 'scontrol: error: a\\nscontrol: error: \\033]0;pwned\\007 b\\n' >&2\nexit 1")
-    for forged in ("-h", "1003; touch pwned", "1003\x1b[2J", "\u0661", "9" * 200_000):  # SLURM_JOB_ID set by hand
+        tmp_path,
+        monkeypatch,
+        "printf 'scontrol: error: a\\nscontrol: error: \\033]0;pwned\\007 b\\n' >&2\nexit 1",
+    )
+    # SLURM_JOB_ID set by hand
+    for forged in ("-h", "1003; touch pwned", "1003\x1b[2J", "\u0661", "9" * 200_000):
         assert requeue(forged, signal.SIGUSR1) is False
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and "is not a Slurm job number" in err
@@ -326,22 +399,35 @@ def test_a_requeue_never_hands_a_forged_job_id_to_scontrol_and_prints_its_refusa
     # scontrol's own refusal: its lines joined into one, terminal-safe
     assert requeue("1003", signal.SIGUSR1) is False
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "failed: scontrol: error: a scontrol: error: \\x1b]0;pwned\\x07 b (HINT:" in err
+    assert (
+        err.count("\n") == 1
+        and "failed: scontrol: error: a scontrol: error: \\x1b]0;pwned\\x07 b (HINT:" in err
+    )
 
 
 def test_slurm_options_are_validated_for_the_queue_too(tmp_path):
     from multigpu.launch.slurm import SlurmOptions
 
-    for options, needle in ((SlurmOptions(partition="a\nb"), "--partition"), (SlurmOptions(mem="1G;x"), "--mem"),
-                            (SlurmOptions(extra=("--qos=a b",)), "--sbatch-arg"), (SlurmOptions(nodes=0), "--nodes")):
+    for options, needle in (
+        (SlurmOptions(partition="a\nb"), "--partition"),
+        (SlurmOptions(mem="1G;x"), "--mem"),
+        (SlurmOptions(extra=("--qos=a b",)), "--sbatch-arg"),
+        (SlurmOptions(nodes=0), "--nodes"),
+    ):
         with pytest.raises(LaunchError, match=needle):
             options.validate()
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["slurm", "--nodes", "\u0662", "t.py"], "--nodes"), (["run", "--nproc", "\u0662", "t.py"], "--nproc"),
-    (["run", "--max-restarts", "1_0", "t.py"], "--max-restarts"), (["queue", "r.yaml", "--slots", "\u0662"], "--slots"),
-    (["run", "--rdzv-conf", "join_timeout=\u0669", "t.py"], "--rdzv-conf")])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["slurm", "--nodes", "\u0662", "t.py"], "--nodes"),
+        (["run", "--nproc", "\u0662", "t.py"], "--nproc"),
+        (["run", "--max-restarts", "1_0", "t.py"], "--max-restarts"),
+        (["queue", "r.yaml", "--slots", "\u0662"], "--slots"),
+        (["run", "--rdzv-conf", "join_timeout=\u0669", "t.py"], "--rdzv-conf"),
+    ],
+)
 def test_whole_number_flags_take_ascii_digits_only(argv, flag, capsys, tmp_path, monkeypatch):
     """int() reads "٢" as 2 and "1_0" as 10 (and "²" passes str.isdigit() but not int()): a flag is
     digits 0-9 or one line with a HINT naming it."""
@@ -353,7 +439,9 @@ def test_whole_number_flags_take_ascii_digits_only(argv, flag, capsys, tmp_path,
     except SystemExit as exc:
         code = exc.code
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and err[0].startswith("multigpu: error:") and "HINT:" in err[0], err
+    assert (
+        code == 2 and len(err) == 1 and err[0].startswith("multigpu: error:") and "HINT:" in err[0]
+    ), err
     assert flag in err[0], err
 
 
@@ -373,4 +461,8 @@ def test_validate_whole_number_is_the_one_door():
     for text in ("\u0661", "1:\u0662", "1_0"):
         with pytest.raises(LaunchError, match="--nnodes.*HINT"):
             parse_nnodes(text)
-    assert not validate.is_digits("\u0661") and not validate.is_digits("\u00b2") and validate.is_digits("0123")
+    assert (
+        not validate.is_digits("\u0661")
+        and not validate.is_digits("\u00b2")
+        and validate.is_digits("0123")
+    )

@@ -37,6 +37,7 @@ LIMIT_GB = 3
 
 # ----------------------------------------------------------------------------------------- forging
 
+
 def _tiny() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
@@ -50,15 +51,25 @@ def sharded_ckpt(folder: Path) -> Path:
     from multigpu.checkpoint import sharded
 
     model, opt = _tiny()
-    return sharded.save(folder / "ckpt", 3, model, opt, {"trainer": {"epoch": 1}}, is_main=True,
-                        barrier=lambda: None, meta={"world_size": 1})
+    return sharded.save(
+        folder / "ckpt",
+        3,
+        model,
+        opt,
+        {"trainer": {"epoch": 1}},
+        is_main=True,
+        barrier=lambda: None,
+        meta={"world_size": 1},
+    )
 
 
 def replicated_ckpt(folder: Path, name: str = "ckpt", step: int = 3) -> Path:
     from multigpu.checkpoint import files
 
     model, opt = _tiny()
-    return files.save_state(folder / name, step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    return files.save_state(
+        folder / name, step, {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    )
 
 
 def refresh(step: Path, name: str) -> None:
@@ -126,12 +137,17 @@ def deep_extra_pt(work: Path) -> None:
     buffer = io.BytesIO()
     torch.save({"XXDEEPKEYXX": 1}, buffer)
     (step / "extra.pt").write_bytes(buffer.getvalue())
-    rezip(step / "extra.pt", lambda name, data: deep_tuple_in(data, "XXDEEPKEYXX") if name.endswith("/data.pkl")
-          else data)
+    rezip(
+        step / "extra.pt",
+        lambda name, data: (
+            deep_tuple_in(data, "XXDEEPKEYXX") if name.endswith("/data.pkl") else data
+        ),
+    )
     refresh(step, "extra.pt")
 
 
 # ----------------------------------------------------------------------------------------- running
+
 
 def _limited() -> None:
     limit = LIMIT_GB << 30
@@ -140,15 +156,29 @@ def _limited() -> None:
 
 def cli(*argv: str) -> list:
     """``python -m multigpu ARGV`` with the test's token on its command line (found by ``no_leftovers``)."""
-    return ["-c", "import sys; from multigpu.cli import main; sys.exit(main(sys.argv[2:]))", "{token}", *argv]
+    return [
+        "-c",
+        "import sys; from multigpu.cli import main; sys.exit(main(sys.argv[2:]))",
+        "{token}",
+        *argv,
+    ]
 
 
-def run_limited(argv: list, work: Path, token: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_limited(
+    argv: list, work: Path, token: str, timeout: float = 60
+) -> subprocess.CompletedProcess:
     argv = [token if a == "{token}" else a for a in argv]
     if argv[0] == "-c" and "{token}" not in argv and token not in argv:
         argv = [*argv, token]  # a script run with -c: the token is its (unused) argument
-    return subprocess.run([PY, *argv], cwd=work, env=child_env(), capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=_limited)
+    return subprocess.run(
+        [PY, *argv],
+        cwd=work,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=_limited,
+    )
 
 
 # The forged checkpoints a command refuses or a resume skips (a deep tuple key in .metadata, a 1 MiB string
@@ -157,20 +187,39 @@ def run_limited(argv: list, work: Path, token: str, timeout: float = 60) -> subp
 # time, nothing written outside the case folder): the cases here are the ones it has no twin for.
 CASES = [
     # (id, argv, forge, outcome: "error" with this fragment in the one error line, or "listed" with it in stdout)
-    ("metadata-overlapping-chunks", cli("checkpoint", "verify", STEP), metadata_overlapping_chunks,
-     "error", "overlapping chunks"),
-    ("metadata-deep-tuple-key-listed", cli("checkpoint", "list", "ckpt"), metadata_deep_key,
-     "listed", "CORRUPT"),
-    ("extra-pt-deep-pickle", cli("checkpoint", "verify", STEP), deep_extra_pt, "error",
-     "nests deeper than"),
+    (
+        "metadata-overlapping-chunks",
+        cli("checkpoint", "verify", STEP),
+        metadata_overlapping_chunks,
+        "error",
+        "overlapping chunks",
+    ),
+    (
+        "metadata-deep-tuple-key-listed",
+        cli("checkpoint", "list", "ckpt"),
+        metadata_deep_key,
+        "listed",
+        "CORRUPT",
+    ),
+    (
+        "extra-pt-deep-pickle",
+        cli("checkpoint", "verify", STEP),
+        deep_extra_pt,
+        "error",
+        "nests deeper than",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case_id, argv, forge, outcome, fragment", CASES, ids=[c[0] for c in CASES])
-def test_a_forged_checkpoint_is_one_line_or_listed_as_corrupt(tmp_path, case_id, argv, forge, outcome, fragment,
-                                                              no_leftovers):
+@pytest.mark.parametrize(
+    "case_id, argv, forge, outcome, fragment", CASES, ids=[c[0] for c in CASES]
+)
+def test_a_forged_checkpoint_is_one_line_or_listed_as_corrupt(
+    tmp_path, case_id, argv, forge, outcome, fragment, no_leftovers
+):
     forge(tmp_path)
-    proc = run_limited(argv, tmp_path, no_leftovers)  # timeout 60 s: a scan without its limits takes minutes
+    # timeout 60 s: a scan without its limits takes minutes
+    proc = run_limited(argv, tmp_path, no_leftovers)
     output = proc.stdout + proc.stderr
     assert proc.returncode >= 0, f"killed by signal {-proc.returncode}: {output[-2000:]}"
     assert "Traceback" not in output, output[-3000:]
@@ -238,14 +287,24 @@ def test_shared_objects_pass_and_cycles_are_refused(case):
 
 # ----------------------------------------------------------------------------------------- read-only commands
 
+
 def _fingerprint(root: Path) -> dict:
     found = {}
     for folder, dirs, names in os.walk(root):
         for name in dirs + names:
             path = Path(folder) / name
             stat = path.lstat()
-            digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() and not path.is_symlink() else ""
-            found[str(path.relative_to(root))] = (stat.st_mode, stat.st_size, stat.st_mtime_ns, digest)
+            digest = (
+                hashlib.sha256(path.read_bytes()).hexdigest()
+                if path.is_file() and not path.is_symlink()
+                else ""
+            )
+            found[str(path.relative_to(root))] = (
+                stat.st_mode,
+                stat.st_size,
+                stat.st_mtime_ns,
+                digest,
+            )
     return found
 
 
@@ -255,16 +314,22 @@ def test_checkpoint_commands_never_change_their_input(tmp_path, argv, no_leftove
     a resume would fix them; the commands only read. (``consolidate`` on the same folder is
     ``consolidate-recovers-its-source`` in tests/test_hostile_doors.py.)"""
     sharded_ckpt(tmp_path)
-    for name in (".old-step-00000003-deadbeef", ".old-step-00000002-deadbeef", ".tmp-step-00000004-cafe0000"):
+    for name in (
+        ".old-step-00000003-deadbeef",
+        ".old-step-00000002-deadbeef",
+        ".tmp-step-00000004-cafe0000",
+    ):
         (tmp_path / "ckpt" / name).mkdir()
         (tmp_path / "ckpt" / name / "kept.txt").write_text("evidence")
     before = _fingerprint(tmp_path / "ckpt")
-    proc = run_limited(cli("checkpoint", *argv), tmp_path, no_leftovers, timeout=120)  # one process: seconds
+    # one process: seconds
+    proc = run_limited(cli("checkpoint", *argv), tmp_path, no_leftovers, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _fingerprint(tmp_path / "ckpt") == before
 
 
 # ----------------------------------------------------------------------------------------- planted links
+
 
 def test_a_linked_step_folder_is_never_listed_nor_pruned(tmp_path):
     from multigpu.checkpoint import files
@@ -300,10 +365,21 @@ def test_a_state_entry_that_cannot_be_pickled_names_its_key(tmp_path):
     from multigpu.errors import CheckpointError
 
     model, _ = _tiny()
-    for bad, key in ((lambda x: x, "extra.schedule"), (threading.Lock(), "extra.schedule"),
-                     ([1, {"deep": (x for x in ())}], "extra.schedule[1].deep")):
+    for bad, key in (
+        (lambda x: x, "extra.schedule"),
+        (threading.Lock(), "extra.schedule"),
+        ([1, {"deep": (x for x in ())}], "extra.schedule[1].deep"),
+    ):
         with pytest.raises(CheckpointError) as info:
-            save_state(tmp_path / "ckpt", 3, {"model": model.state_dict(), "extra": {"epoch": 1, "schedule": bad}})
-        assert f"{key} holds a value that cannot be pickled" in str(info.value) and "HINT:" in str(info.value)
+            save_state(
+                tmp_path / "ckpt",
+                3,
+                {"model": model.state_dict(), "extra": {"epoch": 1, "schedule": bad}},
+            )
+        assert f"{key} holds a value that cannot be pickled" in str(info.value) and "HINT:" in str(
+            info.value
+        )
         assert not list((tmp_path / "ckpt").glob("step-*")), "no checkpoint folder is left"
-    assert save_state(tmp_path / "ckpt", 3, {"model": model.state_dict(), "extra": {"epoch": 1}}).is_dir()
+    assert save_state(
+        tmp_path / "ckpt", 3, {"model": model.state_dict(), "extra": {"epoch": 1}}
+    ).is_dir()

@@ -29,17 +29,57 @@ DIGITS = str(REPO / "examples" / "digits" / "train.py")
 CASES = [
     # (id, override, fragment of the error line)
     ("ac-number", "trainer.activation_checkpointing=3", "activation_checkpointing=3 is invalid"),
-    ("ac-text", "trainer.activation_checkpointing=all", "activation_checkpointing='all' is invalid"),
-    ("ac-empty-mapping", "trainer.activation_checkpointing={}", "activation_checkpointing={} is invalid"),
-    ("ac-unknown-key", "trainer.activation_checkpointing={evry: 2}", "activation_checkpointing has no key 'evry'"),
-    ("ac-every-zero", "trainer.activation_checkpointing={every: 0}", "activation_checkpointing setting every=0"),
-    ("ac-every-huge", "trainer.activation_checkpointing={every: 99999999999}", "setting every=99999999999"),
+    (
+        "ac-text",
+        "trainer.activation_checkpointing=all",
+        "activation_checkpointing='all' is invalid",
+    ),
+    (
+        "ac-empty-mapping",
+        "trainer.activation_checkpointing={}",
+        "activation_checkpointing={} is invalid",
+    ),
+    (
+        "ac-unknown-key",
+        "trainer.activation_checkpointing={evry: 2}",
+        "activation_checkpointing has no key 'evry'",
+    ),
+    (
+        "ac-every-zero",
+        "trainer.activation_checkpointing={every: 0}",
+        "activation_checkpointing setting every=0",
+    ),
+    (
+        "ac-every-huge",
+        "trainer.activation_checkpointing={every: 99999999999}",
+        "setting every=99999999999",
+    ),
     ("ac-every-bool", "trainer.activation_checkpointing={every: true}", "setting every=True"),
-    ("ac-blocks-text", "trainer.activation_checkpointing={blocks: Block}", "setting blocks='Block'"),
-    ("ac-blocks-empty", "trainer.activation_checkpointing={blocks: []}", "blocks=[] names no block"),
-    ("ac-block-name-code", "trainer.activation_checkpointing={blocks: ['__import__(\"os\")']}", "block name"),
-    ("ac-block-name-newline", 'trainer.activation_checkpointing={blocks: ["A\\nB"]}', "control characters"),
-    ("ac-block-name-long", "trainer.activation_checkpointing={blocks: [" + "B" * 300 + "]}", "block name"),
+    (
+        "ac-blocks-text",
+        "trainer.activation_checkpointing={blocks: Block}",
+        "setting blocks='Block'",
+    ),
+    (
+        "ac-blocks-empty",
+        "trainer.activation_checkpointing={blocks: []}",
+        "blocks=[] names no block",
+    ),
+    (
+        "ac-block-name-code",
+        "trainer.activation_checkpointing={blocks: ['__import__(\"os\")']}",
+        "block name",
+    ),
+    (
+        "ac-block-name-newline",
+        'trainer.activation_checkpointing={blocks: ["A\\nB"]}',
+        "control characters",
+    ),
+    (
+        "ac-block-name-long",
+        "trainer.activation_checkpointing={blocks: [" + "B" * 300 + "]}",
+        "block name",
+    ),
     ("profile-text", "trainer.profile=yes please", "profile='yes please' is invalid"),
     ("profile-list", "trainer.profile=[1, 1, 3]", "profile=[1, 1, 3] is invalid"),
     ("profile-unknown-key", "trainer.profile={wiat: 1}", "profile has no key 'wiat'"),
@@ -49,7 +89,11 @@ CASES = [
     ("profile-active-huge", "trainer.profile={active: 1000000}", "profile setting active=1000000"),
     ("profile-float", "trainer.profile={warmup: 1.5}", "profile setting warmup=1.5"),
     ("profile-top-text", "trainer.profile={top: all}", "profile setting top='all'"),
-    ("profile-memory-text", "trainer.profile={profile_memory: maybe}", "profile setting profile_memory='maybe'"),
+    (
+        "profile-memory-text",
+        "trainer.profile={profile_memory: maybe}",
+        "profile setting profile_memory='maybe'",
+    ),
     ("oom-snapshot-text", "trainer.memory_snapshot_on_oom=sometimes", "memory_snapshot_on_oom"),
     ("ema-one", "trainer.ema=1", "ema=1.0 is invalid"),
     ("ema-above-one", "trainer.ema=1.5", "ema=1.5 is invalid"),
@@ -62,8 +106,16 @@ CASES = [
     ("swa-and-ema", ["trainer.swa_start=10", "trainer.ema=0.99"], "swa_start=10 is invalid"),
     ("skip-text", "trainer.skip_nonfinite=please", "skip_nonfinite must be true or false"),
     ("skip-norm-zero", "trainer.skip_grad_norm_above=0", "skip_grad_norm_above=0.0 is invalid"),
-    ("skip-norm-inf", "trainer.skip_grad_norm_above=.inf", "skip_grad_norm_above must be a finite number, not inf"),
-    ("skip-loss-nan", "trainer.skip_loss_above=.nan", "skip_loss_above must be a finite number, not nan"),
+    (
+        "skip-norm-inf",
+        "trainer.skip_grad_norm_above=.inf",
+        "skip_grad_norm_above must be a finite number, not inf",
+    ),
+    (
+        "skip-loss-nan",
+        "trainer.skip_loss_above=.nan",
+        "skip_loss_above must be a finite number, not nan",
+    ),
     ("skip-in-a-row-zero", "trainer.max_skipped_in_a_row=0", "max_skipped_in_a_row=0 is invalid"),
     ("skip-in-a-row-huge", "trainer.max_skipped_in_a_row=1e12", "max_skipped_in_a_row"),
     ("skip-loss-huge", "trainer.skip_loss_above=1e300", "skip_loss_above=1e+300 is invalid"),
@@ -99,12 +151,18 @@ def test_a_bad_setting_is_one_line_with_a_hint(override, expect):
     assert "\n" not in line and "HINT:" in line and expect in line, line
 
 
-@pytest.mark.parametrize("settings, expect", [
-    ({"activation_checkpointing": {"every": 2, "blocks": None, "extra": 1}}, "has no key 'extra'"),
-    ({"profile": {"wait": True}}, "profile setting wait=True"),
-    ({"ema": 0.999, "swa_start": 5}, "swa_start=5 is invalid"),
-    ({"ema": float("inf")}, "ema=inf is invalid"),
-])
+@pytest.mark.parametrize(
+    "settings, expect",
+    [
+        (
+            {"activation_checkpointing": {"every": 2, "blocks": None, "extra": 1}},
+            "has no key 'extra'",
+        ),
+        ({"profile": {"wait": True}}, "profile setting wait=True"),
+        ({"ema": 0.999, "swa_start": 5}, "swa_start=5 is invalid"),
+        ({"ema": float("inf")}, "ema=inf is invalid"),
+    ],
+)
 def test_the_python_api_takes_the_same_door(settings, expect):
     from multigpu.errors import ConfigError
 
@@ -133,39 +191,85 @@ def test_a_link_where_traces_go_is_refused(tmp_path):
     elsewhere.mkdir()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "profile").symlink_to(elsewhere)
-    with pytest.raises(ConfigError, match="holds a link or a file where the Trainer keeps one of its folders"):
-        _Fit(mg.init(env={}), nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path / "out"),
-             profile=True)
+    with pytest.raises(
+        ConfigError, match="holds a link or a file where the Trainer keeps one of its folders"
+    ):
+        _Fit(
+            mg.init(env={}),
+            nn.Linear(2, 2),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            out_dir=str(tmp_path / "out"),
+            profile=True,
+        )
     assert list(elsewhere.iterdir()) == []
 
 
-@pytest.mark.parametrize("state, expect", [
-    ({"averaging": {"updates": "3"}, "averaged_model": {}}, "averaged model is malformed"),
-    ({"averaging": {"updates": 3}, "averaged_model": ["not", "a", "dict"]}, "averaged model is malformed"),
-    ({"averaging": {"updates": 3}, "averaged_model": {"weight": torch.zeros(5, 5)}}, r"has no weight of shape \(2, 2\)"),
-    ({"averaging": {"updates": 3}, "averaged_model": {"weight": "rm -rf /"}}, "has no weight of shape"),
-])
+@pytest.mark.parametrize(
+    "state, expect",
+    [
+        ({"averaging": {"updates": "3"}, "averaged_model": {}}, "averaged model is malformed"),
+        (
+            {"averaging": {"updates": 3}, "averaged_model": ["not", "a", "dict"]},
+            "averaged model is malformed",
+        ),
+        (
+            {"averaging": {"updates": 3}, "averaged_model": {"weight": torch.zeros(5, 5)}},
+            r"has no weight of shape \(2, 2\)",
+        ),
+        (
+            {"averaging": {"updates": 3}, "averaged_model": {"weight": "rm -rf /"}},
+            "has no weight of shape",
+        ),
+    ],
+)
 def test_a_malformed_averaged_model_in_a_checkpoint_is_one_line(tmp_path, state, expect):
     from multigpu.errors import CheckpointError
 
-    trainer = _Fit(mg.init(env={}), nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path),
-                   ema=0.9, skip_nonfinite=True, progress=False)
+    trainer = _Fit(
+        mg.init(env={}),
+        nn.Linear(2, 2),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        out_dir=str(tmp_path),
+        ema=0.9,
+        skip_nonfinite=True,
+        progress=False,
+    )
     with pytest.raises(CheckpointError, match=expect) as caught:
-        trainer.load_checkpoint_state({"trainer": {"epoch": 0, "batch_in_epoch": 0, "global_step": 0}, **state})
+        trainer.load_checkpoint_state(
+            {"trainer": {"epoch": 0, "batch_in_epoch": 0, "global_step": 0}, **state}
+        )
     assert "HINT:" in str(caught.value)
-    trainer.extras.load_state_dict({"step_guard": {"skipped": -4, "in_a_row": "x"}})  # ignored, not trusted
+    # ignored, not trusted
+    trainer.extras.load_state_dict({"step_guard": {"skipped": -4, "in_a_row": "x"}})
     assert trainer.extras.guard.skipped == 0 and trainer.extras.guard.in_a_row == 0
 
 
-@pytest.mark.parametrize("argv, env, expect", [
-    ([DIGITS, "trainer.activation_checkpointing={every: -2}"], {}, "activation_checkpointing setting every=-2"),
-    (["-c", "import multigpu as mg; mg.init()"], {"MULTIGPU_JOB": '{"profile": "yes please"}'},
-     "MULTIGPU_JOB setting profile='yes please' is invalid"),
-], ids=["setting", "environment"])
+@pytest.mark.parametrize(
+    "argv, env, expect",
+    [
+        (
+            [DIGITS, "trainer.activation_checkpointing={every: -2}"],
+            {},
+            "activation_checkpointing setting every=-2",
+        ),
+        (
+            ["-c", "import multigpu as mg; mg.init()"],
+            {"MULTIGPU_JOB": '{"profile": "yes please"}'},
+            "MULTIGPU_JOB setting profile='yes please' is invalid",
+        ),
+    ],
+    ids=["setting", "environment"],
+)
 def test_as_a_real_process_one_line_no_traceback_nothing_written(tmp_path, argv, env, expect):
     before = sorted(tmp_path.rglob("*"))
-    proc = subprocess.run([PY, *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env=child_env({"HOME": str(tmp_path), **env}))
+    proc = subprocess.run(
+        [PY, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=child_env({"HOME": str(tmp_path), **env}),
+    )
     assert proc.returncode != 0
     assert "Traceback" not in proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: error:")]
@@ -178,10 +282,22 @@ def test_a_trainer_with_everything_on_still_trains(tmp_path):
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(16, 2, generator=g), torch.randn(16, 2, generator=g))
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    trainer = _Fit(mg.init(env={}), model, lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path),
-                   batch_size=4, activation_checkpointing={"every": 1, "blocks": ["Linear"]}, ema=0.5,
-                   skip_nonfinite=True, skip_grad_norm_above=1e6, skip_loss_above=1e6, max_skipped_in_a_row=2,
-                   memory_snapshot_on_oom=True, progress=False, plot=False)
+    trainer = _Fit(
+        mg.init(env={}),
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        out_dir=str(tmp_path),
+        batch_size=4,
+        activation_checkpointing={"every": 1, "blocks": ["Linear"]},
+        ema=0.5,
+        skip_nonfinite=True,
+        skip_grad_norm_above=1e6,
+        skip_loss_above=1e6,
+        max_skipped_in_a_row=2,
+        memory_snapshot_on_oom=True,
+        progress=False,
+        plot=False,
+    )
     assert trainer.fit(data)[0]["train_loss"] > 0
 
 
@@ -194,10 +310,19 @@ def test_the_mapping_settings_are_values_or_one_line():
     from multigpu.errors import MultiGPUError
     from multigpu.trainer import options
 
-    values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-                              st.sampled_from(["every", "blocks", "wait", "active", "top", "x"]) | st.text(max_size=8),
-                              inner, max_size=4), max_leaves=12)
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(["every", "blocks", "wait", "active", "top", "x"])
+                | st.text(max_size=8),
+                inner,
+                max_size=4,
+            )
+        ),
+        max_leaves=12,
+    )
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(values)
@@ -208,6 +333,7 @@ def test_the_mapping_settings_are_values_or_one_line():
             except MultiGPUError as exc:
                 assert "\n" not in exc.one_line() and "HINT:" in exc.one_line()
                 continue
-            assert out is False or (isinstance(out, dict) and checker(out) == out)  # idempotent: checked twice
+            # idempotent: checked twice
+            assert out is False or (isinstance(out, dict) and checker(out) == out)
 
     check()

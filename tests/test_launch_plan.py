@@ -54,7 +54,10 @@ def test_gpus_per_proc_groups_devices():
 def test_procs_per_gpu_shares_each_gpu():
     plan = plan_devices(FOUR, gpus="1", procs_per_gpu=2)
     assert (plan.nproc, plan.visible, plan.procs_per_gpu) == (2, "1", 2)
-    assert (plan_devices(FOUR, procs_per_gpu=2).nproc, plan_devices(FOUR, procs_per_gpu=2).visible) == (8, "0,1,2,3")
+    assert (
+        plan_devices(FOUR, procs_per_gpu=2).nproc,
+        plan_devices(FOUR, procs_per_gpu=2).visible,
+    ) == (8, "0,1,2,3")
     plan = plan_devices(FOUR, nproc=4, procs_per_gpu=2)
     assert (plan.nproc, plan.visible) == (4, "0,1")
     env = worker_env(LaunchRequest(("t.py",), plan, plan_rendezvous()))
@@ -66,8 +69,16 @@ def test_procs_per_gpu_shares_each_gpu():
     [
         (FOUR, dict(nproc=3, procs_per_gpu=2), "--nproc 3 is not a multiple of --procs-per-gpu 2"),
         (FOUR, dict(nproc=10, procs_per_gpu=2), "needs 5 GPUs but 4 are visible"),
-        (FOUR, dict(gpus="0", nproc=4, procs_per_gpu=2), "--nproc 4 contradicts --gpus 0 at --procs-per-gpu 2"),
-        (FOUR, dict(gpus_per_proc=2, procs_per_gpu=2), "--procs-per-gpu 2 and --gpus-per-proc contradict"),
+        (
+            FOUR,
+            dict(gpus="0", nproc=4, procs_per_gpu=2),
+            "--nproc 4 contradicts --gpus 0 at --procs-per-gpu 2",
+        ),
+        (
+            FOUR,
+            dict(gpus_per_proc=2, procs_per_gpu=2),
+            "--procs-per-gpu 2 and --gpus-per-proc contradict",
+        ),
         (FOUR, dict(cpu=True, procs_per_gpu=2), "--procs-per-gpu 2 and --cpu contradict"),
         (FOUR, dict(procs_per_gpu=0), "--procs-per-gpu 0 must be at least 1"),
         ([], dict(procs_per_gpu=2), "--procs-per-gpu 2 needs a GPU but none is visible"),
@@ -129,7 +140,12 @@ def test_one_machine_uses_a_free_port_chosen_by_the_store():
 
 def test_static_multi_node_follows_the_seed_recipe():
     rdzv = plan_rendezvous(nnodes="2", node_rank=1, master_addr="host1", master_port=5555)
-    assert (rdzv.backend, rdzv.endpoint, rdzv.node_rank, rdzv.max_nodes) == ("static", "host1:5555", 1, 2)
+    assert (rdzv.backend, rdzv.endpoint, rdzv.node_rank, rdzv.max_nodes) == (
+        "static",
+        "host1:5555",
+        1,
+        2,
+    )
     assert rdzv.configs()["rank"] == 1
 
 
@@ -145,7 +161,10 @@ def test_elastic_needs_an_endpoint():
     [
         (dict(nnodes="2", master_port=5555), "needs --master-addr"),
         (dict(nnodes="2", master_addr="h"), "needs --master-port"),
-        (dict(nnodes="2", node_rank=2, master_addr="h", master_port=1), "--node-rank 2 is outside 0..1"),
+        (
+            dict(nnodes="2", node_rank=2, master_addr="h", master_port=1),
+            "--node-rank 2 is outside 0..1",
+        ),
         (dict(nnodes="x"), "is not a number"),
         (dict(nnodes="3:2"), "need 0 < MIN <= MAX"),
         (dict(rdzv_endpoint="nohostport"), "is not HOST:PORT"),
@@ -179,7 +198,8 @@ def test_imports_run_with_the_collector_paused_and_it_comes_back_as_it_was():
         assert not gc.isenabled()
     assert gc.isenabled()
     with pytest.raises(KeyboardInterrupt), collector_paused():
-        raise KeyboardInterrupt  # Ctrl-C during the import (the launcher's own stop signals raise too)
+        # Ctrl-C during the import (the launcher's own stop signals raise too)
+        raise KeyboardInterrupt
     assert gc.isenabled(), "an interrupted import leaves the collector on"
     gc.disable()
     try:
@@ -188,7 +208,8 @@ def test_imports_run_with_the_collector_paused_and_it_comes_back_as_it_was():
         assert not gc.isenabled(), "a collector the user turned off stays off"
     finally:
         gc.enable()
-    if gc.get_freeze_count() == 0:  # (nothing of this process frozen before: unfreezing puts it back exactly)
+    # (nothing of this process frozen before: unfreezing puts it back exactly)
+    if gc.get_freeze_count() == 0:
         try:
             with collector_paused(freeze=True):
                 kept = [[] for _ in range(1000)]
@@ -206,9 +227,11 @@ def test_only_the_commands_own_process_freezes_what_its_launcher_imports():
     from multigpu.launch import process
 
     assert not process.is_command_process(), "this pytest process is nobody's command"
-    probe = ("import multigpu.cli, multigpu.launch.process as p, sys\n"
-             "multigpu.cli.main = lambda: print(p.is_command_process()) or 0\n"
-             "multigpu.cli.entry()")
+    probe = (
+        "import multigpu.cli, multigpu.launch.process as p, sys\n"
+        "multigpu.cli.main = lambda: print(p.is_command_process()) or 0\n"
+        "multigpu.cli.entry()"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "True", done.stdout + done.stderr
 
@@ -226,17 +249,24 @@ def test_the_rendezvous_names_its_events_as_torch_does_during_a_launch_only(monk
 
     def inner() -> list:
         names = []
-        for depth in (1, 2, 3, 10_000):  # a loop, not a comprehension: one frame fewer on Python < 3.12
+        # a loop, not a comprehension: one frame fewer on Python < 3.12
+        for depth in (1, 2, 3, 10_000):
             names.append(dynamic_rendezvous.get_method_name(depth))
         return names
 
     recorded: list = []
-    monkeypatch.setattr(dynamic_rendezvous, "construct_and_record_rdzv_event",
-                        lambda **event: recorded.append(event["name"]))
-    handler = dynamic_rendezvous.DynamicRendezvousHandler.__new__(dynamic_rendezvous.DynamicRendezvousHandler)
+    monkeypatch.setattr(
+        dynamic_rendezvous,
+        "construct_and_record_rdzv_event",
+        lambda **event: recorded.append(event["name"]),
+    )
+    handler = dynamic_rendezvous.DynamicRendezvousHandler.__new__(
+        dynamic_rendezvous.DynamicRendezvousHandler
+    )
     handler._settings = type("Settings", (), {"run_id": "r"})()
     handler._this_node = type("Node", (), {"addr": "host", "pid": 1, "local_id": 0})()
-    handler._record(message="m")  # torch's call site, default depth: "<class>.<the method that records>"
+    # torch's call site, default depth: "<class>.<the method that records>"
+    handler._record(message="m")
 
     expected = outer()
     assert expected[:2] == ["inner", "outer"] and expected[-1] == "no_method_name"
@@ -267,7 +297,10 @@ def test_patches_of_launches_that_end_in_any_order_put_torchs_function_back_at_t
             second_launch.enter_context(store_ports_held())
             second_launch.enter_context(cheap_method_names())
         # the first launch has ended, the second runs on
-        assert api.get_free_port is not originals[0] and dynamic_rendezvous.get_method_name is method_name
+        assert (
+            api.get_free_port is not originals[0]
+            and dynamic_rendezvous.get_method_name is method_name
+        )
         assert not plain_bind_works(port), "a port picked for a launch still running stays held"
     assert (api.get_free_port, dynamic_rendezvous.get_method_name) == originals
     assert plain_bind_works(port), "the last launch's end lets every held port go"
@@ -284,7 +317,8 @@ def test_a_swap_is_per_module_object_and_a_failing_last_exit_still_puts_the_orig
     def ours() -> str:
         return "ours"
 
-    first, again = types.ModuleType("same.name"), types.ModuleType("same.name")  # e.g. a module imported twice
+    # e.g. a module imported twice
+    first, again = types.ModuleType("same.name"), types.ModuleType("same.name")
     first.f = again.f = original
 
     def fails() -> None:
@@ -296,7 +330,8 @@ def test_a_swap_is_per_module_object_and_a_failing_last_exit_still_puts_the_orig
     with pytest.raises(OSError), swapped(first, "f", ours, on_last_exit=fails):
         pass
     assert first.f is original
-    with swapped(first, "f", ours):  # nothing left behind by the failure: the next block swaps again
+    # nothing left behind by the failure: the next block swaps again
+    with swapped(first, "f", ours):
         assert first.f is ours
 
 
@@ -322,20 +357,28 @@ def test_a_reserved_port_is_given_to_nobody_else_but_a_store_still_binds_it():
 
     torchs = api.get_free_port
     with store_ports_held():
-        info = api.RendezvousStoreInfo.build(0, dist.HashStore(), "127.0.0.1")  # what the agent calls
+        # what the agent calls
+        info = api.RendezvousStoreInfo.build(0, dist.HashStore(), "127.0.0.1")
         port = info.master_port
         for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
             with socket.socket(family, socket.SOCK_STREAM) as plain, pytest.raises(OSError):
                 plain.bind((address, port))
         for libuv in (True, False):
-            store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30),
-                                  use_libuv=libuv)
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                1,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=30),
+                use_libuv=libuv,
+            )
             store.set("key", "value")
             assert store.get("key") == b"value"
             del store
     assert api.get_free_port is torchs
     with reserved_port() as held:
-        assert port_is_free(held)  # what --master-port checks (SO_REUSEADDR): a held port may be named
+        # what --master-port checks (SO_REUSEADDR): a held port may be named
+        assert port_is_free(held)
 
 
 def test_parse_nnodes():
@@ -345,7 +388,9 @@ def test_parse_nnodes():
 
 def test_worker_env_sets_devices_and_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    request = LaunchRequest(("t.py",), plan_devices(FOUR, gpus="1,2", gpus_per_proc=2), plan_rendezvous())
+    request = LaunchRequest(
+        ("t.py",), plan_devices(FOUR, gpus="1,2", gpus_per_proc=2), plan_rendezvous()
+    )
     env = worker_env(request)
     assert env["CUDA_VISIBLE_DEVICES"] == "1,2"
     assert read_job(env).workers.devices_per_process == 2
@@ -363,11 +408,20 @@ def test_device_choice_follows_local_rank_and_devices_per_process():
     assert choose_devices(world, cuda_count=0) == [torch.device("cpu")]
     assert choose_devices(world, cuda_count=2, accelerator="cpu") == [torch.device("cpu")]
     paired = World(rank=1, local_rank=1, world_size=2, local_world_size=2, devices_per_process=2)
-    assert choose_devices(paired, cuda_count=4) == [torch.device("cuda", 2), torch.device("cuda", 3)]
-    shared = [World(rank=r, local_rank=r, world_size=4, local_world_size=4, processes_per_device=2) for r in range(4)]
+    assert choose_devices(paired, cuda_count=4) == [
+        torch.device("cuda", 2),
+        torch.device("cuda", 3),
+    ]
+    shared = [
+        World(rank=r, local_rank=r, world_size=4, local_world_size=4, processes_per_device=2)
+        for r in range(4)
+    ]
     assert [choose_devices(w, cuda_count=2)[0].index for w in shared] == [0, 0, 1, 1]
-    with pytest.raises(WorldError, match=r"local rank 3 needs GPU 1 but only 1 GPU\(s\) are visible; 4 process\(es\) "
-                       r"per node at 2 per GPU = 2"):
+    with pytest.raises(
+        WorldError,
+        match=r"local rank 3 needs GPU 1 but only 1 GPU\(s\) are visible; 4 process\(es\) "
+        r"per node at 2 per GPU = 2",
+    ):
         choose_devices(shared[3], cuda_count=1)
 
 
@@ -378,16 +432,31 @@ def test_processes_sharing_a_device_are_read_from_the_launcher():
     job = json.dumps({"workers": {"processes_per_device": 2}})
     assert detect_world({**env, "MULTIGPU_JOB": job}).processes_per_device == 2
     with pytest.raises(WorldError, match="share a device or own several, not both"):
-        detect_world({**env, "MULTIGPU_JOB": json.dumps({"workers": {"processes_per_device": 2,
-                                                                      "devices_per_process": 2}})})
+        detect_world(
+            {
+                **env,
+                "MULTIGPU_JOB": json.dumps(
+                    {"workers": {"processes_per_device": 2, "devices_per_process": 2}}
+                ),
+            }
+        )
 
 
 def test_more_tasks_per_node_than_gpus_is_a_hint_error():
-    world = World(rank=3, local_rank=3, world_size=8, local_world_size=4, source="slurm", visible_devices="0,1")
+    world = World(
+        rank=3,
+        local_rank=3,
+        world_size=8,
+        local_world_size=4,
+        source="slurm",
+        visible_devices="0,1",
+    )
     with pytest.raises(WorldError) as info:
         choose_devices(world, cuda_count=2)
     text = str(info.value)
-    assert "local rank 3 needs GPU 3 but only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)" in text
+    assert (
+        "local rank 3 needs GPU 3 but only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)" in text
+    )
     assert "--ntasks-per-node" in text
 
 
@@ -395,7 +464,8 @@ def test_backend_choice():
     assert choose_backend(torch.device("cpu")) == "gloo"
     assert choose_backend(torch.device("cuda", 0)) == "nccl"
     assert choose_backend(torch.device("cuda", 0), "gloo") == "gloo"
-    assert choose_backend(torch.device("cuda", 0), shared=True) == "gloo"  # NCCL: "Duplicate GPU detected"
+    # NCCL: "Duplicate GPU detected"
+    assert choose_backend(torch.device("cuda", 0), shared=True) == "gloo"
     with pytest.raises(LaunchError, match="cannot run several processes on one GPU"):
         choose_backend(torch.device("cuda", 0), "nccl", shared=True)
     with pytest.raises(LaunchError, match="nccl"):
@@ -434,8 +504,14 @@ def test_a_rank_stopped_during_its_teardown_keeps_the_status_it_recorded(tmp_pat
     line = "multigpu: error: ranks disagree before training (1 difference(s)): x HINT: y"
 
     def failure(rank, exitcode):
-        return SimpleNamespace(exitcode=exitcode, timestamp=100, local_rank=rank, pid=10 + rank,
-                               signal_name=lambda: "SIGTERM", message={"message": line, "extraInfo": {"multigpu_error": line}})
+        return SimpleNamespace(
+            exitcode=exitcode,
+            timestamp=100,
+            local_rank=rank,
+            pid=10 + rank,
+            signal_name=lambda: "SIGTERM",
+            message={"message": line, "extraInfo": {"multigpu_error": line}},
+        )
 
     failures = {0: failure(0, 1), 1: failure(1, -15)}
     assert root_cause(failures)[0] == 1
@@ -445,7 +521,8 @@ def test_a_rank_stopped_during_its_teardown_keeps_the_status_it_recorded(tmp_pat
         write_record(str(tmp_path), rank, 0, "exit", 1)
     assert report_failure(failures, str(tmp_path)) == 1
     assert capsys.readouterr().err.count(line + " (on all 2 ranks)") == 2
-    write_record(str(tmp_path), 1, 1, "pid", 20)  # a newer attempt that recorded nothing: its signal counts
+    # a newer attempt that recorded nothing: its signal counts
+    write_record(str(tmp_path), 1, 1, "pid", 20)
     assert report_failure(failures, str(tmp_path)) == 143
     write_record(str(tmp_path), 1, 1, "exit", 999)  # not an exit status: the signal's
     assert report_failure(failures, str(tmp_path)) == 143
@@ -458,31 +535,58 @@ def test_simulated_nodes_split_the_gpus():
     plain, cpu = RunFlags(), RunFlags(cpu=True)
     commands = node_commands(2, plain, ["t.py"], visible_gpus=4, gpus_flag=None, port=29500)
     assert [c[c.index("--gpus") + 1] for c in commands] == ["0,1", "2,3"]
-    assert [c[c.index("--node-rank") + 1] if "--node-rank" in c else "0" for c in commands] == ["0", "1"]
-    assert all(c[-2:] == ["--", "t.py"] for c in commands)  # a script is never read as a launcher flag
+    assert [c[c.index("--node-rank") + 1] if "--node-rank" in c else "0" for c in commands] == [
+        "0",
+        "1",
+    ]
+    # a script is never read as a launcher flag
+    assert all(c[-2:] == ["--", "t.py"] for c in commands)
     commands = node_commands(2, plain, ["t.py"], visible_gpus=8, gpus_flag="4-7", port=29500)
     assert [c[c.index("--gpus") + 1] for c in commands] == ["4,5", "6,7"]
-    assert all("--gpus" not in c and "--cpu" in c
-               for c in node_commands(2, cpu, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500))
+    assert all(
+        "--gpus" not in c and "--cpu" in c
+        for c in node_commands(2, cpu, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500)
+    )
     with pytest.raises(LaunchError, match="cannot be split evenly"):
         node_commands(2, plain, ["t.py"], visible_gpus=3, gpus_flag=None, port=29500)
     with pytest.raises(LaunchError, match="at least 2"):
         node_commands(1, plain, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500)
     # with restarts the nodes meet in a c10d rendezvous: a static one cannot bring every node into a new round
-    restarting = node_commands(2, RunFlags(max_restarts=1, cpu=True), ["t.py"], visible_gpus=0, gpus_flag=None,
-                               port=29500)
-    assert all(c[c.index("--rdzv-endpoint") + 1] == "127.0.0.1:29500" and "--node-rank" not in c
-               and "--master-port" not in c for c in restarting)
+    restarting = node_commands(
+        2, RunFlags(max_restarts=1, cpu=True), ["t.py"], visible_gpus=0, gpus_flag=None, port=29500
+    )
+    assert all(
+        c[c.index("--rdzv-endpoint") + 1] == "127.0.0.1:29500"
+        and "--node-rank" not in c
+        and "--master-port" not in c
+        for c in restarting
+    )
 
 
-def test_restarts_across_nodes_of_a_static_rendezvous_are_refused_with_the_c10d_way(tmp_path, monkeypatch):
+def test_restarts_across_nodes_of_a_static_rendezvous_are_refused_with_the_c10d_way(
+    tmp_path, monkeypatch
+):
     from multigpu.cli import build_parser
     from multigpu.commands.launching import plan_run
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("")
-    args = build_parser().parse_args(["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                                      "--master-port", "29500", "--max-restarts", "1", "t.py"])
+    args = build_parser().parse_args(
+        [
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29500",
+            "--max-restarts",
+            "1",
+            "t.py",
+        ]
+    )
     with pytest.raises(LaunchError, match="restarts this node's workers only") as caught:
         plan_run(args)
     assert "--rdzv-endpoint HOST:PORT" in caught.value.hint
@@ -492,13 +596,36 @@ def test_run_flags_write_each_flag_once_and_the_target_last():
     from multigpu.launch.flags import RunFlags
     from multigpu.launch.interpreter import BOOTSTRAP
 
-    flags = RunFlags(nproc=2, cpu=True, log_dir="out/logs", max_restarts=0, nnodes="1", exit_timeout=90)
+    flags = RunFlags(
+        nproc=2, cpu=True, log_dir="out/logs", max_restarts=0, nnodes="1", exit_timeout=90
+    )
     argv = flags.to_argv(["-m", "pkg.train", "--lr", "1"])
-    assert argv == [sys.executable, "-P", "-m", "multigpu", "run", "--nproc", "2", "--log-dir", "out/logs", "--cpu",
-                    "-m", "pkg.train", "--lr", "1"]
+    assert argv == [
+        sys.executable,
+        "-P",
+        "-m",
+        "multigpu",
+        "run",
+        "--nproc",
+        "2",
+        "--log-dir",
+        "out/logs",
+        "--cpu",
+        "-m",
+        "pkg.train",
+        "--lr",
+        "1",
+    ]
     # another interpreter (its version unknown here): -c, whose first line drops the current folder
-    assert flags.to_argv(["t.py"], python="py")[:3] == ["py", "-c", BOOTSTRAP.format(module="multigpu")]
-    assert RunFlags(nnodes="$SLURM_JOB_NUM_NODES").to_argv(["--help"], python="py")[-2:] == ["--", "--help"]
+    assert flags.to_argv(["t.py"], python="py")[:3] == [
+        "py",
+        "-c",
+        BOOTSTRAP.format(module="multigpu"),
+    ]
+    assert RunFlags(nnodes="$SLURM_JOB_NUM_NODES").to_argv(["--help"], python="py")[-2:] == [
+        "--",
+        "--help",
+    ]
 
 
 def test_a_master_address_nobody_can_resolve_fails_in_seconds_not_after_the_rendezvous_timeout():
@@ -533,12 +660,25 @@ def test_ranks_waiting_for_run_on_main_say_so_early_and_then_less_often(capsys):
         def add(self, key, amount):
             return amount
 
-    assert _wait_for(Store(0.6), "k", test_ranks_waiting_for_run_on_main_say_so_early_and_then_less_often, 1,
-                     notice_every_s=10.0, others=3, first_notice_s=0.1) == "ok:none"
+    assert (
+        _wait_for(
+            Store(0.6),
+            "k",
+            test_ranks_waiting_for_run_on_main_say_so_early_and_then_less_often,
+            1,
+            notice_every_s=10.0,
+            others=3,
+            first_notice_s=0.1,
+        )
+        == "ok:none"
+    )
     lines = capsys.readouterr().err.splitlines()
     assert lines and all("ranks 1-3 wait for rank 0 to finish" in line for line in lines)
     assert len(lines) <= 3  # 0.1 s, then 0.2 s and 0.4 s later at most: doubling, not every poll
-    assert _wait_for(Store(0.3), "k", print, 2, notice_every_s=10.0, others=3, first_notice_s=0.05) == "ok:none"
+    assert (
+        _wait_for(Store(0.3), "k", print, 2, notice_every_s=10.0, others=3, first_notice_s=0.05)
+        == "ok:none"
+    )
     assert capsys.readouterr().err == ""  # rank 2 stays quiet: rank 1 speaks for the waiting ranks
 
 
@@ -557,7 +697,8 @@ def test_rank_0_names_a_rank_that_skipped_run_on_main_before_it_broadcasts(capsy
         def __init__(self) -> None:
             self.values: dict = {}
             self.lock = threading.Lock()
-            self.named = threading.Event()  # rank 0 asked about rank 1's own key: a line is being written
+            # rank 0 asked about rank 1's own key: a line is being written
+            self.named = threading.Event()
 
         def set(self, key, value):
             with self.lock:
@@ -599,11 +740,19 @@ def test_rank_0_names_a_rank_that_skipped_run_on_main_before_it_broadcasts(capsy
             assert broadcast_done.wait(10)
             box[:] = sent[0]
 
-    monkeypatch.setattr(rank_zero, "dist", types.SimpleNamespace(
-        is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2,
-        get_rank=lambda: ranks.me, group=Groups(),
-        distributed_c10d=types.SimpleNamespace(_get_default_store=lambda: store),
-        broadcast_object_list=broadcast_object_list))
+    monkeypatch.setattr(
+        rank_zero,
+        "dist",
+        types.SimpleNamespace(
+            is_available=lambda: True,
+            is_initialized=lambda: True,
+            get_world_size=lambda: 2,
+            get_rank=lambda: ranks.me,
+            group=Groups(),
+            distributed_c10d=types.SimpleNamespace(_get_default_store=lambda: store),
+            broadcast_object_list=broadcast_object_list,
+        ),
+    )
     monkeypatch.setattr(rank_zero, "FIRST_NOTICE_S", 0.05)
     results: dict = {}
 
@@ -621,8 +770,11 @@ def test_rank_0_names_a_rank_that_skipped_run_on_main_before_it_broadcasts(capsy
     assert results == {0: "data/meta.json", 1: "data/meta.json"}
     assert sent == [["data/meta.json"]]
     lines = capsys.readouterr().err.splitlines()
-    assert lines and all(line.startswith("multigpu: rank 0 waits for rank(s) 1 to call run_on_main(") and
-                         "HINT: if a rank skips the call" in line for line in lines), lines
+    assert lines and all(
+        line.startswith("multigpu: rank 0 waits for rank(s) 1 to call run_on_main(")
+        and "HINT: if a rank skips the call" in line
+        for line in lines
+    ), lines
 
 
 STOPS_PROBE = """\
@@ -666,10 +818,18 @@ def test_the_launchers_stop_handler_holds_raises_once_and_puts_every_handler_bac
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", STOPS_PROBE], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", STOPS_PROBE], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["held True", "after held True None", "then noted True", "raised True",
-                                        "noted True", "restored True"], done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "held True",
+        "after held True None",
+        "then noted True",
+        "raised True",
+        "noted True",
+        "restored True",
+    ], done.stdout + done.stderr
 
 
 def _sample(knob):
@@ -684,7 +844,9 @@ def _sample(knob):
     return {whole_flag: 7, float: 2.5, nproc_value: 3}.get(knob.type, "host-7")
 
 
-def test_each_launch_knob_is_one_flag_its_child_lines_carry_and_its_bounds_are_checked(tmp_path, monkeypatch):
+def test_each_launch_knob_is_one_flag_its_child_lines_carry_and_its_bounds_are_checked(
+    tmp_path, monkeypatch
+):
     """Issue 51: a launch flag is declared once (launch/knobs.py). Derived from it, and checked here to
     agree: `multigpu run`'s parser (every spelling, the dest, the default), the child `multigpu run` lines
     RunFlags writes (each handed-on knob's value reads back the same through the parser) and the bounds."""
@@ -694,7 +856,9 @@ def test_each_launch_knob_is_one_flag_its_child_lines_carry_and_its_bounds_are_c
     from multigpu.launch.knobs import KNOBS
 
     parser = build_parser()
-    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        "run"
+    ]
     by_flag = {flag: action for action in run._actions for flag in action.option_strings}
     for knob in KNOBS:
         for flag in knob.spellings():
@@ -706,10 +870,15 @@ def test_each_launch_knob_is_one_flag_its_child_lines_carry_and_its_bounds_are_c
     with pytest.raises(TypeError, match="no launch flag 'fresh'"):
         RunFlags(fresh=True)  # shapes this line only: never handed to a child
     monkeypatch.chdir(tmp_path)
-    for line, said in ((["--max-restarts", "1001"], "--max-restarts 1001 is more than 1,000"),
-                       (["--master-port", "0"], "--master-port 0 must be at least 1"),
-                       (["--monitor-interval", "0"], "--monitor-interval 0.0 must be a positive number of seconds"),
-                       (["--role", "a b"], "--role")):
+    for line, said in (
+        (["--max-restarts", "1001"], "--max-restarts 1001 is more than 1,000"),
+        (["--master-port", "0"], "--master-port 0 must be at least 1"),
+        (
+            ["--monitor-interval", "0"],
+            "--monitor-interval 0.0 must be a positive number of seconds",
+        ),
+        (["--role", "a b"], "--role"),
+    ):
         with pytest.raises(LaunchError, match=said):
             _check_run_flags(parser.parse_args(["run", *line, "t.py"]))
 
@@ -722,13 +891,29 @@ def test_a_launch_of_launches_hands_each_child_every_flag_of_its_line():
     from multigpu.launch.flags import RunFlags
     from multigpu.launch.simulate import node_commands
 
-    args = build_parser().parse_args(["run", "--simulate-nodes", "2", "--cpu", "--exit-timeout", "30", "--profile",
-                                      "--tee-prefix", "never", "--rdzv-timeout", "60", "t.py"])
+    args = build_parser().parse_args(
+        [
+            "run",
+            "--simulate-nodes",
+            "2",
+            "--cpu",
+            "--exit-timeout",
+            "30",
+            "--profile",
+            "--tee-prefix",
+            "never",
+            "--rdzv-timeout",
+            "60",
+            "t.py",
+        ]
+    )
     flags = RunFlags.from_args(args).replace(simulate_nodes=None)
     for command in node_commands(2, flags, ["t.py"], visible_gpus=0, gpus_flag=None, port=29500):
         assert "--simulate-nodes" not in command and "--profile" in command
-        assert [command[command.index(f) + 1] for f in ("--exit-timeout", "--tee-prefix", "--rdzv-timeout")] == \
-            ["30", "never", "60"]
+        assert [
+            command[command.index(f) + 1]
+            for f in ("--exit-timeout", "--tee-prefix", "--rdzv-timeout")
+        ] == ["30", "never", "60"]
 
 
 _IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
@@ -740,7 +925,10 @@ def _started(children, code):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and children.procs[-1].poll() is None:
         try:
-            if "S" in open(f"/proc/{children.procs[-1].pid}/stat").read().rsplit(")", 1)[1].split()[0]:
+            if (
+                "S"
+                in open(f"/proc/{children.procs[-1].pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            ):
                 break  # asleep in time.sleep: its handler is set
         except OSError:
             break
@@ -756,17 +944,23 @@ def test_the_children_of_a_launch_of_launches_stop_as_one(no_leftovers):
 
     from multigpu.launch.children import Children
 
-    with Children((signal.SIGTERM,), grace_s=60, poll_s=0.02) as children:  # a failure stops the others
-        children.start([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"], None)
+    # a failure stops the others
+    with Children((signal.SIGTERM,), grace_s=60, poll_s=0.02) as children:
+        children.start(
+            [sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"], None
+        )
         children.start([sys.executable, "-c", "import time; time.sleep(60)"], None)
         assert children.watch(lambda index, code: code != 0) == {0: 3, 1: -signal.SIGTERM}
-    with Children((signal.SIGTERM,), grace_s=0.3, poll_s=0.02) as children:  # the deadline after a stop
+    # the deadline after a stop
+    with Children((signal.SIGTERM,), grace_s=0.3, poll_s=0.02) as children:
         _started(children, _IGNORES_TERM)
-        os.kill(os.getpid(), signal.SIGTERM)  # to this process, which forwards it; the child ignores it
+        # to this process, which forwards it; the child ignores it
+        os.kill(os.getpid(), signal.SIGTERM)
         assert children.watch(lambda index, code: False) == {0: -signal.SIGKILL}
         assert children.received == [signal.SIGTERM]
     began = time.monotonic()
-    with Children((signal.SIGTERM,), grace_s=600, poll_s=0.02) as children:  # a second stop: at once
+    # a second stop: at once
+    with Children((signal.SIGTERM,), grace_s=600, poll_s=0.02) as children:
         _started(children, _IGNORES_TERM)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.2)
@@ -776,7 +970,8 @@ def test_the_children_of_a_launch_of_launches_stop_as_one(no_leftovers):
     with pytest.raises(RuntimeError), Children((signal.SIGTERM,), grace_s=600) as children:
         children.start([sys.executable, "-c", "import time; time.sleep(60)"], None)
         raise RuntimeError("the launcher failed")
-    assert children.procs[0].poll() == -signal.SIGKILL  # nothing left running, whatever ended the block
+    # nothing left running, whatever ended the block
+    assert children.procs[0].poll() == -signal.SIGKILL
 
 
 def test_fresh_eyes_launch_flag_findings(tmp_path, monkeypatch):
@@ -798,16 +993,24 @@ def test_fresh_eyes_launch_flag_findings(tmp_path, monkeypatch):
     fold_torchrun_flags(args)
     assert args.rdzv_timeout == 900
     with pytest.raises(LaunchError, match="more than once"):
-        fold_torchrun_flags(parser.parse_args(["run", "--rdzv-conf", "join_timeout=900,timeout=5", "t.py"]))
+        fold_torchrun_flags(
+            parser.parse_args(["run", "--rdzv-conf", "join_timeout=900,timeout=5", "t.py"])
+        )
     monkeypatch.chdir(tmp_path)
     (tmp_path / "pkg").mkdir()
     os.mkfifo(tmp_path / "fifo")
-    for target, said in (("pkg", "is a folder"), ("fifo", "not a regular file"), ("/dev/zero", "not a regular file"),
-                         ("nothere.py", "does not exist")):
+    for target, said in (
+        ("pkg", "is a folder"),
+        ("fifo", "not a regular file"),
+        ("/dev/zero", "not a regular file"),
+        ("nothere.py", "does not exist"),
+    ):
         with pytest.raises(LaunchError, match=said):
             split_command(target, None, [])
-    for flags, said in ((["--monitor-interval", "1e-300"], "shorter than 0.01 s"),
-                        (["--min-replicas", "0"], "--min-replicas 0 must be at least 1"),
-                        (["--heartbeat-timeout", "nan"], "--heartbeat-timeout nan must be a positive number")):
+    for flags, said in (
+        (["--monitor-interval", "1e-300"], "shorter than 0.01 s"),
+        (["--min-replicas", "0"], "--min-replicas 0 must be at least 1"),
+        (["--heartbeat-timeout", "nan"], "--heartbeat-timeout nan must be a positive number"),
+    ):
         with pytest.raises(LaunchError, match=said):
             _check_run_flags(parser.parse_args(["run", *flags, "t.py"]))

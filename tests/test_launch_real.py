@@ -23,7 +23,10 @@ ALLREDUCE = str(SCRIPTS / "allreduce.py")
 
 
 def _records(stdout: str) -> list[dict]:
-    return sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(line) for line in stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
 
 
 def _assert_all_reduced_on_2(proc: subprocess.CompletedProcess) -> None:
@@ -32,7 +35,8 @@ def _assert_all_reduced_on_2(proc: subprocess.CompletedProcess) -> None:
     records = _records(proc.stdout)
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["sum"] == 3.0 and r["world_size"] == 2 and r["backend"] == "gloo" for r in records)
-    assert all(r["source"] == "torchrun" for r in records)  # multigpu run is torch's elastic agent underneath
+    # multigpu run is torch's elastic agent underneath
+    assert all(r["source"] == "torchrun" for r in records)
     # each rendezvous round a fresh store of rank 0's: no keys of an earlier attempt (its port: the launcher
     # holds it from the agent's pick on, tests/test_launch_plan.py)
     assert not any(r["agent_store"] for r in records), records
@@ -46,15 +50,28 @@ def test_no_flags_on_a_cpu_machine_is_one_process(no_leftovers):
 
 def test_same_script_under_plain_torchrun(no_leftovers):
     proc = subprocess.run(
-        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", ALLREDUCE, no_leftovers],
-        capture_output=True, text=True, timeout=120, env=child_env(),
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            ALLREDUCE,
+            no_leftovers,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr
     assert [(r["rank"], r["sum"]) for r in _records(proc.stdout)] == [(0, 3.0), (1, 3.0)]
 
 
 def test_same_script_as_a_plain_process(no_leftovers):
-    proc = subprocess.run([PY, ALLREDUCE, no_leftovers], capture_output=True, text=True, timeout=60, env=child_env())
+    proc = subprocess.run(
+        [PY, ALLREDUCE, no_leftovers], capture_output=True, text=True, timeout=60, env=child_env()
+    )
     assert proc.returncode == 0, proc.stderr
     assert _records(proc.stdout)[0]["source"] == "single"
 
@@ -62,7 +79,9 @@ def test_same_script_as_a_plain_process(no_leftovers):
 def test_module_target(no_leftovers):
     proc = multigpu("run", "--nproc", "2", "-m", "pkg.hello", "--flag", no_leftovers, check=True)
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("module"))
-    assert lines == [f"module rank {r} of 2 args ['--flag', '{no_leftovers}'] name __main__" for r in (0, 1)]
+    assert lines == [
+        f"module rank {r} of 2 args ['--flag', '{no_leftovers}'] name __main__" for r in (0, 1)
+    ]
 
 
 #: Launches in the shutdown test. A bare destroy_process_group aborted 19 of 40 two-process launches here
@@ -80,7 +99,11 @@ def test_repeated_launches_never_abort_at_shutdown(no_leftovers):
     failures = []
     for attempt in range(SHUTDOWN_LAUNCHES):
         proc = multigpu("run", "--nproc", "2", ALLREDUCE, no_leftovers)
-        if proc.returncode != 0 or "terminate called" in proc.stderr or len(_records(proc.stdout)) != 2:
+        if (
+            proc.returncode != 0
+            or "terminate called" in proc.stderr
+            or len(_records(proc.stdout)) != 2
+        ):
             failures.append((attempt, proc.returncode, proc.stderr[-500:]))
     assert failures == []
 
@@ -90,11 +113,17 @@ def test_two_concurrent_launches_both_succeed_one_on_a_port_of_its_own(no_leftov
     plain 2-process all-reduce."""
     from multigpu.launch.ports import reserved_port
 
-    with reserved_port() as port, ThreadPoolExecutor(2) as pool:  # a port nobody else is given meanwhile
-        procs = list(pool.map(lambda flags: multigpu("run", "--nproc", "2", *flags, ALLREDUCE, no_leftovers),
-                              [(), ("--master-port", str(port))]))
+    # a port nobody else is given meanwhile
+    with reserved_port() as port, ThreadPoolExecutor(2) as pool:
+        procs = list(
+            pool.map(
+                lambda flags: multigpu("run", "--nproc", "2", *flags, ALLREDUCE, no_leftovers),
+                [(), ("--master-port", str(port))],
+            )
+        )
     _assert_all_reduced_on_2(procs[0])
-    assert procs[1].returncode == 0, procs[1].stderr  # a static rendezvous on that port: its own store
+    # a static rendezvous on that port: its own store
+    assert procs[1].returncode == 0, procs[1].stderr
     assert [r["sum"] for r in _records(procs[1].stdout)] == [3.0, 3.0]
 
 
@@ -103,27 +132,39 @@ def test_failing_rank_gives_its_exit_code_name_and_stderr(no_leftovers):
     assert proc.returncode == 3, proc.stderr
     assert "error: rank 1 (local rank 1" in proc.stderr and "exited with code 3" in proc.stderr
     summary = proc.stderr.split("error: rank 1", 1)[1]
-    assert "rank 1 is failing on purpose" in summary  # the tail of its stderr is repeated in the summary
+    # the tail of its stderr is repeated in the summary
+    assert "rank 1 is failing on purpose" in summary
 
 
 def test_python_exception_in_a_worker(tmp_path, no_leftovers):
     script = tmp_path / "boom.py"
-    script.write_text("import multigpu as mg\nrun = mg.init(timeout_s=20)\n"
-                      "if run.rank == 0:\n    raise ValueError('bad value in rank zero')\n")
+    script.write_text(
+        "import multigpu as mg\nrun = mg.init(timeout_s=20)\n"
+        "if run.rank == 0:\n    raise ValueError('bad value in rank zero')\n"
+    )
     proc = multigpu("run", "--nproc", "2", str(script), no_leftovers)
     assert proc.returncode == 1
     assert "error: rank 0" in proc.stderr
     assert "ValueError: bad value in rank zero" in proc.stderr.split("error: rank 0", 1)[1]
 
 
-@pytest.mark.parametrize("share, needle", [
-    ("", "multigpu: error: out of GPU memory. HINT: lower the per-process batch size"),
-    ("0.25", "multigpu: error: out of GPU memory in a packed queue run, which may use 0.25 of the GPU. HINT: give "
-             "this run more of the GPU"),
-])
+@pytest.mark.parametrize(
+    "share, needle",
+    [
+        ("", "multigpu: error: out of GPU memory. HINT: lower the per-process batch size"),
+        (
+            "0.25",
+            "multigpu: error: out of GPU memory in a packed queue run, which may use 0.25 of the GPU. HINT: give "
+            "this run more of the GPU",
+        ),
+    ],
+)
 def test_out_of_memory_names_what_to_change(share, needle, no_leftovers):
-    proc = multigpu("run", str(SCRIPTS / "oom.py"), env={"MULTIGPU_JOB": json.dumps({"memory_fraction": float(share)})
-                                                         if share else ""})
+    proc = multigpu(
+        "run",
+        str(SCRIPTS / "oom.py"),
+        env={"MULTIGPU_JOB": json.dumps({"memory_fraction": float(share)}) if share else ""},
+    )
     assert proc.returncode == 1
     assert "OutOfMemoryError: CUDA out of memory" in proc.stderr  # the traceback still says where
     assert needle in proc.stderr and proc.stderr.count(needle) == 1
@@ -132,8 +173,21 @@ def test_out_of_memory_names_what_to_change(share, needle, no_leftovers):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_worker_and_leaves_no_orphan(tmp_path, no_leftovers, sig):
     launcher = subprocess.Popen(
-        [PY, "-m", "multigpu", "run", "--nproc", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path), no_leftovers],
-        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            PY,
+            "-m",
+            "multigpu",
+            "run",
+            "--nproc",
+            "2",
+            str(SCRIPTS / "sleeper.py"),
+            str(tmp_path),
+            no_leftovers,
+        ],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         wait_for_files(tmp_path, ["pid0", "pid1"], timeout=60)
@@ -146,12 +200,17 @@ def test_signal_stops_every_worker_and_leaves_no_orphan(tmp_path, no_leftovers, 
     assert f"stopped by {sig.name}" in err
     assert wait_until_gone(no_leftovers) == []
     for pid in workers:
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+        assert (
+            not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+        )
 
 
-@pytest.mark.parametrize("backend, sig", [("static", signal.SIGINT), ("static", signal.SIGTERM),
-                                          ("c10d", signal.SIGINT)])
-def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(no_leftovers, backend, sig):
+@pytest.mark.parametrize(
+    "backend, sig", [("static", signal.SIGINT), ("static", signal.SIGTERM), ("c10d", signal.SIGINT)]
+)
+def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(
+    no_leftovers, backend, sig
+):
     """One node of two: the launcher waits. Once its store listens, a static rendezvous waits inside C++
     (torch's TCPStore, for the other node), where no Python handler runs until the 300 s rendezvous timeout;
     c10d's wait is Python's. Either way the stop ends it within seconds (60 s: the bound of a hang, not of
@@ -160,12 +219,32 @@ def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(no
 
     temp = Path(tempfile.mkdtemp(prefix="mgt-", dir="/tmp"))
     with reserved_port() as port:
-        where = (["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-                 if backend == "static" else ["--rdzv-endpoint", f"127.0.0.1:{port}"])
+        where = (
+            ["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            if backend == "static"
+            else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+        )
         launcher = subprocess.Popen(
-            [PY, "-m", "multigpu", "run", "--nproc", "1", "--nnodes", "2", *where, "--rdzv-timeout", "300",
-             ALLREDUCE, no_leftovers],
-            env=child_env({"TMPDIR": str(temp)}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                PY,
+                "-m",
+                "multigpu",
+                "run",
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                *where,
+                "--rdzv-timeout",
+                "300",
+                ALLREDUCE,
+                no_leftovers,
+            ],
+            env=child_env({"TMPDIR": str(temp)}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 120
             while not listening(port) and launcher.poll() is None and time.monotonic() < deadline:
@@ -180,7 +259,10 @@ def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(no
             leftovers = [p.name for p in temp.iterdir()]
             shutil.rmtree(temp, ignore_errors=True)
     assert launcher.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
-    assert f"multigpu: stopped by {sig.name} while waiting for the other nodes; no worker had started." in err
+    assert (
+        f"multigpu: stopped by {sig.name} while waiting for the other nodes; no worker had started."
+        in err
+    )
     assert "Traceback" not in err and took < 60
     assert leftovers == []
     assert wait_until_gone(no_leftovers) == []
@@ -188,8 +270,20 @@ def test_a_stop_while_waiting_for_the_other_node_ends_the_launcher_in_seconds(no
 
 def test_sigkill_of_the_launcher_takes_the_workers_with_it(tmp_path, no_leftovers):
     launcher = subprocess.Popen(
-        [PY, "-m", "multigpu", "run", "--nproc", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path), no_leftovers],
-        env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            PY,
+            "-m",
+            "multigpu",
+            "run",
+            "--nproc",
+            "2",
+            str(SCRIPTS / "sleeper.py"),
+            str(tmp_path),
+            no_leftovers,
+        ],
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     wait_for_files(tmp_path, ["pid0", "pid1"], timeout=60)
     launcher.kill()
@@ -207,7 +301,11 @@ def test_taken_master_port_fails_at_once_with_a_hint(no_leftovers):
     assert proc.returncode == 2
     assert time.monotonic() - started < 15
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == [lines[0]] and f"--master-port {port} is already in use" in lines[0] and "HINT:" in lines[0]
+    assert (
+        lines == [lines[0]]
+        and f"--master-port {port} is already in use" in lines[0]
+        and "HINT:" in lines[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -228,16 +326,30 @@ def test_bad_input_is_one_line_with_a_hint(args, needle):
 
 
 def test_run_on_main_once_longer_than_the_timeout_and_shared(tmp_path, no_leftovers):
-    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "prepare_once.py"), str(tmp_path), no_leftovers)
+    proc = multigpu(
+        "run", "--nproc", "2", str(SCRIPTS / "prepare_once.py"), str(tmp_path), no_leftovers
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "prepared.txt").read_text() == "prepared by rank 0\n"
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
-    assert results[0] == results[1] == {"result": {"items": 101, "by": 0}, "second": 0, "nothing": None}
+    assert (
+        results[0]
+        == results[1]
+        == {"result": {"items": 101, "by": 0}, "second": 0, "nothing": None}
+    )
     assert proc.stdout.count("printed once") == 1
 
 
 def test_run_on_main_failure_stops_every_rank(tmp_path, no_leftovers):
-    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers)
+    proc = multigpu(
+        "run",
+        "--nproc",
+        "2",
+        str(SCRIPTS / "prepare_once.py"),
+        str(tmp_path),
+        "--fail",
+        no_leftovers,
+    )
     assert proc.returncode == 1
     assert "error: rank 0" in proc.stderr and "RuntimeError: the dataset is broken" in proc.stderr
 
@@ -247,15 +359,32 @@ def test_run_on_main_failure_raises_on_the_waiting_ranks_too(tmp_path, no_leftov
     from multigpu.launch.ports import reserved_port
 
     with reserved_port() as port:  # rank 0's store binds it; nobody else is given it meanwhile
-        procs = [subprocess.Popen([PY, str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers],
-                                  env=child_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [PY, str(SCRIPTS / "prepare_once.py"), str(tmp_path), "--fail", no_leftovers],
+                env=child_env(
+                    {
+                        "RANK": str(r),
+                        "WORLD_SIZE": "2",
+                        "LOCAL_RANK": str(r),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port),
+                    }
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
         results = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [1, 1]
     assert "RuntimeError: the dataset is broken" in results[0][1]
     # rank 0's error reached it, or the store rank 0 hosted vanished first: either way it says so
-    assert "run_on_main(prepare) failed on rank 0" in results[1][1] or "run_on_main(prepare) lost rank 0" in results[1][1]
+    assert (
+        "run_on_main(prepare) failed on rank 0" in results[1][1]
+        or "run_on_main(prepare) lost rank 0" in results[1][1]
+    )
 
 
 LATE_RANK = """\
@@ -297,10 +426,24 @@ def test_a_late_rank_joins_and_the_collective_timeout_holds_after(tmp_path, no_l
     from multigpu.launch.ports import reserved_port
 
     with reserved_port() as port:
-        procs = [subprocess.Popen([PY, "-c", LATE_RANK, str(tmp_path), no_leftovers],
-                                  env=child_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [PY, "-c", LATE_RANK, str(tmp_path), no_leftovers],
+                env=child_env(
+                    {
+                        "RANK": str(r),
+                        "WORLD_SIZE": "2",
+                        "LOCAL_RANK": str(r),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port),
+                    }
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
         results = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     line = results[0][0].strip()
@@ -310,8 +453,21 @@ def test_a_late_rank_joins_and_the_collective_timeout_holds_after(tmp_path, no_l
 
 def test_help_documents_every_option():
     proc = multigpu("run", "--help", check=True)
-    for flag in ("--gpus", "--nproc", "--gpus-per-proc", "--cpu", "--nnodes", "--node-rank", "--master-addr",
-                 "--master-port", "--rdzv-endpoint", "--max-restarts", "--log-dir", "-m", "examples:"):
+    for flag in (
+        "--gpus",
+        "--nproc",
+        "--gpus-per-proc",
+        "--cpu",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--rdzv-endpoint",
+        "--max-restarts",
+        "--log-dir",
+        "-m",
+        "examples:",
+    ):
         assert flag in proc.stdout
 
 
@@ -319,8 +475,16 @@ def test_the_gpu_path_checks_hold_on_cpu_processes_too(tmp_path, no_leftovers):
     """tests/scripts/gpu_paths.py is what the GPU tier runs on a GPU; here its code path runs on two CPU
     processes, so a mistake in the script (not a CUDA difference) shows up on every machine. Both CPU
     checks in one launch."""
-    proc = multigpu("run", "--nproc", "2", str(SCRIPTS / "gpu_paths.py"), "init,fsdp_dcp", str(tmp_path),
-                    no_leftovers, timeout=180)
+    proc = multigpu(
+        "run",
+        "--nproc",
+        "2",
+        str(SCRIPTS / "gpu_paths.py"),
+        "init,fsdp_dcp",
+        str(tmp_path),
+        no_leftovers,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for check in ("init", "fsdp_dcp"):
@@ -329,7 +493,9 @@ def test_the_gpu_path_checks_hold_on_cpu_processes_too(tmp_path, no_leftovers):
         if check == "init":
             assert [(r["backend"], r["sum"]) for r in records] == [("gloo", 3.0), ("gloo", 3.0)]
         else:
-            assert all(r["resumed"] and r["sharded"] for r in records) and records[0]["equal"] is True
+            assert (
+                all(r["resumed"] and r["sharded"] for r in records) and records[0]["equal"] is True
+            )
 
 
 RESTARTED = """\
@@ -344,16 +510,30 @@ dist.destroy_process_group()
 """
 
 
-def test_simulated_nodes_restart_together_and_never_ask_the_user_to_start_them(tmp_path, no_leftovers):
+def test_simulated_nodes_restart_together_and_never_ask_the_user_to_start_them(
+    tmp_path, no_leftovers
+):
     """--simulate-nodes 2 --max-restarts 1: the restarted worker of one node could not reach the other's
     (a static rendezvous restarts one node's workers only); each node also asked the user to start the
     others, which the command does itself."""
     script = tmp_path / "restarted.py"
     script.write_text(RESTARTED)
-    proc = multigpu("run", "--simulate-nodes", "2", "--nproc", "1", "--max-restarts", "1", str(script), no_leftovers,
-                    timeout=180)
+    proc = multigpu(
+        "run",
+        "--simulate-nodes",
+        "2",
+        "--nproc",
+        "1",
+        "--max-restarts",
+        "1",
+        str(script),
+        no_leftovers,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(line for line in proc.stdout.splitlines() if "attempt" in line) == ["rank 0 attempt 1 ok",
-                                                                                      "rank 1 attempt 1 ok"]
+    assert sorted(line for line in proc.stdout.splitlines() if "attempt" in line) == [
+        "rank 0 attempt 1 ok",
+        "rank 1 attempt 1 ok",
+    ]
     assert "start the same command on the other nodes" not in proc.stderr
     assert proc.stderr.count("the other simulated nodes start here too") == 2

@@ -11,15 +11,28 @@ from multigpu.distributed.world import World
 from multigpu.errors import ConfigError
 from multigpu.strategies import make_strategy
 from multigpu.strategies.fsdp import find_blocks
-from multigpu.strategies.pipeline import Pipeline, PipelineModule, PipelineOptions, balanced_split_points, split_model
+from multigpu.strategies.pipeline import (
+    Pipeline,
+    PipelineModule,
+    PipelineOptions,
+    balanced_split_points,
+    split_model,
+)
 
 CPU = torch.device("cpu")
 
 
 def _mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
-                         nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.ReLU(),
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Linear(32, 16),
+        nn.ReLU(),
+        nn.Linear(16, 4),
+    )
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -31,9 +44,11 @@ def test_pipeline_outputs_and_gradients_equal_the_unsplit_model(stages, micro_ba
     x = torch.randn(10, 8)
     out, ref = piped(x), reference(x)
     assert torch.allclose(out, ref, atol=1e-6)
-    (out ** 2).sum().backward()
-    (ref ** 2).sum().backward()
-    for (name, p), (_, q) in zip(piped.named_parameters(), reference.named_parameters(), strict=True):
+    (out**2).sum().backward()
+    (ref**2).sum().backward()
+    for (name, p), (_, q) in zip(
+        piped.named_parameters(), reference.named_parameters(), strict=True
+    ):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
     assert list(piped.state_dict()) == list(reference.state_dict())  # loads into the unsplit model
 
@@ -91,11 +106,15 @@ def test_more_stages_than_gpus_of_the_process_is_a_hint_error():
 
 def test_strategy_names_and_fallbacks():
     assert make_strategy("pipeline", World(), [CPU]).name == "pipeline"
-    assert make_strategy("ddp+pipeline", World(), [CPU]).name == "pipeline"  # one process: nothing to replicate
-    alone = make_strategy("fsdp", World(), [CPU])  # one process: nothing to shard, but checkpoints stay DCP
+    # one process: nothing to replicate
+    assert make_strategy("ddp+pipeline", World(), [CPU]).name == "pipeline"
+    # one process: nothing to shard, but checkpoints stay DCP
+    alone = make_strategy("fsdp", World(), [CPU])
     assert (alone.name, alone.sharded, alone.distributed) == ("fsdp", True, False)
     with pytest.raises(ConfigError, match="fsdp option param_dtype='fp12'"):
-        make_strategy("fsdp", World(rank=0, world_size=2, local_world_size=2), [CPU], param_dtype="fp12")
+        make_strategy(
+            "fsdp", World(rank=0, world_size=2, local_world_size=2), [CPU], param_dtype="fp12"
+        )
     with pytest.raises(ConfigError, match="has no option 'microbatches'"):
         make_strategy("pipeline", World(), [CPU], microbatches=2)
 
@@ -115,22 +134,38 @@ def test_fsdp_finds_repeated_blocks():
 
     model = GPT()
     assert find_blocks(model) == list(model.blocks)
-    assert find_blocks(model, ["Linear"]) == [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert find_blocks(model, ["Linear"]) == [
+        m for m in model.modules() if isinstance(m, nn.Linear)
+    ]
     with pytest.raises(ConfigError, match="matches no submodule.*Block"):
         find_blocks(model, ["Layer"])
 
 
 # ------------------------------------------------------------------ sharded checkpoints, real processes
 
+
 # Four launches of 1-3 processes plus two checkpoint commands (a few minutes on 2 busy cores).
 @pytest.mark.timeout(300)
 def test_sharded_checkpoint_reshards_2_to_1_and_3_and_consolidates(tmp_path, no_leftovers):
     script = str(SCRIPTS / "reshard.py")
     first = tmp_path / "two"
-    multigpu("run", "--nproc", "2", script, str(first), "--batch", "6", "--epochs", "1",
-             "--weights", str(tmp_path / "after1.pt"), check=True)
+    multigpu(
+        "run",
+        "--nproc",
+        "2",
+        script,
+        str(first),
+        "--batch",
+        "6",
+        "--epochs",
+        "1",
+        "--weights",
+        str(tmp_path / "after1.pt"),
+        check=True,
+    )
     (ckpt,) = (first / "checkpoints").glob("step-*")
-    assert (ckpt / ".metadata").exists() and len(list(ckpt.glob("*.distcp"))) == 2 * 2  # 2 writing threads per rank
+    # 2 writing threads per rank
+    assert (ckpt / ".metadata").exists() and len(list(ckpt.glob("*.distcp"))) == 2 * 2
     finals = {}
     for nproc, batch in ((2, 6), (1, 12), (3, 4)):  # the same global batch on every world size
         folder = tmp_path / f"cont{nproc}"
@@ -138,17 +173,34 @@ def test_sharded_checkpoint_reshards_2_to_1_and_3_and_consolidates(tmp_path, no_
         import shutil
 
         shutil.copytree(ckpt, folder / "checkpoints" / ckpt.name)
-        proc = multigpu("run", "--nproc", str(nproc), script, str(folder), "--batch", str(batch), "--epochs", "2",
-                        "--weights", str(tmp_path / f"final{nproc}.pt"), check=True)
+        proc = multigpu(
+            "run",
+            "--nproc",
+            str(nproc),
+            script,
+            str(folder),
+            "--batch",
+            str(batch),
+            "--epochs",
+            "2",
+            "--weights",
+            str(tmp_path / f"final{nproc}.pt"),
+            check=True,
+        )
         assert "resumed from" in proc.stdout and "step 8)" in proc.stdout
         finals[nproc] = torch.load(tmp_path / f"final{nproc}.pt", weights_only=True)
-    for nproc in (1, 3):  # float64: only the order of float sums differs (the bound: tests/scripts/reshard.py)
+    # float64: only the order of float sums differs (the bound: tests/scripts/reshard.py)
+    for nproc in (1, 3):
         assert max((finals[nproc][k] - finals[2][k]).abs().max().item() for k in finals[2]) < 1e-7
 
-    consolidated = multigpu_here("checkpoint", "consolidate", str(ckpt), "--out", str(tmp_path / "plain"), check=True)
+    consolidated = multigpu_here(
+        "checkpoint", "consolidate", str(ckpt), "--out", str(tmp_path / "plain"), check=True
+    )
     assert "consolidated" in consolidated.stdout
     state = torch.load(tmp_path / "plain" / ckpt.name / "state.pt", weights_only=True)
-    plain = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    plain = nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    ).double()
     plain.load_state_dict(state["model"])  # strict
     after1 = torch.load(tmp_path / "after1.pt", weights_only=True)
     assert all(torch.equal(plain.state_dict()[k], after1[k]) for k in after1)

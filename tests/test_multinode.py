@@ -43,8 +43,9 @@ def _launch(nodes, per_node_args: dict, script_args: list[str], timeout: float =
     procs = {}
     for node in ("a", "b"):
         argv = [PY, "-m", "multigpu", "run", *per_node_args[node], *script_args]
-        procs[node] = nodes.popen(node, argv, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        procs[node] = nodes.popen(
+            node, argv, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     results = {}
     for node, proc in procs.items():
         out, err = proc.communicate(timeout=timeout)
@@ -54,11 +55,32 @@ def _launch(nodes, per_node_args: dict, script_args: list[str], timeout: float =
 
 def _rendezvous(kind: str, nodes, nproc: int = 1) -> dict:
     if kind == "static":
-        common = ["--nnodes", "2", "--master-addr", nodes.addr_a, "--master-port", "29500", "--rdzv-timeout", "60"]
-        return {"a": [*common, "--node-rank", "0", "--nproc", str(nproc)],
-                "b": [*common, "--node-rank", "1", "--nproc", str(nproc)]}
-    common = ["--nnodes", "2", "--rdzv-endpoint", f"{nodes.addr_a}:29400", "--rdzv-id", "twonodes",
-              "--rdzv-timeout", "60", "--nproc", str(nproc)]
+        common = [
+            "--nnodes",
+            "2",
+            "--master-addr",
+            nodes.addr_a,
+            "--master-port",
+            "29500",
+            "--rdzv-timeout",
+            "60",
+        ]
+        return {
+            "a": [*common, "--node-rank", "0", "--nproc", str(nproc)],
+            "b": [*common, "--node-rank", "1", "--nproc", str(nproc)],
+        }
+    common = [
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"{nodes.addr_a}:29400",
+        "--rdzv-id",
+        "twonodes",
+        "--rdzv-timeout",
+        "60",
+        "--nproc",
+        str(nproc),
+    ]
     return {"a": common, "b": common}
 
 
@@ -66,23 +88,38 @@ def _rendezvous(kind: str, nodes, nproc: int = 1) -> dict:
 def one_process(tmp_path_factory) -> dict:
     """equivalence.py on one process with the global batch: the reference of both rendezvous kinds (one launch)."""
     single = tmp_path_factory.mktemp("single") / "one.pt"
-    multigpu("run", "--nproc", "1", str(SCRIPTS / "equivalence.py"), str(single), "--batch", "8", "--global-batch", "8",
-             check=True)
+    multigpu(
+        "run",
+        "--nproc",
+        "1",
+        str(SCRIPTS / "equivalence.py"),
+        str(single),
+        "--batch",
+        "8",
+        "--global-batch",
+        "8",
+        check=True,
+    )
     return torch.load(single, weights_only=True)
 
 
 @pytest.mark.parametrize("kind", ["static", "c10d"])
 def test_two_nodes_train_like_one_node(nodes, tmp_path, kind, one_process):
     out = tmp_path / "two.pt"
-    results = _launch(nodes, _rendezvous(kind, nodes, nproc=2),
-                      [str(SCRIPTS / "equivalence.py"), str(out), "--batch", "2", "--global-batch", "8"])
+    results = _launch(
+        nodes,
+        _rendezvous(kind, nodes, nproc=2),
+        [str(SCRIPTS / "equivalence.py"), str(out), "--batch", "2", "--global-batch", "8"],
+    )
     for node, result in results.items():
         assert result.returncode == 0, f"node {node}:\n{result.stderr[-3000:]}"
     a, b = torch.load(out, weights_only=True), one_process
     # float64: only the order of float sums differs (the bound: tests/scripts/equivalence.py)
     assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < 1e-7
     assert (a["losses"] - b["losses"]).abs().max().item() < 1e-7
-    assert "node 0 of 2, world size 4" in results["a"].stderr or "node 0 of 2" in results["a"].stderr
+    assert (
+        "node 0 of 2, world size 4" in results["a"].stderr or "node 0 of 2" in results["a"].stderr
+    )
 
 
 def test_global_ranks_follow_node_times_procs_plus_local_rank_across_real_hosts(nodes, tmp_path):
@@ -115,8 +152,14 @@ def _doctor(nodes, per_node: dict, env_b: dict | None = None, timeout: float = 1
     procs = {}
     for node in ("a", "b"):
         env = child_env(env_b if node == "b" else None)
-        procs[node] = nodes.popen(node, [PY, "-m", "multigpu", "doctor", "--sizes", "1,8", *per_node[node]], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[node] = nodes.popen(
+            node,
+            [PY, "-m", "multigpu", "doctor", "--sizes", "1,8", *per_node[node]],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     results = {}
     for node, proc in procs.items():
         out, err = proc.communicate(timeout=timeout)
@@ -126,14 +169,29 @@ def _doctor(nodes, per_node: dict, env_b: dict | None = None, timeout: float = 1
 
 def _doctor_flags(nodes, out_a, out_b=None, port_b: int = 29500, rdzv_timeout: int = 20) -> dict:
     common = ["--nnodes", "2", "--master-addr", nodes.addr_a, "--rdzv-timeout", str(rdzv_timeout)]
-    return {"a": [*common, "--master-port", "29500", "--node-rank", "0", "--out", str(out_a)],
-            "b": [*common, "--master-port", str(port_b), "--node-rank", "1", "--out", str(out_b or out_a)]}
+    return {
+        "a": [*common, "--master-port", "29500", "--node-rank", "0", "--out", str(out_a)],
+        "b": [
+            *common,
+            "--master-port",
+            str(port_b),
+            "--node-rank",
+            "1",
+            "--out",
+            str(out_b or out_a),
+        ],
+    }
 
 
 def test_doctor_passes_two_healthy_nodes(nodes, tmp_path):
     results = _doctor(nodes, _doctor_flags(nodes, tmp_path))
-    assert results["a"].returncode == 0 and results["b"].returncode == 0, results["a"].stderr + results["b"].stderr
-    assert "2 rank(s) on 2 node(s)" in results["a"].stdout and "all-reduce 8 MiB   ok" in results["a"].stdout
+    assert results["a"].returncode == 0 and results["b"].returncode == 0, (
+        results["a"].stderr + results["b"].stderr
+    )
+    assert (
+        "2 rank(s) on 2 node(s)" in results["a"].stdout
+        and "all-reduce 8 MiB   ok" in results["a"].stdout
+    )
 
 
 def test_doctor_names_a_node_with_an_older_package(nodes, tmp_path):
@@ -141,9 +199,14 @@ def test_doctor_names_a_node_with_an_older_package(nodes, tmp_path):
     shutil.copytree(REPO / "src" / "multigpu", old / "multigpu")
     init = old / "multigpu" / "__init__.py"
     init.write_text(init.read_text().replace('__version__ = "', '__version__ = "0.0.9-was-'))
-    results = _doctor(nodes, _doctor_flags(nodes, tmp_path), env_b={"PYTHONPATH": f"{old}{os.pathsep}{SCRIPTS}"})
+    results = _doctor(
+        nodes, _doctor_flags(nodes, tmp_path), env_b={"PYTHONPATH": f"{old}{os.pathsep}{SCRIPTS}"}
+    )
     assert results["a"].returncode == 1
-    assert "multigpu: error: multigpu versions differ" in results["a"].stderr and "0.0.9-was-" in results["a"].stderr
+    assert (
+        "multigpu: error: multigpu versions differ" in results["a"].stderr
+        and "0.0.9-was-" in results["a"].stderr
+    )
     assert "HINT:" in results["a"].stderr
 
 
@@ -166,4 +229,5 @@ def test_doctor_with_an_unreachable_port_fails_in_seconds_with_one_line(nodes, t
         assert results[node].returncode != 0
         stderr = results[node].stderr
         assert "multigpu: error:" in stderr and "Traceback" not in stderr
-        assert "frame #0" not in stderr  # no C++ stack traces from c10d's retries: the one line says it
+        # no C++ stack traces from c10d's retries: the one line says it
+        assert "frame #0" not in stderr

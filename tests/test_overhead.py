@@ -15,7 +15,16 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _counts(tmp_path, *extra: str) -> list[dict]:
-    multigpu("run", "--nproc", "2", str(SCRIPTS / "collectives.py"), str(tmp_path), *extra, check=True, timeout=150)
+    multigpu(
+        "run",
+        "--nproc",
+        "2",
+        str(SCRIPTS / "collectives.py"),
+        str(tmp_path),
+        *extra,
+        check=True,
+        timeout=150,
+    )
     return [json.loads((tmp_path / f"counts-rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -27,7 +36,8 @@ def test_one_agreement_per_stop_check_every_steps_and_nothing_else(tmp_path, eve
         issued = counts[-1] - counts[0]
         allowed = math.ceil((steps[-1] - steps[0]) / every)
         assert issued <= allowed, (issued, allowed)
-        assert issued >= allowed - 1  # the counter sees the agreement: a check that cannot pass vacuously
+        # the counter sees the agreement: a check that cannot pass vacuously
+        assert issued >= allowed - 1
 
 
 def test_the_default_agreement_is_spaced_by_time_not_steps(tmp_path):

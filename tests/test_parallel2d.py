@@ -35,13 +35,17 @@ TOLERANCE = 1e-7
 def test_degrees_multiply_to_the_world_and_tp_stays_in_a_node():
     p = Parallelism.from_degrees(8, 4, dp_replicate=2, tp=2)
     assert (p.dp_replicate, p.dp_shard, p.tp, p.dp_size) == (2, 2, 2, 4)
-    assert [p.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # a tp group reads one shard
+    # a tp group reads one shard
+    assert [p.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [p.tp_rank(r) for r in range(8)] == [0, 1] * 4
     assert p.dp_group_ranks(3) == [1, 3, 5, 7]
     assert Parallelism.from_degrees(4, 4).is_plain and Parallelism.from_degrees(4, 4).dp_size == 4
-    for kwargs, needle in (({"tp": 3}, "does not divide the world size 8"),
-                           ({"tp": 2, "dp_replicate": 2, "dp_shard": 3}, "but the world has 8"),
-                           ({"tp": 0}, "tp=0 must be"), ({"pp": 3}, "pp=3 x .* does not divide")):
+    for kwargs, needle in (
+        ({"tp": 3}, "does not divide the world size 8"),
+        ({"tp": 2, "dp_replicate": 2, "dp_shard": 3}, "but the world has 8"),
+        ({"tp": 0}, "tp=0 must be"),
+        ({"pp": 3}, "pp=3 x .* does not divide"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             Parallelism.from_degrees(8, 4, **kwargs)
     with pytest.raises(ConfigError, match="tp=4 would span nodes"):
@@ -49,24 +53,48 @@ def test_degrees_multiply_to_the_world_and_tp_stays_in_a_node():
 
 
 def test_every_name_is_in_the_table_with_options_and_auto_is_a_rule():
-    assert set(NAMES) == {"auto", "single", "dp", "ddp", "fsdp", "hsdp", "fsdp+tp", "pipeline", "ddp+pipeline",
-                          "pp+ddp", "pp+fsdp", "pp+hsdp", "pp+fsdp+tp", "ft-ddp"}
+    assert set(NAMES) == {
+        "auto",
+        "single",
+        "dp",
+        "ddp",
+        "fsdp",
+        "hsdp",
+        "fsdp+tp",
+        "pipeline",
+        "ddp+pipeline",
+        "pp+ddp",
+        "pp+fsdp",
+        "pp+hsdp",
+        "pp+fsdp+tp",
+        "ft-ddp",
+    }
     for name in NAMES[1:]:
         entry = spec(name)
         assert entry.name == name and entry.summary
     two = World(rank=0, world_size=2, local_world_size=2)
     assert make_strategy("auto", World(), CPU).name == "single"
-    assert make_strategy("ddp+pipeline", World(), CPU).name == "pipeline"  # one process: nothing to replicate
+    # one process: nothing to replicate
+    assert make_strategy("ddp+pipeline", World(), CPU).name == "pipeline"
     with pytest.raises(ConfigError, match="did you mean 'fsdp'"):
         make_strategy("fsdpp", World(), CPU)
     with pytest.raises(ConfigError, match="hsdp needs dp_replicate of 2 or more"):
         make_strategy("hsdp", two, CPU, mesh=lambda: None)
     with pytest.raises(ConfigError, match="ddp keeps a whole replica"):
-        make_strategy("ddp", World(rank=0, world_size=4, local_world_size=4), CPU,
-                      parallelism=Parallelism.from_degrees(4, 4, tp=2))
+        make_strategy(
+            "ddp",
+            World(rank=0, world_size=4, local_world_size=4),
+            CPU,
+            parallelism=Parallelism.from_degrees(4, 4, tp=2),
+        )
     with pytest.raises(ConfigError, match="tp=2 needs strategy fsdp\\+tp"):
-        make_strategy("fsdp", World(rank=0, world_size=4, local_world_size=4), CPU,
-                      parallelism=Parallelism.from_degrees(4, 4, tp=2), mesh=lambda: None)
+        make_strategy(
+            "fsdp",
+            World(rank=0, world_size=4, local_world_size=4),
+            CPU,
+            parallelism=Parallelism.from_degrees(4, 4, tp=2),
+            mesh=lambda: None,
+        )
 
 
 def test_tensor_parallel_plans_are_checked_against_the_model():
@@ -88,7 +116,14 @@ def test_tensor_parallel_plans_are_checked_against_the_model():
 
 
 def _train(out: Path, nproc: int, *args: str, restarts: int = 0) -> dict:
-    launch = ["run", "--nproc", str(nproc), *(["--max-restarts", str(restarts)] if restarts else []), SCRIPT, str(out)]
+    launch = [
+        "run",
+        "--nproc",
+        str(nproc),
+        *(["--max-restarts", str(restarts)] if restarts else []),
+        SCRIPT,
+        str(out),
+    ]
     proc = multigpu(*launch, *args, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {**torch.load(out / "final.pt", weights_only=True), "stdout": proc.stdout}
@@ -102,20 +137,31 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel2d")
     found = {
         "root": root,
-        "2d": _train(root / "2d", 4, "--strategy", "fsdp+tp", "--tp", "2", "--batch", "2", "--clip", "0.5"),
-        "hsdp": _train(root / "hsdp", 4, "--strategy", "hsdp", "--dp-replicate", "2", "--batch", "1"),
+        "2d": _train(
+            root / "2d", 4, "--strategy", "fsdp+tp", "--tp", "2", "--batch", "2", "--clip", "0.5"
+        ),
+        "hsdp": _train(
+            root / "hsdp", 4, "--strategy", "hsdp", "--dp-replicate", "2", "--batch", "1"
+        ),
     }
     source = root / "2d" / "checkpoints" / "step-00000003"
     (root / "continue1" / "checkpoints").mkdir(parents=True)
     shutil.copytree(source, root / "continue1" / "checkpoints" / source.name)
-    one = {"single": ["--strategy", "single", "--batch", "4"],
-           "single-clip": ["--strategy", "single", "--batch", "4", "--clip", "0.5"],
-           "continue1": ["--strategy", "fsdp", "--batch", "4", "--clip", "0.5"]}
-    (root / "plan.json").write_text(json.dumps([[str(root / name), *argv] for name, argv in one.items()]))
+    one = {
+        "single": ["--strategy", "single", "--batch", "4"],
+        "single-clip": ["--strategy", "single", "--batch", "4", "--clip", "0.5"],
+        "continue1": ["--strategy", "fsdp", "--batch", "4", "--clip", "0.5"],
+    }
+    (root / "plan.json").write_text(
+        json.dumps([[str(root / name), *argv] for name, argv in one.items()])
+    )
     proc = multigpu("run", "--nproc", "1", SCRIPT, "--plan", str(root / "plan.json"), timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in one:
-        found[name] = {**torch.load(root / name / "final.pt", weights_only=True), "stdout": proc.stdout}
+        found[name] = {
+            **torch.load(root / name / "final.pt", weights_only=True),
+            "stdout": proc.stdout,
+        }
     return found
 
 
@@ -150,7 +196,9 @@ def test_hsdp_2x2_equals_one_process(runs):
 def test_2x2_checkpoints_reshard_to_one_process_and_to_4x1(runs):
     """The step-3 checkpoint of the 2x2 run, continued by 1 process (in the fixture's one-process launch)
     and by 4 (plain fsdp), ends where the 2x2 run ended: model and AdamW state resharded by DCP."""
-    continued = runs["continue1"]["stdout"].split("done strategy=single world=1 dp=1 step=6 out=single-clip", 1)[1]
+    continued = runs["continue1"]["stdout"].split(
+        "done strategy=single world=1 dp=1 step=6 out=single-clip", 1
+    )[1]
     assert "resumed from" in continued and "step 3)" in continued
     assert _max_difference(runs["continue1"], runs["2d"], losses=False) < TOLERANCE
     source = runs["root"] / "2d" / "checkpoints" / "step-00000003"
@@ -167,8 +215,26 @@ def test_2x2_checkpoints_reshard_to_one_process_and_to_4x1(runs):
 def test_2x2_resumes_bitwise_after_a_kill(runs):
     """Rank 1 is SIGKILLed in step 5; the agent restarts all four, which resume from step 4's shards."""
     out = runs["root"] / "killed"
-    proc = multigpu("run", "--nproc", "4", "--max-restarts", "1", SCRIPT, str(out), "--strategy", "fsdp+tp", "--tp", "2",
-                    "--batch", "2", "--clip", "0.5", "--kill-at", "4", timeout=300)
+    proc = multigpu(
+        "run",
+        "--nproc",
+        "4",
+        "--max-restarts",
+        "1",
+        SCRIPT,
+        str(out),
+        "--strategy",
+        "fsdp+tp",
+        "--tp",
+        "2",
+        "--batch",
+        "2",
+        "--clip",
+        "0.5",
+        "--kill-at",
+        "4",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step 4)" in proc.stdout
     final = torch.load(out / "final.pt", weights_only=True)["weights"]

@@ -42,7 +42,8 @@ def test_pp_is_the_outermost_degree_so_a_stage_is_a_block_of_consecutive_ranks()
     p = Parallelism.from_degrees(8, 8, pp=2, tp=2)
     assert (p.pp, p.dp_shard, p.tp, p.dp_size, p.stage_size) == (2, 2, 2, 2, 4)
     assert [p.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert [p.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # both stages read the same shards
+    # both stages read the same shards
+    assert [p.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [p.tp_rank(r) for r in range(8)] == [0, 1] * 4
     assert p.dp_group_ranks(5) == [5, 7] and p.pp_group_ranks(5) == [1, 5]
     assert p.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -58,12 +59,23 @@ def test_pp_is_the_outermost_degree_so_a_stage_is_a_block_of_consecutive_ranks()
 def test_a_pipeline_strategy_is_the_named_one_per_stage_and_the_rest_are_refused():
     two = World(rank=0, world_size=2, local_world_size=2)
     assert [resolve_name(n, two, pp=2) for n in ("auto", "ddp", "fsdp", "fsdp+tp", "pp+hsdp")] == [
-        "pp+ddp", "pp+ddp", "pp+fsdp", "pp+fsdp+tp", "pp+hsdp"]
+        "pp+ddp",
+        "pp+ddp",
+        "pp+fsdp",
+        "pp+fsdp+tp",
+        "pp+hsdp",
+    ]
     for name in ("single", "dp", "pipeline", "ddp+pipeline"):
         with pytest.raises(ConfigError, match="does not run pipeline stages across processes"):
             resolve_name(name, two, pp=2)
     with pytest.raises(ConfigError, match="needs pp of 2 or more"):
-        make_strategy("pp+fsdp", two, [torch.device("cpu")], parallelism=Parallelism.plain(2), mesh=lambda: None)
+        make_strategy(
+            "pp+fsdp",
+            two,
+            [torch.device("cpu")],
+            parallelism=Parallelism.plain(2),
+            mesh=lambda: None,
+        )
 
 
 def test_stages_split_at_named_children_or_balanced_by_parameters():
@@ -78,7 +90,10 @@ def test_stages_split_at_named_children_or_balanced_by_parameters():
         stage_bounds(names, sizes, 3, ["b2", "b1"])
     with pytest.raises(ConfigError, match="make 2 stages, but the pipeline has 4"):
         stage_bounds(names, sizes, 4, ["b1"])
-    assert stages_per_rank("interleaved_1f1b", 2, None) == 2 and stages_per_rank("1f1b", 2, ["b1"]) == 1
+    assert (
+        stages_per_rank("interleaved_1f1b", 2, None) == 2
+        and stages_per_rank("1f1b", 2, ["b1"]) == 1
+    )
     with pytest.raises(ConfigError, match="runs one stage per rank"):
         stages_per_rank("gpipe", 2, ["b0", "b1", "b2"])
     with pytest.raises(ConfigError, match="needs at least 2 stages per rank"):
@@ -89,18 +104,35 @@ def test_stages_split_at_named_children_or_balanced_by_parameters():
 
 
 def test_a_micro_batch_takes_the_rows_of_every_part_of_the_batch():
-    batch = {"x": torch.arange(12).view(6, 2), "names": list("abcdef"), "scale": torch.tensor(2.0),
-             "pair": (torch.arange(6), torch.zeros(3))}
+    batch = {
+        "x": torch.arange(12).view(6, 2),
+        "names": list("abcdef"),
+        "scale": torch.tensor(2.0),
+        "pair": (torch.arange(6), torch.zeros(3)),
+    }
     micro = take(batch, 2, 4, rows=6)
     assert micro["x"].tolist() == [[4, 5], [6, 7]] and micro["names"] == ["c", "d"]
-    assert micro["scale"].item() == 2.0 and micro["pair"][0].tolist() == [2, 3] and micro["pair"][1].shape == (3,)
+    assert (
+        micro["scale"].item() == 2.0
+        and micro["pair"][0].tolist() == [2, 3]
+        and micro["pair"][1].shape == (3,)
+    )
 
 
 # ------------------------------------------------------------------ real processes
 
 
-def _train(out: Path, nproc: int, token: str, *args: str, restarts: int = 0, status: int = 0) -> str:
-    launch = ["run", "--nproc", str(nproc), *(["--max-restarts", str(restarts)] if restarts else []), SCRIPT, str(out)]
+def _train(
+    out: Path, nproc: int, token: str, *args: str, restarts: int = 0, status: int = 0
+) -> str:
+    launch = [
+        "run",
+        "--nproc",
+        str(nproc),
+        *(["--max-restarts", str(restarts)] if restarts else []),
+        SCRIPT,
+        str(out),
+    ]
     proc = multigpu(*launch, *args, "--token", token, timeout=420)
     assert proc.returncode == status, proc.stdout + proc.stderr[-3000:]
     return proc.stdout
@@ -117,7 +149,9 @@ def _max_difference(a: dict, b: dict, losses: bool = True) -> float:
     if not losses:
         return weights
     assert len(a["losses"]) == len(b["losses"]) == 6
-    return max(weights, (a["losses"] - b["losses"]).abs().max().item(), abs(a["valid"] - b["valid"]))
+    return max(
+        weights, (a["losses"] - b["losses"]).abs().max().item(), abs(a["valid"] - b["valid"])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +164,48 @@ def runs(tmp_path_factory):
     token = f"mgtest-pp-{os.getpid()}-{time.monotonic_ns()}"  # the module's no_leftovers
     started = time.monotonic()
     try:
-        stdout = {"pp2dp2": _train(root / "pp2dp2", 4, token, "--pp", "2", "--batch", "4", *CLIP,
-                                   "--runs", "ddp:1f1b,fsdp:1f1b,ddp:1f1b:accumulated:2")}
+        stdout = {
+            "pp2dp2": _train(
+                root / "pp2dp2",
+                4,
+                token,
+                "--pp",
+                "2",
+                "--batch",
+                "4",
+                *CLIP,
+                "--runs",
+                "ddp:1f1b,fsdp:1f1b,ddp:1f1b:accumulated:2",
+            )
+        }
         step3 = root / "single" / "continued" / "checkpoints" / "step-00000003"
         shutil.copytree(root / "pp2dp2" / "fsdp-1f1b" / "checkpoints" / step3.name, step3)
-        stdout["single"] = _train(root / "single", 1, token, "--batch", "8", *CLIP, "--runs",
-                                  "single:-,fsdp:1f1b:continued")
-        pp2 = (root / "pp2", 2, token, "--pp", "2", "--batch", "8", *CLIP, "--kill-at", "1", "--preempt-at", "4",
-               "--runs", "ddp:gpipe,ddp:1f1b,ddp:interleaved_1f1b,ddp:1f1b:interrupted")
+        stdout["single"] = _train(
+            root / "single",
+            1,
+            token,
+            "--batch",
+            "8",
+            *CLIP,
+            "--runs",
+            "single:-,fsdp:1f1b:continued",
+        )
+        pp2 = (
+            root / "pp2",
+            2,
+            token,
+            "--pp",
+            "2",
+            "--batch",
+            "8",
+            *CLIP,
+            "--kill-at",
+            "1",
+            "--preempt-at",
+            "4",
+            "--runs",
+            "ddp:gpipe,ddp:1f1b,ddp:interleaved_1f1b,ddp:1f1b:interrupted",
+        )
         stdout["pp2"] = _train(*pp2, restarts=1, status=75)
         stdout["again"] = _train(*pp2)
         yield {"root": root, "stdout": stdout, "seconds": time.monotonic() - started}
@@ -147,7 +215,8 @@ def runs(tmp_path_factory):
         assert not left, f"processes left behind: {left}"
 
 
-@pytest.mark.timeout(900)  # on first use, four launches of 1 to 4 processes: ~2-4 min on 2 busy cores
+# on first use, four launches of 1 to 4 processes: ~2-4 min on 2 busy cores
+@pytest.mark.timeout(900)
 def test_pp2_equals_one_process_with_every_schedule(runs):
     single = _result(runs["root"] / "single" / "single")
     assert "(2 processes: pp 2 x dp 1)" in runs["stdout"]["pp2"]
@@ -163,7 +232,10 @@ def test_pp2_x_dp2_with_ddp_and_with_fsdp_and_accumulating_equals_one_process(ru
     single = _result(runs["root"] / "single" / "single")
     assert "(4 processes: pp 2 x dp 2)" in runs["stdout"]["pp2dp2"]
     for strategy in ("ddp", "fsdp"):
-        assert f"done {strategy}:1f1b strategy=pp+{strategy} world=4 dp=2 step=6" in runs["stdout"]["pp2dp2"]
+        assert (
+            f"done {strategy}:1f1b strategy=pp+{strategy} world=4 dp=2 step=6"
+            in runs["stdout"]["pp2dp2"]
+        )
         difference = _max_difference(_result(runs["root"] / "pp2dp2" / f"{strategy}-1f1b"), single)
         print(f"pp 2 x dp 2, {strategy}: {difference:.1e}")
         assert difference < TOLERANCE
@@ -182,14 +254,19 @@ def test_a_pp2_x_dp2_checkpoint_continues_in_one_process_and_consolidates(runs, 
     source = _result(runs["root"] / "pp2dp2" / "fsdp-1f1b")
     assert "resumed from" in runs["stdout"]["single"] and "step 3)" in runs["stdout"]["single"]
     assert "done fsdp:1f1b:continued strategy=fsdp world=1 dp=1 step=6" in runs["stdout"]["single"]
-    difference = _max_difference(_result(runs["root"] / "single" / "continued"), source, losses=False)
+    difference = _max_difference(
+        _result(runs["root"] / "single" / "continued"), source, losses=False
+    )
     print(f"pp 2 x dp 2 step 3 continued by 1 process: {difference:.1e}")
     assert difference < TOLERANCE
-    plain = consolidate(runs["root"] / "pp2dp2" / "fsdp-1f1b" / "checkpoints" / "step-00000006", tmp_path)
+    plain = consolidate(
+        runs["root"] / "pp2dp2" / "fsdp-1f1b" / "checkpoints" / "step-00000006", tmp_path
+    )
     weights = torch.load(plain / "state.pt", weights_only=True)["model"]
     assert sorted(weights) == sorted(source["weights"])
     assert all(torch.equal(weights[k], source["weights"][k]) for k in weights)
-    assert {k.split(".")[0] for k in weights} == {"0", "1", "2", "3", "4"}  # the unsplit Sequential's names
+    # the unsplit Sequential's names
+    assert {k.split(".")[0] for k in weights} == {"0", "1", "2", "3", "4"}
 
 
 @pytest.mark.timeout(900)  # shares the launches above
@@ -199,7 +276,11 @@ def test_pp2_killed_then_preempted_resumes_bitwise(runs):
     checkpoints, exits 75. Launched again, the run ends bitwise where the uninterrupted run ended."""
     first, again = runs["stdout"]["pp2"], runs["stdout"]["again"]
     assert "resumed from" in first and "step 1)" in first and "multigpu: stopped by" in first
-    assert "resumed from" in again and "done ddp:1f1b:interrupted" in again and "done ddp:gpipe" not in again
+    assert (
+        "resumed from" in again
+        and "done ddp:1f1b:interrupted" in again
+        and "done ddp:gpipe" not in again
+    )
     final = _result(runs["root"] / "pp2" / "interrupted")["weights"]
     expected = _result(runs["root"] / "pp2" / "ddp-1f1b")["weights"]
     assert all(torch.equal(final[k], expected[k]) for k in expected)
@@ -210,10 +291,24 @@ def test_pp2_killed_then_preempted_resumes_bitwise(runs):
 def test_3d_pp2_x_dp_shard2_x_tp2_equals_one_process(runs, no_leftovers):
     """pp 2 x dp_shard 2 x tp 2: FSDP2 and tensor parallelism inside each of two stages."""
     out = runs["root"] / "3d"
-    stdout = _train(out, 8, no_leftovers, "--pp", "2", "--tp", "2", "--batch", "4", *CLIP,
-                    "--runs", "fsdp+tp:1f1b")
+    stdout = _train(
+        out,
+        8,
+        no_leftovers,
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--batch",
+        "4",
+        *CLIP,
+        "--runs",
+        "fsdp+tp:1f1b",
+    )
     assert "(8 processes: pp 2 x dp_shard 2 x tp 2)" in stdout
     assert "done fsdp+tp:1f1b strategy=pp+fsdp+tp world=8 dp=2 step=6" in stdout
-    difference = _max_difference(_result(out / "fsdp+tp-1f1b"), _result(runs["root"] / "single" / "single"))
+    difference = _max_difference(
+        _result(out / "fsdp+tp-1f1b"), _result(runs["root"] / "single" / "single")
+    )
     print(f"pp 2 x dp_shard 2 x tp 2: {difference:.1e}")
     assert difference < TOLERANCE

@@ -26,7 +26,10 @@ import pytest
 import torch
 from conftest import PY, SCRIPTS, child_env
 
-pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'multigpu[ft]'; the test extra has it)")
+pytest.importorskip(
+    "torchft",
+    reason="replica groups need torchft (pip install 'multigpu[ft]'; the test extra has it)",
+)
 SCRIPT = str(SCRIPTS / "replicas.py")
 STARTS = ["-m", "multigpu", "run", "--replica-groups", "2", "--heartbeat-timeout", "1"]
 
@@ -36,9 +39,16 @@ def isolated() -> list[str]:
     """The argv prefix that runs a command in a network namespace of its own with only ``lo`` up."""
     if shutil.which("unshare") and shutil.which("ip"):
         for prefix in (["unshare", "--net"], ["unshare", "--net", "--map-root-user"]):
-            if subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True).returncode == 0:
+            if (
+                subprocess.run(
+                    [*prefix, "ip", "link", "set", "lo", "up"], capture_output=True
+                ).returncode
+                == 0
+            ):
                 return [*prefix, "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
-    pytest.skip("needs a network namespace of its own (unshare --net as root, or user namespaces) and iproute2")
+    pytest.skip(
+        "needs a network namespace of its own (unshare --net as root, or user namespaces) and iproute2"
+    )
 
 
 def _records(out: Path, group: int) -> list[dict]:
@@ -63,13 +73,37 @@ def _newest_step(folder: Path) -> int:
 # Two groups start (a few seconds each on 2 cores), one is killed and restarted by its agent (process start
 # plus torch import: the longest part), then three short epochs: well under the limit even on a loaded machine.
 @pytest.mark.timeout(240)
-def test_a_killed_group_is_left_out_then_heals_while_the_other_keeps_stepping(tmp_path, isolated, no_leftovers):
+def test_a_killed_group_is_left_out_then_heals_while_the_other_keeps_stepping(
+    tmp_path, isolated, no_leftovers
+):
     out = tmp_path / no_leftovers
     out.mkdir()
-    proc = subprocess.run([*isolated, PY, *STARTS, "--max-restarts", "1", SCRIPT, str(out), "--epochs", "3",
-                           "--kill-at", "5", "--hold", "0.1", "--wait-restart-at", "20", "--valid",
-                           "--final-checkpoint-only", "--rejoin-after-alone"],
-                          capture_output=True, text=True, timeout=230, env=child_env())
+    proc = subprocess.run(
+        [
+            *isolated,
+            PY,
+            *STARTS,
+            "--max-restarts",
+            "1",
+            SCRIPT,
+            str(out),
+            "--epochs",
+            "3",
+            "--kill-at",
+            "5",
+            "--hold",
+            "0.1",
+            "--wait-restart-at",
+            "20",
+            "--valid",
+            "--final-checkpoint-only",
+            "--rejoin-after-alone",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env=child_env(),
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-4000:]
     survivor, killed = _records(out, 0), _records(out, 1)
@@ -93,7 +127,9 @@ def test_a_killed_group_is_left_out_then_heals_while_the_other_keeps_stepping(tm
     assert all(weights[r["step"]] == r["digest"] for r in back)
     # The end: the same weights, bit for bit, the same step count and the same validation metrics.
     final = [torch.load(out / f"final-g{g}.pt", weights_only=True) for g in (0, 1)]
-    assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    assert final[0].keys() == final[1].keys() and all(
+        torch.equal(final[0][k], final[1][k]) for k in final[0]
+    )
     done = [json.loads((out / f"done-g{g}").read_text()) for g in (0, 1)]
     assert done[0]["step"] == done[1]["step"] == 3 * 16 - 1  # 48 batches, one dropped
     assert done[0]["history"][-1]["valid_loss"] == done[1]["history"][-1]["valid_loss"]
@@ -102,12 +138,15 @@ def test_a_killed_group_is_left_out_then_heals_while_the_other_keeps_stepping(tm
 
 # Three launches' worth of start-up: the preempted run, then the resumed one that Ctrl-C ends.
 @pytest.mark.timeout(300)
-def test_sigterm_checkpoints_every_group_the_rerun_resumes_and_ctrl_c_ends_everything(tmp_path, isolated,
-                                                                                     no_leftovers):
+def test_sigterm_checkpoints_every_group_the_rerun_resumes_and_ctrl_c_ends_everything(
+    tmp_path, isolated, no_leftovers
+):
     out = tmp_path / no_leftovers
     out.mkdir()
     command = [*isolated, PY, *STARTS, SCRIPT, str(out), "--epochs", "20", "--sleep", "0.05"]
-    first = subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_for_steps(out, 4, set())
         first.send_signal(signal.SIGTERM)
@@ -120,7 +159,9 @@ def test_sigterm_checkpoints_every_group_the_rerun_resumes_and_ctrl_c_ends_every
     assert min(saved) >= 4
     before = {r["pid"] for g in (0, 1) for r in _records(out, g)}
 
-    second = subprocess.Popen(command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen(
+        command, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_for_steps(out, 3, before)
         second.send_signal(signal.SIGINT)
@@ -129,7 +170,8 @@ def test_sigterm_checkpoints_every_group_the_rerun_resumes_and_ctrl_c_ends_every
         second.kill()
     assert second.returncode == 130, err[-3000:]
     assert "stopped by SIGINT: every replica group and the lighthouse were stopped" in err
-    assert f"step {max(saved)})" in err  # "resumed from .../step-N (epoch e, batch b, step N)": the newest of all
+    # "resumed from .../step-N (epoch e, batch b, step N)": the newest of all
+    assert f"step {max(saved)})" in err
     resumed = [r["step"] for g in (0, 1) for r in _records(out, g) if r["pid"] not in before]
     assert min(resumed) == max(saved) + 1  # not one step trained twice, none skipped
     # no_leftovers: no worker, agent or tee process is left, and the lighthouse lived in the launcher
@@ -137,14 +179,24 @@ def test_sigterm_checkpoints_every_group_the_rerun_resumes_and_ctrl_c_ends_every
 
 # Two groups start; one fails at its first heal (no restarts), the other trains 4 steps alone.
 @pytest.mark.timeout(200)
-def test_a_group_built_differently_fails_at_its_first_heal_with_a_diff(tmp_path, isolated, no_leftovers):
+def test_a_group_built_differently_fails_at_its_first_heal_with_a_diff(
+    tmp_path, isolated, no_leftovers
+):
     out = tmp_path / no_leftovers
     out.mkdir()
-    proc = subprocess.run([*isolated, PY, *STARTS, SCRIPT, str(out), "--epochs", "1", "--samples", "64", "--wider"],
-                          capture_output=True, text=True, timeout=190, env=child_env())
+    proc = subprocess.run(
+        [*isolated, PY, *STARTS, SCRIPT, str(out), "--epochs", "1", "--samples", "64", "--wider"],
+        capture_output=True,
+        text=True,
+        timeout=190,
+        env=child_env(),
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: error:")]
-    assert len(errors) == 1 and "differs from the live group it heals from" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and "differs from the live group it heals from" in errors[0], (
+        proc.stderr[-3000:]
+    )
     assert "parameter_elements: live group = " in errors[0] and "HINT:" in errors[0]
     assert "Traceback" not in proc.stderr
-    assert proc.returncode == 0 and "had failed for good" in proc.stderr  # the other group finished the job
+    # the other group finished the job
+    assert proc.returncode == 0 and "had failed for good" in proc.stderr
     assert "step 1: 1 of 2 replica group(s) live" in proc.stdout

@@ -14,22 +14,63 @@ SRC = REPO / "src" / "multigpu"
 
 #: Calls that touch the file system by name (module function or method).
 FORBIDDEN_FUNCTIONS = {
-    "open", "os.open", "os.remove", "os.unlink", "os.rename", "os.replace", "os.renames", "os.mkdir", "os.makedirs",
-    "os.rmdir", "os.removedirs", "os.symlink", "os.link", "os.truncate", "os.chmod", "os.mkfifo",
-    "shutil.rmtree", "shutil.move", "shutil.copy", "shutil.copy2", "shutil.copyfile", "shutil.copytree",
-    "torch.save", "torch.load", "io.open",
+    "open",
+    "os.open",
+    "os.remove",
+    "os.unlink",
+    "os.rename",
+    "os.replace",
+    "os.renames",
+    "os.mkdir",
+    "os.makedirs",
+    "os.rmdir",
+    "os.removedirs",
+    "os.symlink",
+    "os.link",
+    "os.truncate",
+    "os.chmod",
+    "os.mkfifo",
+    "shutil.rmtree",
+    "shutil.move",
+    "shutil.copy",
+    "shutil.copy2",
+    "shutil.copyfile",
+    "shutil.copytree",
+    "torch.save",
+    "torch.load",
+    "io.open",
 }
-FORBIDDEN_METHODS = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "unlink", "rename", "rmdir",
-                     "mkdir", "touch", "symlink_to", "hardlink_to", "savefig", "chmod"}
+FORBIDDEN_METHODS = {
+    "open",
+    "read_text",
+    "read_bytes",
+    "write_text",
+    "write_bytes",
+    "unlink",
+    "rename",
+    "rmdir",
+    "mkdir",
+    "touch",
+    "symlink_to",
+    "hardlink_to",
+    "savefig",
+    "chmod",
+}
 
 #: (file, call) -> why it may stay. Each is a path code or the command line chose, a fixed system
 #: file, or a third-party writer given a folder the door created and checked.
 ALLOWED = {
     ("fileio.py", "*"): "the door itself",
     ("plots.py", ".savefig"): "matplotlib writes into a file object from Folder.open_new",
-    ("checkpoint/files.py", "torch.save"): "into the writer over a file Folder.open_new opened (the fallback "
-                                           "when torch's private zip writer is not there)",
-    ("checkpoint/dcp_safe.py", "torch.save"): "into an in-memory BytesIO: plain data, re-serialized for DCP's reader",
+    (
+        "checkpoint/files.py",
+        "torch.save",
+    ): "into the writer over a file Folder.open_new opened (the fallback "
+    "when torch's private zip writer is not there)",
+    (
+        "checkpoint/dcp_safe.py",
+        "torch.save",
+    ): "into an in-memory BytesIO: plain data, re-serialized for DCP's reader",
 }
 
 
@@ -49,8 +90,11 @@ def calls(path: Path):
         elif isinstance(func, ast.Attribute):
             base = func.value
             dotted = f"{base.id}.{func.attr}" if isinstance(base, ast.Name) else None
-            if dotted in ("torch.save", "torch.load") and _handle(node, 1 if dotted == "torch.save" else 0):
-                continue  # into or from a file object the door opened (named ``handle`` by convention)
+            if dotted in ("torch.save", "torch.load") and _handle(
+                node, 1 if dotted == "torch.save" else 0
+            ):
+                # into or from a file object the door opened (named ``handle`` by convention)
+                continue
             if dotted in FORBIDDEN_FUNCTIONS:
                 yield node.lineno, dotted
             elif dotted is None or base.id not in ("os", "shutil", "torch", "io", "json", "self"):
@@ -96,8 +140,14 @@ def test_the_environment_is_touched_only_where_the_architecture_says():
     for path in sorted(SRC.rglob("*.py")):
         rel = str(path.relative_to(SRC))
         tree = ast.parse(path.read_text(), str(path))
-        uses = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")
-                and isinstance(n.value, ast.Name) and n.value.id == "os"]
+        uses = [
+            n.lineno
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and n.attr in ("environ", "getenv")
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "os"
+        ]
         if uses and rel not in ENVIRONMENT_ALLOWED:
             found += [f"{rel}:{line}" for line in uses]
     assert not found, "environment read or written outside its rooms:\n" + "\n".join(found)

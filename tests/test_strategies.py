@@ -18,11 +18,14 @@ CPU = [torch.device("cpu")]
 
 def test_auto_is_single_in_a_world_of_one_and_ddp_in_a_bigger_one():
     assert make_strategy("auto", World(), CPU).name == "single"
-    assert make_strategy("ddp", World(), CPU).name == "single"  # DDP of one process is plain training
+    # DDP of one process is plain training
+    assert make_strategy("ddp", World(), CPU).name == "single"
 
 
 def test_unknown_strategy_and_option_are_errors_with_hints():
-    with pytest.raises(ConfigError, match="unknown strategy 'ddpp'.*HINT: did you mean 'ddp'\\? choose one of"):
+    with pytest.raises(
+        ConfigError, match="unknown strategy 'ddpp'.*HINT: did you mean 'ddp'\\? choose one of"
+    ):
         make_strategy("ddpp", World(), CPU)
     with pytest.raises(ConfigError, match="has no option 'find_unused'.*find_unused_parameters"):
         make_strategy("ddp", World(rank=0, world_size=2, local_world_size=2), CPU, find_unused=True)
@@ -39,7 +42,9 @@ def test_dp_on_cpu_warns_and_trains_like_single():
     torch.manual_seed(0)
     model, optimizer = strategy.setup(nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1))
     torch.manual_seed(0)
-    ref_model, ref_opt = SingleDevice(CPU[0]).setup(nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    ref_model, ref_opt = SingleDevice(CPU[0]).setup(
+        nn.Linear(3, 1), lambda p: torch.optim.SGD(p, lr=0.1)
+    )
     x, y = torch.randn(8, 3), torch.randn(8, 1)
     for m, o in ((model, optimizer), (ref_model, ref_opt)):
         F.mse_loss(m(x), y).backward()
@@ -77,11 +82,15 @@ def test_trainer_settings_reject_unknown_keys():
         def compute_loss(self, batch):
             return batch
 
-    with pytest.raises(ConfigError, match="the Trainer has no setting 'epoch'.*did you mean 'epochs'"):
+    with pytest.raises(
+        ConfigError, match="the Trainer has no setting 'epoch'.*did you mean 'epochs'"
+    ):
         T(mg.init(), nn.Linear(1, 1), lambda p: torch.optim.SGD(p, lr=0.1), epoch=3)
 
 
-@pytest.mark.parametrize("name, instead", [("single", "ddp"), ("dp", "ddp"), ("pipeline", "ddp+pipeline")])
+@pytest.mark.parametrize(
+    "name, instead", [("single", "ddp"), ("dp", "ddp"), ("pipeline", "ddp+pipeline")]
+)
 def test_strategies_without_sync_are_refused_in_a_multi_process_job(name, instead):
     world = World(rank=0, world_size=2, local_world_size=2)
     with pytest.raises(ConfigError) as info:
@@ -98,11 +107,24 @@ def test_resume_off_with_old_checkpoints_is_refused(tmp_path):
 
     data = TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
     run = mg.init()
-    T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path), progress=False,
-      batch_size=4).fit(data)
+    T(
+        run,
+        nn.Linear(2, 1),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        out_dir=str(tmp_path),
+        progress=False,
+        batch_size=4,
+    ).fit(data)
     with pytest.raises(ConfigError, match="holds checkpoints of an earlier run and resume is off"):
-        T(run, nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path), progress=False,
-          batch_size=4, resume=False).fit(data)
+        T(
+            run,
+            nn.Linear(2, 1),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            out_dir=str(tmp_path),
+            progress=False,
+            batch_size=4,
+            resume=False,
+        ).fit(data)
 
 
 def test_trainer_uses_the_strategy_given_to_init():
@@ -111,7 +133,9 @@ def test_trainer_uses_the_strategy_given_to_init():
             return batch
 
     run = mg.init(strategy="pipeline")
-    trainer = T(run, nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)), lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer = T(
+        run, nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)), lambda p: torch.optim.SGD(p, lr=0.1)
+    )
     assert trainer.strategy.name == "pipeline"
 
 
@@ -134,7 +158,8 @@ def test_a_trainer_keeps_the_degrees_given_to_init_unless_its_settings_say():
     inits = Parallelism.from_degrees(4, 4, tp=2, pp=2)
     kept = TrainerSettings().with_degrees(inits)
     assert (kept.tp, kept.dp_replicate, kept.pp) == (2, 1, 2)
-    assert kept.setup_options() == {"schedule": "1f1b", "micro_batches": None, "split_points": None}  # pp's own
+    # pp's own
+    assert kept.setup_options() == {"schedule": "1f1b", "micro_batches": None, "split_points": None}
     said = TrainerSettings(dp_replicate=2).with_degrees(inits)
     assert (said.tp, said.dp_replicate, said.pp) == (1, 2, 1)
     with pytest.raises(ConfigError, match="micro_batches"):  # pp's checks run on the degrees taken

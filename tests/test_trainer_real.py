@@ -19,8 +19,16 @@ HPARAMS = str(REPO / "examples" / "digits" / "hparams.yaml")
 
 
 def _digits(tmp_path, *overrides, nproc=2):
-    return multigpu("run", "--nproc", str(nproc), RECIPE, HPARAMS, f"trainer.out_dir={tmp_path / 'out'}",
-                    f"data.folder={tmp_path / 'data'}", *overrides)
+    return multigpu(
+        "run",
+        "--nproc",
+        str(nproc),
+        RECIPE,
+        HPARAMS,
+        f"trainer.out_dir={tmp_path / 'out'}",
+        f"data.folder={tmp_path / 'data'}",
+        *overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,13 @@ def digits(tmp_path_factory) -> dict:
     shutil.copytree(root / "out" / "checkpoints" / epoch1.name, epoch1)
     rows = list(csv.DictReader(open(root / "out" / "metrics.csv")))
     continued = _digits(root)
-    return {"root": root, "epoch1": epoch1, "first": first, "rows_after_2": rows, "continued": continued}
+    return {
+        "root": root,
+        "epoch1": epoch1,
+        "first": first,
+        "rows_after_2": rows,
+        "continued": continued,
+    }
 
 
 def test_digits_recipe_reaches_95_percent_on_two_processes_in_fifteen_epochs(digits):
@@ -57,12 +71,20 @@ def test_digits_recipe_reaches_95_percent_on_two_processes_in_fifteen_epochs(dig
 def test_ddp_checkpoint_loads_into_a_plain_model_on_cpu(digits):
     state = torch.load(digits["epoch1"] / "state.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
-    plain = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Dropout(0.0), nn.Linear(128, 128), nn.GELU(),
-                          nn.Dropout(0.0), nn.Linear(128, 10))
+    plain = nn.Sequential(
+        nn.Linear(64, 128),
+        nn.GELU(),
+        nn.Dropout(0.0),
+        nn.Linear(128, 128),
+        nn.GELU(),
+        nn.Dropout(0.0),
+        nn.Linear(128, 10),
+    )
     plain.load_state_dict(state["model"])  # strict: every key matches
     assert state["trainer"] == {"epoch": 1, "batch_in_epoch": 0, "global_step": 23}
     assert {"optimizer", "scheduler", "scaler", "ranks", "settings", "config"} <= set(state)
-    assert len(state["ranks"]) == 2 and all("rng" in r for r in state["ranks"])  # one RNG state per rank
+    # one RNG state per rank
+    assert len(state["ranks"]) == 2 and all("rng" in r for r in state["ranks"])
 
 
 def test_resume_continues_from_the_saved_epoch(digits):
@@ -87,13 +109,23 @@ def one_rank_eval(tmp_path_factory) -> dict:
 def two_rank_evals(tmp_path_factory) -> Path:
     """exact_eval.py on two processes, with ddp (eval2.json) and with fsdp (fsdp.json): one launch."""
     folder = tmp_path_factory.mktemp("eval2")
-    multigpu("run", "--nproc", "2", str(SCRIPTS / "exact_eval.py"), str(folder / "eval2.json"),
-             f"{folder / 'fsdp.json'}:fsdp", check=True, timeout=120)
+    multigpu(
+        "run",
+        "--nproc",
+        "2",
+        str(SCRIPTS / "exact_eval.py"),
+        str(folder / "eval2.json"),
+        f"{folder / 'fsdp.json'}:fsdp",
+        check=True,
+        timeout=120,
+    )
     return folder
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_exact_evaluation_over_101_samples_equals_one_rank(tmp_path, one_rank_eval, two_rank_evals, nproc):
+def test_exact_evaluation_over_101_samples_equals_one_rank(
+    tmp_path, one_rank_eval, two_rank_evals, nproc
+):
     out = two_rank_evals / "eval2.json" if nproc == 2 else tmp_path / f"eval{nproc}.json"
     if nproc != 2:
         multigpu("run", "--nproc", str(nproc), str(SCRIPTS / "exact_eval.py"), str(out), check=True)

@@ -29,7 +29,8 @@ class Block(nn.Module):
         super().__init__()
         self.up = nn.Linear(width, factor * width)
         self.down = nn.Linear(factor * width, width)
-        self.act = torch.relu if factor == 4 else torch.tanh  # tests/scripts/training_extras.py's: 2, tanh
+        # tests/scripts/training_extras.py's: 2, tanh
+        self.act = torch.relu if factor == 4 else torch.tanh
 
     def forward(self, x):
         return x + self.down(self.act(self.up(x)))
@@ -56,6 +57,7 @@ def peak_cpu_bytes(step) -> int:
 
 # ------------------------------------------------------------------------------------------ activation checkpointing
 
+
 def test_checkpointing_gives_the_same_gradients_with_less_memory():
     """Without checkpointing each block keeps its hidden activation (N x 4D) from forward to backward:
     BLOCKS of them at the start of backward. With it, backward recomputes one block at a time: its
@@ -73,9 +75,13 @@ def test_checkpointing_gives_the_same_gradients_with_less_memory():
             assert all(is_checkpointed(b) for b in model) and type(model[0]).__name__ == "Block"
         peak = peak_cpu_bytes(lambda model=model: model(x).square().sum().backward())
         results[on] = (peak, [p.grad for p in model.parameters()], names, list(model.state_dict()))
-    (plain_peak, plain_grads, plain_names, plain_keys), (ac_peak, ac_grads, ac_names, ac_keys) = results[False], results[True]
+    (plain_peak, plain_grads, plain_names, plain_keys), (ac_peak, ac_grads, ac_names, ac_keys) = (
+        results[False],
+        results[True],
+    )
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, ac_grads, strict=True))
-    assert ac_names == plain_names and ac_keys == plain_keys  # nothing renamed: checkpoints load as before
+    # nothing renamed: checkpoints load as before
+    assert ac_names == plain_names and ac_keys == plain_keys
     hidden = N * 4 * D * 8
     assert plain_peak - ac_peak >= (BLOCKS - 4) * hidden, (plain_peak, ac_peak, hidden)
 
@@ -97,7 +103,9 @@ def test_which_blocks_are_checkpointed():
     model = Net()
     apply(model, {"blocks": ["Linear"], "every": 1})  # by class name: every Linear, the head too
     assert sum(is_checkpointed(m) for m in model.modules()) == 13
-    with pytest.raises(ConfigError, match="matches no submodule.*HINT: name classes of this model: Block"):
+    with pytest.raises(
+        ConfigError, match="matches no submodule.*HINT: name classes of this model: Block"
+    ):
         apply(Net(), {"blocks": ["Blok"], "every": 1})
     with pytest.raises(ConfigError, match="every=7 skips all 6 block"):
         apply(Net(), {"blocks": None, "every": 7})
@@ -113,13 +121,25 @@ def test_every_strategy_of_one_process_checkpoints_in_its_setup(strategy, tmp_pa
 
     run = mg.init(env={})
     model = blocks(4, 4)
-    trainer = Regression(run, model, lambda p: torch.optim.SGD(p, lr=0.1), strategy=strategy, out_dir=str(tmp_path),
-                         activation_checkpointing={"every": 2}, batch_size=4, progress=False, plot=False)
-    checkpointed = [is_checkpointed(m) for m in run.unwrap(trainer.model).modules() if isinstance(m, Block)]
+    trainer = Regression(
+        run,
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        strategy=strategy,
+        out_dir=str(tmp_path),
+        activation_checkpointing={"every": 2},
+        batch_size=4,
+        progress=False,
+        plot=False,
+    )
+    checkpointed = [
+        is_checkpointed(m) for m in run.unwrap(trainer.model).modules() if isinstance(m, Block)
+    ]
     assert checkpointed == [False, True, False, True], strategy
 
 
 # ------------------------------------------------------------------------------------------ weight averaging
+
 
 def _steps(model: nn.Module, n: int) -> list[list[torch.Tensor]]:
     """The weights after each of ``n`` SGD steps on fixed data."""
@@ -164,7 +184,7 @@ def test_the_average_equals_the_hand_computed_one_and_torchs(decay, start):
         for mine, torchs in zip(average.averaged, reference.module.parameters()):
             assert torch.equal(mine, torchs.detach())  # the same foreach lerp as swa_utils
     else:
-        kept = history[start - 1:]
+        kept = history[start - 1 :]
         hand = [sum(ws) / len(kept) for ws in zip(*kept)]
         assert average.updates == len(kept) == 6
     for mine, expected in zip(average.averaged, hand, strict=True):
@@ -192,7 +212,8 @@ def test_swapped_weights_come_back_exactly_and_the_state_loads_into_a_plain_mode
     assert state["averaging"] == {"kind": "ema", "decay": 0.5, "start": None, "updates": 3}
     plain = blocks(2, 4)
     plain.register_buffer("counter", torch.tensor(0.0))
-    plain.load_state_dict(state["averaged_model"])  # strict: parameters averaged, buffers the model's
+    # strict: parameters averaged, buffers the model's
+    plain.load_state_dict(state["averaged_model"])
     assert torch.equal(plain(x), swapped_out) and plain.counter.item() == 7.0
     fresh = WeightAverage(blocks(2, 4), decay=0.5)
     assert fresh.load_state_dict(state) and fresh.updates == 3
@@ -206,13 +227,16 @@ def test_swapped_weights_come_back_exactly_and_the_state_loads_into_a_plain_mode
 
 # ------------------------------------------------------------------------------------------ the step guard
 
+
 def test_the_guard_skips_and_puts_the_loss_sum_back():
     from multigpu.errors import MultiGPUError
     from multigpu.trainer.settings import TrainState
     from multigpu.trainer.step_guard import StepGuard
 
     said: list[str] = []
-    guard = StepGuard(grad_norm_above=10.0, loss_above=5.0, max_in_a_row=4, active=False, say=said.append)
+    guard = StepGuard(
+        grad_norm_above=10.0, loss_above=5.0, max_in_a_row=4, active=False, say=said.append
+    )
     loss_sum, state, norm = torch.zeros((), dtype=torch.float64), TrainState(), torch.tensor(1.0)
     loss_sum += 2.0
     assert guard.check(loss_sum, 1, norm, state) == 0
@@ -227,11 +251,16 @@ def test_the_guard_skips_and_puts_the_loss_sum_back():
     assert [line.split(": ", 2)[2] for line in said] == [
         "loss not finite on at least one rank (1 skipped so far)",
         "loss above skip_loss_above on at least one rank (2 skipped so far)",
-        "gradient norm not finite on at least one rank (3 skipped so far)"]
+        "gradient norm not finite on at least one rank (3 skipped so far)",
+    ]
     loss_sum += 1.0
-    with pytest.raises(MultiGPUError, match="training diverged: 4 optimizer steps in a row") as caught:
+    with pytest.raises(
+        MultiGPUError, match="training diverged: 4 optimizer steps in a row"
+    ) as caught:
         guard.check(loss_sum, 1, torch.tensor(11.0), state)
-    assert "gradient norm above skip_grad_norm_above" in str(caught.value) and "HINT:" in str(caught.value)
+    assert "gradient norm above skip_grad_norm_above" in str(caught.value) and "HINT:" in str(
+        caught.value
+    )
 
 
 class Regression(__import__("multigpu").Trainer):
@@ -245,8 +274,10 @@ class Regression(__import__("multigpu").Trainer):
 
 def _data(n: int = 32, width: int = 4) -> TensorDataset:
     g = torch.Generator().manual_seed(3)
-    return TensorDataset(torch.randn(n, width, dtype=torch.float64, generator=g),
-                         torch.randn(n, width, dtype=torch.float64, generator=g))
+    return TensorDataset(
+        torch.randn(n, width, dtype=torch.float64, generator=g),
+        torch.randn(n, width, dtype=torch.float64, generator=g),
+    )
 
 
 def test_a_skipped_step_leaves_no_trace_in_one_process(tmp_path):
@@ -261,21 +292,38 @@ def test_a_skipped_step_leaves_no_trace_in_one_process(tmp_path):
         poison_step = 3
 
         def on_train_batch_end(self, step, loss):
-            seen[step] = ([p.detach().clone() for p in self.model.parameters()], self.optimizer.param_groups[0]["lr"],
-                          loss.item())
+            seen[step] = (
+                [p.detach().clone() for p in self.model.parameters()],
+                self.optimizer.param_groups[0]["lr"],
+                loss.item(),
+            )
 
-    trainer = Watch(run, blocks(2, 4), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                    lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5), out_dir=str(tmp_path), batch_size=8,
-                    skip_nonfinite=True, log_every_n_steps=1, progress=False, plot=False)
+    trainer = Watch(
+        run,
+        blocks(2, 4),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5),
+        out_dir=str(tmp_path),
+        batch_size=8,
+        skip_nonfinite=True,
+        log_every_n_steps=1,
+        progress=False,
+        plot=False,
+    )
     history = trainer.fit(_data())
     assert all(torch.equal(a, b) for a, b in zip(seen[2][0], seen[3][0]))  # skipped: unchanged
     assert not all(torch.equal(a, b) for a, b in zip(seen[3][0], seen[4][0]))
-    assert [seen[s][1] for s in (2, 3, 4)] == [0.025, 0.025, 0.0125]  # the scheduler did not step either
+    # the scheduler did not step either
+    assert [seen[s][1] for s in (2, 3, 4)] == [0.025, 0.025, 0.0125]
     kept = [seen[s][2] for s in (1, 2, 4)]
-    assert math.isnan(seen[3][2]) and history[0]["train_loss"] == pytest.approx(sum(kept) / 3, rel=1e-12)
+    assert math.isnan(seen[3][2]) and history[0]["train_loss"] == pytest.approx(
+        sum(kept) / 3, rel=1e-12
+    )
     rows = list(csv.DictReader(open(tmp_path / "steps.csv")))
     assert [int(r["skipped_steps"]) for r in rows] == [0, 0, 1, 1]
-    state = torch.load(next((tmp_path / "checkpoints").glob("step-*")) / "state.pt", weights_only=True)
+    state = torch.load(
+        next((tmp_path / "checkpoints").glob("step-*")) / "state.pt", weights_only=True
+    )
     assert state["step_guard"] == {"skipped": 1, "in_a_row": 0}
 
 
@@ -285,8 +333,18 @@ def test_averaging_through_the_trainer_resumes_exactly_in_one_process(tmp_path):
     run = mg.init(env={})
 
     def fit(out: Path, epochs: int):
-        trainer = Regression(run, blocks(2, 4), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), out_dir=str(out),
-                             batch_size=8, epochs=epochs, shuffle=False, swa_start=2, progress=False, plot=False)
+        trainer = Regression(
+            run,
+            blocks(2, 4),
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            out_dir=str(out),
+            batch_size=8,
+            epochs=epochs,
+            shuffle=False,
+            swa_start=2,
+            progress=False,
+            plot=False,
+        )
         trainer.fit(_data(), _data(8))
         return trainer.extras.averaging
 
@@ -299,25 +357,50 @@ def test_averaging_through_the_trainer_resumes_exactly_in_one_process(tmp_path):
 
 # ------------------------------------------------------------------------------------------ profiling
 
-def test_profiling_writes_a_trace_and_prints_the_top_operators_and_off_builds_nothing(tmp_path, capsys):
+
+def test_profiling_writes_a_trace_and_prints_the_top_operators_and_off_builds_nothing(
+    tmp_path, capsys
+):
     import multigpu as mg
 
     run = mg.init(env={})
     common = dict(batch_size=8, progress=False, plot=False, epochs=2)
-    off = Regression(run, blocks(2, 4), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path / "off"), **common)
-    assert off.extras.profiler is None and not off.extras.after_each_step  # the loop calls nothing per step
+    off = Regression(
+        run,
+        blocks(2, 4),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        out_dir=str(tmp_path / "off"),
+        **common,
+    )
+    # the loop calls nothing per step
+    assert off.extras.profiler is None and not off.extras.after_each_step
     off.fit(_data())
     assert not (tmp_path / "off" / "profile").exists()
-    on = Regression(run, blocks(2, 4), lambda p: torch.optim.SGD(p, lr=0.1), out_dir=str(tmp_path / "on"),
-                    profile={"wait": 1, "warmup": 1, "active": 2, "top": 5}, **common)
+    on = Regression(
+        run,
+        blocks(2, 4),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        out_dir=str(tmp_path / "on"),
+        profile={"wait": 1, "warmup": 1, "active": 2, "top": 5},
+        **common,
+    )
     on.fit(_data())
     out = capsys.readouterr().out
     trace = tmp_path / "on" / "profile" / "rank0-step4.pt.trace.json"
-    assert f"multigpu: profile: steps 3-4 traced on every rank: {tmp_path / 'on' / 'profile'}/rank*-step4" in out
-    table = out.split("top operators by self_cpu_time_total:\n", 1)[1].split("Self CPU time total")[0].splitlines()
+    assert (
+        f"multigpu: profile: steps 3-4 traced on every rank: {tmp_path / 'on' / 'profile'}/rank*-step4"
+        in out
+    )
+    table = (
+        out.split("top operators by self_cpu_time_total:\n", 1)[1]
+        .split("Self CPU time total")[0]
+        .splitlines()
+    )
     assert "Name" in table[1] and len(table) == 3 + 5 + 1  # rule, header, rule, 5 operators, rule
     assert json.loads(trace.read_text())["traceEvents"]
-    assert sorted(p.name for p in (tmp_path / "on" / "profile").iterdir()) == ["rank0-step4.pt.trace.json"]
+    assert sorted(p.name for p in (tmp_path / "on" / "profile").iterdir()) == [
+        "rank0-step4.pt.trace.json"
+    ]
 
 
 def test_the_profile_flag_reaches_the_world():
@@ -329,7 +412,9 @@ def test_the_profile_flag_reaches_the_world():
     from multigpu.launch.flags import RunFlags
     from multigpu.launch.local import worker_env
 
-    args = build_parser().parse_args(["run", "--nproc", "2", "--cpu", "--profile", str(SCRIPTS / "sleep_run.py")])
+    args = build_parser().parse_args(
+        ["run", "--nproc", "2", "--cpu", "--profile", str(SCRIPTS / "sleep_run.py")]
+    )
     assert isinstance(args, argparse.Namespace) and args.profile
     env = worker_env(plan_run(args))
     assert read_job(env).profile and not read_job({}).profile
@@ -348,19 +433,39 @@ def test_an_out_of_memory_snapshot_goes_through_the_file_door(tmp_path):
     said: list[str] = []
     with snapshot_on_oom(tmp_path, 0, torch.device("cpu"), said.append):
         pass
-    assert said == ["multigpu: memory_snapshot_on_oom records CUDA allocations; this run is on the cpu: no snapshot"]
+    assert said == [
+        "multigpu: memory_snapshot_on_oom records CUDA allocations; this run is on the cpu: no snapshot"
+    ]
 
 
 # ------------------------------------------------------------------------------------------ two processes
+
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[Path, str]:
     """tests/scripts/training_extras.py on 2 processes with ``--profile`` (every fit in it is traced)."""
     out = tmp_path_factory.mktemp("extras")
     try:
-        proc = subprocess.run([PY, "-m", "multigpu", "run", "--nproc", "2", "--profile", "--tee-prefix", "never",
-                               str(SCRIPTS / "training_extras.py"), str(out)], capture_output=True, text=True,
-                              timeout=200, env=child_env(), cwd=str(REPO))
+        proc = subprocess.run(
+            [
+                PY,
+                "-m",
+                "multigpu",
+                "run",
+                "--nproc",
+                "2",
+                "--profile",
+                "--tee-prefix",
+                "never",
+                str(SCRIPTS / "training_extras.py"),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            env=child_env(),
+            cwd=str(REPO),
+        )
     finally:
         left = wait_until_gone(str(out), timeout=15)
         kill_all(left)
@@ -383,16 +488,30 @@ def test_checkpointing_changes_no_number_under_fsdp_and_ddp_and_resume_is_exact(
     out, stdout = two_ranks
     for plain, checkpointed, expected in (("fsdp", "resumed", 4), ("ddp", "ddp_ac", 2)):
         first, second = _load(out, plain), _load(out, checkpointed)
-        assert _equal(first["final"], second["final"]) and _equal(first["averaged"], second["averaged"])
+        assert _equal(first["final"], second["final"]) and _equal(
+            first["averaged"], second["averaged"]
+        )
         for rank in (0, 1):
-            assert len(json.loads((out / f"{checkpointed}-rank{rank}.json").read_text())["checkpointed"]) == expected
-    assert "resumed from" in stdout and json.loads((out / "resumed-rank1.json").read_text())["skipped"] == 1
+            assert (
+                len(
+                    json.loads((out / f"{checkpointed}-rank{rank}.json").read_text())[
+                        "checkpointed"
+                    ]
+                )
+                == expected
+            )
+    assert (
+        "resumed from" in stdout
+        and json.loads((out / "resumed-rank1.json").read_text())["skipped"] == 1
+    )
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_both(two_ranks):
     out, stdout = two_ranks
     for name in ("fsdp", "ddp"):
-        assert [json.loads((out / f"{name}-rank{r}.json").read_text())["skipped"] for r in (0, 1)] == [1, 1]
+        assert [
+            json.loads((out / f"{name}-rank{r}.json").read_text())["skipped"] for r in (0, 1)
+        ] == [1, 1]
     steps = _load(out, "fsdp")["steps"]
     assert len(steps) == 12 and _equal(steps[1], steps[2]) and not _equal(steps[2], steps[3])
     said = "multigpu: skipped step 3: loss not finite, gradient norm not finite on at least one rank (1 skipped so far)"
@@ -410,7 +529,9 @@ def test_the_sharded_average_equals_the_hand_computed_ema_and_loads_into_a_plain
     for step, weights in enumerate(run["steps"], start=1):
         if step == 3:
             continue
-        hand = dict(weights) if hand is None else {k: 0.9 * hand[k] + 0.1 * weights[k] for k in hand}
+        hand = (
+            dict(weights) if hand is None else {k: 0.9 * hand[k] + 0.1 * weights[k] for k in hand}
+        )
     assert hand.keys() == run["averaged"].keys()
     for key in hand:
         assert torch.allclose(run["averaged"][key], hand[key], rtol=0, atol=1e-13), key
@@ -424,9 +545,11 @@ def test_the_sharded_average_equals_the_hand_computed_ema_and_loads_into_a_plain
     inputs, targets = run["valid"]
     with torch.no_grad():
         expected = F.mse_loss(model.head(model.blocks(inputs)), targets[:, None]).item()
-    assert float(rows[-1]["valid_loss"]) == pytest.approx(expected, rel=1e-12)  # validated on the average
+    # validated on the average
+    assert float(rows[-1]["valid_loss"]) == pytest.approx(expected, rel=1e-12)
     assert _equal(run["before_eval"], run["after_eval"]) and _equal(run["after_eval"], run["final"])
-    extra = torch.load(last / "extra.pt", weights_only=True)  # a sharded checkpoint: the averaged model is whole
+    # a sharded checkpoint: the averaged model is whole
+    extra = torch.load(last / "extra.pt", weights_only=True)
     assert extra["averaging"] == {"kind": "ema", "decay": 0.9, "start": None, "updates": 11}
     assert _equal(extra["averaged_model"], run["averaged"])
 
@@ -442,26 +565,46 @@ def test_one_process_resumes_the_two_process_average(two_ranks, tmp_path):
     model = nn.Sequential()
     model.blocks = nn.Sequential(*[Block(8, 2) for _ in range(4)])
     model.head = nn.Linear(8, 1)
-    trainer = Regression(mg.init(env={}), model.double(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-                         strategy="fsdp", out_dir=str(tmp_path / "fsdp"), ema=0.9, skip_nonfinite=True, progress=False)
-    assert trainer.resume() and trainer.extras.averaging.updates == 11 and trainer.extras.guard.skipped == 1
-    averaged = dict(zip([n for names in trainer.extras.averaging.names for n in names[:1]],
-                        trainer.extras.averaging.averaged))
+    trainer = Regression(
+        mg.init(env={}),
+        model.double(),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        strategy="fsdp",
+        out_dir=str(tmp_path / "fsdp"),
+        ema=0.9,
+        skip_nonfinite=True,
+        progress=False,
+    )
+    assert (
+        trainer.resume()
+        and trainer.extras.averaging.updates == 11
+        and trainer.extras.guard.skipped == 1
+    )
+    averaged = dict(
+        zip(
+            [n for names in trainer.extras.averaging.names for n in names[:1]],
+            trainer.extras.averaging.averaged,
+        )
+    )
     assert _equal(averaged, _load(out, "fsdp")["averaged"])
 
 
 def test_every_rank_writes_its_trace_and_rank_0_names_them(two_ranks):
     out, stdout = two_ranks
     for rank in (0, 1):
-        assert json.loads((out / "fsdp" / "profile" / f"rank{rank}-step5.pt.trace.json").read_text())["traceEvents"]
-    assert f"multigpu: profile: steps 3-5 traced on every rank: {out / 'fsdp' / 'profile'}/rank*-step5" in stdout
-    assert (out / "half" / "profile" / "rank1-step11.pt.trace.json").exists()  # resumed at step 6: named by the run's step
+        assert json.loads(
+            (out / "fsdp" / "profile" / f"rank{rank}-step5.pt.trace.json").read_text()
+        )["traceEvents"]
+    assert (
+        f"multigpu: profile: steps 3-5 traced on every rank: {out / 'fsdp' / 'profile'}/rank*-step5"
+        in stdout
+    )
+    # resumed at step 6: named by the run's step
+    assert (out / "half" / "profile" / "rank1-step11.pt.trace.json").exists()
     assert stdout.count("top operators by self_cpu_time_total") == 5
 
 
 # ------------------------------------------------------------------------------------------ GPU
-
-
 
 
 @pytest.mark.gpu
@@ -488,8 +631,23 @@ def test_gpu_checkpointing_lowers_the_peak_memory():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible (CI has none)")
 def test_gpu_out_of_memory_writes_a_snapshot(tmp_path):
     """A step that asks for far more than the GPU has: the run fails with the snapshot written first."""
-    proc = subprocess.run([PY, "-m", "multigpu", "run", "--gpus", "0", str(SCRIPTS / "training_extras_oom.py"),
-                           str(tmp_path)], capture_output=True, text=True, timeout=300, env=child_env(), cwd=str(REPO))
+    proc = subprocess.run(
+        [
+            PY,
+            "-m",
+            "multigpu",
+            "run",
+            "--gpus",
+            "0",
+            str(SCRIPTS / "training_extras_oom.py"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+        cwd=str(REPO),
+    )
     assert proc.returncode != 0
     snapshot = tmp_path / "profile" / "memory-snapshot-rank0.pickle"
     assert "memory snapshot in" in proc.stderr and snapshot.stat().st_size > 0

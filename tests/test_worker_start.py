@@ -54,9 +54,17 @@ def test_a_child_python_never_has_the_current_folder_on_its_path(tmp_path, pytho
     argv = python_module("probe_mod", PY if python == "other" else python)
     if python == "other":  # PY is this interpreter: compare it as if its version were unknown
         argv = [PY, "-c", BOOTSTRAP.format(module="probe_mod")]
-    assert argv[1:3] == (["-P", "-m"] if python != "other" else ["-c", BOOTSTRAP.format(module="probe_mod")])
-    proc = subprocess.run([*argv, "a", "--b"], capture_output=True, text=True, cwd=tmp_path, timeout=60,
-                          env={**child_env(), "PYTHONPATH": str(tmp_path / "mods")})
+    assert argv[1:3] == (
+        ["-P", "-m"] if python != "other" else ["-c", BOOTSTRAP.format(module="probe_mod")]
+    )
+    proc = subprocess.run(
+        [*argv, "a", "--b"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        env={**child_env(), "PYTHONPATH": str(tmp_path / "mods")},
+    )
     assert proc.returncode == 0 and "PLANTED" not in proc.stderr, proc.stderr
     seen, args = (json.loads(line) for line in proc.stdout.splitlines())
     assert not seen["cwd_on_path"] and not seen["json"].startswith(str(tmp_path)), seen
@@ -74,15 +82,25 @@ def tutorial_run(tmp_path_factory) -> dict:
     temp = root / "tmp"
     temp.mkdir()
     started = time.monotonic()
-    proc = multigpu("run", "--nproc", "2", "multigpu_torchrun.py", "2", "1", cwd=folder, env={"TMPDIR": str(temp)},
-                    timeout=240)
+    proc = multigpu(
+        "run",
+        "--nproc",
+        "2",
+        "multigpu_torchrun.py",
+        "2",
+        "1",
+        cwd=folder,
+        env={"TMPDIR": str(temp)},
+        timeout=240,
+    )
     return {"proc": proc, "folder": folder, "temp": temp, "seconds": time.monotonic() - started}
 
 
 def test_the_tutorials_program_runs_unchanged_from_its_own_folder(tutorial_run):
     proc = tutorial_run["proc"]
     assert proc.returncode == 0, proc.stderr
-    assert "PLANTED" not in proc.stdout + proc.stderr  # its multigpu.py, a json.py, a multigpu/ package
+    # its multigpu.py, a json.py, a multigpu/ package
+    assert "PLANTED" not in proc.stdout + proc.stderr
     assert sorted(re.findall(r"\[GPU(\d)\] Epoch 1", proc.stdout)) == ["0", "1"], proc.stdout
     assert (tutorial_run["folder"] / "snapshot.pt").is_file()
     assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr
@@ -117,7 +135,9 @@ else:
 """
 
 
-def test_a_worker_that_does_not_exit_is_named_its_stacks_kept_and_it_is_ended(tmp_path, no_leftovers):
+def test_a_worker_that_does_not_exit_is_named_its_stacks_kept_and_it_is_ended(
+    tmp_path, no_leftovers
+):
     """A rank that finished its script and then hangs holding the GIL (no multigpu import): once it has not
     moved for --exit-timeout the launcher names it and where it is stuck, keeps its threads' stacks, ends it,
     and exits 125 - while a rank whose exit computes for longer than that is left to finish; with restarts
@@ -130,23 +150,47 @@ def test_a_worker_that_does_not_exit_is_named_its_stacks_kept_and_it_is_ended(tm
     for rank in (0, 1):
         (logs / f"rank{rank}.attempt3.pid").write_text(str(os.getpid()))
     started = time.monotonic()
-    proc = multigpu("run", "--nproc", "2", "--exit-timeout", "2", "--max-restarts", "1", "--log-dir", str(logs),
-                    str(script), str(tmp_path / "left"), no_leftovers, timeout=120)
+    proc = multigpu(
+        "run",
+        "--nproc",
+        "2",
+        "--exit-timeout",
+        "2",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(logs),
+        str(script),
+        str(tmp_path / "left"),
+        no_leftovers,
+        timeout=120,
+    )
     assert proc.returncode == EXIT_STUCK_AT_EXIT, proc.stderr
     assert time.monotonic() - started < 100
-    assert sorted(proc.stdout.split("\n")[:-1]) == ["rank 0 finished", "rank 1 finished"], proc.stdout  # no restart
+    # no restart
+    assert sorted(proc.stdout.split("\n")[:-1]) == ["rank 0 finished", "rank 1 finished"], (
+        proc.stdout
+    )
     assert (tmp_path / "left").read_text() == "rank 0 left"  # its 5 s exit was not cut short
     errors = [line for line in proc.stderr.splitlines() if line.startswith("multigpu: error:")]
-    assert len(errors) == 1 and "rank 1 (pid" in errors[0] and "not moved for 2 s after" in errors[0], proc.stderr
-    assert "hang_at_exit.py\", line 19 in stuck_at_exit" in errors[0] and "HINT: its script's work is done" in errors[0]
+    assert (
+        len(errors) == 1 and "rank 1 (pid" in errors[0] and "not moved for 2 s after" in errors[0]
+    ), proc.stderr
+    assert (
+        'hang_at_exit.py", line 19 in stuck_at_exit' in errors[0]
+        and "HINT: its script's work is done" in errors[0]
+    )
     stacks = Path(re.search(r"Python stacks: (\S+)", errors[0]).group(1))
     assert stacks == logs / "rank1.attempt0.stacks" and "in stuck_at_exit" in stacks.read_text()
     assert f"kept in {logs}" in proc.stderr
     assert not (logs / "rank0.attempt0.stacks").exists()  # rank 0 left normally: no empty file
-    assert not list(logs.glob("*.attempt[13].*"))  # the finished script did not run again; the old records went
+    # the finished script did not run again; the old records went
+    assert not list(logs.glob("*.attempt[13].*"))
 
 
-def test_the_exit_watch_ends_only_a_worker_that_has_stopped_moving_after_every_rank_finished(tmp_path):
+def test_the_exit_watch_ends_only_a_worker_that_has_stopped_moving_after_every_rank_finished(
+    tmp_path,
+):
     """The watch asked at chosen times, with the workers' progress given: a rank that has finished while
     another still trains is waiting; after every rank finished, a worker that reads, writes or computes is
     busy (its last asynchronous checkpoint); one that has not moved for the timeout is ended - through a
@@ -154,11 +198,13 @@ def test_the_exit_watch_ends_only_a_worker_that_has_stopped_moving_after_every_r
     from multigpu.launch import exit_watch
     from multigpu.launch.attempts import clear_records, record_path
 
-    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # children of ours, alive
+    # children of ours, alive
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         log = str(tmp_path)
-        record_path(log, 0, 5, "pid").write_text("1")  # an earlier launch's records in a reused --log-dir
+        # an earlier launch's records in a reused --log-dir
+        record_path(log, 0, 5, "pid").write_text("1")
         clear_records(log)
         assert list(tmp_path.iterdir()) == []
         for rank, proc in enumerate((busy, idle)):
@@ -174,10 +220,13 @@ def test_the_exit_watch_ends_only_a_worker_that_has_stopped_moving_after_every_r
         look(200.0)  # every rank has finished: the clock starts
         for now in (203.0, 206.0, 209.0, 212.0, 215.0):
             seen[busy.pid][1] += 4096  # rank 0 writes (its last checkpoint); rank 1 does not move
-            seen[idle.pid][0] += 0.05  # a watchdog thread's few milliseconds a second are not progress
+            # a watchdog thread's few milliseconds a second are not progress
+            seen[idle.pid][0] += 0.05
             look(now)
-        assert watch.ended == []  # rank 1 has not moved for 15 s, but rank 0 is still writing: nobody is ended
-        seen[busy.pid][0] += 3.0  # three seconds of CPU in the next three: still moving (pickling a state)
+        # rank 1 has not moved for 15 s, but rank 0 is still writing: nobody is ended
+        assert watch.ended == []
+        # three seconds of CPU in the next three: still moving (pickling a state)
+        seen[busy.pid][0] += 3.0
         look(218.0)
         assert watch.ended == []
         busy.kill()  # rank 0 is done and gone
@@ -186,7 +235,8 @@ def test_the_exit_watch_ends_only_a_worker_that_has_stopped_moving_after_every_r
         assert [e.rank for e in watch.ended] == [1]  # the only one left, stalled since 200
         # the stacks signal first (with no faulthandler on it, its default action already ends it), then SIGKILL
         assert idle.wait(timeout=10) in (-exit_watch.STACKS_SIGNAL, -signal.SIGKILL)
-        assert watch.ended[0].status == 1 and idle.pid not in exit_watch._ended_succeeded  # a failure stays one
+        # a failure stays one
+        assert watch.ended[0].status == 1 and idle.pid not in exit_watch._ended_succeeded
     finally:
         for proc in (busy, idle):
             proc.kill()
@@ -222,22 +272,50 @@ def test_the_worker_runs_a_script_as_python_would(tmp_path):
     import py_compile
 
     (tmp_path / "probe.py").write_text(WORKER_PROBE)
-    (tmp_path / "test.py").write_text("class Thing:\n    def __init__(self):\n        self.value = 3\n")
-    subprocess.run([PY, "-c", "import pickle, test; pickle.dump(test.Thing(), open('obj.pkl', 'wb'))"], cwd=tmp_path,
-                   check=True, env={**child_env(), "PYTHONPATH": str(tmp_path)})
+    (tmp_path / "test.py").write_text(
+        "class Thing:\n    def __init__(self):\n        self.value = 3\n"
+    )
+    subprocess.run(
+        [PY, "-c", "import pickle, test; pickle.dump(test.Thing(), open('obj.pkl', 'wb'))"],
+        cwd=tmp_path,
+        check=True,
+        env={**child_env(), "PYTHONPATH": str(tmp_path)},
+    )
     logs = tmp_path / "logs"
-    env = {**child_env(), "MULTIGPU_JOB": json.dumps({"workers": {"log_dir": str(logs)}}), "RANK": "0"}
-    run = subprocess.run([*python_module("multigpu.launch.worker"), "probe.py"], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=60)
+    env = {
+        **child_env(),
+        "MULTIGPU_JOB": json.dumps({"workers": {"log_dir": str(logs)}}),
+        "RANK": "0",
+    }
+    run = subprocess.run(
+        [*python_module("multigpu.launch.worker"), "probe.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     assert "exit record before the end: False" in run.stdout
-    assert (tmp_path / "from-a-thread.txt").read_text() == (tmp_path / "from-a-pool.txt").read_text() == "written"
-    assert (logs / "rank0.attempt0.exit").read_text() == "0" and not (logs / "rank0.attempt0.stacks").exists()
+    assert (
+        (tmp_path / "from-a-thread.txt").read_text()
+        == (tmp_path / "from-a-pool.txt").read_text()
+        == "written"
+    )
+    assert (logs / "rank0.attempt0.exit").read_text() == "0" and not (
+        logs / "rank0.attempt0.stacks"
+    ).exists()
     (tmp_path / "random.py").write_text(PLANT.format(name="random.pyc"))
     py_compile.compile(str(tmp_path / "random.py"), cfile=str(tmp_path / "random.pyc"))
     (tmp_path / "random.py").unlink()
-    hidden = subprocess.run([*python_module("multigpu.launch.worker"), "probe.py", "x"], capture_output=True,
-                            text=True, cwd=tmp_path, env=env, timeout=60)
+    hidden = subprocess.run(
+        [*python_module("multigpu.launch.worker"), "probe.py", "x"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
     lines = [line for line in hidden.stderr.splitlines() if line.startswith("multigpu: error:")]
     assert hidden.returncode == 1 and len(lines) == 1, hidden.stderr
     assert "random.pyc beside probe.py hides the module 'random' that tempfile imports" in lines[0]
@@ -252,21 +330,32 @@ def test_the_tutorials_program_never_hangs_at_exit(tmp_path, launcher):
     launches = int(os.environ.get("SOAK_LAUNCHES", "30"))
     folder = tmp_path / "ddp-tutorial-series"
     shutil.copytree(TUTORIAL, folder)
-    command = ([*python_module("multigpu"), "run", "--nproc", "2"] if launcher == "multigpu run" else
-               [*python_module("torch.distributed.run"), "--nproc_per_node", "2"])
+    command = (
+        [*python_module("multigpu"), "run", "--nproc", "2"]
+        if launcher == "multigpu run"
+        else [*python_module("torch.distributed.run"), "--nproc_per_node", "2"]
+    )
     hung, failed, seconds = [], [], []
     for index in range(launches):
         (folder / "snapshot.pt").unlink(missing_ok=True)
         started = time.monotonic()
         try:
-            proc = subprocess.run([*command, "multigpu_torchrun.py", "3", "1"], capture_output=True, text=True,
-                                  cwd=folder, env=child_env(), timeout=120)
+            proc = subprocess.run(
+                [*command, "multigpu_torchrun.py", "3", "1"],
+                capture_output=True,
+                text=True,
+                cwd=folder,
+                env=child_env(),
+                timeout=120,
+            )
         except subprocess.TimeoutExpired:
             hung.append(index)
             continue
         seconds.append(time.monotonic() - started)
         if proc.returncode != 0:
             failed.append((index, proc.returncode, proc.stderr[-300:]))
-    print(f"{launcher}: {launches} launches, {len(hung)} hung, {len(failed)} failed, "
-          f"median {sorted(seconds)[len(seconds) // 2] if seconds else 0:.2f} s")
+    print(
+        f"{launcher}: {launches} launches, {len(hung)} hung, {len(failed)} failed, "
+        f"median {sorted(seconds)[len(seconds) // 2] if seconds else 0:.2f} s"
+    )
     assert hung == [] and failed == []

@@ -65,7 +65,9 @@ def test_torchrun_wins_over_slurm_because_torchrun_runs_inside_slurm_jobs():
 
 
 def test_plain_rank_variables_need_a_master_port():
-    world = detect_world({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
+    world = detect_world(
+        {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}
+    )
     assert (world.source, world.rank, world.local_rank, world.local_world_size) == ("env", 1, 1, 2)
     with pytest.raises(WorldError, match="MASTER_PORT"):
         detect_world({"RANK": "1", "WORLD_SIZE": "2"})
@@ -84,9 +86,17 @@ def test_slurm_two_nodes():
 
 def test_slurm_one_node_and_explicit_master():
     env = {
-        "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-        "SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "cpu5",
-        "SLURM_TASKS_PER_NODE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4000",
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "cpu5",
+        "SLURM_TASKS_PER_NODE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "4000",
     }
     world = detect_world(env)
     assert (world.world_size, world.local_world_size, world.num_nodes) == (2, 2, 1)
@@ -94,19 +104,33 @@ def test_slurm_one_node_and_explicit_master():
 
 
 def test_slurm_uneven_tasks_per_node():
-    env = {**SLURM_TWO_NODES, "SLURM_NTASKS": "5", "SLURM_TASKS_PER_NODE": "3,2", "SLURM_PROCID": "4"}
+    env = {
+        **SLURM_TWO_NODES,
+        "SLURM_NTASKS": "5",
+        "SLURM_TASKS_PER_NODE": "3,2",
+        "SLURM_PROCID": "4",
+    }
     assert detect_world(env).local_world_size == 2
 
 
 def test_slurm_step_variables_win_over_job_variables():
-    env = {**SLURM_TWO_NODES, "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
-           "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
-           "SLURM_STEP_NODELIST": "gpu[01-02]"}
+    env = {
+        **SLURM_TWO_NODES,
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NODELIST": "gpu[01-02]",
+    }
     world = detect_world(env)
     assert (world.world_size, world.local_world_size, world.rank) == (2, 1, 1)
 
 
-@pytest.mark.parametrize("extra", [{"SLURM_STEP_ID": None}, {"SLURM_JOB_NAME": "bash"}, {"SLURM_JOB_NAME": "interactive"}])
+@pytest.mark.parametrize(
+    "extra",
+    [{"SLURM_STEP_ID": None}, {"SLURM_JOB_NAME": "bash"}, {"SLURM_JOB_NAME": "interactive"}],
+)
 def test_batch_script_and_interactive_shells_are_not_slurm_tasks(extra):
     env = {**SLURM_TWO_NODES, **extra}
     env = {k: v for k, v in env.items() if v is not None}
@@ -156,15 +180,23 @@ def test_expand_tasks_per_node():
         ({**TORCHRUN, "RANK": "4"}, "rank 4 is outside world size 4"),
         ({**TORCHRUN, "RANK": "x"}, "RANK='x' is not an integer"),
         ({**TORCHRUN, "LOCAL_RANK": "2"}, "local rank 2 is outside local world size 2"),
-        ({**TORCHRUN, "GROUP_WORLD_SIZE": "3"}, "WORLD_SIZE=4 but LOCAL_WORLD_SIZE=2 x GROUP_WORLD_SIZE=3"),
+        (
+            {**TORCHRUN, "GROUP_WORLD_SIZE": "3"},
+            "WORLD_SIZE=4 but LOCAL_WORLD_SIZE=2 x GROUP_WORLD_SIZE=3",
+        ),
         ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
         ({**SLURM_TWO_NODES, "SLURM_PROCID": "8"}, "rank 8 is outside world size 8"),
         ({**SLURM_TWO_NODES, "SLURM_LOCALID": "4"}, "local rank 4 is outside local world size 4"),
         ({**SLURM_TWO_NODES, "SLURM_NODEID": "2"}, "node rank 2 is outside the 2 node(s)"),
-        ({**SLURM_TWO_NODES, "SLURM_JOB_NODELIST": "gpu[01-03]"}, "node list has 3 hosts but SLURM_NNODES=2"),
+        (
+            {**SLURM_TWO_NODES, "SLURM_JOB_NODELIST": "gpu[01-03]"},
+            "node list has 3 hosts but SLURM_NNODES=2",
+        ),
         ({**SLURM_TWO_NODES, "SLURM_TASKS_PER_NODE": "4(x3)"}, "lists 3 nodes but the step has 2"),
-        ({"MULTIGPU_JOB": '{"workers": {"devices_per_process": 0}}'},
-         "MULTIGPU_JOB workers setting devices_per_process=0 is invalid"),
+        (
+            {"MULTIGPU_JOB": '{"workers": {"devices_per_process": 0}}'},
+            "MULTIGPU_JOB workers setting devices_per_process=0 is invalid",
+        ),
     ],
 )
 def test_inconsistent_values_name_the_variable_and_give_a_hint(env, needle):
@@ -194,17 +226,37 @@ def test_detect_reads_os_environ_by_default(monkeypatch):
 # ------------------------------------------------- hardening: ASCII whole numbers, bounded node lists
 
 
-@pytest.mark.parametrize("name, value", [("RANK", "\u0663"), ("WORLD_SIZE", "\u0664"), ("WORLD_SIZE", "1_0"),
-                                         ("RANK", " 3"), ("MASTER_PORT", "29_500"), ("RANK", "\u00b3")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("RANK", "\u0663"),
+        ("WORLD_SIZE", "\u0664"),
+        ("WORLD_SIZE", "1_0"),
+        ("RANK", " 3"),
+        ("MASTER_PORT", "29_500"),
+        ("RANK", "\u00b3"),
+    ],
+)
 def test_torchrun_numbers_are_ascii_digits_only(name, value):
     """int() takes Arabic-Indic digits and underscores; a launcher's variable is digits 0-9 or an error."""
     with pytest.raises(WorldError) as info:
         detect_world({**TORCHRUN, name: value})
-    assert f"{name}=" in str(info.value) and "is not an integer" in str(info.value) and "HINT:" in str(info.value)
+    assert (
+        f"{name}=" in str(info.value)
+        and "is not an integer" in str(info.value)
+        and "HINT:" in str(info.value)
+    )
 
 
-@pytest.mark.parametrize("name, value", [("SLURM_PROCID", "\u0665"), ("SLURM_NNODES", "2_0"),
-                                         ("SLURM_NODEID", "\u0661"), ("SLURM_RESTART_COUNT", "\uff11")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("SLURM_PROCID", "\u0665"),
+        ("SLURM_NNODES", "2_0"),
+        ("SLURM_NODEID", "\u0661"),
+        ("SLURM_RESTART_COUNT", "\uff11"),
+    ],
+)
 def test_slurm_numbers_are_ascii_digits_only(name, value):
     with pytest.raises(WorldError, match=f"{name}=.* is not an integer.*HINT"):
         detect_world({**SLURM_TWO_NODES, name: value})
@@ -227,8 +279,17 @@ def test_a_nodelist_is_expanded_up_to_65536_names():
     assert len(expand_nodelist("r[1-256]-n[1-256]")) == 65536
 
 
-@pytest.mark.parametrize("huge", ["node[1-100000]", "n[0-99999999999999]", "r[1-1000]-n[1-1000]",
-                                  "a[1-65536],b", "a[1-40000],b[1-40000]", "r[1-300]-n[1-300]-x[1-300]"])
+@pytest.mark.parametrize(
+    "huge",
+    [
+        "node[1-100000]",
+        "n[0-99999999999999]",
+        "r[1-1000]-n[1-1000]",
+        "a[1-65536],b",
+        "a[1-40000],b[1-40000]",
+        "r[1-300]-n[1-300]-x[1-300]",
+    ],
+)
 def test_a_nodelist_of_more_than_65536_names_is_one_line(huge):
     with pytest.raises(WorldError) as info:
         expand_nodelist(huge)
@@ -256,29 +317,38 @@ def test_the_job_is_one_checked_variable_each_command_adds_its_section_to():
     from multigpu.distributed.world import read_job
 
     assert read_job({}) == Job() and read_job({JOB_VAR: ""}) == Job()
-    queued = job_env(None, run_dir="/q/a", memory_fraction=0.5)  # the queue: a run's own job, nothing inherited
-    profiled = job_env(queued[JOB_VAR], profile=True)  # `multigpu run --profile` inside that queue run
+    # the queue: a run's own job, nothing inherited
+    queued = job_env(None, run_dir="/q/a", memory_fraction=0.5)
+    # `multigpu run --profile` inside that queue run
+    profiled = job_env(queued[JOB_VAR], profile=True)
     checked = job_env(profiled[JOB_VAR], check=Check("/c", 3, 2))
-    assert read_job(checked) == Job(run_dir="/q/a", memory_fraction=0.5, profile=True, check=Check("/c", 3, 2))
-    assert json.loads(job_env(checked[JOB_VAR], check=None, memory_fraction=None)[JOB_VAR]) == \
-        {"run_dir": "/q/a", "profile": True}  # a section set to None is gone
+    assert read_job(checked) == Job(
+        run_dir="/q/a", memory_fraction=0.5, profile=True, check=Check("/c", 3, 2)
+    )
+    assert json.loads(job_env(checked[JOB_VAR], check=None, memory_fraction=None)[JOB_VAR]) == {
+        "run_dir": "/q/a",
+        "profile": True,
+    }  # a section set to None is gone
     assert json.loads(job_env(None)[JOB_VAR]) == {}
 
 
-@pytest.mark.parametrize("text, said", [
-    ("{", "is not a JSON object"),
-    ("[1, 2]", "is not a JSON object"),
-    ('{"run_dri": "/x"}', "unknown key 'run_dri'"),
-    ('{"memory_fraction": 1.5}', "memory_fraction=1.5 is invalid"),
-    ('{"memory_fraction": NaN}', "memory_fraction=nan is invalid"),
-    ('{"profile": 1}', "profile=1 is invalid"),
-    ('{"run_dir": "  "}', "run_dir='  ' is invalid"),
-    ('{"check": {"dir": "/c", "steps": 0}}', "steps=0 is invalid"),
-    ('{"check": {"steps": 3}}', "missing"),
-    ('{"check": "/c"}', "is not an object"),
-    ('{"run_dir": "' + "x" * 70_000 + '"}', "bytes (at most 65,536)"),
-    ("[" * 100_000 + "]" * 100_000, "bytes"),
-])
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("{", "is not a JSON object"),
+        ("[1, 2]", "is not a JSON object"),
+        ('{"run_dri": "/x"}', "unknown key 'run_dri'"),
+        ('{"memory_fraction": 1.5}', "memory_fraction=1.5 is invalid"),
+        ('{"memory_fraction": NaN}', "memory_fraction=nan is invalid"),
+        ('{"profile": 1}', "profile=1 is invalid"),
+        ('{"run_dir": "  "}', "run_dir='  ' is invalid"),
+        ('{"check": {"dir": "/c", "steps": 0}}', "steps=0 is invalid"),
+        ('{"check": {"steps": 3}}', "missing"),
+        ('{"check": "/c"}', "is not an object"),
+        ('{"run_dir": "' + "x" * 70_000 + '"}', "bytes (at most 65,536)"),
+        ("[" * 100_000 + "]" * 100_000, "bytes"),
+    ],
+)
 def test_a_job_set_by_hand_is_one_line_naming_the_variable(text, said):
     from multigpu.distributed.world import read_job
     from multigpu.errors import WorldError
@@ -298,12 +368,16 @@ def test_the_jobs_writer_makes_its_folders_absolute_and_refuses_what_its_readers
     from multigpu.distributed.job import JOB_VAR, Check, job_env, parse_job
 
     written = json.loads(job_env(None, run_dir="q/run", check=Check("c"))[JOB_VAR])
-    assert written == {"run_dir": os.path.abspath("q/run"), "check": {"dir": os.path.abspath("c"), "steps": 5,
-                                                                      "scale": 1}}
+    assert written == {
+        "run_dir": os.path.abspath("q/run"),
+        "check": {"dir": os.path.abspath("c"), "steps": 5, "scale": 1},
+    }
     with pytest.raises(WorldError, match="give the run's folders names of plain text"):
         job_env(None, run_dir="/q/\udcff")
-    for text, said in (('{"run_dir": "q/run"}', "run_dir='q/run' is not an absolute path"),
-                       ('{"run_dir": "/a", "run_dir": "/b"}', "gives 'run_dir' twice"),
-                       ('{"memory_fraction": 5e-324}', "memory_fraction=5e-324 is invalid")):
+    for text, said in (
+        ('{"run_dir": "q/run"}', "run_dir='q/run' is not an absolute path"),
+        ('{"run_dir": "/a", "run_dir": "/b"}', "gives 'run_dir' twice"),
+        ('{"memory_fraction": 5e-324}', "memory_fraction=5e-324 is invalid"),
+    ):
         with pytest.raises(WorldError, match=re.escape(said)):
             parse_job(text)

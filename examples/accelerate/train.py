@@ -22,7 +22,9 @@ def main() -> None:
     parser.add_argument("--mixed_precision", default="no", choices=("no", "bf16", "fp16"))
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(
+        mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available()
+    )
     set_seed(0)
     teacher = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     inputs = torch.randn(512, 16, generator=torch.Generator().manual_seed(1))
@@ -39,7 +41,9 @@ def main() -> None:
             accelerator.backward(loss)
             optimizer.step()
         total = accelerator.gather_for_metrics(loss.detach().reshape(1)).mean()
-        accelerator.print(f"epoch {epoch + 1}: loss {total.item():.4f} on {accelerator.num_processes} process(es)")
+        accelerator.print(
+            f"epoch {epoch + 1}: loss {total.item():.4f} on {accelerator.num_processes} process(es)"
+        )
     accelerator.end_training()
 
 

@@ -108,33 +108,49 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.n_embd), nn.LayerNorm(cfg.n_embd)
         self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)  # a key bias shifts every score equally: no effect
+        # a key bias shifts every score equally: no effect
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
         self.head_dim, self.dropout = cfg.n_embd // cfg.n_head, cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.ln1(x)
         q, k, v = self.q(h), self.k(h), self.v(h)
-        heads = q.shape[-1] // self.head_dim  # all heads, or this rank's share under tensor parallelism
+        # all heads, or this rank's share under tensor parallelism
+        heads = q.shape[-1] // self.head_dim
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
         return x + self.mlp(self.ln2(x))
 
 
 #: Which layers tensor parallelism splits (Megatron's pairs), by module name in the Sequential below.
-TP_PLAN = {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.proj": "rowwise",
-           "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+TP_PLAN = {
+    "*.q": "colwise",
+    "*.k": "colwise",
+    "*.v": "colwise",
+    "*.proj": "rowwise",
+    "*.mlp.0": "colwise",
+    "*.mlp.2": "rowwise",
+}
 
 
 def make_gpt(vocab: int, cfg: ModelConfig) -> nn.Sequential:
     """Embedding, blocks, head - a Sequential, so ``pipeline`` can split it and ``fsdp`` finds the blocks;
     ``tp_plan`` tells ``fsdp+tp`` which layers to split."""
-    model = nn.Sequential(Embed(vocab, cfg), *(Block(cfg) for _ in range(cfg.n_layer)), nn.LayerNorm(cfg.n_embd),
-                          nn.Linear(cfg.n_embd, vocab))
+    model = nn.Sequential(
+        Embed(vocab, cfg),
+        *(Block(cfg) for _ in range(cfg.n_layer)),
+        nn.LayerNorm(cfg.n_embd),
+        nn.Linear(cfg.n_embd, vocab),
+    )
     model.tp_plan = TP_PLAN
     return model
 
@@ -149,7 +165,14 @@ class GPTTrainer(mg.Trainer):
         inputs, targets = batch
         logits = self.model(inputs)
         n = targets.numel()
-        return {"loss": (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"), n)}
+        return {
+            "loss": (
+                F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+                ),
+                n,
+            )
+        }
 
 
 @torch.no_grad()
@@ -157,7 +180,9 @@ def generate(model: nn.Module, prompt: torch.Tensor, steps: int, block_size: int
     idx = prompt
     for _ in range(steps):
         logits = model(idx[:, -block_size:])[:, -1]
-        idx = torch.cat([idx, torch.multinomial(F.softmax(logits.float(), dim=-1), 1).to(idx.device)], dim=1)
+        idx = torch.cat(
+            [idx, torch.multinomial(F.softmax(logits.float(), dim=-1), 1).to(idx.device)], dim=1
+        )
     return idx
 
 
@@ -175,27 +200,47 @@ def main(argv: list[str]) -> None:
 
     model = make_gpt(len(chars), cfg.model)
     n_params = sum(p.numel() for p in model.parameters())
-    run.print(f"char_gpt: {n_params / 1e6:.2f}M parameters, vocabulary {len(chars)}, strategy {cfg.trainer.strategy}")
+    run.print(
+        f"char_gpt: {n_params / 1e6:.2f}M parameters, vocabulary {len(chars)}, strategy {cfg.trainer.strategy}"
+    )
     settings = cfg.trainer
-    data_ranks = run.world_size // (settings.tp * settings.pp)  # tensor-parallel ranks and pipeline stages share a batch
-    total_steps = settings.max_steps or settings.epochs * math.ceil(len(train_set) / (settings.batch_size * data_ranks))
+    # tensor-parallel ranks and pipeline stages share a batch
+    data_ranks = run.world_size // (settings.tp * settings.pp)
+    total_steps = settings.max_steps or settings.epochs * math.ceil(
+        len(train_set) / (settings.batch_size * data_ranks)
+    )
 
     def schedule(optimizer):
         warmup = max(cfg.optim.warmup_steps, 1)
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / max(total_steps, 1), 1.0))))
+            optimizer,
+            lambda s: (
+                min(1.0, (s + 1) / warmup)
+                * 0.5
+                * (1 + math.cos(math.pi * min(s / max(total_steps, 1), 1.0)))
+            ),
+        )
 
-    trainer = GPTTrainer(run, model,
-                         lambda p: torch.optim.AdamW(p, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95)),
-                         scheduler=schedule, settings=settings, config=cfg)
+    trainer = GPTTrainer(
+        run,
+        model,
+        lambda p: torch.optim.AdamW(
+            p, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95)
+        ),
+        scheduler=schedule,
+        settings=settings,
+        config=cfg,
+    )
     started = time.perf_counter()
     history = trainer.fit(train_set, valid_set)
     elapsed = time.perf_counter() - started
     epochs = [row for row in history if "epoch_s" in row]  # not the rows of eval_every_steps
     if epochs:
         tokens = sum(row["samples_per_s"] * row["epoch_s"] for row in epochs) * cfg.model.block_size
-        run.print(f"char_gpt: {tokens / max(sum(r['epoch_s'] for r in epochs), 1e-9):,.0f} tokens/s in training "
-                  f"({elapsed:.0f} s with evaluation and checkpoints)")
+        run.print(
+            f"char_gpt: {tokens / max(sum(r['epoch_s'] for r in epochs), 1e-9):,.0f} tokens/s in training "
+            f"({elapsed:.0f} s with evaluation and checkpoints)"
+        )
     if cfg.sample_chars and trainer.strategy.name in ("single", "ddp"):
         plain = trainer.strategy.unwrap(trainer.model).eval()
         prompt = ids[cut : cut + 16].unsqueeze(0).to(run.device)

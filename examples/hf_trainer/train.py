@@ -17,7 +17,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 class RandomTokens(torch.utils.data.Dataset):
     def __init__(self, n: int = 256, length: int = 16, vocab: int = 64) -> None:
-        self.tokens = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+        self.tokens = torch.randint(
+            0, vocab, (n, length), generator=torch.Generator().manual_seed(0)
+        )
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -27,16 +29,32 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 def main(out_dir: str) -> None:
-    set_seed(0)  # before the model is built, as run_clm.py does: the same weights in every process and run
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=8, max_steps=20, learning_rate=1e-3,
-                             logging_steps=10, save_strategy="no", report_to=[], seed=0, use_cpu=not torch.cuda.is_available(),
-                             dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False)
+    # before the model is built, as run_clm.py does: the same weights in every process and run
+    set_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    )
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=8,
+        max_steps=20,
+        learning_rate=1e-3,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens())
     result = trainer.train()
     if trainer.is_world_process_zero():
-        print(f"final train_loss {result.training_loss:.4f} after {result.global_step} steps "
-              f"on {args.world_size} process(es)")
+        print(
+            f"final train_loss {result.training_loss:.4f} after {result.global_step} steps "
+            f"on {args.world_size} process(es)"
+        )
 
 
 if __name__ == "__main__":

@@ -18,9 +18,25 @@ import numpy as np
 
 import multigpu as mg
 
-SUBJECTS = ["the cat", "a dog", "the old sailor", "my sister", "the small robot", "a quiet student", "the baker"]
+SUBJECTS = [
+    "the cat",
+    "a dog",
+    "the old sailor",
+    "my sister",
+    "the small robot",
+    "a quiet student",
+    "the baker",
+]
 VERBS = ["sees", "likes", "carries", "paints", "follows", "finds", "remembers", "builds"]
-OBJECTS = ["the red ball", "a long letter", "the green door", "an empty box", "the river", "a tall tree", "the moon"]
+OBJECTS = [
+    "the red ball",
+    "a long letter",
+    "the green door",
+    "an empty box",
+    "the river",
+    "a tall tree",
+    "the moon",
+]
 ENDINGS = [".", " today.", " at night.", " in the rain.", " again and again.", "!", " slowly."]
 
 
@@ -28,7 +44,9 @@ def make_text(chars: int = 200_000, seed: int = 0) -> str:
     rng = random.Random(seed)
     lines, size = [], 0
     while size < chars:
-        line = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}{rng.choice(ENDINGS)}"
+        line = (
+            f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}{rng.choice(ENDINGS)}"
+        )
         line = line[0].upper() + line[1:]
         lines.append(line)
         size += len(line) + 1
@@ -50,7 +68,8 @@ def prepare(folder: str | Path, chars: int = 200_000) -> Path:
     # each file whole (mg.write_file: a temporary file renamed over it, never written through a link there)
     for name, part in (("train.bin", ids[:split]), ("val.bin", ids[split:])):
         mg.write_file(folder / name, part.tobytes())
-    mg.write_file(folder / "meta.json", json.dumps({"vocab_size": len(vocab), "itos": vocab}))  # last: done
+    # last: done
+    mg.write_file(folder / "meta.json", json.dumps({"vocab_size": len(vocab), "itos": vocab}))
     return folder
 
 

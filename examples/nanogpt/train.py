@@ -45,7 +45,8 @@ eval_interval = 50
 log_interval = 10
 eval_iters = 20
 eval_only = False
-always_save_checkpoint = False  # nanoGPT's default is True; here only an improved validation loss saves
+# nanoGPT's default is True; here only an improved validation loss saves
+always_save_checkpoint = False
 init_from = "scratch"  # 'scratch' or 'resume' (the newest checkpoint in out_dir that verifies)
 data_dir = "outputs/nanogpt/data"  # made by prepare.py on first use
 gradient_accumulation_steps = 2  # multigpu: per process - the same on any number of processes
@@ -67,7 +68,8 @@ warmup_iters = 20
 lr_decay_iters = 300
 min_lr = 3e-4
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-compile = False  # nanoGPT: True (torch.compile); off here, where the model is tiny and the tests run on CPUs
+# nanoGPT: True (torch.compile); off here, where the model is tiny and the tests run on CPUs
+compile = False
 # -----------------------------------------------------------------------------
 
 
@@ -77,10 +79,15 @@ def configure(settings: dict, argv: list[str]) -> dict:
     for arg in argv:
         key, sep, text = arg.partition("=")
         if not key.startswith("--") or not sep:
-            raise ConfigError(f"argument {arg!r} is not --key=value.", "e.g. --max_iters=100 --batch_size=16.")
+            raise ConfigError(
+                f"argument {arg!r} is not --key=value.", "e.g. --max_iters=100 --batch_size=16."
+            )
         key = key[2:]
         if key not in settings:
-            raise ConfigError(f"--{key} is not a setting of this script.", f"one of: {', '.join(sorted(settings))}.")
+            raise ConfigError(
+                f"--{key} is not a setting of this script.",
+                f"one of: {', '.join(sorted(settings))}.",
+            )
         try:
             value = ast.literal_eval(text)
         except (SyntaxError, ValueError):
@@ -89,13 +96,21 @@ def configure(settings: dict, argv: list[str]) -> dict:
         if wanted is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not wanted:
-            raise ConfigError(f"--{key}={text}: expected a {wanted.__name__}.", f"e.g. --{key}={settings[key]!r}.")
+            raise ConfigError(
+                f"--{key}={text}: expected a {wanted.__name__}.", f"e.g. --{key}={settings[key]!r}."
+            )
         settings[key] = value
     return settings
 
 
-config = configure({k: v for k, v in globals().items()
-                    if not k.startswith("_") and isinstance(v, (int, float, bool, str))}, sys.argv[1:])
+config = configure(
+    {
+        k: v
+        for k, v in globals().items()
+        if not k.startswith("_") and isinstance(v, (int, float, bool, str))
+    },
+    sys.argv[1:],
+)
 globals().update(config)
 
 # multigpu: one line replaces init_process_group, LOCAL_RANK/WORLD_SIZE, set_device and the seeds.
@@ -110,7 +125,11 @@ run.print(f"tokens per iteration will be: {tokens_per_iter:,}")
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-ctx = contextlib.nullcontext() if device_type == "cpu" else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+ctx = (
+    contextlib.nullcontext()
+    if device_type == "cpu"
+    else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+)
 
 # multigpu: once, on rank 0, while the others wait (they poll; no collective timeout however long it takes).
 # On every rank, unconditionally: prepare skips a folder it made before. (Under `if not exists(meta.json)`
@@ -133,7 +152,8 @@ class Offsets(Dataset):
         return self.length
 
     def __getitem__(self, i: int):
-        data = np.memmap(self.path, dtype=np.uint16, mode="r")  # reopened, as nanoGPT does, to avoid a leak
+        # reopened, as nanoGPT does, to avoid a leak
+        data = np.memmap(self.path, dtype=np.uint16, mode="r")
         chunk = torch.from_numpy(data[i : i + block_size + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 
@@ -142,13 +162,22 @@ train_set = Offsets(os.path.join(data_dir, "train.bin"))
 val_set = Offsets(os.path.join(data_dir, "val.bin"))
 # Evaluation: eval_iters x batch_size fixed windows per split, spread over the split, read once across
 # the ranks (run.eval_loader) - the same windows on any number of processes.
-evaluation = {name: Subset(ds, range(0, len(ds), max(1, len(ds) // (eval_iters * batch_size))))
-              for name, ds in (("train", train_set), ("val", val_set))}
+evaluation = {
+    name: Subset(ds, range(0, len(ds), max(1, len(ds) // (eval_iters * batch_size))))
+    for name, ds in (("train", train_set), ("val", val_set))
+}
 
 iter_num = 0
 best_val_loss = 1e9
-model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
-                  vocab_size=meta["vocab_size"], dropout=dropout)
+model_args = dict(
+    n_layer=n_layer,
+    n_head=n_head,
+    n_embd=n_embd,
+    block_size=block_size,
+    bias=bias,
+    vocab_size=meta["vocab_size"],
+    dropout=dropout,
+)
 model = GPT(GPTConfig(**model_args)).to(device)
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
@@ -162,8 +191,10 @@ if init_from == "resume":
     # multigpu: the newest checkpoint that verifies, the same on every rank; model and optimizer in place.
     state = run.load_checkpoint(ckpt_dir, model, optimizer)
     if state is None:
-        raise ConfigError(f"init_from='resume' but {ckpt_dir} holds no checkpoint.",
-                          "train with init_from='scratch' first.")
+        raise ConfigError(
+            f"init_from='resume' but {ckpt_dir} holds no checkpoint.",
+            "train with init_from='scratch' first.",
+        )
     iter_num, best_val_loss = state["iter_num"], state["best_val_loss"]
     train_loader.resume_at(*state["position"])
 
@@ -212,14 +243,26 @@ while True:
     # run.save_checkpoint - a collective - with the same answer.
     if iter_num % eval_interval == 0:
         losses = estimate_loss()
-        run.print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        run.print(
+            f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+        )
         if losses["val"] < best_val_loss or always_save_checkpoint:
             best_val_loss = losses["val"]
             if iter_num > 0:
-                run.save_checkpoint(ckpt_dir, iter_num, {
-                    "model": model, "optimizer": optimizer, "model_args": model_args, "iter_num": iter_num,
-                    "best_val_loss": best_val_loss, "config": config, "position": list(train_loader.position())},
-                    keep_last=1)
+                run.save_checkpoint(
+                    ckpt_dir,
+                    iter_num,
+                    {
+                        "model": model,
+                        "optimizer": optimizer,
+                        "model_args": model_args,
+                        "iter_num": iter_num,
+                        "best_val_loss": best_val_loss,
+                        "config": config,
+                        "position": list(train_loader.position()),
+                    },
+                    keep_last=1,
+                )
                 run.print(f"saved a checkpoint to {ckpt_dir}")
     if iter_num == 0 and eval_only:
         break
@@ -244,7 +287,8 @@ while True:
     t1 = time.time()
     dt, t0 = t1 - t0, t1
     if iter_num % log_interval == 0:
-        lossf = loss.item() * gradient_accumulation_steps  # undo the division: this micro-step's loss
+        # undo the division: this micro-step's loss
+        lossf = loss.item() * gradient_accumulation_steps
         run.print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms")
     iter_num += 1
     run.step_done(iter_num)  # multigpu: the hang watchdog's heartbeat (when configured)

@@ -23,11 +23,13 @@ class ModelConfig:
     hidden: int = 64
 
 
+# hparams.yaml and KEY=VALUE overrides fill this in; a typo is an error naming file:line
 @dataclass
-class Recipe:  # hparams.yaml and KEY=VALUE overrides fill this in; a typo is an error naming file:line
+class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     lr: float = 3e-3
-    trainer: mg.TrainerSettings = field(default_factory=mg.TrainerSettings)  # epochs, batch_size, strategy, ...
+    # epochs, batch_size, strategy, ...
+    trainer: mg.TrainerSettings = field(default_factory=mg.TrainerSettings)
 
 
 class Classifier(mg.Trainer):
@@ -38,8 +40,10 @@ class Classifier(mg.Trainer):
     def evaluate_batch(self, batch):  # sums and counts: exact over any number of processes
         inputs, labels = batch
         logits = self.model(inputs)
-        return {"loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels)),
-                "accuracy": ((logits.argmax(dim=1) == labels).sum(), len(labels))}
+        return {
+            "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels)),
+            "accuracy": ((logits.argmax(dim=1) == labels).sum(), len(labels)),
+        }
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
@@ -52,11 +56,21 @@ def make_data(n: int, seed: int) -> TensorDataset:
 def main(argv: list[str]) -> None:
     yaml_file = argv[0] if argv and argv[0].endswith((".yaml", ".yml")) else None
     cfg = config.load(Recipe, yaml_file, argv[1:] if yaml_file else argv)
-    run = mg.init(seed=cfg.trainer.seed)  # torchrun / Slurm / multigpu run / plain python: found, not configured
-    model = nn.Sequential(nn.Linear(16, cfg.model.hidden), nn.GELU(), nn.Linear(cfg.model.hidden, 4))
-    trainer = Classifier(run, model, lambda params: torch.optim.AdamW(params, lr=cfg.lr),
-                         settings=cfg.trainer, config=cfg)  # strategy: ddp on several processes (trainer.strategy)
-    trainer.fit(make_data(1024, seed=1), make_data(256, seed=2))  # resumes by itself from the last good checkpoint
+    # torchrun / Slurm / multigpu run / plain python: found, not configured
+    run = mg.init(seed=cfg.trainer.seed)
+    model = nn.Sequential(
+        nn.Linear(16, cfg.model.hidden), nn.GELU(), nn.Linear(cfg.model.hidden, 4)
+    )
+    trainer = Classifier(
+        run,
+        model,
+        lambda params: torch.optim.AdamW(params, lr=cfg.lr),
+        # strategy: ddp on several processes (trainer.strategy)
+        settings=cfg.trainer,
+        config=cfg,
+    )
+    # resumes by itself from the last good checkpoint
+    trainer.fit(make_data(1024, seed=1), make_data(256, seed=2))
     final = trainer.evaluate(make_data(256, seed=2))
     run.print(f"validation accuracy {final['accuracy']:.3f} on {run.world_size} process(es)")
 

@@ -42,13 +42,34 @@ _EXPORTS = {
     "write_file": "multigpu.fileio",
 }
 
-__all__ = ["Loader", "MetricSums", "MultiGPUError", "Run", "Stages", "Trainer", "TrainerSettings", "World",
-           "detect_world", "get_logger", "init", "is_main", "rank_zero_only", "rank_zero_print", "run_on_main",
-           "write_file"]
+__all__ = [
+    "Loader",
+    "MetricSums",
+    "MultiGPUError",
+    "Run",
+    "Stages",
+    "Trainer",
+    "TrainerSettings",
+    "World",
+    "detect_world",
+    "get_logger",
+    "init",
+    "is_main",
+    "rank_zero_only",
+    "rank_zero_print",
+    "run_on_main",
+    "write_file",
+]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load on first use
     from multigpu.data.samplers import Loader
-    from multigpu.distributed.rank_zero import get_logger, is_main, rank_zero_only, rank_zero_print, run_on_main
+    from multigpu.distributed.rank_zero import (
+        get_logger,
+        is_main,
+        rank_zero_only,
+        rank_zero_print,
+        run_on_main,
+    )
     from multigpu.distributed.world import World, detect_world
     from multigpu.fileio import write_file
     from multigpu.metrics import MetricSums

@@ -20,7 +20,12 @@ from typing import Any, NoReturn, Optional, Sequence
 from typing_extensions import override
 
 from multigpu.commands.checkpoint import add_checkpoint_parser
-from multigpu.commands.diagnostics import add_check_parser, add_doctor_parser, add_env_parser, add_plot_parser
+from multigpu.commands.diagnostics import (
+    add_check_parser,
+    add_doctor_parser,
+    add_env_parser,
+    add_plot_parser,
+)
 from multigpu.commands.launching import add_run_parser
 from multigpu.commands.queue import add_queue_parser
 from multigpu.commands.slurm import SLURM_ACTIONS, add_slurm_parser
@@ -40,30 +45,43 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         message = " ".join(message.split())
         where = self.prog.removeprefix("multigpu").strip()
-        print(f"multigpu: error: {f'{where}: ' if where else ''}{visible(message)}. HINT: {peer_hint(message)}"
-              f"see `{self.prog} --help`.", file=sys.stderr)
+        print(
+            f"multigpu: error: {f'{where}: ' if where else ''}{visible(message)}. HINT: {peer_hint(message)}"
+            f"see `{self.prog} --help`.",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 
 #: Flags and commands of the launchers people come from (Accelerate's `accelerate launch`, Lightning's
 #: Trainer flags, torchrun's old launch module), and what says the same here.
 PEER_FLAGS = {
-    "--num_processes": "multigpu run --nproc N", "--num-processes": "multigpu run --nproc N",
-    "--num_machines": "multigpu run --nnodes N", "--machine_rank": "multigpu run --node-rank R",
-    "--main_process_ip": "multigpu run --master-addr HOST", "--main_process_port": "multigpu run --master-port PORT",
-    "--gpu_ids": "multigpu run --gpus 0,1", "--multi_gpu": "multigpu run (every visible GPU is the default)",
+    "--num_processes": "multigpu run --nproc N",
+    "--num-processes": "multigpu run --nproc N",
+    "--num_machines": "multigpu run --nnodes N",
+    "--machine_rank": "multigpu run --node-rank R",
+    "--main_process_ip": "multigpu run --master-addr HOST",
+    "--main_process_port": "multigpu run --master-port PORT",
+    "--gpu_ids": "multigpu run --gpus 0,1",
+    "--multi_gpu": "multigpu run (every visible GPU is the default)",
     "--mixed_precision": "the script's own precision setting (a Trainer's: trainer.precision=bf16, after the script)",
     "--config_file": "multigpu run's flags, and the recipe's YAML file after the script (multigpu run train.py hparams.yaml)",
-    "--devices": "multigpu run --nproc N or --gpus 0,1", "--accelerator": "multigpu run --cpu (GPUs are the default)",
+    "--devices": "multigpu run --nproc N or --gpus 0,1",
+    "--accelerator": "multigpu run --cpu (GPUs are the default)",
     "--use_env": "nothing: the workers always get their rank in the environment, as torchrun's",
-    "launch": "multigpu run", "accelerate": "multigpu run",
+    "launch": "multigpu run",
+    "accelerate": "multigpu run",
 }
 
 
 def peer_hint(message: str) -> str:
     """'use X for Y; ' for each flag or command of another launcher the message names ('' for none)."""
     named = [word.strip("'\",()") for word in message.split()]
-    found = [f"{word} is {PEER_FLAGS[word]} here; " for word in dict.fromkeys(named) if word in PEER_FLAGS]
+    found = [
+        f"{word} is {PEER_FLAGS[word]} here; "
+        for word in dict.fromkeys(named)
+        if word in PEER_FLAGS
+    ]
     return "".join(found[:3])
 
 
@@ -102,30 +120,38 @@ def _with_default_actions(argv: list[str]) -> list[str]:
 def _os_error_line(exc: OSError) -> str:
     what = exc.strerror or type(exc).__name__
     names = [str(n) for n in (exc.filename, exc.filename2) if n is not None]
-    return (f"multigpu: error: {what}{': ' + ' -> '.join(names) if names else ''}. "
-            "HINT: check the path, that its folder exists, free disk space and permissions.")
+    return (
+        f"multigpu: error: {what}{': ' + ' -> '.join(names) if names else ''}. "
+        "HINT: check the path, that its folder exists, free disk space and permissions."
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = _with_default_actions(list(sys.argv[1:] if argv is None else argv))
     try:
-        args = build_parser().parse_args(argv)  # inside: a flag's own check (a refused torchrun flag) is a refusal too
+        # inside: a flag's own check (a refused torchrun flag) is a refusal too
+        args = build_parser().parse_args(argv)
         status: int = args.handler(args)
         return status
     except MultiGPUError as exc:
         print(exc.one_line(), file=sys.stderr)
         return EXIT_REFUSED
-    except OSError as exc:  # a file or folder the system refused: the user's to fix, not a bug of ours
+    # a file or folder the system refused: the user's to fix, not a bug of ours
+    except OSError as exc:
         print(_os_error_line(exc), file=sys.stderr)
         return EXIT_REFUSED
     except UnicodeError as exc:  # text that cannot be written (a lone surrogate from a YAML escape)
-        print(f"multigpu: error: {' '.join(str(exc).split())[:200]}. HINT: use plain UTF-8 text in names, paths "
-              "and values.", file=sys.stderr)
+        print(
+            f"multigpu: error: {' '.join(str(exc).split())[:200]}. HINT: use plain UTF-8 text in names, paths "
+            "and values.",
+            file=sys.stderr,
+        )
         return EXIT_REFUSED
     except KeyboardInterrupt:
         print("multigpu: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Stopped as stopped:  # a command that stops cleanly on a signal (check: its runs, its folders)
+    # a command that stops cleanly on a signal (check: its runs, its folders)
+    except Stopped as stopped:
         if stopped.signum == signal.SIGINT:
             print("multigpu: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -144,7 +170,10 @@ def entry() -> NoReturn:
     imports for the garbage collector: :func:`multigpu.launch.process.collector_paused`)."""
     mark_command_process()
     code = main()
-    if not any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+    if not any(
+        t is not threading.main_thread() and t.is_alive() and not t.daemon
+        for t in threading.enumerate()
+    ):
         try:
             gc.collect()
             atexit._run_exitfuncs()

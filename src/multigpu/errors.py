@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing_extensions import override
-else:  # the marker is for the type checker: typing_extensions imports inspect, ~35 ms in every small process
+# the marker is for the type checker: typing_extensions imports inspect, ~35 ms in every small process
+else:
+
     def override(method):  # (a rank's boot and tee processes import this module)
         return method
+
 
 # Exit statuses: the one table (docs/fault-tolerance.md, "Exit statuses") that the launcher, the
 # workers, the queue and Slurm requeue follow; tests/test_faults.py checks the page against these.
@@ -37,7 +40,9 @@ EXIT_INTERRUPTED = 130
 
 
 #: Characters that steer a terminal (C0 and C1 controls, DEL, bidirectional overrides, line separators).
-_STEERING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_STEERING = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 #: An error line never grows beyond this (a 3 MB value echoed back is cut, not printed).
 MAX_LINE = 2000
 
@@ -46,6 +51,7 @@ def visible(text: str, keep_newlines: bool = False) -> str:
     """``text`` that came from outside (a name, a file's contents), safe to print: everything that could
     steer a terminal (an escape sequence that retitles the window or rewrites the screen, a bidirectional
     override) is shown as ``\\xNN``/``\\uNNNN`` instead; tabs stay; newlines stay only when asked."""
+
     def escape(match: "re.Match[str]") -> str:
         char = match.group(0)
         return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
@@ -57,8 +63,7 @@ def visible(text: str, keep_newlines: bool = False) -> str:
 def shown(value: object, limit: int = 80) -> str:
     """A value echoed in an error line: its repr, made visible, cut to about ``limit`` characters."""
     text = visible(repr(value))
-    return text if len(text) <= limit else f"{text[:limit - 15]}... ({len(text)} chars)"
-
+    return text if len(text) <= limit else f"{text[: limit - 15]}... ({len(text)} chars)"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -95,7 +100,7 @@ class MultiGPUError(Exception):
         room = MAX_LINE - min(len(hint), MAX_LINE // 4) - 40
         if len(message) > room:
             message = f"{message[:room]}... (cut: {len(message)} characters)"
-        hint = hint if len(hint) <= MAX_LINE // 4 else hint[:MAX_LINE // 4] + "..."
+        hint = hint if len(hint) <= MAX_LINE // 4 else hint[: MAX_LINE // 4] + "..."
         return f"multigpu: error: {message} HINT: {hint}" if hint else f"multigpu: error: {message}"
 
 

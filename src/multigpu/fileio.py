@@ -66,7 +66,11 @@ def _regular(fd: int, path: PathLike) -> None:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
-        raise _refuse(path, f"is {kind}, not a regular file", errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL)
+        raise _refuse(
+            path,
+            f"is {kind}, not a regular file",
+            errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+        )
 
 
 class Folder:
@@ -94,17 +98,24 @@ class Folder:
         try:
             for part in _parts(relative):
                 try:
-                    child = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
+                    child = os.open(
+                        part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd
+                    )
                 except FileNotFoundError:
                     if not create:
                         raise
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o755, dir_fd=fd)
-                    child = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd)
+                    child = os.open(
+                        part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=fd
+                    )
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise _refuse(self.path / relative, f"has {part!r} that is a link or a file, not a real "
-                                      "folder; refusing to go through it") from None
+                        raise _refuse(
+                            self.path / relative,
+                            f"has {part!r} that is a link or a file, not a real "
+                            "folder; refusing to go through it",
+                        ) from None
                     raise
                 os.close(fd)
                 fd = child
@@ -131,7 +142,9 @@ class Folder:
             pass
         return Folder(self.path.joinpath(*_parts(relative)))
 
-    def store(self, relative: PathLike, max_entries: int = 200_000, inner_links: bool = False) -> "Folder":
+    def store(
+        self, relative: PathLike, max_entries: int = 200_000, inner_links: bool = False
+    ) -> "Folder":
         """A folder below this one that another library will write into as it likes (TensorBoard's events,
         MLflow's file store, Optuna's study, W&B's run files), created if missing and checked whole first:
         every entry below it a real folder or a regular file of this user with no second name (a hard link
@@ -147,19 +160,30 @@ class Folder:
                 for entry in entries:
                     seen += 1
                     if seen > max_entries:
-                        raise _refuse(store.path, f"holds more than {max_entries:,} entries", errno.EFBIG)
+                        raise _refuse(
+                            store.path, f"holds more than {max_entries:,} entries", errno.EFBIG
+                        )
                     info = entry.stat(follow_symlinks=False)
-                    if stat.S_ISLNK(info.st_mode) and inner_links and \
-                            os.path.join(os.path.realpath(entry.path), "").startswith(root):
+                    if (
+                        stat.S_ISLNK(info.st_mode)
+                        and inner_links
+                        and os.path.join(os.path.realpath(entry.path), "").startswith(root)
+                    ):
                         continue  # the library's own link to a place in its store
                     if stat.S_ISDIR(info.st_mode):
                         pending.append(Path(entry.path))
                     elif not stat.S_ISREG(info.st_mode):
-                        raise _refuse(entry.path, "is a link, FIFO, device or socket inside a store folder")
+                        raise _refuse(
+                            entry.path, "is a link, FIFO, device or socket inside a store folder"
+                        )
                     elif info.st_nlink > 1:
-                        raise _refuse(entry.path, "has another name (a hard link) inside a store folder")
+                        raise _refuse(
+                            entry.path, "has another name (a hard link) inside a store folder"
+                        )
                     if info.st_uid != uid:
-                        raise _refuse(entry.path, f"belongs to another user (uid {info.st_uid})", errno.EACCES)
+                        raise _refuse(
+                            entry.path, f"belongs to another user (uid {info.st_uid})", errno.EACCES
+                        )
         return store
 
     def make(self, relative: PathLike) -> "Folder":
@@ -209,7 +233,7 @@ class Folder:
         return sorted(out)
 
     def kind(self, relative: PathLike) -> Optional[str]:
-        """"folder", "file", "link", "other", or None when nothing is there."""
+        """ "folder", "file", "link", "other", or None when nothing is there."""
         folder, name = self._split(relative)
         try:
             with self._dir(folder) as fd:
@@ -261,7 +285,9 @@ class Folder:
             raise _refuse(self.path / relative, f"is larger than {limit} bytes", errno.EFBIG)
         return data.decode("utf-8", errors="replace")
 
-    def tail_lines(self, relative: PathLike, lines: int, max_bytes: int = 1 << 20) -> tuple[list[str], int]:
+    def tail_lines(
+        self, relative: PathLike, lines: int, max_bytes: int = 1 << 20
+    ) -> tuple[list[str], int]:
         """The last ``lines`` lines read from the end (at most ``max_bytes``), and how many lines that part
         holds; ([], 0) if the file cannot be read safely."""
         try:
@@ -278,13 +304,20 @@ class Folder:
 
     # ------------------------------------------------------------------ writing
     @contextlib.contextmanager
-    def open_new(self, relative: PathLike, fsync: bool = False, mode: int = 0o644) -> Iterator[IO[bytes]]:
+    def open_new(
+        self, relative: PathLike, fsync: bool = False, mode: int = 0o644
+    ) -> Iterator[IO[bytes]]:
         """Write ``relative`` in one step: the caller writes into a fresh temporary file (``O_EXCL``,
         never a planted name), renamed over ``relative`` when the block ends without an error."""
         folder, name = self._split(relative)
         tmp = f".{name[:80]}.{uuid.uuid4().hex[:12]}.tmp"
         with self._dir(folder, create=True) as dir_fd:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dir_fd)
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
+                0o600,
+                dir_fd=dir_fd,
+            )
             try:
                 os.fchmod(fd, mode)  # exactly this mode, whatever the umask
                 with os.fdopen(fd, "wb") as handle:
@@ -298,7 +331,9 @@ class Folder:
                     os.unlink(tmp, dir_fd=dir_fd)
                 raise
 
-    def write_atomic(self, relative: PathLike, data: Union[str, bytes], fsync: bool = False, mode: int = 0o644) -> None:
+    def write_atomic(
+        self, relative: PathLike, data: Union[str, bytes], fsync: bool = False, mode: int = 0o644
+    ) -> None:
         """Replace ``relative`` with ``data``: readers see the old or the new file, never half of one."""
         with self.open_new(relative, fsync=fsync, mode=mode) as handle:
             handle.write(data.encode("utf-8") if isinstance(data, str) else data)
@@ -308,11 +343,17 @@ class Folder:
         folder, name = self._split(relative)
         with self._dir(folder, create=True) as dir_fd:
             try:
-                fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o644,
-                             dir_fd=dir_fd)
+                fd = os.open(
+                    name,
+                    os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC,
+                    0o644,
+                    dir_fd=dir_fd,
+                )
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENXIO):
-                    raise _refuse(self.path / relative, "is a link or a FIFO; refusing to write through it") from None
+                    raise _refuse(
+                        self.path / relative, "is a link or a FIFO; refusing to write through it"
+                    ) from None
                 raise
         try:
             _regular(fd, self.path / relative)
@@ -334,7 +375,12 @@ class Folder:
         or device in its place is refused."""
         folder, name = self._split(relative)
         with self._dir(folder, create=True) as dir_fd:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o644, dir_fd=dir_fd)
+            fd = os.open(
+                name,
+                os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC,
+                0o644,
+                dir_fd=dir_fd,
+            )
         try:
             _regular(fd, self.path / relative)
             os.set_blocking(fd, True)
@@ -351,7 +397,9 @@ class Folder:
         with self._dir(src_folder) as src_fd, self._dir(dst_folder, create=True) as dst_fd:
             with contextlib.suppress(FileNotFoundError):
                 os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False)
-                raise _refuse(self.path / target, "already exists; refusing to replace it", errno.EEXIST)
+                raise _refuse(
+                    self.path / target, "already exists; refusing to replace it", errno.EEXIST
+                )
             os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
 
     def remove(self, relative: PathLike, missing_ok: bool = True) -> None:
@@ -462,10 +510,6 @@ def tail_lines(path: PathLike, lines: int, max_bytes: int = 1 << 20) -> tuple[li
     """The last ``lines`` lines of a log file (see :meth:`Folder.tail_lines`)."""
     path = Path(path)
     return Folder(path.parent).tail_lines(path.name, lines, max_bytes)
-
-
-
-
 
 
 def open_devnull() -> int:

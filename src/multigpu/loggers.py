@@ -94,7 +94,11 @@ class CSVLogger:
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
         name = CSV_FILES[kind]
-        row = {"step": step, WALL_TIME: round(time.time(), 3), **{k: v for k, v in row.items() if k != "step"}}
+        row = {
+            "step": step,
+            WALL_TIME: round(time.time(), 3),
+            **{k: v for k, v in row.items() if k != "step"},
+        }
         columns = self._columns[kind]
         if not columns or any(k not in columns for k in row):
             rows = read_csv(self.folder / name)
@@ -134,8 +138,11 @@ def read_csv(path: Path) -> list[dict[str, str]]:
     except FileNotFoundError:
         return []
     except UnsafePath as exc:
-        raise ConfigError(f"{visible(str(path))} {exc.strerror}.", "a metrics file must be a regular file "
-                          f"of at most {MAX_CSV_BYTES >> 20} MiB; move it away (or use another out_dir).") from None
+        raise ConfigError(
+            f"{visible(str(path))} {exc.strerror}.",
+            "a metrics file must be a regular file "
+            f"of at most {MAX_CSV_BYTES >> 20} MiB; move it away (or use another out_dir).",
+        ) from None
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
     try:
@@ -177,12 +184,16 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("loggers: tensorboard needs the tensorboard package.",
-                              "pip install tensorboard (or drop tensorboard from loggers).") from None
+            raise ConfigError(
+                "loggers: tensorboard needs the tensorboard package.",
+                "pip install tensorboard (or drop tensorboard from loggers).",
+            ) from None
         # purge_step: events after the resumed step, written before a crash, are discarded by TensorBoard.
         # A store the door checked whole: a planted link anywhere in it is refused, never written through.
-        self.writer = SummaryWriter(log_dir=str(store_folder(folder, "tensorboard").path),
-                                    purge_step=resume_step + 1 if resume_step is not None else None)
+        self.writer = SummaryWriter(
+            log_dir=str(store_folder(folder, "tensorboard").path),
+            purge_step=resume_step + 1 if resume_step is not None else None,
+        )
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
         for key, value in _numbers(row).items():
@@ -208,11 +219,14 @@ class WandbLogger:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("loggers: wandb needs the wandb package.",
-                              "pip install 'multigpu[wandb]' (or drop wandb from loggers).") from None
+            raise ConfigError(
+                "loggers: wandb needs the wandb package.",
+                "pip install 'multigpu[wandb]' (or drop wandb from loggers).",
+            ) from None
         folder = Path(folder).resolve()
         root = Folder(folder).create()
-        store_folder(folder, "wandb", inner_links=True)  # checked whole: W&B's own links stay inside it
+        # checked whole: W&B's own links stay inside it
+        store_folder(folder, "wandb", inner_links=True)
         # The id lives in the run folder: a resume continues the same W&B run, while a new folder (or a
         # deleted and recreated one, or the same path on another machine) starts a new one.
         run_id = _run_id(root, ".wandb_run_id")
@@ -220,12 +234,21 @@ class WandbLogger:
             run_id = re.sub(r"[^A-Za-z0-9_-]", "-", f"{folder.name[:40]}-{secrets.token_hex(4)}")
             root.write_atomic(".wandb_run_id", run_id)
         try:
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "multigpu"), name=folder.name, id=run_id,
-                                  dir=str(folder), resume="allow", reinit=True)
-        except Exception as exc:  # no API key, no network, a refused project: W&B's own exception types
-            raise ConfigError(f"loggers: wandb could not start: {' '.join(str(exc).split())[:300]}",
-                              "run `wandb login`, or set WANDB_MODE=offline (sync later with `wandb sync`), "
-                              "or drop wandb from loggers.") from None
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "multigpu"),
+                name=folder.name,
+                id=run_id,
+                dir=str(folder),
+                resume="allow",
+                reinit=True,
+            )
+        # no API key, no network, a refused project: W&B's own exception types
+        except Exception as exc:
+            raise ConfigError(
+                f"loggers: wandb could not start: {' '.join(str(exc).split())[:300]}",
+                "run `wandb login`, or set WANDB_MODE=offline (sync later with `wandb sync`), "
+                "or drop wandb from loggers.",
+            ) from None
         self.start = max(resume_step or 0, int(getattr(self.run, "step", 0) or 0))
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
@@ -256,17 +279,21 @@ class MLflowLogger:
         try:
             from mlflow.tracking import MlflowClient
         except ImportError:
-            raise ConfigError("loggers: mlflow needs the mlflow package.",
-                              "pip install 'multigpu[mlflow]' (or drop mlflow from loggers).") from None
+            raise ConfigError(
+                "loggers: mlflow needs the mlflow package.",
+                "pip install 'multigpu[mlflow]' (or drop mlflow from loggers).",
+            ) from None
         folder = Path(folder).resolve()
         root = Folder(folder).create()
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if uri and not _MLFLOW_URI.fullmatch(uri):
             # MLflow reads a bare path as a file store relative to the working folder (where
             # MLFLOW_ALLOW_FILE_STORE is set): a typo would write runs anywhere.
-            raise ConfigError(f"loggers: MLFLOW_TRACKING_URI {shown(uri)} is not a URI (scheme://...).",
-                              "name a server (http://host:5000), a database (sqlite:///abs/path.db) or a file store "
-                              "(file:///abs/path), or unset it for a file store in the run folder.")
+            raise ConfigError(
+                f"loggers: MLFLOW_TRACKING_URI {shown(uri)} is not a URI (scheme://...).",
+                "name a server (http://host:5000), a database (sqlite:///abs/path.db) or a file store "
+                "(file:///abs/path), or unset it for a file store in the run folder.",
+            )
         if not uri:
             # No server named: a file store beside the run, readable with `mlflow ui --backend-store-uri`.
             # MLflow 3 keeps that backend in maintenance mode and refuses it unless this variable opts in;
@@ -277,25 +304,37 @@ class MLflowLogger:
         try:
             self.client = MlflowClient(tracking_uri=uri)
             found = self.client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        except Exception as exc:  # an unreachable server, a refused store: MLflow's own exception types
-            raise ConfigError(f"loggers: mlflow could not reach {shown(uri)}: {shown(' '.join(str(exc).split()), 300)}",
-                              "check MLFLOW_TRACKING_URI (unset: a file store in the run folder), or drop mlflow "
-                              "from loggers.") from None
+            experiment_id = (
+                found.experiment_id
+                if found is not None
+                else self.client.create_experiment(experiment)
+            )
+        # an unreachable server, a refused store: MLflow's own exception types
+        except Exception as exc:
+            raise ConfigError(
+                f"loggers: mlflow could not reach {shown(uri)}: {shown(' '.join(str(exc).split()), 300)}",
+                "check MLFLOW_TRACKING_URI (unset: a file store in the run folder), or drop mlflow "
+                "from loggers.",
+            ) from None
         run_id = _run_id(root, ".mlflow_run_id")
         if run_id and not re.fullmatch(r"[0-9a-f]{32}", run_id):
             run_id = ""  # not an id MLflow made: a new run
         if run_id:
-            try:  # the run this folder started, in this experiment: a planted id of another run is not followed
+            # the run this folder started, in this experiment: a planted id of another run is not followed
+            try:
                 found_run = self.client.get_run(run_id)
-                if found_run.info.experiment_id != experiment_id or found_run.info.lifecycle_stage != "active" or \
-                        found_run.data.tags.get("multigpu.out_dir") != str(folder):
+                if (
+                    found_run.info.experiment_id != experiment_id
+                    or found_run.info.lifecycle_stage != "active"
+                    or found_run.data.tags.get("multigpu.out_dir") != str(folder)
+                ):
                     run_id = ""  # another folder's run, or one the user deleted: a new one
             except Exception:
                 run_id = ""
         if not run_id:
-            run_id = self.client.create_run(experiment_id, run_name=folder.name,
-                                            tags={"multigpu.out_dir": str(folder)}).info.run_id
+            run_id = self.client.create_run(
+                experiment_id, run_name=folder.name, tags={"multigpu.out_dir": str(folder)}
+            ).info.run_id
             root.write_atomic(".mlflow_run_id", run_id)
         self.run_id = run_id
         self._logged: dict[str, int] = {}
@@ -329,27 +368,39 @@ class MLflowLogger:
         existing = self.client.get_run(self.run_id).data.params
         params = [p for p in params if p.key not in existing]
         for start in range(0, len(params), 100):
-            self.client.log_batch(self.run_id, params=params[start:start + 100])
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
 
-BACKENDS: dict[str, Callable[[Path, Optional[int]], Logger]] = {"csv": CSVLogger, "tensorboard": TensorBoardLogger,
-                                                                 "wandb": WandbLogger, "mlflow": MLflowLogger}
+BACKENDS: dict[str, Callable[[Path, Optional[int]], Logger]] = {
+    "csv": CSVLogger,
+    "tensorboard": TensorBoardLogger,
+    "wandb": WandbLogger,
+    "mlflow": MLflowLogger,
+}
 
 
 class Loggers:
     """The chosen loggers as one (rank 0); an empty one elsewhere."""
 
-    def __init__(self, names: Sequence[str], folder: Path, resume_step: Optional[int] = None,
-                 enabled: bool = True) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        folder: Path,
+        resume_step: Optional[int] = None,
+        enabled: bool = True,
+    ) -> None:
         unknown = [n for n in names if n not in BACKENDS]
         if unknown:
-            raise ConfigError(f"unknown logger {unknown[0]!r}.", f"choose from {', '.join(BACKENDS)}.")
+            raise ConfigError(
+                f"unknown logger {unknown[0]!r}.", f"choose from {', '.join(BACKENDS)}."
+            )
         self.loggers: list[Logger] = []
         if enabled:
-            for name in dict.fromkeys(["csv", *names]):  # CSV always: the queue and `multigpu plot` read it
+            # CSV always: the queue and `multigpu plot` read it
+            for name in dict.fromkeys(["csv", *names]):
                 self.loggers.append(BACKENDS[name](folder, resume_step))
 
     def log_metrics(self, row: Mapping[str, Any], step: int, kind: str = "epoch") -> None:
@@ -368,7 +419,9 @@ class Loggers:
 
 def hparams_of(settings: Mapping[str, Any], config: Any) -> dict[str, Any]:
     """What a run logs as hyperparameters: the recipe's resolved config and the Trainer settings."""
-    plain: dict[str, Any] = json.loads(json.dumps({"config": config, "trainer": settings}, default=str))
+    plain: dict[str, Any] = json.loads(
+        json.dumps({"config": config, "trainer": settings}, default=str)
+    )
     return plain
 
 
@@ -384,12 +437,16 @@ def store_folder(folder: Path, name: str, inner_links: bool = False) -> Folder:
     try:
         return Folder(folder).store(name, inner_links=inner_links)
     except UnsafePath as exc:
-        raise ConfigError(f"{visible(str(exc.filename))} {exc.strerror}; another library writes into the store "
-                          f"{name}/ as it finds it.", f"move {visible(str(Path(folder) / name))} aside and let the "
-                          "run make a new one.") from None
+        raise ConfigError(
+            f"{visible(str(exc.filename))} {exc.strerror}; another library writes into the store "
+            f"{name}/ as it finds it.",
+            f"move {visible(str(Path(folder) / name))} aside and let the run make a new one.",
+        ) from None
     except OSError as exc:
-        raise ConfigError(f"cannot use {visible(str(Path(folder) / name))}: {exc.strerror or exc}.",
-                          "give the run a folder it can write to.") from None
+        raise ConfigError(
+            f"cannot use {visible(str(Path(folder) / name))}: {exc.strerror or exc}.",
+            "give the run a folder it can write to.",
+        ) from None
 
 
 def _run_id(root: Folder, name: str) -> str:
@@ -400,5 +457,7 @@ def _run_id(root: Folder, name: str) -> str:
     except FileNotFoundError:
         return ""
     except UnsafePath as exc:
-        raise ConfigError(f"{visible(str(root / name))} is not a regular file ({exc.strerror}).",
-                          "remove it; it holds only the logger's run id.") from None
+        raise ConfigError(
+            f"{visible(str(root / name))} is not a regular file ({exc.strerror}).",
+            "remove it; it holds only the logger's run id.",
+        ) from None

@@ -25,18 +25,32 @@ class MetricSums:
     of one tp group see the same batch; reducing over the data-parallel group counts it once.
     """
 
-    def __init__(self, device: Union[str, torch.device] = "cpu", group: Any = None,
-                 before_reduce: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        device: Union[str, torch.device] = "cpu",
+        group: Any = None,
+        before_reduce: Optional[Callable[[str], None]] = None,
+    ) -> None:
         self.device = torch.device(device)
         self.group = group
         self._before_reduce = before_reduce
-        self._sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, dtype=torch.float64, device=self.device))
+        self._sums: dict[str, torch.Tensor] = defaultdict(
+            lambda: torch.zeros(2, dtype=torch.float64, device=self.device)
+        )
 
     def add(self, name: str, total: Number, count: Number = 1) -> None:
         """Add a *sum* over ``count`` samples (e.g. number correct, or loss x batch size)."""
         acc = self._sums[name]
-        acc[0] += total.detach().to(acc.device, torch.float64) if isinstance(total, torch.Tensor) else float(total)
-        acc[1] += count.detach().to(acc.device, torch.float64) if isinstance(count, torch.Tensor) else float(count)
+        acc[0] += (
+            total.detach().to(acc.device, torch.float64)
+            if isinstance(total, torch.Tensor)
+            else float(total)
+        )
+        acc[1] += (
+            count.detach().to(acc.device, torch.float64)
+            if isinstance(count, torch.Tensor)
+            else float(count)
+        )
 
     def update(self, values: Mapping[str, tuple[Number, Number]]) -> None:
         for name, (total, count) in values.items():
@@ -52,10 +66,15 @@ class MetricSums:
             if self._before_reduce is not None:
                 self._before_reduce("reducing metrics")
             dist.all_reduce(stacked, group=self.group)
-        return {n: s / c if c > 0 else float("nan") for n, (s, c) in zip(names, stacked.tolist(), strict=True)}
+        return {
+            n: s / c if c > 0 else float("nan")
+            for n, (s, c) in zip(names, stacked.tolist(), strict=True)
+        }
 
 
-def reduce_sums(values: Mapping[str, tuple[Number, Number]], device: Union[str, torch.device] = "cpu") -> dict[str, float]:
+def reduce_sums(
+    values: Mapping[str, tuple[Number, Number]], device: Union[str, torch.device] = "cpu"
+) -> dict[str, float]:
     """One-shot :class:`MetricSums`: ``{"acc": (correct, n)}`` on each rank -> the global ratio."""
     sums = MetricSums(device)
     sums.update(values)

@@ -35,14 +35,20 @@ def find_runs(paths: Sequence[str | Path]) -> list[Path]:
     for raw in paths:
         path = Path(raw)
         if not path.is_dir():
-            raise ConfigError(f"{path} is not a folder.", "give a run's out_dir or a queue's --out folder.")
+            raise ConfigError(
+                f"{path} is not a folder.", "give a run's out_dir or a queue's --out folder."
+            )
         if is_run(path):
             runs.append(path)
             continue
-        inside = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and is_run(p))
+        inside = sorted(
+            p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".") and is_run(p)
+        )
         if not inside:
-            raise ConfigError(f"{path} holds no metrics.csv or steps.csv (nor do its subfolders).",
-                              "give the folder a run wrote into (its trainer.out_dir).")
+            raise ConfigError(
+                f"{path} holds no metrics.csv or steps.csv (nor do its subfolders).",
+                "give the folder a run wrote into (its trainer.out_dir).",
+            )
         runs.extend(inside)
     return runs
 
@@ -83,11 +89,17 @@ def plot_runs(runs: Sequence[Path], out: Path, metric: Optional[str] = None) -> 
     """Left: training loss (steps, thin) and validation loss (epochs, marked) against step. Right: the
     monitored metric (``metric``, else the first valid_* column that is not the loss). One colour per run."""
     if metric is not None:
-        columns = {k for folder in runs for row in read_csv(folder / CSV_FILES["epoch"])[:1] for k in row}
+        columns = {
+            k for folder in runs for row in read_csv(folder / CSV_FILES["epoch"])[:1] for k in row
+        }
         if metric not in columns:
-            shown_columns = ", ".join(sorted(visible(c) for c in columns if c not in ("step", "epoch")))
-            raise ConfigError(f"--metric {shown(metric)} is not a column of the runs' metrics.csv.",
-                              f"choose from {shown_columns[:300]}.")
+            shown_columns = ", ".join(
+                sorted(visible(c) for c in columns if c not in ("step", "epoch"))
+            )
+            raise ConfigError(
+                f"--metric {shown(metric)} is not a column of the runs' metrics.csv.",
+                f"choose from {shown_columns[:300]}.",
+            )
     # (checked before importing matplotlib, which writes its font cache on first import)
     return _drawn(_draw, runs, out, metric)
 
@@ -100,17 +112,26 @@ def _drawn(draw: Callable[..., Path], *args: Any) -> Path:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ConfigError("plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]').") from None
+        raise ConfigError(
+            "plots need matplotlib.", "pip install matplotlib (or 'multigpu[plot]')."
+        ) from None
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning
+        )
         try:
             return draw(Figure, FigureCanvasAgg, *args)
-        except (ValueError, OverflowError, RecursionError, TypeError, RuntimeError) as exc:  # matplotlib's own
-            raise ConfigError(f"could not draw the figure: {type(exc).__name__}: {shown(str(exc), 120)}",
-                              "the files read hold values matplotlib cannot draw; check them.") from None
+        # matplotlib's own
+        except (ValueError, OverflowError, RecursionError, TypeError, RuntimeError) as exc:
+            raise ConfigError(
+                f"could not draw the figure: {type(exc).__name__}: {shown(str(exc), 120)}",
+                "the files read hold values matplotlib cannot draw; check them.",
+            ) from None
 
 
-def _draw(Figure: Any, FigureCanvasAgg: Any, runs: Sequence[Path], out: Path, metric: Optional[str]) -> Path:
+def _draw(
+    Figure: Any, FigureCanvasAgg: Any, runs: Sequence[Path], out: Path, metric: Optional[str]
+) -> Path:
     figure = Figure(figsize=SIZE_IN, dpi=DPI)
     FigureCanvasAgg(figure)
     loss_axes, metric_axes = figure.subplots(1, 2)
@@ -124,18 +145,35 @@ def _draw(Figure: Any, FigureCanvasAgg: Any, runs: Sequence[Path], out: Path, me
             loss_axes.plot(xs, ys, color=color, alpha=0.45, linewidth=0.8, label=f"{name} (steps)")
         xs, ys = _series(epochs, "train_loss")
         if xs:
-            loss_axes.plot(xs, ys, color=color, linewidth=1.6, label=f"{name} train" if len(runs) > 1 else "train (epochs)")
+            loss_axes.plot(
+                xs,
+                ys,
+                color=color,
+                linewidth=1.6,
+                label=f"{name} train" if len(runs) > 1 else "train (epochs)",
+            )
         xs, ys = _series(epochs, "valid_loss")
         if xs:
-            loss_axes.plot(xs, ys, color=color, linestyle="--", marker="o", markersize=3,
-                           label=f"{name} valid" if len(runs) > 1 else "valid")
+            loss_axes.plot(
+                xs,
+                ys,
+                color=color,
+                linestyle="--",
+                marker="o",
+                markersize=3,
+                label=f"{name} valid" if len(runs) > 1 else "valid",
+            )
         key = _metric_of(epochs, metric)
         if key is not None:
             chosen = chosen or key
             xs, ys = _series(epochs, key)
-            metric_axes.plot(xs, ys, color=color, marker="o", markersize=3, label=label(folder.name))
+            metric_axes.plot(
+                xs, ys, color=color, marker="o", markersize=3, label=label(folder.name)
+            )
     loss_axes.set(title="loss", xlabel="optimizer step")
-    metric_axes.set(title=label(chosen) if chosen else "no validation metric", xlabel="optimizer step")
+    metric_axes.set(
+        title=label(chosen) if chosen else "no validation metric", xlabel="optimizer step"
+    )
     for axes in (loss_axes, metric_axes):
         axes.grid(alpha=0.3)
         if axes.get_legend_handles_labels()[0]:
@@ -192,8 +230,11 @@ def sweep_records(folder: Path) -> list[Path]:
     records = Folder(folder)
     if records.kind(SWEEPS_FOLDER) != "folder":
         return []
-    return [folder / SWEEPS_FOLDER / name for name, kind in records.entries(SWEEPS_FOLDER)
-            if kind == "file" and name.endswith(".json") and not name.startswith(".")]
+    return [
+        folder / SWEEPS_FOLDER / name
+        for name, kind in records.entries(SWEEPS_FOLDER)
+        if kind == "file" and name.endswith(".json") and not name.startswith(".")
+    ]
 
 
 def read_record(path: Path) -> dict[str, Any]:
@@ -201,20 +242,32 @@ def read_record(path: Path) -> dict[str, Any]:
     traceback (it is data from disk - a folder someone sent you)."""
     import json
 
-    bad = ConfigError(f"{path} is not a sweep record written by `multigpu queue`.", "run the queue again to rewrite it.")
+    bad = ConfigError(
+        f"{path} is not a sweep record written by `multigpu queue`.",
+        "run the queue again to rewrite it.",
+    )
     try:
         data = json.loads(Folder(path.parent).load_text(path.name, limit=MAX_RECORD_BYTES))
     except (OSError, ValueError, RecursionError):
         raise bad from None
-    if not isinstance(data, dict) or not isinstance(data.get("params"), dict) or not isinstance(data.get("trials"), list):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("params"), dict)
+        or not isinstance(data.get("trials"), list)
+    ):
         raise bad
     if data.get("mode") not in ("min", "max") or not isinstance(data.get("metric"), str):
         raise bad
     trials = []
     for trial in data["trials"][:MAX_RECORD_TRIALS]:
-        if (isinstance(trial, dict) and isinstance(trial.get("run"), str) and isinstance(trial.get("values"), dict)
-                and isinstance(trial.get("reports"), str) and trial.get("state") in ("done", "pruned", "failed",
-                                                                                    "interrupted", "queued", "running")):
+        if (
+            isinstance(trial, dict)
+            and isinstance(trial.get("run"), str)
+            and isinstance(trial.get("values"), dict)
+            and isinstance(trial.get("reports"), str)
+            and trial.get("state")
+            in ("done", "pruned", "failed", "interrupted", "queued", "running")
+        ):
             trial["value"] = _plottable(trial.get("value"))
             trials.append(trial)
     data["trials"] = trials
@@ -239,7 +292,11 @@ def _reports(queue: Path, relative: str) -> tuple[list[float], list[float]]:
     import io
 
     try:
-        text = Folder(queue).load_bytes(relative, MAX_REPORTS_BYTES)[:MAX_REPORTS_BYTES].decode("utf-8", "replace")
+        text = (
+            Folder(queue)
+            .load_bytes(relative, MAX_REPORTS_BYTES)[:MAX_REPORTS_BYTES]
+            .decode("utf-8", "replace")
+        )
     except OSError:
         return [], []
     xs, ys = [], []
@@ -262,7 +319,9 @@ def plot_sweep(record: Path, out: Path, top: int = 5) -> Path:
     return _drawn(_draw_sweep, data, record.parent.parent, out, top)
 
 
-def _draw_sweep(Figure: Any, FigureCanvasAgg: Any, data: dict[str, Any], queue: Path, out: Path, top: int) -> Path:
+def _draw_sweep(
+    Figure: Any, FigureCanvasAgg: Any, data: dict[str, Any], queue: Path, out: Path, top: int
+) -> Path:
     params = list(data["params"].items())[:MAX_PANELS]
     panels = 1 + len(params)
     columns = min(panels, 3)
@@ -272,16 +331,27 @@ def _draw_sweep(Figure: Any, FigureCanvasAgg: Any, data: dict[str, Any], queue: 
     axes = list(figure.subplots(rows, columns, squeeze=False).flat)
     metric, trials = data["metric"], data["trials"]
     best = [t for t in trials if t["value"] is not None][:top]
-    read: dict[str, tuple[list[float], list[float]]] = {}  # trials may name one reports file: read once
+    # trials may name one reports file: read once
+    read: dict[str, tuple[list[float], list[float]]] = {}
     for index, trial in enumerate(best):
         if trial["reports"] not in read:
             read[trial["reports"]] = _reports(queue, trial["reports"])
         xs, ys = read[trial["reports"]]
         if xs:
             style = "--" if trial["state"] == "pruned" else "-"
-            axes[0].plot(xs, ys, style, color=f"C{index % 10}", marker="o", markersize=2.5,
-                         label=label(f"{trial['run'][:40]} ({trial['value']:.4g})"))
-    axes[0].set(title=label(f"{metric}: best {len(best)} of {len(trials)} ({data['mode']})"), xlabel="optimizer step")
+            axes[0].plot(
+                xs,
+                ys,
+                style,
+                color=f"C{index % 10}",
+                marker="o",
+                markersize=2.5,
+                label=label(f"{trial['run'][:40]} ({trial['value']:.4g})"),
+            )
+    axes[0].set(
+        title=label(f"{metric}: best {len(best)} of {len(trials)} ({data['mode']})"),
+        xlabel="optimizer step",
+    )
     for panel, (key, space) in zip(axes[1:], params):
         _value_panel(panel, str(key), space if isinstance(space, dict) else {}, trials, metric)
     for panel in axes[panels:]:
@@ -296,18 +366,28 @@ def _draw_sweep(Figure: Any, FigureCanvasAgg: Any, data: dict[str, Any], queue: 
     return out
 
 
-def _value_panel(panel: Axes, key: str, space: dict[str, Any], trials: list[dict[str, Any]], metric: str) -> None:
+def _value_panel(
+    panel: Axes, key: str, space: dict[str, Any], trials: list[dict[str, Any]], metric: str
+) -> None:
     """``metric`` against one swept override: a list of values (grid, choice) or text on evenly spaced
     ticks in their order; a range on its own axis (log for loguniform)."""
     values = [t["values"].get(key) for t in trials]
-    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None)
+    numeric = all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values if v is not None
+    )
     if numeric:  # a value beyond what an axis can hold (1e308) is left out, as in the run curves
         values = [_plottable(v) for v in values]
     labels: list[str] = []
     if space.get("kind") in ("grid", "choice") or not numeric:
         present = {str(v)[:200]: v for v in values}
-        order = sorted(present, key=lambda k: (0, float(present[k]), k) if numeric and present[k] is not None else (1, 0.0, k))
-        labels = list(order)[:MAX_LABELS]  # the rest are not placed: a panel of 8,000 labels says nothing
+        order = sorted(
+            present,
+            key=lambda k: (
+                (0, float(present[k]), k) if numeric and present[k] is not None else (1, 0.0, k)
+            ),
+        )
+        # the rest are not placed: a panel of 8,000 labels says nothing
+        labels = list(order)[:MAX_LABELS]
     position = {text: index for index, text in enumerate(labels)}
     for state, marker, color in (("done", "o", "C0"), ("pruned", "x", "0.5")):
         xs, ys = [], []
@@ -322,5 +402,7 @@ def _value_panel(panel: Axes, key: str, space: dict[str, Any], trials: list[dict
     if space.get("kind") == "loguniform" and not labels:
         panel.set_xscale("log")
     if labels:
-        panel.set_xticks(range(len(labels)), [label(text[:12]) for text in labels], rotation=30, fontsize=7)
+        panel.set_xticks(
+            range(len(labels)), [label(text[:12]) for text in labels], rotation=30, fontsize=7
+        )
     panel.set(title=label(f"{metric} against {key}"), xlabel=label(key[:40]))

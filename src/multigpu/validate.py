@@ -33,8 +33,6 @@ RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-
-
 #: A whole number as a person or a launcher writes one: ASCII digits and an optional sign. Python's
 #: int() takes more - "١٢" (Arabic-Indic digits), "1_000", " 7 " - and none of that is a number here.
 _WHOLE = re.compile(r"[-+]?[0-9]{1,100}")
@@ -47,42 +45,67 @@ def is_digits(text: object) -> bool:
     return isinstance(text, str) and re.fullmatch(r"[0-9]{1,100}", text) is not None
 
 
-def whole_number(text: object, what: str, error: type[MultiGPUError] = MultiGPUError, hint: str = "") -> int:
+def whole_number(
+    text: object, what: str, error: type[MultiGPUError] = MultiGPUError, hint: str = ""
+) -> int:
     """``text`` (a flag, a YAML value, an environment variable) as an int: ASCII digits and a sign only."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     if not isinstance(text, str) or not _WHOLE.fullmatch(text):
-        raise error(f"{what}={shown(text, 60)} is not an integer.",
-                    hint or f"write {what} with the digits 0-9 only (no underscores or other scripts' digits).")
+        raise error(
+            f"{what}={shown(text, 60)} is not an integer.",
+            hint
+            or f"write {what} with the digits 0-9 only (no underscores or other scripts' digits).",
+        )
     return int(text)
 
 
 def whole_flag(text: str) -> int:
     """argparse's ``type=`` for whole-number flags, in place of ``int`` (which takes "١٢" and "1_000")."""
     if not _WHOLE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{shown(text, 60)} is not a whole number (write it with the digits 0-9)")
+        raise argparse.ArgumentTypeError(
+            f"{shown(text, 60)} is not a whole number (write it with the digits 0-9)"
+        )
     return int(text)
 
 
-def count(value: object, what: str, error: type[MultiGPUError] = MultiGPUError, low: int = 1,
-          high: int = MAX_PROCS_PER_NODE, hint: Optional[str] = None) -> int:
+def count(
+    value: object,
+    what: str,
+    error: type[MultiGPUError] = MultiGPUError,
+    low: int = 1,
+    high: int = MAX_PROCS_PER_NODE,
+    hint: Optional[str] = None,
+) -> int:
     """``value`` as an int within ``low..high`` (booleans and non-integers are refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise error(f"{what} {value!r} is not a whole number.", hint or f"use a number from {low} to {high}.")
+        raise error(
+            f"{what} {value!r} is not a whole number.",
+            hint or f"use a number from {low} to {high}.",
+        )
     if value < low:
         raise error(f"{what} {value} must be at least {low}.", hint or f"use {low} or more.")
     if value > high:
-        raise error(f"{what} {value} is more than {high:,}.",
-                    hint or f"use at most {high:,}; no machine runs more per node (a typo?). "
-                    "If you really need more, please open an issue.")
+        raise error(
+            f"{what} {value} is more than {high:,}.",
+            hint
+            or f"use at most {high:,}; no machine runs more per node (a typo?). "
+            "If you really need more, please open an issue.",
+        )
     return value
 
 
-def positive_seconds(value: object, what: str, error: type[MultiGPUError] = MultiGPUError,
-                     high: float = 7 * 24 * 3600) -> float:
+def positive_seconds(
+    value: object,
+    what: str,
+    error: type[MultiGPUError] = MultiGPUError,
+    high: float = 7 * 24 * 3600,
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
-        raise error(f"{what} {value!r} must be a positive number of seconds (at most {high:g}).",
-                    f"e.g. {what} 120.")
+        raise error(
+            f"{what} {value!r} must be a positive number of seconds (at most {high:g}).",
+            f"e.g. {what} 120.",
+        )
     return float(value)
 
 
@@ -90,35 +113,40 @@ def run_name(name: object, error: type[MultiGPUError] = MultiGPUError, where: st
     """A run name that is safe as one folder name: letters, digits, ``._-``, no leading dot, <= 100."""
     if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
         shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:57] + "..."
-        raise error(f"{where}run name {shown} is not allowed: it becomes a folder name.",
-                    "use letters, digits and . _ - (not first: . or -), at most 100 characters.")
+        raise error(
+            f"{where}run name {shown} is not allowed: it becomes a folder name.",
+            "use letters, digits and . _ - (not first: . or -), at most 100 characters.",
+        )
     return name
 
 
-
-
-
-
-
-
-
-
-
-
-def plain_text(value: object, what: str, error: type[MultiGPUError] = MultiGPUError, allow_space: bool = True,
-               pattern: Optional[str] = None, example: str = "") -> str:
+def plain_text(
+    value: object,
+    what: str,
+    error: type[MultiGPUError] = MultiGPUError,
+    allow_space: bool = True,
+    pattern: Optional[str] = None,
+    example: str = "",
+) -> str:
     """Text with no control characters (newlines end #SBATCH blocks and shell lines), optionally matched;
     always encodable as UTF-8 (a lone surrogate from a YAML escape cannot be written to a file)."""
     text = str(value)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise error(f"{what} {text[:40]!r} is not valid Unicode text.", "remove the \\uD800-style escape.") from None
+        raise error(
+            f"{what} {text[:40]!r} is not valid Unicode text.", "remove the \\uD800-style escape."
+        ) from None
     if CONTROL.search(text) or (not allow_space and re.search(r"\s", text)):
-        raise error(f"{what} {text[:60]!r} contains {'whitespace or ' if not allow_space else ''}control characters.",
-                    f"give a single plain value{f', e.g. {example}' if example else ''}.")
+        raise error(
+            f"{what} {text[:60]!r} contains {'whitespace or ' if not allow_space else ''}control characters.",
+            f"give a single plain value{f', e.g. {example}' if example else ''}.",
+        )
     if pattern is not None and not re.fullmatch(pattern, text):
-        raise error(f"{what} {text[:60]!r} is not a valid value.", f"e.g. {example}." if example else "check it.")
+        raise error(
+            f"{what} {text[:60]!r} is not a valid value.",
+            f"e.g. {example}." if example else "check it.",
+        )
     return text
 
 
@@ -149,7 +177,11 @@ class Rule:
             wanted = "true or false"
         elif self.kind in (int, float):
             noun = "a whole number" if self.kind is int else "a number"
-            lo = "" if self.low is None else f"{'above' if self.positive else 'from'} {_number(self.low)}"
+            lo = (
+                ""
+                if self.low is None
+                else f"{'above' if self.positive else 'from'} {_number(self.low)}"
+            )
             hi = "" if self.high is None else f"{'up ' if not lo else ''}to {_number(self.high)}"
             wanted = f"{noun} {lo} {hi}".strip()
         elif self.kind is str:
@@ -177,7 +209,9 @@ def rules_of(cls: type) -> dict[str, Rule]:
         if kind is not None:
             rules[item.name] = Rule(kind, optional=optional, **item.metadata.get("rule", {}))
         elif "rule" in item.metadata:
-            raise TypeError(f"{cls.__name__}.{item.name}: bounds on a field of type {hints[item.name]}")
+            raise TypeError(
+                f"{cls.__name__}.{item.name}: bounds on a field of type {hints[item.name]}"
+            )
     return rules
 
 
@@ -194,7 +228,9 @@ def _kind(annotation: Any) -> tuple[Optional[type], bool]:
     return (origin, optional) if origin in (bool, int, float, str, list) else (None, False)
 
 
-def checked(owner: str, name: str, value: Any, rule: Rule, error: type[MultiGPUError] = MultiGPUError) -> Any:
+def checked(
+    owner: str, name: str, value: Any, rule: Rule, error: type[MultiGPUError] = MultiGPUError
+) -> Any:
     """``value`` if it follows ``rule``; otherwise one line naming the setting and what it may be."""
     if value is None and rule.optional:
         return value
@@ -204,7 +240,12 @@ def checked(owner: str, name: str, value: Any, rule: Rule, error: type[MultiGPUE
     elif rule.kind is float:
         ok = isinstance(value, (int, float)) and math.isfinite(value)
     elif rule.kind is str:
-        ok = isinstance(value, str) and len(value) <= MAX_TEXT and not CONTROL.search(value) and _utf8(value)
+        ok = (
+            isinstance(value, str)
+            and len(value) <= MAX_TEXT
+            and not CONTROL.search(value)
+            and _utf8(value)
+        )
         ok = ok and (rule.blank or bool(value.strip()))
     elif rule.kind is list:
         ok = isinstance(value, (list, tuple)) and len(value) <= MAX_ITEMS
@@ -213,8 +254,9 @@ def checked(owner: str, name: str, value: Any, rule: Rule, error: type[MultiGPUE
     if ok and rule.choices is not None:
         ok = value in rule.choices
     if ok and rule.kind in (int, float):
-        ok = ((rule.low is None or (value > rule.low if rule.positive else value >= rule.low))
-              and (rule.high is None or value <= rule.high))
+        ok = (rule.low is None or (value > rule.low if rule.positive else value >= rule.low)) and (
+            rule.high is None or value <= rule.high
+        )
     if not ok:
         raise error(f"{owner} setting {name}={shown(value)} is invalid.", f"use {rule.describe()}.")
     return value
@@ -232,36 +274,43 @@ def _utf8(text: str) -> bool:
     return True
 
 
-
-
-
-
 #: ``activation_checkpointing`` as a mapping: which blocks (class names) and how often.
 CHECKPOINTING_KEYS = {"blocks": Rule(list, optional=True), "every": Rule(int, 1, 10**6)}
 
 
-def activation_checkpointing_settings(value: Any, error: type[MultiGPUError] = MultiGPUError) -> Any:
+def activation_checkpointing_settings(
+    value: Any, error: type[MultiGPUError] = MultiGPUError
+) -> Any:
     """``activation_checkpointing``: false, true (every repeated block), or ``{every: N, blocks: [Name]}``.
 
     Returned as false or ``{"blocks": [names] or None, "every": N}``: the one form the strategies read."""
     if isinstance(value, bool):
         return {"blocks": None, "every": 1} if value else False
     if not isinstance(value, Mapping) or not value:
-        raise error(f"trainer setting activation_checkpointing={shown(value)} is invalid.",
-                    "use true, false, {every: 2} (every 2nd block) or {blocks: [Block]} (class names).")
+        raise error(
+            f"trainer setting activation_checkpointing={shown(value)} is invalid.",
+            "use true, false, {every: 2} (every 2nd block) or {blocks: [Block]} (class names).",
+        )
     for key, item in value.items():
         if key not in CHECKPOINTING_KEYS:
-            raise error(f"activation_checkpointing has no key {shown(key)}.", "use every and/or blocks.")
+            raise error(
+                f"activation_checkpointing has no key {shown(key)}.", "use every and/or blocks."
+            )
         checked("activation_checkpointing", str(key), item, CHECKPOINTING_KEYS[key], error)
     blocks = value.get("blocks")
     if blocks is not None:
         if not blocks:
-            raise error("activation_checkpointing.blocks=[] names no block.", "name a class, e.g. {blocks: [Block]}.")
+            raise error(
+                "activation_checkpointing.blocks=[] names no block.",
+                "name a class, e.g. {blocks: [Block]}.",
+            )
         for name in blocks:
-            plain_text(name, "activation_checkpointing block name", error, allow_space=False,
-                       pattern=r"[A-Za-z_][A-Za-z0-9_]{0,199}", example="Block")
+            plain_text(
+                name,
+                "activation_checkpointing block name",
+                error,
+                allow_space=False,
+                pattern=r"[A-Za-z_][A-Za-z0-9_]{0,199}",
+                example="Block",
+            )
     return {"blocks": list(blocks) if blocks is not None else None, "every": value.get("every", 1)}
-
-
-
-

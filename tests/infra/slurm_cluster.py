@@ -74,16 +74,42 @@ ACCOUNTING_PACKAGES: Sequence[str] = ("slurmdbd", "mariadb-server")
 
 #: Binaries the cluster needs (sbin ones are not on a non-root PATH).
 _REQUIRED_BINARIES: Sequence[str] = (
-    "munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel",
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "squeue",
+    "sinfo",
+    "scontrol",
+    "scancel",
 )
 _ACCOUNTING_BINARIES: Sequence[str] = ("slurmdbd", "mariadbd", "sacct")
-_SEARCH_DIRS: Sequence[str] = ("/usr/sbin", "/usr/bin", "/sbin", "/bin", "/usr/local/sbin", "/usr/local/bin")
+_SEARCH_DIRS: Sequence[str] = (
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+    "/usr/local/sbin",
+    "/usr/local/bin",
+)
 
 #: Job states after which a job will not run again by itself.
-TERMINAL_JOB_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-    "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED",
-})
+TERMINAL_JOB_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+        "SPECIAL_EXIT",
+        "REVOKED",
+    }
+)
 
 
 class SlurmError(RuntimeError):
@@ -142,10 +168,14 @@ def ensure_slurm_installed(timeout: float = 900.0, accounting: bool = False) -> 
         subprocess.run([apt, "update"], env=env, capture_output=True, text=True, timeout=timeout)
         res = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0 or not slurm_available(accounting):
-        raise SlurmError(f"apt-get install {' '.join(packages)} failed:\n"
-                         f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    print(f"[slurm_cluster] installed {' '.join(packages)} in {time.monotonic() - t0:.1f}s",
-          file=sys.stderr)
+        raise SlurmError(
+            f"apt-get install {' '.join(packages)} failed:\n"
+            f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        )
+    print(
+        f"[slurm_cluster] installed {' '.join(packages)} in {time.monotonic() - t0:.1f}s",
+        file=sys.stderr,
+    )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -199,10 +229,14 @@ def _lease_job_ids() -> tuple[int, int]:
         pass
     info = JOB_ID_LEASES.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        raise SlurmError(f"{JOB_ID_LEASES} is not a folder of this user's test clusters (a link, another owner, "
-                         "or writable by others): remove it")
+        raise SlurmError(
+            f"{JOB_ID_LEASES} is not a folder of this user's test clusters (a link, another owner, "
+            "or writable by others): remove it"
+        )
     for block in JOB_ID_BLOCKS:
-        fd = os.open(JOB_ID_LEASES / f"block-{block}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = os.open(
+            JOB_ID_LEASES / f"block-{block}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -244,7 +278,7 @@ def _stat_fields(pid: int) -> list[bytes] | None:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
         # comm may contain spaces/parens: fields start after the last ')'
-        return data[data.rindex(b")") + 2:].split()
+        return data[data.rindex(b")") + 2 :].split()
     except (OSError, ValueError):
         return None
 
@@ -354,7 +388,11 @@ class SlurmCluster:
     def env(self) -> dict[str, str]:
         """Environment for client commands (and daemons): ``os.environ`` without any
         inherited ``SLURM_*`` variables, plus ``SLURM_CONF`` and the cleanup tag."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))
+        }
         env["SLURM_CONF"] = str(self.conf_path)
         env["SLURMLAB_CLUSTER_TAG"] = self.tag
         path = env.get("PATH", "")
@@ -380,8 +418,11 @@ class SlurmCluster:
         """Write the config, start all daemons and wait until every node is idle."""
         if self._started:
             return self
-        missing = [b for b in (*_REQUIRED_BINARIES, *(_ACCOUNTING_BINARIES if self.accounting else ()))
-                   if not find_slurm_binary(b)]
+        missing = [
+            b
+            for b in (*_REQUIRED_BINARIES, *(_ACCOUNTING_BINARIES if self.accounting else ()))
+            if not find_slurm_binary(b)
+        ]
         if missing:
             raise SlurmError(f"missing binaries {missing}; call ensure_slurm_installed() first")
         if os.geteuid() != 0:
@@ -405,8 +446,11 @@ class SlurmCluster:
             raise
         self.start_seconds = time.monotonic() - t0
         if self.verbose:
-            print(f"[slurm_cluster] {len(self.node_names)} nodes idle after {self.start_seconds:.2f}s "
-                  f"(SLURM_CONF={self.conf_path})", file=sys.stderr)
+            print(
+                f"[slurm_cluster] {len(self.node_names)} nodes idle after {self.start_seconds:.2f}s "
+                f"(SLURM_CONF={self.conf_path})",
+                file=sys.stderr,
+            )
         return self
 
     def stop(self, job_grace: float = 3.0, daemon_grace: float = 2.0) -> None:
@@ -426,7 +470,9 @@ class SlurmCluster:
         ctld = self._procs.get("slurmctld")
         if ctld is not None and ctld.poll() is None and self.conf_path.exists():
             try:
-                jobs = self.run(["squeue", "-h", "-o", "%i"], check=False, timeout=10).stdout.split()
+                jobs = self.run(
+                    ["squeue", "-h", "-o", "%i"], check=False, timeout=10
+                ).stdout.split()
                 if jobs:
                     self.run(["scancel", "--quiet", *jobs], check=False, timeout=10)
                     deadline = time.monotonic() + job_grace
@@ -479,9 +525,13 @@ class SlurmCluster:
         full_env = self.env
         if env:
             full_env.update(env)
-        res = subprocess.run(list(cmd), env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        res = subprocess.run(
+            list(cmd), env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
         if check and res.returncode != 0:
-            raise SlurmError(f"{' '.join(cmd)} -> rc={res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}")
+            raise SlurmError(
+                f"{' '.join(cmd)} -> rc={res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}"
+            )
         return res
 
     def sbatch(self, script: str, *args: str, cwd: str | os.PathLike[str] | None = None) -> int:
@@ -512,8 +562,13 @@ class SlurmCluster:
             return None
         return _parse_scontrol(res.stdout.splitlines()[0])
 
-    def wait_job(self, job_id: int, timeout: float = 60.0, poll: float = 0.2,
-                 states: Iterable[str] = TERMINAL_JOB_STATES) -> dict[str, str]:
+    def wait_job(
+        self,
+        job_id: int,
+        timeout: float = 60.0,
+        poll: float = 0.2,
+        states: Iterable[str] = TERMINAL_JOB_STATES,
+    ) -> dict[str, str]:
         """Poll ``scontrol show job`` until the job reaches one of ``states``.
 
         Returns the job record (``JobState``, ``ExitCode`` "rc:signal", ``Restarts``,
@@ -532,8 +587,10 @@ class SlurmCluster:
             if state in wanted:
                 return info
             if time.monotonic() >= deadline:
-                raise SlurmError(f"job {job_id} not in {sorted(wanted)} after {timeout}s: "
-                                 f"{info}\n--- output ---\n{self.job_output(job_id)}")
+                raise SlurmError(
+                    f"job {job_id} not in {sorted(wanted)} after {timeout}s: "
+                    f"{info}\n--- output ---\n{self.job_output(job_id)}"
+                )
             time.sleep(poll)
 
     def node_info(self, node: str) -> dict[str, str]:
@@ -566,9 +623,19 @@ class SlurmCluster:
         for stale in ("state", "spool", "run", "munge/run"):  # never recover an old cluster
             shutil.rmtree(self.root / stale, ignore_errors=True)
         os.chmod(self.root, 0o755)
-        for sub, mode in (("etc", 0o755), ("munge", 0o755), ("munge/run", 0o755), ("munge/key", 0o700),
-                          ("munge/lib", 0o700), ("log", 0o755), ("state", 0o755), ("spool", 0o755),
-                          ("run", 0o755), ("jobs", 0o777), ("tmp", 0o1777)):
+        for sub, mode in (
+            ("etc", 0o755),
+            ("munge", 0o755),
+            ("munge/run", 0o755),
+            ("munge/key", 0o700),
+            ("munge/lib", 0o700),
+            ("log", 0o755),
+            ("state", 0o755),
+            ("spool", 0o755),
+            ("run", 0o755),
+            ("jobs", 0o777),
+            ("tmp", 0o1777),
+        ):
             d = self.root / sub
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, mode)
@@ -582,15 +649,20 @@ class SlurmCluster:
         if not key.exists():
             key.write_bytes(os.urandom(1024))
         os.chmod(key, stat.S_IRUSR)  # 0400
-        self._spawn("munged", [
-            _binary("munged"), "--foreground", "--force",
-            f"--socket={self.munge_socket}",
-            f"--key-file={key}",
-            f"--pid-file={self.root / 'munge' / 'run' / 'munged.pid'}",
-            f"--seed-file={self.root / 'munge' / 'lib' / 'munged.seed'}",
-            f"--log-file={self.log_dir / 'munged.log'}",
-            "--num-threads=4",
-        ])
+        self._spawn(
+            "munged",
+            [
+                _binary("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.root / 'munge' / 'run' / 'munged.pid'}",
+                f"--seed-file={self.root / 'munge' / 'lib' / 'munged.seed'}",
+                f"--log-file={self.log_dir / 'munged.log'}",
+                "--num-threads=4",
+            ],
+        )
         deadline = time.monotonic() + 15
         while not self.munge_socket.exists():
             self._check_alive()
@@ -604,22 +676,50 @@ class SlurmCluster:
         creates its tables on first start. slurmctld registers the cluster when it starts."""
         data = self.root / "db"
         data.mkdir(exist_ok=True)
-        self._spawn("mariadbd", [
-            _binary("mariadbd"), "--no-defaults", f"--datadir={data}", "--user=root",
-            f"--socket={self.root / 'run' / 'mariadb.sock'}", f"--pid-file={self.root / 'run' / 'mariadb.pid'}",
-            "--bind-address=127.0.0.1", f"--port={self.db_port}", "--skip-grant-tables", "--skip-name-resolve",
-            "--skip-log-bin", "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M",
-            "--innodb-flush-log-at-trx-commit=0", f"--log-error={self.log_dir / 'mariadb.log'}",
-        ])
+        self._spawn(
+            "mariadbd",
+            [
+                _binary("mariadbd"),
+                "--no-defaults",
+                f"--datadir={data}",
+                "--user=root",
+                f"--socket={self.root / 'run' / 'mariadb.sock'}",
+                f"--pid-file={self.root / 'run' / 'mariadb.pid'}",
+                "--bind-address=127.0.0.1",
+                f"--port={self.db_port}",
+                "--skip-grant-tables",
+                "--skip-name-resolve",
+                "--skip-log-bin",
+                "--innodb-buffer-pool-size=32M",
+                "--innodb-log-file-size=8M",
+                "--innodb-flush-log-at-trx-commit=0",
+                f"--log-error={self.log_dir / 'mariadb.log'}",
+            ],
+        )
         self._wait_port(self.db_port or 0, deadline)
         conf = self.root / "etc" / "slurmdbd.conf"  # found next to SLURM_CONF
-        conf.write_text("\n".join([
-            "# generated by slurm_cluster.py", "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket}",
-            "DbdHost=localhost", "DbdAddr=127.0.0.1", f"DbdPort={self.dbd_port}", "SlurmUser=root",
-            f"PidFile={self.root / 'run' / 'slurmdbd.pid'}", f"LogFile={self.log_dir / 'slurmdbd.log'}",
-            "DebugLevel=info", "StorageType=accounting_storage/mysql", "StorageHost=127.0.0.1",
-            f"StoragePort={self.db_port}", "StorageUser=root", "StorageLoc=slurm_acct_db",
-        ]) + "\n")
+        conf.write_text(
+            "\n".join(
+                [
+                    "# generated by slurm_cluster.py",
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={self.munge_socket}",
+                    "DbdHost=localhost",
+                    "DbdAddr=127.0.0.1",
+                    f"DbdPort={self.dbd_port}",
+                    "SlurmUser=root",
+                    f"PidFile={self.root / 'run' / 'slurmdbd.pid'}",
+                    f"LogFile={self.log_dir / 'slurmdbd.log'}",
+                    "DebugLevel=info",
+                    "StorageType=accounting_storage/mysql",
+                    "StorageHost=127.0.0.1",
+                    f"StoragePort={self.db_port}",
+                    "StorageUser=root",
+                    "StorageLoc=slurm_acct_db",
+                ]
+            )
+            + "\n"
+        )
         os.chmod(conf, 0o600)  # slurmdbd refuses a config others can read
         self._spawn("slurmdbd", [_binary("slurmdbd"), "-D"])
         self._wait_port(self.dbd_port or 0, deadline)
@@ -634,7 +734,9 @@ class SlurmCluster:
             link = dev / f"gpu{i}"
             if not link.is_symlink():
                 link.symlink_to("/dev/null")
-        files = f"{dev}/gpu[0-{self.gpus_per_node - 1}]" if self.gpus_per_node > 1 else f"{dev}/gpu0"
+        files = (
+            f"{dev}/gpu[0-{self.gpus_per_node - 1}]" if self.gpus_per_node > 1 else f"{dev}/gpu0"
+        )
         (self.root / "etc" / "gres.conf").write_text(f"AutoDetect=off\nName=gpu File={files}\n")
         return [f"Gres=gpu:{self.gpus_per_node}"]
 
@@ -681,10 +783,17 @@ class SlurmCluster:
             "SchedulerParameters": "sched_interval=1,sched_min_interval=0",
             "SlurmdParameters": "config_overrides",  # CPUs= may exceed the real cores
             "AccountingStorageType": "accounting_storage/none",
-            **({"AccountingStorageType": "accounting_storage/slurmdbd", "AccountingStorageHost": "127.0.0.1",
-                "AccountingStoragePort": str(self.dbd_port),
-                # with slurmdbd, the munge socket of its connection is given here, not by AuthInfo
-                "AccountingStoragePass": str(self.munge_socket)} if self.accounting else {}),
+            **(
+                {
+                    "AccountingStorageType": "accounting_storage/slurmdbd",
+                    "AccountingStorageHost": "127.0.0.1",
+                    "AccountingStoragePort": str(self.dbd_port),
+                    # with slurmdbd, the munge socket of its connection is given here, not by AuthInfo
+                    "AccountingStoragePass": str(self.munge_socket),
+                }
+                if self.accounting
+                else {}
+            ),
             **({"GresTypes": "gpu"} if self.gpus_per_node else {}),
             "JobAcctGatherType": "jobacct_gather/none",
             "JobCompType": "jobcomp/none",
@@ -709,8 +818,16 @@ class SlurmCluster:
         lines = ["# generated by slurm_cluster.py"] + [f"{k}={v}" for k, v in opts.items()]
         gres = self._write_gres()
         for name in self.node_names:
-            lines.append(" ".join([f"NodeName={name} NodeAddr=127.0.0.1 Port={self.node_ports[name]}",
-                                   f"CPUs={self.cpus_per_node}", *gres, "State=UNKNOWN"]))
+            lines.append(
+                " ".join(
+                    [
+                        f"NodeName={name} NodeAddr=127.0.0.1 Port={self.node_ports[name]}",
+                        f"CPUs={self.cpus_per_node}",
+                        *gres,
+                        "State=UNKNOWN",
+                    ]
+                )
+            )
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         lines.extend(self.extra_conf)
         self.conf_path.write_text("\n".join(lines) + "\n")
@@ -719,18 +836,32 @@ class SlurmCluster:
         out = open(self.log_dir / f"{name}.stdout", "ab")
         self._log_handles.append(out)
         self._procs[name] = subprocess.Popen(
-            cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            cwd=str(self.root), start_new_session=True,
+            cmd,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(self.root),
+            start_new_session=True,
         )
 
     def _check_alive(self) -> None:
         for name, p in self._procs.items():
             if p.poll() is not None:
-                raise SlurmError(f"{name} exited with {p.returncode}\n" + self._stdout_tail(name) + "\n" + self.logs())
+                raise SlurmError(
+                    f"{name} exited with {p.returncode}\n"
+                    + self._stdout_tail(name)
+                    + "\n"
+                    + self.logs()
+                )
 
     def _stdout_tail(self, name: str) -> str:
         p = self.log_dir / f"{name}.stdout"
-        return f"==> {p} <==\n" + "\n".join(p.read_text(errors="replace").splitlines()[-40:]) if p.exists() else ""
+        return (
+            f"==> {p} <==\n" + "\n".join(p.read_text(errors="replace").splitlines()[-40:])
+            if p.exists()
+            else ""
+        )
 
     def _wait_port(self, port: int, deadline: float) -> None:
         """Wait until something accepts TCP connections on 127.0.0.1:port."""
@@ -762,7 +893,9 @@ class SlurmCluster:
         for _ in range(20):
             pids = _all_pids()
             parent = {p: _ppid(p) for p in pids}
-            victims = {p for p in pids if p not in protected and needle in _read_environ(p).split(b"\0")}
+            victims = {
+                p for p in pids if p not in protected and needle in _read_environ(p).split(b"\0")
+            }
             changed = True
             while changed:  # add descendants of victims
                 changed = False

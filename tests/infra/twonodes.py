@@ -117,7 +117,7 @@ def _proc_start_time(pid: int) -> str | None:
             stat = f.read()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2:].split()[19]
+    return stat[stat.rindex(")") + 2 :].split()[19]
 
 
 def _ns_pids(ns: str) -> list[int]:
@@ -253,10 +253,28 @@ class TwoNodes:
                 self._ns_created.append(ns)
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # Create the veth pair directly inside the two namespaces.
-            _run(["ip", "link", "add", "name", self._veth_a, "netns", self.ns_a,
-                  "type", "veth", "peer", "name", self._veth_b, "netns", self.ns_b])
-            for ns, dev, addr in ((self.ns_a, self._veth_a, self.addr_a),
-                                  (self.ns_b, self._veth_b, self.addr_b)):
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    "name",
+                    self._veth_a,
+                    "netns",
+                    self.ns_a,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    self._veth_b,
+                    "netns",
+                    self.ns_b,
+                ]
+            )
+            for ns, dev, addr in (
+                (self.ns_a, self._veth_a, self.addr_a),
+                (self.ns_b, self._veth_b, self.addr_b),
+            ):
                 _run(["ip", "-n", ns, "addr", "add", f"{addr}/{self._prefixlen}", "dev", dev])
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
             self._write_hosts_files()
@@ -269,9 +287,16 @@ class TwoNodes:
         os.makedirs(STATE_DIR, exist_ok=True)
         self._state_path = os.path.join(STATE_DIR, f"{self.ns_a[:-2]}.json")
         with open(self._state_path, "w") as f:
-            json.dump({"pid": os.getpid(), "start": _proc_start_time(os.getpid()),
-                       "subnet": self.subnet, "namespaces": [self.ns_a, self.ns_b],
-                       "tmpdir": self._tmpdir}, f)
+            json.dump(
+                {
+                    "pid": os.getpid(),
+                    "start": _proc_start_time(os.getpid()),
+                    "subnet": self.subnet,
+                    "namespaces": [self.ns_a, self.ns_b],
+                    "tmpdir": self._tmpdir,
+                },
+                f,
+            )
 
     def _add_guard_route(self) -> None:
         """Install ``unreachable SUBNET`` on the host; pick a free subnet if none given."""
@@ -354,9 +379,19 @@ class TwoNodes:
             raise TwoNodesError("TwoNodes is not open")
         tool = {t: shutil.which(t) or t for t in ("nsenter", "unshare", "sh")}
         return [
-            tool["nsenter"], f"--net=/var/run/netns/{self.ns(node)}",
-            tool["unshare"], "--uts", "--mount", "--propagation", "private",
-            tool["sh"], "-c", _NODE_INIT, "sh", self.hostname(node), self._hosts_paths[node],
+            tool["nsenter"],
+            f"--net=/var/run/netns/{self.ns(node)}",
+            tool["unshare"],
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            tool["sh"],
+            "-c",
+            _NODE_INIT,
+            "sh",
+            self.hostname(node),
+            self._hosts_paths[node],
             *argv,
         ]
 
@@ -376,16 +411,23 @@ class TwoNodes:
         Other keyword arguments go to ``subprocess.Popen``.
         """
         kw.setdefault("start_new_session", True)
-        proc = subprocess.Popen(self.wrap(node, argv),
-                                env=dict(os.environ if env is None else env), **kw)
+        proc = subprocess.Popen(
+            self.wrap(node, argv), env=dict(os.environ if env is None else env), **kw
+        )
         self._procs.append(proc)
         return proc
 
-    def run(self, node: Node, argv: Sequence[str], timeout: float = 60,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        node: Node,
+        argv: Sequence[str],
+        timeout: float = 60,
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on ``node`` to completion, capturing text output."""
-        proc = self.popen(node, argv, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+        proc = self.popen(
+            node, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -415,7 +457,7 @@ class TwoNodes:
                     stat = f.read()
             except OSError:
                 continue
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
             children.setdefault(ppid, []).append(int(entry))
         out: list[int] = []
         todo = [pid]

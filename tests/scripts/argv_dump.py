@@ -10,5 +10,13 @@ import multigpu as mg
 run = mg.init(timeout_s=60)
 if run.is_main:
     with open(sys.argv[1], "w") as handle:
-        json.dump({"argv": sys.argv[2:], "world_size": run.world_size, "cwd": os.getcwd(),
-                   "host": socket.gethostname(), "source": run.world.source}, handle)
+        json.dump(
+            {
+                "argv": sys.argv[2:],
+                "world_size": run.world_size,
+                "cwd": os.getcwd(),
+                "host": socket.gethostname(),
+                "source": run.world.source,
+            },
+            handle,
+        )

@@ -77,6 +77,7 @@ def run_python(argv: list) -> int:
     (:func:`as_interpreter`: the exit status, the hook, threads, exit handlers). The exit
     handlers this server registered stay: they are the ones importing torch registers, which a case that
     imports torch would have (and cannot register again: the modules are imported)."""
+
     def main() -> None:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
@@ -102,7 +103,8 @@ def run_case(request: dict) -> tuple[int, float]:
     pid = os.fork()
     if pid == 0:  # the case
         try:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a new interpreter has it (main() set ours)
+            # as a new interpreter has it (main() set ours)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.setpgid(0, 0)  # its own process group: a timeout kills everything it started
             os.chdir(request["cwd"])
             os.environ.clear()
@@ -110,10 +112,16 @@ def run_case(request: dict) -> tuple[int, float]:
             # What a fresh `python -m` would have on its path: the current folder, then PYTHONPATH.
             extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
             first = os.getcwd()
-            if request.get("python"):  # what `python ARGV` puts first: '' for -c, the script's folder for a script
+            # what `python ARGV` puts first: '' for -c, the script's folder for a script
+            if request.get("python"):
                 argv = request["argv"]
-                first = "" if argv[:1] == ["-c"] else os.getcwd() if argv[:1] == ["-m"] else \
-                    os.path.dirname(os.path.realpath(argv[0]))
+                first = (
+                    ""
+                    if argv[:1] == ["-c"]
+                    else os.getcwd()
+                    if argv[:1] == ["-m"]
+                    else os.path.dirname(os.path.realpath(argv[0]))
+                )
             sys.path[:0] = [first, *extra]
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
@@ -124,8 +132,14 @@ def run_case(request: dict) -> tuple[int, float]:
                 os.close(target)
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
-            if not request.get("python") and request["argv"][:1] and request["argv"][0] in LAUNCHING:
-                os.execve(sys.executable, [*python_module("multigpu"), *request["argv"]], dict(os.environ))
+            if (
+                not request.get("python")
+                and request["argv"][:1]
+                and request["argv"][0] in LAUNCHING
+            ):
+                os.execve(
+                    sys.executable, [*python_module("multigpu"), *request["argv"]], dict(os.environ)
+                )
             if request.get("python"):
                 code = run_python(request["argv"])
             else:
@@ -178,7 +192,12 @@ def serve() -> None:
             continue
         started = time.monotonic()
         status, cpu = run_case(request)
-        reply = {"id": request.get("id"), "status": status, "seconds": time.monotonic() - started, "cpu_s": cpu}
+        reply = {
+            "id": request.get("id"),
+            "status": status,
+            "seconds": time.monotonic() - started,
+            "cpu_s": cpu,
+        }
         print(json.dumps(reply), flush=True)
 
 

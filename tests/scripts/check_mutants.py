@@ -52,16 +52,32 @@ BUGS = {
     "unused": "a parameter outside the forward (no gradient)",
     "drop_last_padding": "a dataset that does not divide evenly: the sampler pads the last batch",
 }
-CORRECT = ["none", "late_optimizer", "seq_first", "plain_backward", "accumulate", "nanogpt_toggle", "amp_clip",
-           "scheduler_per_step", "trainer"]
+CORRECT = [
+    "none",
+    "late_optimizer",
+    "seq_first",
+    "plain_backward",
+    "accumulate",
+    "nanogpt_toggle",
+    "amp_clip",
+    "scheduler_per_step",
+    "trainer",
+]
 #: Right for training, but not what the check can compare: no tensor reaches the forward; batches made
 #: by hand with a generator per rank (the check cannot give its one-process run N times the batch).
 UNCHECKABLE = ["opaque_inputs", "per_rank_generator"]
 #: Trains nothing, so agrees on any number of processes (a loss that is always 0, a learning rate of 0), or
 #: diverged in both runs (NaN against NaN).
 STILL = ["zero_loss", "zero_lr", "nan_loss"]
-ACCUMULATING = {"accumulate", "nanogpt_toggle", "scheduler_per_micro", "scheduler_per_step", "no_sync_always",
-                "sync_toggle_wrong", "accum_div_world"}
+ACCUMULATING = {
+    "accumulate",
+    "nanogpt_toggle",
+    "scheduler_per_micro",
+    "scheduler_per_step",
+    "no_sync_always",
+    "sync_toggle_wrong",
+    "accum_div_world",
+}
 
 
 class Box:
@@ -74,8 +90,13 @@ class Box:
 class Net(nn.Module):
     def __init__(self, batchnorm: bool = False, spare: bool = False):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16) if batchnorm else nn.Identity(),
-                                  nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        self.body = nn.Sequential(
+            nn.Linear(6, 16),
+            nn.BatchNorm1d(16) if batchnorm else nn.Identity(),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(16, 3),
+        )
         self.spare = nn.Linear(3, 3) if spare else None
 
     def forward(self, x):
@@ -86,7 +107,8 @@ class Net(nn.Module):
 
 def datasets(bug: str):
     g = torch.Generator().manual_seed(1)
-    n = 37 if bug == "drop_last_padding" else 128  # 37 on 2 ranks: 19 each, one padded; batch 8 -> 8, 8, 3
+    # 37 on 2 ranks: 19 each, one padded; batch 8 -> 8, 8, 3
+    n = 37 if bug == "drop_last_padding" else 128
     train = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
     valid = TensorDataset(torch.randn(13, 6, generator=g), torch.randint(0, 3, (13,), generator=g))
     return train, valid
@@ -94,7 +116,8 @@ def datasets(bug: str):
 
 def batches(run, bug: str, train: Dataset):
     """The batches of this rank, forever, from the source the bug calls for."""
-    if bug in ("get_batch_one_seed", "per_rank_generator"):  # nanoGPT: torch.randint(len(data) - block_size, ...)
+    # nanoGPT: torch.randint(len(data) - block_size, ...)
+    if bug in ("get_batch_one_seed", "per_rank_generator"):
         x, y = train.tensors
         g = torch.Generator().manual_seed(1337 + run.rank) if bug == "per_rank_generator" else None
         while True:
@@ -117,9 +140,17 @@ def train_with_trainer(run, bug: str) -> None:
             return F.cross_entropy(self.model(inputs), labels)
 
     data, _ = datasets(bug)
-    Fit(run, Net(), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, epochs=3, accumulate=2, progress=False,
+    Fit(
+        run,
+        Net(),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        batch_size=8,
+        epochs=3,
+        accumulate=2,
+        progress=False,
         plot=False,
-        out_dir="unused-by-check").fit(data)
+        out_dir="unused-by-check",
+    ).fit(data)
 
 
 def train(run, bug: str) -> None:
@@ -128,19 +159,32 @@ def train(run, bug: str) -> None:
         return train_with_trainer(run, bug)
     data, valid = datasets(bug)
     model = Net(batchnorm=bug == "batchnorm", spare=bug == "unused")
-    if bug == "late_optimizer":  # the optimizer built after run.setup, from the wrapped model's parameters
+    # the optimizer built after run.setup, from the wrapped model's parameters
+    if bug == "late_optimizer":
         model, _ = run.setup(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
-        model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.0 if bug == "zero_lr" else 0.1))
+        model, optimizer = run.setup(
+            model, lambda p: torch.optim.SGD(p, lr=0.0 if bug == "zero_lr" else 0.1)
+        )
     head = None
-    if bug == "late_layer":  # built after run.setup: each rank's own initial weights, never averaged
+    # built after run.setup: each rank's own initial weights, never averaged
+    if bug == "late_layer":
         head = nn.Linear(3, 3)
         optimizer.add_param_group({"params": head.parameters()})
-    accumulate = (2 // run.world_size if bug == "accum_div_world" else 2) if bug in ACCUMULATING else 1
-    scaler = torch.amp.GradScaler("cpu") if bug in ("clip_before_unscale", "amp_clip", "nanogpt_toggle") else None
-    scheduler = (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
-                 if bug in ("scheduler_per_micro", "scheduler_per_step", "nanogpt_toggle") else None)
+    accumulate = (
+        (2 // run.world_size if bug == "accum_div_world" else 2) if bug in ACCUMULATING else 1
+    )
+    scaler = (
+        torch.amp.GradScaler("cpu")
+        if bug in ("clip_before_unscale", "amp_clip", "nanogpt_toggle")
+        else None
+    )
+    scheduler = (
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+        if bug in ("scheduler_per_micro", "scheduler_per_step", "nanogpt_toggle")
+        else None
+    )
     source = batches(run, bug, data)
     if bug in ("noise_same_seed", "dropout_one_generator", "get_batch_one_seed"):
         torch.manual_seed(1337)  # after mg.init and run.setup: the same stream on every rank
@@ -151,14 +195,19 @@ def train(run, bug: str) -> None:
             if bug == "noise_same_seed":
                 inputs = inputs + 0.1 * torch.randn_like(inputs)
             last = micro == accumulate - 1
-            if bug in ("nanogpt_toggle", "sync_toggle_wrong") and hasattr(model, "require_backward_grad_sync"):
+            if bug in ("nanogpt_toggle", "sync_toggle_wrong") and hasattr(
+                model, "require_backward_grad_sync"
+            ):
                 model.require_backward_grad_sync = last if bug == "nanogpt_toggle" else micro == 0
-            if bug == "no_sync_always" or (bug in ACCUMULATING and not last and "toggle" not in bug):
+            if bug == "no_sync_always" or (
+                bug in ACCUMULATING and not last and "toggle" not in bug
+            ):
                 sync = run.no_sync(model)
             else:
                 sync = contextlib.nullcontext()
             with sync:
-                if bug == "seq_first":  # (time=1, batch, features): the input's first dimension is not the batch
+                # (time=1, batch, features): the input's first dimension is not the batch
+                if bug == "seq_first":
                     logits = model(inputs.unsqueeze(0)).squeeze(0)
                 elif bug == "bypass_wrapper":
                     logits = run.unwrap(model)(inputs)
@@ -168,12 +217,16 @@ def train(run, bug: str) -> None:
                     logits = model(inputs)
                 if head is not None:
                     logits = head(logits)
-                loss = F.cross_entropy(logits, labels, reduction="sum" if bug == "sum_loss" else "mean")
+                loss = F.cross_entropy(
+                    logits, labels, reduction="sum" if bug == "sum_loss" else "mean"
+                )
                 if bug == "loss_div_world":
                     loss = loss / run.world_size
-                if bug == "zero_loss":  # the PyTorch DDP tutorial's toy shape: a loss that is always 0
+                # the PyTorch DDP tutorial's toy shape: a loss that is always 0
+                if bug == "zero_loss":
                     loss = loss * 0
-                if bug == "nan_loss":  # a diverged run: NaN in both, which proves nothing either way
+                # a diverged run: NaN in both, which proves nothing either way
+                if bug == "nan_loss":
                     loss = loss * float("nan")
                 loss = loss / accumulate
                 if scaler is not None:
@@ -184,7 +237,8 @@ def train(run, bug: str) -> None:
                     run.backward(loss)
             if bug == "scheduler_per_micro":
                 scheduler.step()
-        if bug == "grad_sum" and dist.is_initialized():  # (one process: no group, as users guard it)
+        # (one process: no group, as users guard it)
+        if bug == "grad_sum" and dist.is_initialized():
             for p in model.parameters():
                 dist.all_reduce(p.grad)  # SUM on top of DDP's average: N x the gradient
         if bug == "mean_of_means" and step == 1:
@@ -231,19 +285,25 @@ def run_table(run, cases: list[str], records: Path, steps: int, scale: int) -> N
             train(run, case)
         except CheckDone:
             pass
-        except Exception as exc:  # recorded like a failed run; the next case goes on (the failure is on every rank)
+        # recorded like a failed run; the next case goes on (the failure is on every rank)
+        except Exception as exc:
             status, error = 1, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         finally:
             probe.close()
             run.probe = NO_PROBE
-            run.guards.interrupted_by = None  # the Trainer marks any exception out of fit, the planned stop included
-        (folder / f"status.rank{run.rank}.json").write_text(json.dumps({"status": status, "error": error}))
+            # the Trainer marks any exception out of fit, the planned stop included
+            run.guards.interrupted_by = None
+        (folder / f"status.rank{run.rank}.json").write_text(
+            json.dumps({"status": status, "error": error})
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bug", default="none", choices=[*BUGS, *CORRECT, *UNCHECKABLE, *STILL])
-    parser.add_argument("--table", help="comma-separated cases, each recorded into --records/<case>")
+    parser.add_argument(
+        "--table", help="comma-separated cases, each recorded into --records/<case>"
+    )
     parser.add_argument("--records", type=Path)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--scale", type=int, default=1)

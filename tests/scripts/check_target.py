@@ -37,8 +37,13 @@ valid = TensorDataset(torch.randn(13, 6, generator=g), torch.randint(0, 3, (13,)
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16) if plant == "batchnorm" else nn.Identity(),
-                                  nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        self.body = nn.Sequential(
+            nn.Linear(6, 16),
+            nn.BatchNorm1d(16) if plant == "batchnorm" else nn.Identity(),
+            nn.ReLU(),
+            nn.Dropout(0.3),
+            nn.Linear(16, 3),
+        )
         self.spare = nn.Linear(3, 3) if plant == "unused" else None
 
     def forward(self, x):
@@ -47,16 +52,26 @@ class Net(nn.Module):
 
 model = Net()
 if args.trainer:
+
     class Fit(mg.Trainer):
         def compute_loss(self, batch):
             inputs, labels = batch
             return F.cross_entropy(self.model(inputs), labels)
 
-    Fit(run, model, lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, epochs=3, progress=False, plot=False,
-        out_dir="unused-by-check").fit(data)
+    Fit(
+        run,
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        batch_size=8,
+        epochs=3,
+        progress=False,
+        plot=False,
+        out_dir="unused-by-check",
+    ).fit(data)
     raise SystemExit(0)
 
-if plant == "late_optimizer":  # the optimizer built after run.setup, from the wrapped model's parameters
+# the optimizer built after run.setup, from the wrapped model's parameters
+if plant == "late_optimizer":
     model, _ = run.setup(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 else:
@@ -72,17 +87,20 @@ for _epoch in range(3):
     for inputs, labels in loader:
         if plant == "same_seed":
             inputs = inputs + 0.1 * torch.randn_like(inputs)
-        if plant == "seq_first":  # the model sees (time=1, batch, features): its input's first dimension is not the batch
+        # the model sees (time=1, batch, features): its input's first dimension is not the batch
+        if plant == "seq_first":
             logits = model(inputs.unsqueeze(0)).squeeze(0)
         else:
             logits = model(inputs)
         loss = F.cross_entropy(logits, labels, reduction="sum" if plant == "sum_loss" else "mean")
         optimizer.zero_grad()
         if plant == "plain_backward":
-            loss.backward()  # DDP averages the gradients all the same; only the check cannot see the loss
+            # DDP averages the gradients all the same; only the check cannot see the loss
+            loss.backward()
         else:
             run.backward(loss)
-        if plant == "grad_sum" and dist.is_initialized():  # (one process: no group, as users guard it)
+        # (one process: no group, as users guard it)
+        if plant == "grad_sum" and dist.is_initialized():
             for p in model.parameters():
                 dist.all_reduce(p.grad)  # SUM on top of DDP's average: N x the gradient
         if plant == "mean_of_means" and step == 1:

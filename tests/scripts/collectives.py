@@ -23,9 +23,23 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 COUNT = [0]
-NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-         "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
-         "scatter", "all_to_all", "all_to_all_single", "monitored_barrier")
+NAMES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "monitored_barrier",
+)
 
 
 def counted(function):
@@ -50,7 +64,11 @@ out = Path(args.out)
 
 
 def now() -> float:
-    return trainer.state.global_step * args.seconds_per_step if args.seconds_per_step else time.monotonic()
+    return (
+        trainer.state.global_step * args.seconds_per_step
+        if args.seconds_per_step
+        else time.monotonic()
+    )
 
 
 if args.seconds_per_step:
@@ -84,10 +102,21 @@ class Counted(mg.Trainer):
 run = mg.init(seed=0, timeout_s=60)
 g = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(640, 8, generator=g), torch.randint(0, 3, (640,), generator=g))
-trainer = Counted(run, nn.Linear(8, 3), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=4, epochs=2,
-                  out_dir=str(out / "run"), progress=True, progress_every_s=0.01, log_every_n_steps=1,
-                  stop_check_every=args.every, plot=False)
+trainer = Counted(
+    run,
+    nn.Linear(8, 3),
+    lambda p: torch.optim.SGD(p, lr=0.1),
+    batch_size=4,
+    epochs=2,
+    out_dir=str(out / "run"),
+    progress=True,
+    progress_every_s=0.01,
+    log_every_n_steps=1,
+    stop_check_every=args.every,
+    plot=False,
+)
 trainer.fit(data)
 seconds = now() - trainer.started
-(out / f"counts-rank{run.rank}.json").write_text(json.dumps({"steps": trainer.steps, "counts": trainer.counts,
-                                                             "seconds": seconds}))
+(out / f"counts-rank{run.rank}.json").write_text(
+    json.dumps({"steps": trainer.steps, "counts": trainer.counts, "seconds": seconds})
+)

@@ -52,7 +52,9 @@ parser.add_argument("--tokens", default="")
 
 
 def make_model():
-    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
+    )
 
 
 def train(run, args) -> None:
@@ -79,10 +81,21 @@ def train(run, args) -> None:
             losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])
 
     if args.mode == "trainer":
-        trainer = Equivalence(run, make_model(), make_optimizer, batch_size=args.batch, epochs=args.epochs,
-                              accumulate=args.accumulate, clip_grad_norm=args.clip, strategy=args.strategy,
-                              precision=args.precision, out_dir=args.out + ".run", resume=False, progress=False,
-                              plot=False)
+        trainer = Equivalence(
+            run,
+            make_model(),
+            make_optimizer,
+            batch_size=args.batch,
+            epochs=args.epochs,
+            accumulate=args.accumulate,
+            clip_grad_norm=args.clip,
+            strategy=args.strategy,
+            precision=args.precision,
+            out_dir=args.out + ".run",
+            resume=False,
+            progress=False,
+            plot=False,
+        )
         trainer.fit(dataset)
         model = trainer.model
     else:  # the PyTorch-tutorial loop, with the same helpers
@@ -92,7 +105,7 @@ def train(run, args) -> None:
             for index, (inputs, labels) in enumerate(loader):
                 inputs, labels = inputs.to(run.device), labels.to(run.device)
                 boundary = (index + 1) % args.accumulate == 0
-                with (run.no_sync(model) if not boundary else torch.enable_grad()):
+                with run.no_sync(model) if not boundary else torch.enable_grad():
                     loss = F.cross_entropy(model(inputs), labels)
                     run.backward(loss / args.accumulate)
                 losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])

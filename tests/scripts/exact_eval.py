@@ -29,16 +29,27 @@ class Eval(mg.Trainer):
     def evaluate_batch(self, batch):
         inputs, labels = batch
         logits = self.model(inputs)
-        return {"accuracy": ((logits.argmax(1) == labels).sum(), len(labels)),
-                "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels))}
+        return {
+            "accuracy": ((logits.argmax(1) == labels).sum(), len(labels)),
+            "loss": (F.cross_entropy(logits, labels, reduction="sum"), len(labels)),
+        }
 
 
 def evaluate(path: str, strategy: str) -> None:
     """One evaluation: a fresh model (FSDP shards it in place), the Trainer's metrics and the helpers'."""
     torch.manual_seed(11)
     model = nn.Linear(5, 4)
-    trainer = Eval(run, model, lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, eval_batch_size=5, resume=False,
-                   progress=False, out_dir=path + ".run", strategy=strategy)
+    trainer = Eval(
+        run,
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        batch_size=8,
+        eval_batch_size=5,
+        resume=False,
+        progress=False,
+        out_dir=path + ".run",
+        strategy=strategy,
+    )
     metrics = trainer.evaluate(TensorDataset(x, y))
 
     # The same through the bring-your-own-loop helpers, plus per-sample predictions in dataset order.
@@ -55,7 +66,15 @@ def evaluate(path: str, strategy: str) -> None:
     ordered = run.gather_in_order(torch.cat(predictions))
     if run.is_main:
         with open(path, "w") as handle:
-            json.dump({"trainer": metrics, "byo": byo, "predictions": ordered.tolist(), "local_seen": seen}, handle)
+            json.dump(
+                {
+                    "trainer": metrics,
+                    "byo": byo,
+                    "predictions": ordered.tolist(),
+                    "local_seen": seen,
+                },
+                handle,
+            )
 
 
 for item in sys.argv[1:]:

@@ -32,7 +32,9 @@ import multigpu as mg
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("--kill-at", type=lambda text: [int(step) for step in text.split(",")], default=[])
+parser.add_argument(
+    "--kill-at", type=lambda text: [int(step) for step in text.split(",")], default=[]
+)
 parser.add_argument("--kill-rank", type=int, default=1)
 parser.add_argument("--sleep", type=float, default=0.0)
 parser.add_argument("--hang-at", type=int)
@@ -44,7 +46,8 @@ parser.add_argument("--hang-timeout", type=float, default=60.0)
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--async-checkpoint", action="store_true")
-parser.add_argument("--stop-check-every", type=int, default=1)  # these runs are short: agree every step
+# these runs are short: agree every step
+parser.add_argument("--stop-check-every", type=int, default=1)
 args, _unknown = parser.parse_known_args()  # a test may append a token to find leftover processes
 
 run = mg.init(seed=0, timeout_s=60)
@@ -84,8 +87,12 @@ class FaultTrainer(mg.Trainer):
         if args.hold_at is not None and step == args.hold_at and not released(out):
             hold(out, run)
         marker = out / f"killed-at-{step}"
-        if (step in args.kill_at and run.rank == args.kill_rank and run.world.restart_count == 0
-                and not marker.exists()):
+        if (
+            step in args.kill_at
+            and run.rank == args.kill_rank
+            and run.world.restart_count == 0
+            and not marker.exists()
+        ):
             marker.write_text("killed")  # the next attempt must not kill itself here again
             os.kill(os.getpid(), signal.SIGKILL)
         if args.sleep:
@@ -105,11 +112,23 @@ class FaultTrainer(mg.Trainer):
 width = 24 if not (args.desync and run.rank == 1) else 32
 model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Dropout(0.3), nn.Linear(width, 3))
 data = Data()
-trainer = FaultTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs, batch_size=8,
-                       checkpoint_every_steps=1, keep_last=3, out_dir=str(out), progress=False, plot=False,
-                       accumulate=args.accumulate, stop_check_every=args.stop_check_every,
-                       hang_timeout_s=args.hang_timeout, hang_notice_s=args.hang_timeout / 2,
-                       async_checkpoint=args.async_checkpoint)
+trainer = FaultTrainer(
+    run,
+    model,
+    lambda p: torch.optim.AdamW(p, lr=0.01),
+    epochs=args.epochs,
+    batch_size=8,
+    checkpoint_every_steps=1,
+    keep_last=3,
+    out_dir=str(out),
+    progress=False,
+    plot=False,
+    accumulate=args.accumulate,
+    stop_check_every=args.stop_check_every,
+    hang_timeout_s=args.hang_timeout,
+    hang_notice_s=args.hang_timeout / 2,
+    async_checkpoint=args.async_checkpoint,
+)
 data.trainer = trainer
 trainer.fit(data)
 if run.is_main:

@@ -41,14 +41,22 @@ class Classifier(mg.Trainer):
 
 def check_record(check: str) -> dict:
     """One check on every rank: this rank's record."""
-    record: dict = {"check": check, "rank": run.rank, "device": str(run.device), "world_size": run.world_size}
+    record: dict = {
+        "check": check,
+        "rank": run.rank,
+        "device": str(run.device),
+        "world_size": run.world_size,
+    }
     if check == "init":
         # The device and backend mg.init picked, and a collective on the chosen device.
         value = torch.ones(1, device=run.device) * (run.rank + 1)
         if run.world_size > 1:
             torch.distributed.all_reduce(value)
-        record.update(backend=run.backend, sum=value.item(), current=torch.cuda.current_device()
-                      if run.device.type == "cuda" else None)
+        record.update(
+            backend=run.backend,
+            sum=value.item(),
+            current=torch.cuda.current_device() if run.device.type == "cuda" else None,
+        )
 
     elif check == "pinned":
         # The loader pins host memory for a GPU, and batches move without blocking the host.
@@ -57,8 +65,11 @@ def check_record(check: str) -> dict:
         moved = move_to((inputs, labels), run.device)
         if run.device.type == "cuda":
             torch.cuda.synchronize()
-        record.update(pinned=inputs.is_pinned(), moved_to=str(moved[0].device),
-                      same=bool(torch.equal(moved[0].cpu(), inputs) and torch.equal(moved[1].cpu(), labels)))
+        record.update(
+            pinned=inputs.is_pinned(),
+            moved_to=str(moved[0].device),
+            same=bool(torch.equal(moved[0].cpu(), inputs) and torch.equal(moved[1].cpu(), labels)),
+        )
 
     elif check == "precision":
         # bf16 and fp16 autocast give half-precision matmuls; fp16's scaler skips a step with inf gradients.
@@ -75,33 +86,66 @@ def check_record(check: str) -> dict:
         precision.scale(loss).backward()
         precision.step(optimizer)
         skipped = bool(torch.equal(before, layer.weight.detach()))
-        scale = precision.scaler.get_scale() if precision.scaler is not None and precision.scaler.is_enabled() else None
+        scale = (
+            precision.scaler.get_scale()
+            if precision.scaler is not None and precision.scaler.is_enabled()
+            else None
+        )
         record.update(dtypes=dtypes, inf_step_skipped=skipped, scale_after=scale)
 
     elif check == "fsdp_dcp":
         # FSDP2 with bf16 autocast; its DCP checkpoint resumes into a fresh Trainer bit for bit.
-        common = dict(strategy="fsdp", precision="bf16", batch_size=32, out_dir=str(out / "run"), progress=False,
-                      plot=False, log_every_n_steps=0)
-        first = Classifier(run, model(), lambda p: torch.optim.AdamW(p, lr=1e-2), epochs=1, **common)
+        common = dict(
+            strategy="fsdp",
+            precision="bf16",
+            batch_size=32,
+            out_dir=str(out / "run"),
+            progress=False,
+            plot=False,
+            log_every_n_steps=0,
+        )
+        first = Classifier(
+            run, model(), lambda p: torch.optim.AdamW(p, lr=1e-2), epochs=1, **common
+        )
         first.fit(data)
-        trained = {k: v.float() for k, v in run.state_dict(first.state_model).items()}  # rank 0's; {} elsewhere
-        second = Classifier(run, model(), lambda p: torch.optim.AdamW(p, lr=1e-2), epochs=1, **common)
+        # rank 0's; {} elsewhere
+        trained = {k: v.float() for k, v in run.state_dict(first.state_model).items()}
+        second = Classifier(
+            run, model(), lambda p: torch.optim.AdamW(p, lr=1e-2), epochs=1, **common
+        )
         resumed = second.resume()
         loaded = {k: v.float() for k, v in run.state_dict(second.state_model).items()}
         latest = files.list_checkpoints(out / "run" / "checkpoints")[0].path
-        record.update(resumed=resumed, equal=trained.keys() == loaded.keys() and all(torch.equal(trained[k], loaded[k])
-                                                                                      for k in trained),
-                      sharded=(latest / ".metadata").exists(), checkpoint=str(latest),
-                      param_device=str(next(second.state_model.parameters()).device))
+        record.update(
+            resumed=resumed,
+            equal=trained.keys() == loaded.keys()
+            and all(torch.equal(trained[k], loaded[k]) for k in trained),
+            sharded=(latest / ".metadata").exists(),
+            checkpoint=str(latest),
+            param_device=str(next(second.state_model.parameters()).device),
+        )
 
     elif check == "compile":
         # torch.compile through the Trainer: trains, and checkpoints keep the model's own parameter names.
-        trainer = Classifier(run, model(), lambda p: torch.optim.AdamW(p, lr=1e-2), epochs=3, batch_size=32,
-                             compile=True, out_dir=str(out / "run"), progress=False, plot=False, log_every_n_steps=0)
+        trainer = Classifier(
+            run,
+            model(),
+            lambda p: torch.optim.AdamW(p, lr=1e-2),
+            epochs=3,
+            batch_size=32,
+            compile=True,
+            out_dir=str(out / "run"),
+            progress=False,
+            plot=False,
+            log_every_n_steps=0,
+        )
         history = trainer.fit(data, data)
         latest = files.list_checkpoints(out / "run" / "checkpoints")[0].path
-        record.update(losses=[round(h["train_loss"], 4) for h in history], checkpoint=str(latest),
-                      compiled=type(trainer.model).__name__)
+        record.update(
+            losses=[round(h["train_loss"], 4) for h in history],
+            checkpoint=str(latest),
+            compiled=type(trainer.model).__name__,
+        )
     else:
         sys.exit(f"unknown check {check!r}")
     return record

@@ -17,7 +17,8 @@ from torch.utils.data import TensorDataset
 import multigpu as mg
 
 out = Path(sys.argv[1])
-run = mg.init(seed=0, timeout_s=300)  # a long collective timeout: only the interrupt handling can be fast
+# a long collective timeout: only the interrupt handling can be fast
+run = mg.init(seed=0, timeout_s=300)
 data = TensorDataset(torch.randn(4000, 8), torch.randint(0, 4, (4000,)))
 
 
@@ -30,8 +31,17 @@ class Slow(mg.Trainer):
         return F.cross_entropy(self.model(inputs), labels)
 
 
-trainer = Slow(run, nn.Linear(8, 4), lambda p: torch.optim.SGD(p, lr=0.1), batch_size=8, epochs=100,
-               out_dir=str(out), progress=False, plot=False, log_every_n_steps=0)
+trainer = Slow(
+    run,
+    nn.Linear(8, 4),
+    lambda p: torch.optim.SGD(p, lr=0.1),
+    batch_size=8,
+    epochs=100,
+    out_dir=str(out),
+    progress=False,
+    plot=False,
+    log_every_n_steps=0,
+)
 try:
     trainer.fit(data)
 except KeyboardInterrupt:

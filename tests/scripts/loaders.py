@@ -41,8 +41,11 @@ class Pairs(Dataset):
 
 
 def collate(items):
-    return {"x": torch.stack([i["x"] for i in items]), "y": torch.stack([i["y"] for i in items]),
-            "id": torch.tensor([i["id"] for i in items])}
+    return {
+        "x": torch.stack([i["x"] for i in items]),
+        "y": torch.stack([i["y"] for i in items]),
+        "id": torch.tensor([i["id"] for i in items]),
+    }
 
 
 class Ids(IterableDataset):
@@ -56,7 +59,12 @@ class Ids(IterableDataset):
 
 class Fit(mg.Trainer):
     def compute_loss(self, batch):
-        if kill_at is not None and self.state.global_step == kill_at and run.rank == 1 and run.world.restart_count == 0:
+        if (
+            kill_at is not None
+            and self.state.global_step == kill_at
+            and run.rank == 1
+            and run.world.restart_count == 0
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
         self.seen.extend(batch["id"].tolist())
         return F.cross_entropy(self.model(batch["x"]), batch["y"])
@@ -72,35 +80,72 @@ def train(mode: str) -> None:
     seed_everything(0)  # as mg.init(seed=0) left a fresh process
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-    common = dict(epochs=2, out_dir=str(out), progress=False, checkpoint_every_steps=1, keep_last=50, plot=False,
-                  log_every_n_steps=0)
-    trainer = Fit(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), batch_size=8, collate_fn=collate, **common)
+    common = dict(
+        epochs=2,
+        out_dir=str(out),
+        progress=False,
+        checkpoint_every_steps=1,
+        keep_last=50,
+        plot=False,
+        log_every_n_steps=0,
+    )
+    trainer = Fit(
+        run,
+        model,
+        lambda p: torch.optim.AdamW(p, lr=0.01),
+        batch_size=8,
+        collate_fn=collate,
+        **common,
+    )
     trainer.seen, trainer.evaluated = [], []
     if mode == "dataset":
         trainer.fit(Pairs())
     elif mode == "dataloader":
-        trainer.fit(DataLoader(Pairs(), batch_size=8, shuffle=True, collate_fn=collate, num_workers=1,
-                               persistent_workers=True, drop_last=False))
+        trainer.fit(
+            DataLoader(
+                Pairs(),
+                batch_size=8,
+                shuffle=True,
+                collate_fn=collate,
+                num_workers=1,
+                persistent_workers=True,
+                drop_last=False,
+            )
+        )
     elif mode == "stream":
         trainer.settings.num_workers = 2
         trainer.fit(Ids(101), epochs=1)
         trainer.evaluate(Ids(101))
-        (out / f"seen-rank{run.rank}.json").write_text(json.dumps({"train": trainer.seen, "eval": trainer.evaluated,
-                                                                    "steps": trainer.state.global_step}))
+        (out / f"seen-rank{run.rank}.json").write_text(
+            json.dumps(
+                {
+                    "train": trainer.seen,
+                    "eval": trainer.evaluated,
+                    "steps": trainer.state.global_step,
+                }
+            )
+        )
     elif mode in ("hf-map", "hf-stream"):
         import datasets
 
-        table = datasets.Dataset.from_dict({"x": X.tolist(), "y": Y.tolist(), "id": list(range(len(X)))})
+        table = datasets.Dataset.from_dict(
+            {"x": X.tolist(), "y": Y.tolist(), "id": list(range(len(X)))}
+        )
         data = table if mode == "hf-map" else table.to_iterable_dataset(num_shards=4)
 
         def hf_collate(rows):
-            return {"x": torch.tensor([r["x"] for r in rows]), "y": torch.tensor([r["y"] for r in rows]),
-                    "id": torch.tensor([r["id"] for r in rows])}
+            return {
+                "x": torch.tensor([r["x"] for r in rows]),
+                "y": torch.tensor([r["y"] for r in rows]),
+                "id": torch.tensor([r["id"] for r in rows]),
+            }
 
         trainer.settings.collate_fn = hf_collate
         trainer.fit(data, epochs=1)
         trainer.evaluate(data)
-        (out / f"seen-rank{run.rank}.json").write_text(json.dumps({"train": trainer.seen, "eval": trainer.evaluated}))
+        (out / f"seen-rank{run.rank}.json").write_text(
+            json.dumps({"train": trainer.seen, "eval": trainer.evaluated})
+        )
     if mode in ("dataset", "dataloader"):
         weights = run.state_dict(trainer.model)
         if run.is_main:

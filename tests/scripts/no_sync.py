@@ -47,8 +47,19 @@ g = torch.Generator().manual_seed(0)
 n = STEPS * 16 * run.world_size
 data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-trainer = Strict(run, model, lambda p: torch.optim.AdamW(p, lr=1e-3), batch_size=16, epochs=1,
-                 precision=args.precision, out_dir=str(Path(args.out) / "run"), progress=True,
-                 progress_every_s=3600, log_every_n_steps=0, clip_grad_norm=None, plot=False)
+trainer = Strict(
+    run,
+    model,
+    lambda p: torch.optim.AdamW(p, lr=1e-3),
+    batch_size=16,
+    epochs=1,
+    precision=args.precision,
+    out_dir=str(Path(args.out) / "run"),
+    progress=True,
+    progress_every_s=3600,
+    log_every_n_steps=0,
+    clip_grad_norm=None,
+    plot=False,
+)
 trainer.fit(data)
 Path(args.out, f"ok-rank{run.rank}.txt").write_text(str(trainer.checked))

@@ -28,7 +28,8 @@ args = parser.parse_args()
 run = mg.init(seed=0, timeout_s=60)
 g = torch.Generator().manual_seed(4)
 x = torch.randn(24, 6, generator=g)
-y = (x[:, 0] > 0).long() ^ (torch.rand(24, generator=g) < 0.3).long()  # noisy labels: overfitting follows
+# noisy labels: overfitting follows
+y = (x[:, 0] > 0).long() ^ (torch.rand(24, generator=g) < 0.3).long()
 vx = torch.randn(64, 6, generator=g)
 vy = (vx[:, 0] > 0).long()
 
@@ -64,12 +65,32 @@ class Observed(mg.Trainer):
 
 torch.manual_seed(2)
 model = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 2))
-trainer = Observed(run, model, lambda p: torch.optim.Adam(p, lr=0.05), batch_size=args.batch, epochs=args.epochs,
-                   out_dir=args.out, progress=False, monitor="valid_loss", mode="min", patience=args.patience,
-                   eval_every_steps=2, log_every_n_steps=1, shuffle=False, keep_last=2,
-                   loggers=[n for n in args.loggers.split(",") if n])
+trainer = Observed(
+    run,
+    model,
+    lambda p: torch.optim.Adam(p, lr=0.05),
+    batch_size=args.batch,
+    epochs=args.epochs,
+    out_dir=args.out,
+    progress=False,
+    monitor="valid_loss",
+    mode="min",
+    patience=args.patience,
+    eval_every_steps=2,
+    log_every_n_steps=1,
+    shuffle=False,
+    keep_last=2,
+    loggers=[n for n in args.loggers.split(",") if n],
+)
 trainer.fit(TensorDataset(x, y), TensorDataset(vx, vy))
 if run.is_main:
-    Path(args.out, "result.json").write_text(json.dumps({
-        "best": trainer.tracker.best, "best_step": trainer.tracker.best_step, "stopped_at": trainer.state.global_step,
-        "calls": trainer.calls}))
+    Path(args.out, "result.json").write_text(
+        json.dumps(
+            {
+                "best": trainer.tracker.best,
+                "best_step": trainer.tracker.best_step,
+                "stopped_at": trainer.state.global_step,
+                "calls": trainer.calls,
+            }
+        )
+    )

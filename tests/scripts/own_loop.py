@@ -38,8 +38,12 @@ out = Path(args.out)
 run = mg.init(seed=0, timeout_s=60)
 # 4 s only where a test plants a hang: a run that should finish gets 300 s, so a step that a busy machine
 # stalls for seconds (a checkpoint's fsync, a starved core) is never reported as a hang.
-run.configure_guards(hang_timeout_s=4.0 if args.hang_at is not None else 300.0, report_dir=str(out / "hang"),
-                     hang_notice_s=2.0 if args.hang_at is not None else 60.0, stop_check_every=args.check_every)
+run.configure_guards(
+    hang_timeout_s=4.0 if args.hang_at is not None else 300.0,
+    report_dir=str(out / "hang"),
+    hang_notice_s=2.0 if args.hang_at is not None else 60.0,
+    stop_check_every=args.check_every,
+)
 g = torch.Generator().manual_seed(2)
 data = TensorDataset(torch.randn(192, 8, generator=g), torch.randint(0, 4, (192,), generator=g))
 width = 32 if (args.desync and run.rank == 1) else 16
@@ -47,13 +51,17 @@ model = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear
 run.check_consistency(model, config={"lr": 0.05, "steps": args.steps})
 model, optimizer = run.setup(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
 loader = run.loader(data, batch_size=8, quiet=True)
-state = run.load_checkpoint(out / "checkpoints", model, optimizer) or {"step": 0, "position": [0, 0]}
+state = run.load_checkpoint(out / "checkpoints", model, optimizer) or {
+    "step": 0,
+    "position": [0, 0],
+}
 step = state["step"]
 loader.resume_at(*state["position"])
 while step < args.steps:
     for inputs, labels in loader:
         if args.hang_at is not None and step == args.hang_at and run.rank == 1:
-            time.sleep(3600)  # a rank stuck (a dead filesystem, a deadlock): the watchdog must report it
+            # a rank stuck (a dead filesystem, a deadlock): the watchdog must report it
+            time.sleep(3600)
         loss = F.cross_entropy(model(inputs), labels)
         optimizer.zero_grad()
         run.backward(loss)
@@ -64,9 +72,17 @@ while step < args.steps:
         path = None
         if step % 1 == 0:
             # loader.position(), not loader.epoch: at an epoch's last batch the next pass is the next epoch
-            path = run.save_checkpoint(out / "checkpoints", step, {"model": model, "optimizer": optimizer,
-                                                                    "step": step, "position": list(loader.position())},
-                                       keep_last=3)
+            path = run.save_checkpoint(
+                out / "checkpoints",
+                step,
+                {
+                    "model": model,
+                    "optimizer": optimizer,
+                    "step": step,
+                    "position": list(loader.position()),
+                },
+                keep_last=3,
+            )
         if step == args.snapshot_at:
             snapshot = run.state_dict(model)
             if run.is_main:

@@ -55,9 +55,15 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.q, self.k, self.v = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
+        self.q, self.k, self.v = (
+            nn.Linear(WIDTH, WIDTH),
+            nn.Linear(WIDTH, WIDTH, bias=False),
+            nn.Linear(WIDTH, WIDTH),
+        )
         self.proj = nn.Linear(WIDTH, WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+        self.mlp = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -81,16 +87,29 @@ class Embed(nn.Module):
 
 
 def make_model():
-    model = nn.Sequential(Embed(), *(Block() for _ in range(LAYERS)), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB))
-    model.tp_plan = {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.proj": "rowwise",
-                     "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+    model = nn.Sequential(
+        Embed(), *(Block() for _ in range(LAYERS)), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+    )
+    model.tp_plan = {
+        "*.q": "colwise",
+        "*.k": "colwise",
+        "*.v": "colwise",
+        "*.proj": "rowwise",
+        "*.mlp.0": "colwise",
+        "*.mlp.2": "rowwise",
+    }
     return model
 
 
 class LM(mg.Trainer):
     def compute_loss(self, batch):
         step = self.state.global_step
-        if (args.kill_at is not None and step == args.kill_at and run.rank == 1 and run.world.restart_count == 0):
+        if (
+            args.kill_at is not None
+            and step == args.kill_at
+            and run.rank == 1
+            and run.world.restart_count == 0
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
         inputs, targets = batch
         logits = self.model(inputs)
@@ -106,16 +125,34 @@ def train() -> None:
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, VOCAB, (64, T + 1), generator=g)
     dataset = TensorDataset(data[:, :-1], data[:, 1:])
-    trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch, epochs=100,
-                 max_steps=args.steps, strategy=args.strategy, tp=args.tp, dp_replicate=args.dp_replicate,
-                 out_dir=str(out), checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
-                 clip_grad_norm=args.clip, log_every_n_steps=0, plot=False)
+    trainer = LM(
+        run,
+        make_model(),
+        lambda p: torch.optim.AdamW(p, lr=3e-3),
+        batch_size=args.batch,
+        epochs=100,
+        max_steps=args.steps,
+        strategy=args.strategy,
+        tp=args.tp,
+        dp_replicate=args.dp_replicate,
+        out_dir=str(out),
+        checkpoint_every_steps=1,
+        keep_last=100,
+        progress=False,
+        shuffle=False,
+        clip_grad_norm=args.clip,
+        log_every_n_steps=0,
+        plot=False,
+    )
     trainer.fit(dataset)
     weights = run.state_dict(trainer.state_model)
     if run.is_main:
         torch.save({"weights": weights, "losses": torch.tensor(losses)}, out / "final.pt")
-        print(f"done strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
-              f"step={trainer.state.global_step} out={out.name}", flush=True)
+        print(
+            f"done strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
+            f"step={trainer.state.global_step} out={out.name}",
+            flush=True,
+        )
 
 
 for planned in plan:

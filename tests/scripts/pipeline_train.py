@@ -47,7 +47,8 @@ parser.add_argument("--preempt-at", type=int)
 parser.add_argument("--clip", type=float)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--hang", type=float, default=120.0)
-parser.add_argument("--token")  # a marker in the command line: the test finds leftover processes by it
+# a marker in the command line: the test finds leftover processes by it
+parser.add_argument("--token")
 args = parser.parse_args()
 
 VOCAB, WIDTH, HEADS, T = 32, 16, 4, 8
@@ -59,9 +60,15 @@ class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.q, self.k, self.v = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH, bias=False), nn.Linear(WIDTH, WIDTH)
+        self.q, self.k, self.v = (
+            nn.Linear(WIDTH, WIDTH),
+            nn.Linear(WIDTH, WIDTH, bias=False),
+            nn.Linear(WIDTH, WIDTH),
+        )
         self.proj = nn.Linear(WIDTH, WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+        self.mlp = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -86,9 +93,20 @@ class Embed(nn.Module):
 
 def make_model():
     torch.manual_seed(1)
-    model = nn.Sequential(Embed(), *(Block() for _ in range(args.layers)), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB))
-    model.tp_plan = {"*.q": "colwise", "*.k": "colwise", "*.v": "colwise", "*.proj": "rowwise",
-                     "*.mlp.0": "colwise", "*.mlp.2": "rowwise"}
+    model = nn.Sequential(
+        Embed(),
+        *(Block() for _ in range(args.layers)),
+        nn.LayerNorm(WIDTH),
+        nn.Linear(WIDTH, VOCAB),
+    )
+    model.tp_plan = {
+        "*.q": "colwise",
+        "*.k": "colwise",
+        "*.v": "colwise",
+        "*.proj": "rowwise",
+        "*.mlp.0": "colwise",
+        "*.mlp.2": "rowwise",
+    }
     return model
 
 
@@ -103,17 +121,31 @@ class LM(mg.Trainer):
     def evaluate_batch(self, batch):
         inputs, targets = batch
         logits = self.model(inputs)
-        return {"loss": (F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum"),
-                         targets.numel())}
+        return {
+            "loss": (
+                F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum"),
+                targets.numel(),
+            )
+        }
 
     interrupted = False
 
     def on_train_batch_end(self, step, loss):  # every rank's loss (equal batches): the global mean
-        if (self.interrupted and args.kill_at is not None and step == args.kill_at + 1 and run.rank == 1
-                and run.world.restart_count == 0):
+        if (
+            self.interrupted
+            and args.kill_at is not None
+            and step == args.kill_at + 1
+            and run.rank == 1
+            and run.world.restart_count == 0
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
-        if (self.interrupted and args.preempt_at is not None and step == args.preempt_at
-                and run.rank == run.world_size - 1 and not (Path(self.settings.out_dir) / "preempted").exists()):
+        if (
+            self.interrupted
+            and args.preempt_at is not None
+            and step == args.preempt_at
+            and run.rank == run.world_size - 1
+            and not (Path(self.settings.out_dir) / "preempted").exists()
+        ):
             (Path(self.settings.out_dir) / "preempted").write_text(str(step))
             os.kill(os.getpid(), signal.SIGUSR1)
         self.losses.append(run.reduce({"loss": (loss.item(), 1)})["loss"])
@@ -127,24 +159,56 @@ points = [p if not p.isdigit() else int(p) for p in args.split_points.split(",")
 configurations = args.runs.split(",")
 for configuration in configurations:
     strategy, schedule, *folder = configuration.split(":")
-    out = Path(args.out) / (folder[0] if folder else strategy if schedule == "-" else f"{strategy}-{schedule}")
+    out = Path(args.out) / (
+        folder[0] if folder else strategy if schedule == "-" else f"{strategy}-{schedule}"
+    )
     accumulate = int(folder[1]) if len(folder) > 1 else 1
     if (out / "final.pt").exists():
         continue
-    pipeline = {"pipeline_schedule": schedule, "micro_batches": args.micro_batches,
-                "split_points": points or None} if args.pp > 1 else {}
-    trainer = LM(run, make_model(), lambda p: torch.optim.AdamW(p, lr=3e-3), batch_size=args.batch // accumulate,
-                 accumulate=accumulate, epochs=100, max_steps=args.steps, strategy=strategy, tp=args.tp, pp=args.pp,
-                 out_dir=str(out),
-                 stop_check_every=1, checkpoint_every_steps=1, keep_last=100, progress=False, shuffle=False,
-                 clip_grad_norm=args.clip, log_every_n_steps=0, plot=False, eval_batch_size=4,
-                 hang_timeout_s=args.hang, **pipeline)
+    pipeline = (
+        {
+            "pipeline_schedule": schedule,
+            "micro_batches": args.micro_batches,
+            "split_points": points or None,
+        }
+        if args.pp > 1
+        else {}
+    )
+    trainer = LM(
+        run,
+        make_model(),
+        lambda p: torch.optim.AdamW(p, lr=3e-3),
+        batch_size=args.batch // accumulate,
+        accumulate=accumulate,
+        epochs=100,
+        max_steps=args.steps,
+        strategy=strategy,
+        tp=args.tp,
+        pp=args.pp,
+        out_dir=str(out),
+        stop_check_every=1,
+        checkpoint_every_steps=1,
+        keep_last=100,
+        progress=False,
+        shuffle=False,
+        clip_grad_norm=args.clip,
+        log_every_n_steps=0,
+        plot=False,
+        eval_batch_size=4,
+        hang_timeout_s=args.hang,
+        **pipeline,
+    )
     trainer.losses, trainer.interrupted = [], configuration == configurations[-1]
     trainer.fit(train_set)
     valid = trainer.evaluate(valid_set)
     weights = run.state_dict(trainer.state_model)
     if run.is_main:
-        torch.save({"weights": weights, "losses": torch.tensor(trainer.losses), "valid": valid["loss"]},
-                   out / "final.pt")
-        print(f"done {configuration} strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
-              f"step={trainer.state.global_step} valid={valid['loss']!r}", flush=True)
+        torch.save(
+            {"weights": weights, "losses": torch.tensor(trainer.losses), "valid": valid["loss"]},
+            out / "final.pt",
+        )
+        print(
+            f"done {configuration} strategy={trainer.strategy.name} world={run.world_size} dp={run.dp_size} "
+            f"step={trainer.state.global_step} valid={valid['loss']!r}",
+            flush=True,
+        )

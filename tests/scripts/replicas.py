@@ -55,7 +55,8 @@ out = Path(args.out)
 if args.rejoin_after_alone and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
     # Before mg.init: a restarted group's torchft manager heartbeats from the moment it is built, and the
     # lighthouse then holds the survivor's quorum for it; before it exists, nothing waits for this group.
-    deadline = time.monotonic() + 60  # the survivor steps alone within seconds; the test's 230 s never outlived
+    # the survivor steps alone within seconds; the test's 230 s never outlived
+    deadline = time.monotonic() + 60
     while not (out / "alone-seen").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
 run = mg.init(seed=0, timeout_s=60)
@@ -74,16 +75,24 @@ class ReplicaTrainer(mg.Trainer):
         step = self.state.global_step
         if args.sleep:
             time.sleep(args.sleep)
-        alone = self.strategy.participants() < run.world.replica_groups and (out / f"killed-g{args.kill_group}").exists()
-        if alone and args.hold:  # 5x longer once the killed group is restarting: it joins while steps are left
+        alone = (
+            self.strategy.participants() < run.world.replica_groups
+            and (out / f"killed-g{args.kill_group}").exists()
+        )
+        # 5x longer once the killed group is restarting: it joins while steps are left
+        if alone and args.hold:
             time.sleep(args.hold * (5 if (out / f"restarted-g{args.kill_group}").exists() else 1))
         if alone and args.wait_restart_at is not None and step == args.wait_restart_at:
             while not (out / f"restarted-g{args.kill_group}").exists():
                 time.sleep(0.05)
         inputs, labels = batch
         loss = F.cross_entropy(self.model(inputs), labels)
-        if (args.kill_at is not None and step == args.kill_at and group == args.kill_group
-                and run.world.restart_count == 0):
+        if (
+            args.kill_at is not None
+            and step == args.kill_at
+            and group == args.kill_group
+            and run.world.restart_count == 0
+        ):
             (out / f"killed-g{group}").write_text(json.dumps({"step": step, "t": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
         return loss
@@ -96,10 +105,17 @@ class ReplicaTrainer(mg.Trainer):
 
     def on_train_batch_end(self, step, loss):
         if run.rank == 0:
-            record = {"group": group, "attempt": run.world.restart_count, "pid": os.getpid(), "step": step,
-                      "t": time.time(),
-                      "live": self.strategy.participants(), "digest": digest(self.strategy.unwrap(self.model)),
-                      "epoch": self.state.epoch, "batch": self.state.batch_in_epoch}
+            record = {
+                "group": group,
+                "attempt": run.world.restart_count,
+                "pid": os.getpid(),
+                "step": step,
+                "t": time.time(),
+                "live": self.strategy.participants(),
+                "digest": digest(self.strategy.unwrap(self.model)),
+                "epoch": self.state.epoch,
+                "batch": self.state.batch_in_epoch,
+            }
             with open(out / f"steps-g{group}.jsonl", "a") as handle:
                 handle.write(json.dumps(record) + "\n")
             if record["live"] < run.world.replica_groups:
@@ -113,13 +129,27 @@ train = TensorDataset(x, y)
 valid = TensorDataset(x[:40], y[:40]) if args.valid else None
 width = 32 if args.wider and group == args.kill_group else 24
 model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Linear(width, 3))
-trainer = ReplicaTrainer(run, model, lambda p: torch.optim.AdamW(p, lr=0.01), epochs=args.epochs,
-                         batch_size=args.batch_size, checkpoint_every_steps=None if args.final_checkpoint_only else 4,
-                         checkpoint_every_epochs=1000 if args.final_checkpoint_only else 1, keep_last=2,
-                         out_dir=str(out / "run"), progress=False, log_every_n_steps=1, stop_check_every=1, plot=False)
+trainer = ReplicaTrainer(
+    run,
+    model,
+    lambda p: torch.optim.AdamW(p, lr=0.01),
+    epochs=args.epochs,
+    batch_size=args.batch_size,
+    checkpoint_every_steps=None if args.final_checkpoint_only else 4,
+    checkpoint_every_epochs=1000 if args.final_checkpoint_only else 1,
+    keep_last=2,
+    out_dir=str(out / "run"),
+    progress=False,
+    log_every_n_steps=1,
+    stop_check_every=1,
+    plot=False,
+)
 trainer.fit(train, valid)
 (out / f"digest-g{group}-r{run.rank}").write_text(digest(trainer.strategy.unwrap(trainer.model)))
 if run.rank == 0:
     torch.save(trainer.strategy.unwrap(trainer.model).state_dict(), out / f"final-g{group}.pt")
-    (out / f"done-g{group}").write_text(json.dumps({"step": trainer.state.global_step, "t": time.time(),
-                                                    "history": trainer.history}))
+    (out / f"done-g{group}").write_text(
+        json.dumps(
+            {"step": trainer.state.global_step, "t": time.time(), "history": trainer.history}
+        )
+    )

@@ -40,10 +40,23 @@ class Blocks(mg.Trainer):
 
 
 model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-trainer = Blocks(run, model, lambda p: torch.optim.AdamW(p, lr=0.02), batch_size=args.batch, epochs=args.epochs,
-                 strategy=args.strategy, out_dir=args.out, progress=False, check_consistency=False, plot=False)
+trainer = Blocks(
+    run,
+    model,
+    lambda p: torch.optim.AdamW(p, lr=0.02),
+    batch_size=args.batch,
+    epochs=args.epochs,
+    strategy=args.strategy,
+    out_dir=args.out,
+    progress=False,
+    check_consistency=False,
+    plot=False,
+)
 trainer.fit(TensorDataset(x, y))
 weights = run.state_dict(trainer.model)
 if run.is_main:
     torch.save(weights, args.weights)
-    print(f"strategy {trainer.strategy.name} world {run.world_size} step {trainer.state.global_step}", flush=True)
+    print(
+        f"strategy {trainer.strategy.name} world {run.world_size} step {trainer.state.global_step}",
+        flush=True,
+    )

@@ -22,5 +22,7 @@ for mode in sys.argv[2].split(","):
     mask = (run.unwrap(model)[1](torch.ones(1, 64)) == 0).int().flatten().tolist()
     folder = Path(sys.argv[1]) / mode
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"rank{run.rank}.json").write_text(json.dumps({"mask": mask, "init": initial.flatten().tolist()}))
+    (folder / f"rank{run.rank}.json").write_text(
+        json.dumps({"mask": mask, "init": initial.flatten().tolist()})
+    )
     run.close()

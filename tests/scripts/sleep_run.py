@@ -21,16 +21,26 @@ os.makedirs(out, exist_ok=True)
 names = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 job = json.loads(os.environ.get("MULTIGPU_JOB") or "{}")
 with open(os.path.join(out, "env.json"), "w") as handle:
-    json.dump({**{name: os.environ.get(name) for name in names}, "memory_fraction": job.get("memory_fraction"),
-               "run_dir": job.get("run_dir")}, handle)
-with open(os.path.join(out, "args.json"), "w") as handle:  # what the queue handed it (a {run:NAME} resolved)
+    json.dump(
+        {
+            **{name: os.environ.get(name) for name in names},
+            "memory_fraction": job.get("memory_fraction"),
+            "run_dir": job.get("run_dir"),
+        },
+        handle,
+    )
+# what the queue handed it (a {run:NAME} resolved)
+with open(os.path.join(out, "args.json"), "w") as handle:
     json.dump(args, handle)
 launcher = (job.get("workers") or {}).get("agent_pid")
 if launcher:
     with open(f"/proc/{launcher}/cmdline", "rb") as cmdline, open(f"/proc/{launcher}/stat") as stat:
         argv = cmdline.read().decode(errors="replace").split("\0")[:-1]
         parent = stat.read().rsplit(")", 1)[1].split()[1]
-    with open(f"/proc/{parent}/comm") as comm, open(os.path.join(out, "launcher.json"), "w") as handle:
+    with (
+        open(f"/proc/{parent}/comm") as comm,
+        open(os.path.join(out, "launcher.json"), "w") as handle,
+    ):
         json.dump({"argv": argv, "parent": comm.read().strip()}, handle)
 while "until" in args and not os.path.exists(args["until"]):
     time.sleep(0.02)

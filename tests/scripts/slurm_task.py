@@ -17,8 +17,18 @@ out = args["out_dir"]
 os.makedirs(out, exist_ok=True)
 started = time.time()
 time.sleep(float(args.get("sleep", 0)))
-names = ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_JOB_ID",
-         "SLURM_JOB_ID", "SLURM_CPUS_PER_TASK", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+names = (
+    "CUDA_VISIBLE_DEVICES",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_JOB_GPUS",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_JOB_ID",
+    "SLURM_CPUS_PER_TASK",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+)
 record = {name: os.environ.get(name) for name in names}
 record.update(start=started, end=time.time())
 with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as handle:

@@ -42,15 +42,19 @@ class Chunks(IterableDataset):
         columns = COLUMNS * self.world
         length = len(stream) // columns
         grid = stream[: length * columns].view(columns, length).t()  # (time, all columns)
-        mine = grid[:, self.rank * COLUMNS:(self.rank + 1) * COLUMNS]
+        mine = grid[:, self.rank * COLUMNS : (self.rank + 1) * COLUMNS]
         for t in range(0, length - 1 - BPTT, BPTT):
-            yield mine[t:t + BPTT], mine[t + 1:t + 1 + BPTT]
+            yield mine[t : t + BPTT], mine[t + 1 : t + 1 + BPTT]
 
 
 class LM(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed, self.lstm, self.head = nn.Embedding(VOCAB, 16), nn.LSTM(16, 16), nn.Linear(16, VOCAB)
+        self.embed, self.lstm, self.head = (
+            nn.Embedding(VOCAB, 16),
+            nn.LSTM(16, 16),
+            nn.Linear(16, VOCAB),
+        )
 
     def forward(self, tokens, hidden):
         output, hidden = self.lstm(self.embed(tokens), hidden)
@@ -65,7 +69,11 @@ class Trainer(mg.Trainer):
         if self.state.global_step == args.hold_at and not released(Path(args.out)):
             hold(Path(args.out), run)
         inputs, targets = batch[0][0], batch[1][0]  # batch_size 1: one time chunk (BPTT x columns)
-        hidden = self.hidden if self.hidden is not None else (torch.zeros(1, COLUMNS, 16), torch.zeros(1, COLUMNS, 16))
+        hidden = (
+            self.hidden
+            if self.hidden is not None
+            else (torch.zeros(1, COLUMNS, 16), torch.zeros(1, COLUMNS, 16))
+        )
         logits, hidden = self.model(inputs, hidden)
         self.hidden = tuple(h.detach() for h in hidden)  # truncated backpropagation through time
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
@@ -78,9 +86,20 @@ class Trainer(mg.Trainer):
 
 
 torch.manual_seed(1)
-trainer = Trainer(run, LM(), lambda p: torch.optim.SGD(p, lr=0.5), batch_size=1, epochs=1, out_dir=args.out,
-                  checkpoint_every_steps=1, keep_last=3, progress=False, plot=False, log_every_n_steps=0,
-                  stop_check_every=1)
+trainer = Trainer(
+    run,
+    LM(),
+    lambda p: torch.optim.SGD(p, lr=0.5),
+    batch_size=1,
+    epochs=1,
+    out_dir=args.out,
+    checkpoint_every_steps=1,
+    keep_last=3,
+    progress=False,
+    plot=False,
+    log_every_n_steps=0,
+    stop_check_every=1,
+)
 trainer.fit(Chunks())
 weights = run.state_dict(trainer.model)
 hidden = [h.clone() for h in trainer.hidden]

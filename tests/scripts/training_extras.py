@@ -83,24 +83,47 @@ data = TensorDataset(torch.randn(48, 8, generator=generator), torch.randn(48, ge
 valid = TensorDataset(torch.randn(10, 8, generator=generator), torch.randn(10, generator=generator))
 
 
-def fit(name: str, strategy: str, epochs: int = 2, record: bool = False, out: str = "", **settings) -> None:
+def fit(
+    name: str, strategy: str, epochs: int = 2, record: bool = False, out: str = "", **settings
+) -> None:
     torch.manual_seed(0)
     model = Net()
-    trainer = Fit(run, model, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), strategy=strategy,
-                  out_dir=str(OUT / (out or name)), batch_size=8 // run.dp_size,
-                  epochs=epochs, shuffle=False, ema=0.9, skip_nonfinite=True, log_every_n_steps=1, progress=False,
-                  plot=False, **settings)
+    trainer = Fit(
+        run,
+        model,
+        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        strategy=strategy,
+        out_dir=str(OUT / (out or name)),
+        batch_size=8 // run.dp_size,
+        epochs=epochs,
+        shuffle=False,
+        ema=0.9,
+        skip_nonfinite=True,
+        log_every_n_steps=1,
+        progress=False,
+        plot=False,
+        **settings,
+    )
     trainer.record = record
     trainer.fit(data, valid)
     final = run.state_dict(trainer.model)
     averaged = trainer.extras.averaging.state_dict()["averaged_model"]
     checkpointed = [n for n, m in run.unwrap(trainer.model).named_modules() if is_checkpointed(m)]
-    (OUT / f"{name}-rank{run.rank}.json").write_text(json.dumps({"skipped": trainer.extras.guard.skipped,
-                                                                   "checkpointed": checkpointed}))
+    (OUT / f"{name}-rank{run.rank}.json").write_text(
+        json.dumps({"skipped": trainer.extras.guard.skipped, "checkpointed": checkpointed})
+    )
     if run.is_main:
-        torch.save({"final": final, "averaged": averaged, "steps": trainer.steps if record else [],
-                    "before_eval": trainer.before_eval if record else {}, "after_eval": trainer.after_eval if record else {},
-                    "valid": valid.tensors}, OUT / f"{name}.pt")
+        torch.save(
+            {
+                "final": final,
+                "averaged": averaged,
+                "steps": trainer.steps if record else [],
+                "before_eval": trainer.before_eval if record else {},
+                "after_eval": trainer.after_eval if record else {},
+                "valid": valid.tensors,
+            },
+            OUT / f"{name}.pt",
+        )
 
 
 fit("fsdp", "fsdp", record=True)

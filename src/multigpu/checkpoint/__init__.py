@@ -13,5 +13,13 @@ from multigpu.checkpoint.files import (
     write_checkpoint_folder,
 )
 
-__all__ = ["CheckpointInfo", "latest", "list_checkpoints", "load_state", "prune", "save_state", "verify",
-           "write_checkpoint_folder"]
+__all__ = [
+    "CheckpointInfo",
+    "latest",
+    "list_checkpoints",
+    "load_state",
+    "prune",
+    "save_state",
+    "verify",
+    "write_checkpoint_folder",
+]

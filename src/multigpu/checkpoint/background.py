@@ -43,7 +43,8 @@ class Stager:
             return self._tensor(value.detach(), path)
         if isinstance(value, dict):
             out = {k: self._copy(v, (*path, k)) for k, v in value.items()}
-            if type(value) is not dict:  # an OrderedDict state dict keeps its type and its _metadata
+            # an OrderedDict state dict keeps its type and its _metadata
+            if type(value) is not dict:
                 try:
                     out = type(value)(out)
                     if getattr(value, "_metadata", None) is not None:
@@ -82,7 +83,9 @@ class PendingSave:
         self.path = path
         self.error: Optional[BaseException] = None
         self._work: Optional[Callable[[], Any]] = work  # None once done
-        self._thread = threading.Thread(target=self._run, name=f"multigpu-checkpoint-{path.name}", daemon=False)
+        self._thread = threading.Thread(
+            target=self._run, name=f"multigpu-checkpoint-{path.name}", daemon=False
+        )
         self._thread.start()
 
     def _run(self) -> None:

@@ -29,34 +29,46 @@ from multigpu.fileio import Folder
 
 METADATA = ".metadata"
 #: The only globals a DCP ``.metadata`` pickle may name (torch dtypes are admitted separately).
-ALLOWED_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.metadata", "Metadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-})
+ALLOWED_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 def _instance_types() -> tuple[type, ...]:
     """The only objects whose attributes a pickle may set (its BUILD opcode): DCP's metadata records."""
     from torch.distributed.checkpoint import filesystem, metadata
 
-    return tuple(getattr(metadata, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                                      "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                                      "StorageMeta")) + (filesystem._StorageInfo,)
+    return tuple(
+        getattr(metadata, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+        )
+    ) + (filesystem._StorageInfo,)
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its opcodes can be overridden
+# the Python implementation: its opcodes can be overridden
+class _MetadataUnpickler(pickle._Unpickler):
     """Admits only the globals of :data:`ALLOWED_GLOBALS` (and torch dtypes), and lets BUILD set
     attributes only on DCP's metadata records - otherwise BUILD on an admitted class (``PosixPath``)
     would rewrite that class for the rest of the process."""
@@ -75,23 +87,29 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python implementation: its o
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(f"{visible(str(self.source))} refers to {visible(f'{module}.{name}'[:120])}, "
-                              "which is not checkpoint metadata: the file would run code when loaded, and was refused.",
-                              "do not use checkpoints from sources you do not trust; delete this one.")
+        raise CheckpointError(
+            f"{visible(str(self.source))} refers to {visible(f'{module}.{name}'[:120])}, "
+            "which is not checkpoint metadata: the file would run code when loaded, and was refused.",
+            "do not use checkpoints from sources you do not trust; delete this one.",
+        )
 
     @override
     def persistent_load(self, pid: Any) -> Any:
-        raise CheckpointError(f"{visible(str(self.source))} uses pickle persistent ids, which DCP metadata never does.",
-                              "do not use checkpoints from sources you do not trust; delete this one.")
+        raise CheckpointError(
+            f"{visible(str(self.source))} uses pickle persistent ids, which DCP metadata never does.",
+            "do not use checkpoints from sources you do not trust; delete this one.",
+        )
 
     @override
     def load_build(self) -> None:  # type: ignore[misc]  # typeshed's pickle._Unpickler omits its opcodes' methods
         target = self.stack[-2] if len(self.stack) >= 2 else None
         if isinstance(target, type) or type(target) not in self.instance_types:
-            raise CheckpointError(f"{visible(str(self.source))} sets attributes of "
-                                  f"{type(target).__name__ if not isinstance(target, type) else target.__name__}"
-                                  ", which DCP metadata never does: refused.",
-                                  "do not use checkpoints from sources you do not trust; delete this one.")
+            raise CheckpointError(
+                f"{visible(str(self.source))} sets attributes of "
+                f"{type(target).__name__ if not isinstance(target, type) else target.__name__}"
+                ", which DCP metadata never does: refused.",
+                "do not use checkpoints from sources you do not trust; delete this one.",
+            )
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # (not in typeshed, as above)
 
     dispatch[pickle.BUILD[0]] = load_build
@@ -106,8 +124,10 @@ def read_metadata_file(path: Path) -> Metadata:
         with Folder(path.parent).open_read(path.name) as handle:
             data = handle.read(METADATA_LIMITS.max_bytes + 1)
     except OSError as exc:
-        raise CheckpointError(f"{shown} is unreadable ({exc.strerror or exc}).",
-                              "the checkpoint is corrupt; delete it.") from None
+        raise CheckpointError(
+            f"{shown} is unreadable ({exc.strerror or exc}).",
+            "the checkpoint is corrupt; delete it.",
+        ) from None
     return parse_metadata(data, path)
 
 
@@ -120,10 +140,17 @@ def parse_metadata(data: bytes, path: Path) -> Metadata:
     except CheckpointError:
         raise
     except Exception as exc:  # truncated, not a pickle, wrong protocol...
-        raise CheckpointError(f"{shown} is not readable checkpoint metadata ({type(exc).__name__}: "
-                              f"{visible(' '.join(str(exc).split())[:120])}).", "the checkpoint is corrupt; delete it.") from None
-    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
-        raise CheckpointError(f"{shown} does not hold DCP metadata.", "the checkpoint is corrupt; delete it.")
+        raise CheckpointError(
+            f"{shown} is not readable checkpoint metadata ({type(exc).__name__}: "
+            f"{visible(' '.join(str(exc).split())[:120])}).",
+            "the checkpoint is corrupt; delete it.",
+        ) from None
+    if not isinstance(metadata, Metadata) or not isinstance(
+        getattr(metadata, "state_dict_metadata", None), dict
+    ):
+        raise CheckpointError(
+            f"{shown} does not hold DCP metadata.", "the checkpoint is corrupt; delete it."
+        )
     return metadata
 
 
@@ -135,7 +162,10 @@ def check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> N
     except CheckpointError:
         raise
     except Exception as exc:  # a record of the wrong shape (a field None, a wrong type)
-        raise _refuse(folder, f"is malformed ({type(exc).__name__}: {visible(' '.join(str(exc).split())[:100])}).") from None
+        raise _refuse(
+            folder,
+            f"is malformed ({type(exc).__name__}: {visible(' '.join(str(exc).split())[:100])}).",
+        ) from None
 
 
 #: Bounds on what one checkpoint's metadata may describe (far above any model we know of).
@@ -147,8 +177,10 @@ MAX_COMPARISONS = 20_000_000
 
 
 def _refuse(folder: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"{visible(str(folder))}/{METADATA} {why}", "the checkpoint is corrupt or tampered with; "
-                           "delete it (an earlier one is used).")
+    return CheckpointError(
+        f"{visible(str(folder))}/{METADATA} {why}",
+        "the checkpoint is corrupt or tampered with; delete it (an earlier one is used).",
+    )
 
 
 def _check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> None:
@@ -156,24 +188,44 @@ def _check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> 
     if not isinstance(storage, dict):
         raise _refuse(folder, "has a storage_data that is not a mapping.")
     if len(metadata.state_dict_metadata) > MAX_TENSORS or len(storage) > MAX_CHUNKS:
-        raise _refuse(folder, f"describes more than {MAX_TENSORS:,} entries or {MAX_CHUNKS:,} chunks.")
+        raise _refuse(
+            folder, f"describes more than {MAX_TENSORS:,} entries or {MAX_CHUNKS:,} chunks."
+        )
     ranges: dict[str, list[tuple[int, int]]] = {}
     for info in storage.values():
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not isinstance(name, str) or "/" in name or name not in files or not name.endswith(".distcp"):
-            raise _refuse(folder, f"points to '{visible(str(name)[:80]) if isinstance(name, str) else type(name).__name__}', "
-                                  "which is not a shard of this checkpoint.")
-        if (not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0
-                or offset + length > files[name]):
+        if (
+            not isinstance(name, str)
+            or "/" in name
+            or name not in files
+            or not name.endswith(".distcp")
+        ):
+            raise _refuse(
+                folder,
+                f"points to '{visible(str(name)[:80]) if isinstance(name, str) else type(name).__name__}', "
+                "which is not a shard of this checkpoint.",
+            )
+        if (
+            not isinstance(offset, int)
+            or not isinstance(length, int)
+            or offset < 0
+            or length < 0
+            or offset + length > files[name]
+        ):
             raise _refuse(folder, f"has a shard range outside {visible(name)}.")
         if getattr(info, "transform_descriptors", None):  # compression: could expand without bound
-            raise _refuse(folder, "has shards stored with transforms (compression), which multigpu never writes.")
+            raise _refuse(
+                folder,
+                "has shards stored with transforms (compression), which multigpu never writes.",
+            )
         ranges.setdefault(name, []).append((offset, offset + length))
     for name, spans in ranges.items():
         spans.sort()
         if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
-            raise _refuse(folder, f"reads overlapping byte ranges of {visible(name)} (one chunk repeated?).")
+            raise _refuse(
+                folder, f"reads overlapping byte ranges of {visible(name)} (one chunk repeated?)."
+            )
     shard_bytes = sum(size for name, size in files.items() if name.endswith(".distcp"))
     claimed, chunks, budget = 0, 0, [MAX_COMPARISONS]
     for entry in metadata.state_dict_metadata.values():
@@ -181,13 +233,17 @@ def _check_metadata(metadata: Metadata, folder: Path, files: dict[str, int]) -> 
             size = getattr(entry, "size", None)
             if not isinstance(size, torch.Size) or any(d < 0 for d in size):
                 raise _refuse(folder, "gives a tensor an invalid size.")
-            claimed += math.prod(size) * torch.empty((), dtype=entry.properties.dtype).element_size()
+            claimed += (
+                math.prod(size) * torch.empty((), dtype=entry.properties.dtype).element_size()
+            )
             chunks += len(entry.chunks)
             if chunks > MAX_CHUNKS:
                 raise _refuse(folder, f"describes more than {MAX_CHUNKS:,} chunks.")
             _check_chunks(entry.chunks, size, folder, budget)
     if claimed > 2 * shard_bytes + (1 << 20):
-        raise _refuse(folder, f"claims {claimed:,} bytes of tensors but the shards hold {shard_bytes:,}.")
+        raise _refuse(
+            folder, f"claims {claimed:,} bytes of tensors but the shards hold {shard_bytes:,}."
+        )
 
 
 def _check_chunks(chunks: Any, size: torch.Size, folder: Path, budget: list[int]) -> None:
@@ -198,13 +254,20 @@ def _check_chunks(chunks: Any, size: torch.Size, folder: Path, budget: list[int]
     boxes = []
     for chunk in chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if (not isinstance(offsets, torch.Size) or not isinstance(sizes, torch.Size) or len(offsets) != len(size)
-                or len(sizes) != len(size)
-                or any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size))):
+        if (
+            not isinstance(offsets, torch.Size)
+            or not isinstance(sizes, torch.Size)
+            or len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size))
+        ):
             raise _refuse(folder, "has a chunk outside its tensor.")
         boxes.append((tuple(offsets), tuple(o + s for o, s in zip(offsets, sizes))))
     if sum(math.prod(e - o for o, e in zip(lo, hi)) for lo, hi in boxes) != math.prod(size):
-        raise _refuse(folder, "has chunks that do not cover their tensor exactly (repeated or missing chunks).")
+        raise _refuse(
+            folder,
+            "has chunks that do not cover their tensor exactly (repeated or missing chunks).",
+        )
     if len(size) == 0:
         if len(boxes) > 1:
             raise _refuse(folder, "has a scalar stored more than once.")
@@ -268,7 +331,8 @@ class _SafeBytes:
             first = text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
             self.refusal = CheckpointError(
                 f"a non-tensor checkpoint entry was refused: it is not plain data ({visible(first[:150])}).",
-                "do not use checkpoints from sources you do not trust; delete this one.")
+                "do not use checkpoints from sources you do not trust; delete this one.",
+            )
             raise self.refusal from None
         clean = io.BytesIO()
         torch.save(obj, clean)  # plain data now: DCP's own (unsafe) load of it is harmless
@@ -286,5 +350,9 @@ def manifest_sizes(manifest: dict[str, Any]) -> dict[str, int]:
 
 def last_line(exc: BaseException) -> str:
     """The telling line of an exception DCP wrapped (its text holds every rank's traceback)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith((" ", "Traceback"))]
+    lines = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if line.strip() and not line.startswith((" ", "Traceback"))
+    ]
     return (lines[-1] if lines else type(exc).__name__)[:300]

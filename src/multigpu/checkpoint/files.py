@@ -32,7 +32,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from multigpu.checkpoint.place import (  # explicit re-exports: the names this module has always offered
+# explicit re-exports: the names this module has always offered
+from multigpu.checkpoint.place import (
     CHECKSUM as CHECKSUM,
     MANIFEST as MANIFEST,
     OLD as OLD,
@@ -66,6 +67,7 @@ FORMAT = 1
 
 
 # ---------------------------------------------------------------------------------------- writing
+
 
 class Draft:
     """A checkpoint being written: a fresh real folder ``.tmp-step-N-*`` beside the finished ones.
@@ -102,12 +104,16 @@ class Draft:
                     key = unpicklable_key(obj)
                     if key is None:  # not a value that cannot be pickled: a bug to see in full
                         raise
-                    raise CheckpointError(f"the checkpoint's state cannot be saved: {visible(key)} holds a value "
-                                          f"that cannot be pickled ({visible(' '.join(str(exc).split())[:120])}).",
-                                          f"keep only data in the state to save (tensors, numbers, text, lists, "
-                                          f"dicts): leave {visible(key)} out, or store what it describes instead "
-                                          "(e.g. a name, not a lambda).") from None
-        self.entries[name] = manifest_entry(writer.hasher.size, writer.hasher.kind, writer.hasher.digest())
+                    raise CheckpointError(
+                        f"the checkpoint's state cannot be saved: {visible(key)} holds a value "
+                        f"that cannot be pickled ({visible(' '.join(str(exc).split())[:120])}).",
+                        f"keep only data in the state to save (tensors, numbers, text, lists, "
+                        f"dicts): leave {visible(key)} out, or store what it describes instead "
+                        "(e.g. a name, not a lambda).",
+                    ) from None
+        self.entries[name] = manifest_entry(
+            writer.hasher.size, writer.hasher.kind, writer.hasher.digest()
+        )
 
     def record(self, name: str, size: int, kind: str, digest: str) -> None:
         self.entries[name] = manifest_entry(size, kind, digest)
@@ -116,7 +122,9 @@ class Draft:
         self.place.root.remove_tree(self.rel)
 
 
-def unpicklable_key(obj: Any, where: str = "", depth: int = 0, seen: Optional[set[Any]] = None) -> Optional[str]:
+def unpicklable_key(
+    obj: Any, where: str = "", depth: int = 0, seen: Optional[set[Any]] = None
+) -> Optional[str]:
     """The key path (``extra.schedule_fn``) of the first value in ``obj`` that pickle refuses, or None.
     Walked only after a save failed: tensors are skipped, every other leaf is pickled on its own."""
     seen = set() if seen is None else seen
@@ -158,7 +166,8 @@ def torch_save(obj: Any, writer: Any) -> None:
         return
     try:
         _save(obj, zip_file, pickle, DEFAULT_PROTOCOL, False)
-    finally:  # as torch.save does: ended while the file is open (its destructor would write to a closed one)
+    # as torch.save does: ended while the file is open (its destructor would write to a closed one)
+    finally:
         zip_file.write_end_of_file()
     writer.flush()
 
@@ -169,7 +178,11 @@ def start_draft(directory: PathLike, step: int, unique: bool = True) -> Draft:
     interrupted save) is removed first - by descriptors, a planted link as a link."""
     place = Place.of(directory)
     place.require(create=True)
-    draft = Draft(place, f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}") if unique else Draft.sharded(directory, step)
+    draft = (
+        Draft(place, f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}")
+        if unique
+        else Draft.sharded(directory, step)
+    )
     if not unique:
         place.root.remove_tree(draft.rel)
     place.root.child(draft.rel)
@@ -189,12 +202,16 @@ def _files_of(root: Folder, rel: str, prefix: str = "") -> list[str]:
         elif kind == "file":
             found.append(prefix + name)
         else:
-            raise CheckpointError(f"{visible(str(root.path / rel / name))} is a {kind}, not a file of a checkpoint.",
-                                  "a checkpoint holds plain files only.")
+            raise CheckpointError(
+                f"{visible(str(root.path / rel / name))} is a {kind}, not a file of a checkpoint.",
+                "a checkpoint holds plain files only.",
+            )
     return found
 
 
-def finalize(draft: Draft, step: int, meta: Optional[dict[str, Any]] = None, overwrite: bool = True) -> Path:
+def finalize(
+    draft: Draft, step: int, meta: Optional[dict[str, Any]] = None, overwrite: bool = True
+) -> Path:
     """Checksum (and fsync) what is not yet, write the manifest last, rename into place.
 
     Replacing an existing step takes two renames (old aside to ``.old-step-N-*``, new into place); a
@@ -209,15 +226,24 @@ def finalize(draft: Draft, step: int, meta: Optional[dict[str, Any]] = None, ove
             size, digest = digest_of(root, f"{draft.rel}/{name}", kind)
             _fsync_file(root, f"{draft.rel}/{name}")
             entries[name] = manifest_entry(size, kind, digest)
-    manifest = {"format": FORMAT, "step": step, "created": time.time(), **(meta or {}),
-                "files": dict(sorted(entries.items()))}
-    root.write_atomic(f"{draft.rel}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), fsync=True)
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "created": time.time(),
+        **(meta or {}),
+        "files": dict(sorted(entries.items())),
+    }
+    root.write_atomic(
+        f"{draft.rel}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), fsync=True
+    )
     root.fsync(draft.rel)
     final = place.sub(step_name(step))
     exists = root.kind(final) is not None
     if exists and not overwrite:
-        raise CheckpointError(f"{visible(str(root.path / final))} already exists.",
-                              "choose another output folder; it is never replaced.")
+        raise CheckpointError(
+            f"{visible(str(root.path / final))} already exists.",
+            "choose another output folder; it is never replaced.",
+        )
     if exists:  # the same step saved again (a resumed run): replace it, never half of it
         old = place.sub(f".old-{step_name(step)}-{uuid.uuid4().hex[:8]}")
         root.move(final, old)
@@ -234,8 +260,13 @@ def _fsync_file(root: Folder, rel: str) -> None:
         os.fsync(handle.fileno())
 
 
-def finalize_folder(tmp: PathLike, step: int, digests: Optional[dict[str, tuple[int, str]]] = None,
-                    meta: Optional[dict[str, Any]] = None, overwrite: bool = True) -> Path:
+def finalize_folder(
+    tmp: PathLike,
+    step: int,
+    digests: Optional[dict[str, tuple[int, str]]] = None,
+    meta: Optional[dict[str, Any]] = None,
+    overwrite: bool = True,
+) -> Path:
     """:func:`finalize` for a temporary folder given by path (``digests``: name -> (size, crc32))."""
     tmp = Path(tmp)
     draft = Draft(Place.of(tmp.parent), tmp.name)
@@ -244,14 +275,25 @@ def finalize_folder(tmp: PathLike, step: int, digests: Optional[dict[str, tuple[
     return finalize(draft, step, meta, overwrite)
 
 
-def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Draft], Any],
-                            meta: Optional[dict[str, Any]] = None, overwrite: bool = True) -> Path:
+def write_checkpoint_folder(
+    directory: PathLike,
+    step: int,
+    fill: Callable[[Draft], Any],
+    meta: Optional[dict[str, Any]] = None,
+    overwrite: bool = True,
+) -> Path:
     """Create ``directory/step-<N>`` atomically: ``fill(draft)`` writes the files (``draft.save``).
     ``overwrite=False``: an existing ``step-<N>`` is an error, checked before anything is written."""
     place = Place.of(directory)
-    if not overwrite and place.require(create=False) and place.root.kind(place.sub(step_name(step))) is not None:
-        raise CheckpointError(f"{visible(str(place.path / step_name(step)))} already exists.",
-                              "choose another output folder; an existing checkpoint is never replaced.")
+    if (
+        not overwrite
+        and place.require(create=False)
+        and place.root.kind(place.sub(step_name(step))) is not None
+    ):
+        raise CheckpointError(
+            f"{visible(str(place.path / step_name(step)))} already exists.",
+            "choose another output folder; an existing checkpoint is never replaced.",
+        )
     draft = start_draft(directory, step, unique=True)
     try:
         fill(draft)
@@ -261,9 +303,13 @@ def write_checkpoint_folder(directory: PathLike, step: int, fill: Callable[[Draf
         raise
 
 
-def save_state(directory: PathLike, step: int, state: dict[str, Any], meta: Optional[dict[str, Any]] = None) -> Path:
+def save_state(
+    directory: PathLike, step: int, state: dict[str, Any], meta: Optional[dict[str, Any]] = None
+) -> Path:
     """Save one ``state.pt`` (for replicated strategies: called on one rank only)."""
-    return write_checkpoint_folder(directory, step, lambda draft: draft.save(STATE_FILE, state), meta)
+    return write_checkpoint_folder(
+        directory, step, lambda draft: draft.save(STATE_FILE, state), meta
+    )
 
 
 def recover(directory: PathLike) -> list[Path]:
@@ -286,7 +332,9 @@ def recover(directory: PathLike) -> list[Path]:
     return restored
 
 
-def prune(directory: PathLike, keep_last: Optional[int], newest: Optional[int] = None) -> list[Path]:
+def prune(
+    directory: PathLike, keep_last: Optional[int], newest: Optional[int] = None
+) -> list[Path]:
     """Delete leftovers of interrupted writes and all but the newest ``keep_last`` checkpoints.
 
     ``newest``: the step just saved. Checkpoints of later steps belong to a run that was abandoned

@@ -31,17 +31,41 @@ class CheckpointIO(Protocol):
     #: Written into the manifest and shown by ``multigpu checkpoint list``.
     kind: str
 
-    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
-             meta: dict[str, Any], gather: Optional[Gather] = None) -> Path:
+    def save(
+        self,
+        directory: Path,
+        step: int,
+        model: Optional[nn.Module],
+        optimizer: Any,
+        rest: dict[str, Any],
+        meta: dict[str, Any],
+        gather: Optional[Gather] = None,
+    ) -> Path:
         """Every rank calls this; returns once ``directory/step-N`` exists."""
 
-    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
-                   meta: dict[str, Any], stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+    def start_save(
+        self,
+        directory: Path,
+        step: int,
+        model: Optional[nn.Module],
+        optimizer: Any,
+        rest: dict[str, Any],
+        meta: dict[str, Any],
+        stager: Stager,
+        group: Any,
+        after: Callable[[], None],
+    ) -> Pending:
         """Every rank calls this; returns once the state is staged, the write goes on in the background
         (then ``after`` runs on rank 0: pruning)."""
 
-    def load(self, path: Path, manifest: dict[str, Any], model: Optional[nn.Module], optimizer: Any,
-             map_location: Any) -> dict[str, Any]:
+    def load(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        model: Optional[nn.Module],
+        optimizer: Any,
+        map_location: Any,
+    ) -> dict[str, Any]:
         """Restore model and optimizer in place; return the rest of the saved state."""
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
@@ -49,8 +73,10 @@ class CheckpointIO(Protocol):
 
 
 def _misfit(path: Path, exc: Exception) -> CheckpointError:
-    return CheckpointError(f"{path} does not fit this model/optimizer: {' '.join(str(exc).split())[:300]}",
-                           "resume with the same model configuration, or start a new out_dir.")
+    return CheckpointError(
+        f"{path} does not fit this model/optimizer: {' '.join(str(exc).split())[:300]}",
+        "resume with the same model configuration, or start a new out_dir.",
+    )
 
 
 class ReplicatedIO:
@@ -65,7 +91,9 @@ class ReplicatedIO:
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         return clean_state_dict(self.unwrap(model).state_dict())
 
-    def _plain(self, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any]) -> dict[str, Any]:
+    def _plain(
+        self, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any]
+    ) -> dict[str, Any]:
         plain = dict(rest)
         if isinstance(model, nn.Module):
             plain["model"] = self.model_state(model)
@@ -73,18 +101,37 @@ class ReplicatedIO:
             plain["optimizer"] = optimizer.state_dict()
         return plain
 
-    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
-             meta: dict[str, Any], gather: Optional[Gather] = None) -> Path:
+    def save(
+        self,
+        directory: Path,
+        step: int,
+        model: Optional[nn.Module],
+        optimizer: Any,
+        rest: dict[str, Any],
+        meta: dict[str, Any],
+        gather: Optional[Gather] = None,
+    ) -> Path:
         if self.is_main:
             return files.save_state(directory, step, self._plain(model, optimizer, rest), meta=meta)
         return Path(directory) / files.step_name(step)
 
-    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
-                   meta: dict[str, Any], stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
+    def start_save(
+        self,
+        directory: Path,
+        step: int,
+        model: Optional[nn.Module],
+        optimizer: Any,
+        rest: dict[str, Any],
+        meta: dict[str, Any],
+        stager: Stager,
+        group: Any,
+        after: Callable[[], None],
+    ) -> Pending:
         final = Path(directory) / files.step_name(step)
         if not self.is_main:
             return Finished(final)
-        files.Place.of(directory).require(create=True)  # a linked folder fails here, in the caller's thread
+        # a linked folder fails here, in the caller's thread
+        files.Place.of(directory).require(create=True)
         staged = stager.stage(self._plain(model, optimizer, rest))
 
         def write() -> None:
@@ -93,14 +140,21 @@ class ReplicatedIO:
 
         return PendingSave(final, write)
 
-    def load(self, path: Path, manifest: dict[str, Any], model: Optional[nn.Module], optimizer: Any,
-             map_location: Any) -> dict[str, Any]:
+    def load(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        model: Optional[nn.Module],
+        optimizer: Any,
+        map_location: Any,
+    ) -> dict[str, Any]:
         if manifest.get("sharded"):
             raise CheckpointError(
                 f"{path} is a sharded (DCP) checkpoint; this run's strategy keeps whole replicas and reads "
                 "only single-file checkpoints.",
                 "resume with the sharded strategy that wrote it (e.g. strategy: fsdp, any world size), or turn it "
-                f"into one file with `multigpu checkpoint consolidate {path}`.")
+                f"into one file with `multigpu checkpoint consolidate {path}`.",
+            )
         state = files.load_state(path, map_location=map_location)
         try:
             if model is not None and "model" in state:
@@ -124,42 +178,96 @@ class ShardedIO:
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        gathered = getattr(model, "full_state_dict", None)  # pipeline stages: the other stages live on other ranks
+        # pipeline stages: the other stages live on other ranks
+        gathered = getattr(model, "full_state_dict", None)
         if callable(gathered):
             full: dict[str, Any] = gathered()
             return full
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return clean_state_dict(get_model_state_dict(model, options=options))
 
-    def save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
-             meta: dict[str, Any], gather: Optional[Gather] = None) -> Path:
+    def save(
+        self,
+        directory: Path,
+        step: int,
+        model: Optional[nn.Module],
+        optimizer: Any,
+        rest: dict[str, Any],
+        meta: dict[str, Any],
+        gather: Optional[Gather] = None,
+    ) -> Path:
         if not isinstance(model, nn.Module):
-            raise CheckpointError("a sharded checkpoint needs the model under state['model'].",
-                                  "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
-        from multigpu.checkpoint import sharded  # DCP and DTensor: ~0.8 s to import, only for sharded runs
-
-        return sharded.save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
-                            barrier=self.barrier, meta=meta, gather=gather)
-
-    def start_save(self, directory: Path, step: int, model: Optional[nn.Module], optimizer: Any, rest: dict[str, Any],
-                   meta: dict[str, Any], stager: Stager, group: Any, after: Callable[[], None]) -> Pending:
-        if not isinstance(model, nn.Module):
-            raise CheckpointError("a sharded checkpoint needs the model under state['model'].",
-                                  "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).")
+            raise CheckpointError(
+                "a sharded checkpoint needs the model under state['model'].",
+                "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).",
+            )
+        # DCP and DTensor: ~0.8 s to import, only for sharded runs
         from multigpu.checkpoint import sharded
 
-        return sharded.start_save(Path(directory), step, model, optimizer, rest, is_main=self.is_main,
-                                  barrier=self.barrier, meta=meta, stager=stager, group=group, after=after)
+        return sharded.save(
+            Path(directory),
+            step,
+            model,
+            optimizer,
+            rest,
+            is_main=self.is_main,
+            barrier=self.barrier,
+            meta=meta,
+            gather=gather,
+        )
 
-    def load(self, path: Path, manifest: dict[str, Any], model: Optional[nn.Module], optimizer: Any,
-             map_location: Any) -> dict[str, Any]:
+    def start_save(
+        self,
+        directory: Path,
+        step: int,
+        model: Optional[nn.Module],
+        optimizer: Any,
+        rest: dict[str, Any],
+        meta: dict[str, Any],
+        stager: Stager,
+        group: Any,
+        after: Callable[[], None],
+    ) -> Pending:
+        if not isinstance(model, nn.Module):
+            raise CheckpointError(
+                "a sharded checkpoint needs the model under state['model'].",
+                "call run.save_checkpoint(dir, step, {'model': model, 'optimizer': opt, ...}).",
+            )
+        from multigpu.checkpoint import sharded
+
+        return sharded.start_save(
+            Path(directory),
+            step,
+            model,
+            optimizer,
+            rest,
+            is_main=self.is_main,
+            barrier=self.barrier,
+            meta=meta,
+            stager=stager,
+            group=group,
+            after=after,
+        )
+
+    def load(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        model: Optional[nn.Module],
+        optimizer: Any,
+        map_location: Any,
+    ) -> dict[str, Any]:
         if model is None:
-            raise CheckpointError(f"{path} is loaded by a sharded strategy: it loads into a model, not into a dict.",
-                                  "pass model= (and optimizer=), or consolidate it with `multigpu checkpoint consolidate`.")
+            raise CheckpointError(
+                f"{path} is loaded by a sharded strategy: it loads into a model, not into a dict.",
+                "pass model= (and optimizer=), or consolidate it with `multigpu checkpoint consolidate`.",
+            )
         from multigpu.checkpoint import sharded
 
         if manifest.get("sharded"):
-            return sharded.load(path, model, optimizer, map_location=map_location, manifest=manifest)
+            return sharded.load(
+                path, model, optimizer, map_location=map_location, manifest=manifest
+            )
         state = files.load_state(path, map_location=map_location)
         try:
             if "model" in state:
@@ -170,6 +278,8 @@ class ShardedIO:
         return state
 
 
-def choose_io(sharded_strategy: bool, is_main: bool, barrier: Callable[[], None], unwrap: Unwrap) -> CheckpointIO:
+def choose_io(
+    sharded_strategy: bool, is_main: bool, barrier: Callable[[], None], unwrap: Unwrap
+) -> CheckpointIO:
     """The one place that decides the format: from the strategy, once."""
     return ShardedIO(is_main, barrier) if sharded_strategy else ReplicatedIO(is_main, unwrap)

@@ -48,8 +48,16 @@ class CheckpointManager:
     def _world(self) -> Any:
         return self.session.world
 
-    def save(self, directory: Path, step: int, state: dict[str, Any], keep_last: Optional[int], meta: dict[str, Any],
-             rank_state: Optional[dict[str, Any]], asynchronous: bool = False) -> Path:
+    def save(
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        keep_last: Optional[int],
+        meta: dict[str, Any],
+        rank_state: Optional[dict[str, Any]],
+        asynchronous: bool = False,
+    ) -> Path:
         """Write ``state`` (model and optimizer as objects, the rest as values) atomically; every rank calls it.
         ``asynchronous``: return once it is staged in CPU memory (the path exists after :meth:`wait`)."""
         self.wait()  # at most one save in flight
@@ -57,13 +65,25 @@ class CheckpointManager:
         state = {**state, "ranks": self._gather_rank_states(rank_state)}
         model, optimizer = state.get("model"), state.get("optimizer")
         model = model if isinstance(model, nn.Module) else None
-        rest = {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, nn.Module) else v)
-                for k, v in state.items() if k not in ("model", "optimizer")}
+        rest = {
+            k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, nn.Module) else v)
+            for k, v in state.items()
+            if k not in ("model", "optimizer")
+        }
         directory = Path(directory)
         if asynchronous:
             with self.quiet():
-                self._pending = io.start_save(directory, step, model, optimizer, rest, meta, self._stager,
-                                              self._group_for_async(), lambda: self._prune(directory, keep_last, step))
+                self._pending = io.start_save(
+                    directory,
+                    step,
+                    model,
+                    optimizer,
+                    rest,
+                    meta,
+                    self._stager,
+                    self._group_for_async(),
+                    lambda: self._prune(directory, keep_last, step),
+                )
             return self._pending.path
         with self.quiet():
             path = io.save(directory, step, model, optimizer, rest, meta, gather=self._gather)
@@ -83,7 +103,11 @@ class CheckpointManager:
             return None
         with self.quiet():
             error = pending.join()
-        problem = None if error is None else f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        problem = (
+            None
+            if error is None
+            else f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        )
         if agree and self.session.active:
             problems: list[Any] = [None] * self._world.world_size
             dist.all_gather_object(problems, problem, group=self.session.control)
@@ -91,9 +115,11 @@ class CheckpointManager:
         if problem is not None:
             if isinstance(error, CheckpointError):
                 raise error
-            raise CheckpointError(f"the asynchronous checkpoint {pending.path} was not written ({problem}).",
-                                  "the previous checkpoint is still the newest good one; free disk space or check "
-                                  "the folder, then resume.")
+            raise CheckpointError(
+                f"the asynchronous checkpoint {pending.path} was not written ({problem}).",
+                "the previous checkpoint is still the newest good one; free disk space or check "
+                "the folder, then resume.",
+            )
         return pending.path
 
     def wait_quietly(self) -> None:
@@ -113,19 +139,25 @@ class CheckpointManager:
             return
         for moved in files.prune(directory, keep_last, newest=step):
             if moved.name.startswith("abandoned-"):
-                self.say(f"multigpu: moved {moved.name[len('abandoned-'):]} aside to {moved} "
-                         f"(a later step than the one just saved: left by an abandoned run)")
+                self.say(
+                    f"multigpu: moved {moved.name[len('abandoned-') :]} aside to {moved} "
+                    f"(a later step than the one just saved: left by an abandoned run)"
+                )
 
     def _group_for_async(self) -> Any:
         """A gloo group of its own for DCP's collectives on the writer thread (never the training's groups)."""
         if self._async_group is None and self.session.active:
-            self._async_group = dist.new_group(backend="gloo", timeout=self.session.settings.timeout)
+            self._async_group = dist.new_group(
+                backend="gloo", timeout=self.session.settings.timeout
+            )
         return self._async_group
 
     def _gather(self, value: Any) -> Optional[list[Any]]:
         if not self.session.active:
             return [value]
-        gathered: Optional[list[Any]] = [None] * self._world.world_size if self._world.is_main else None
+        gathered: Optional[list[Any]] = (
+            [None] * self._world.world_size if self._world.is_main else None
+        )
         dist.gather_object(value, gathered, dst=0, group=self.session.control)
         return gathered
 
@@ -148,8 +180,13 @@ class CheckpointManager:
             self.say(f"multigpu: restored {path.name}, left aside by a save that was interrupted")
         return files.latest(directory, checksums=checksums, report=self.say)
 
-    def load(self, where: "str | Path | files.CheckpointInfo", model: Optional[nn.Module],
-             optimizer: Optional[torch.optim.Optimizer], device: torch.device) -> Optional[dict[str, Any]]:
+    def load(
+        self,
+        where: "str | Path | files.CheckpointInfo",
+        model: Optional[nn.Module],
+        optimizer: Optional[torch.optim.Optimizer],
+        device: torch.device,
+    ) -> Optional[dict[str, Any]]:
         """A ``step-N`` folder (verified first), a folder of them (the newest good one) or what ``latest``
         returned; model and optimizer restored in place, the rest returned (None: no checkpoint)."""
         if isinstance(where, files.CheckpointInfo):
@@ -168,10 +205,15 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ per-rank state
     def _gather_rank_states(self, rank_state: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
-        mine = {"rng": rng.capture(), "own": _to_cpu(rank_state) if rank_state is not None else None}
+        mine = {
+            "rng": rng.capture(),
+            "own": _to_cpu(rank_state) if rank_state is not None else None,
+        }
         if not self.session.active:
             return [mine]
-        gathered: Optional[list[Any]] = [None] * self._world.world_size if self._world.is_main else None
+        gathered: Optional[list[Any]] = (
+            [None] * self._world.world_size if self._world.is_main else None
+        )
         dist.gather_object(mine, gathered, dst=0, group=self.session.control)
         return gathered if gathered is not None else []
 
@@ -179,20 +221,36 @@ class CheckpointManager:
         """This rank's random streams from the checkpoint; its own state as ``state["rank_state"]``.
         When the world size changed, rank r takes old rank r's (ranks beyond take rank 0's streams)."""
         rank, size = self._world.rank, self._world.world_size
-        ranks = state.pop("ranks", None) or [{"rng": r} for r in state.pop("rng", None) or []]  # older: "rng"
+        # older: "rng"
+        ranks = state.pop("ranks", None) or [{"rng": r} for r in state.pop("rng", None) or []]
         if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
-            raise CheckpointError("the checkpoint's per-rank states are malformed.", "it is corrupt; use an earlier one.")
+            raise CheckpointError(
+                "the checkpoint's per-rank states are malformed.",
+                "it is corrupt; use an earlier one.",
+            )
         if ranks and len(ranks) != size:
-            self.say(f"multigpu: the checkpoint holds the state of {len(ranks)} rank(s), this run has {size}; "  # once
-                     f"rank r takes old rank r's random streams and rank_state (ranks {len(ranks)} and up take rank "
-                     "0's streams and no rank_state)")
+            # once
+            self.say(
+                f"multigpu: the checkpoint holds the state of {len(ranks)} rank(s), this run has {size}; "
+                f"rank r takes old rank r's random streams and rank_state (ranks {len(ranks)} and up take rank "
+                "0's streams and no rank_state)"
+            )
         mine = ranks[rank] if rank < len(ranks) else (ranks[0] if ranks else None)
         if mine is not None and mine.get("rng") is not None:
             try:
                 rng.restore(mine["rng"])
-            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
-                raise CheckpointError(f"the checkpoint's random-generator states are malformed ({type(exc).__name__}).",
-                                      "it is corrupt; use an earlier one.") from None
+            except (
+                KeyError,
+                TypeError,
+                ValueError,
+                RuntimeError,
+                AttributeError,
+                IndexError,
+            ) as exc:
+                raise CheckpointError(
+                    f"the checkpoint's random-generator states are malformed ({type(exc).__name__}).",
+                    "it is corrupt; use an earlier one.",
+                ) from None
         state["rank_state"] = ranks[rank].get("own") if rank < len(ranks) else None
         return state
 

@@ -20,11 +20,10 @@ def clean_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     """
     clean = {strip_name(key): value for key, value in state.items()}
     if clean and all(key.startswith("module.") for key in clean):
-        clean = {key[len("module."):]: value for key, value in clean.items()}
+        clean = {key[len("module.") :]: value for key, value in clean.items()}
     return clean
 
 
 def strip_name(name: str) -> str:
     """Drop the ``_orig_mod`` components torch.compile adds (a name no user module uses)."""
     return ".".join(p for p in name.split(".") if p != "_orig_mod")
-

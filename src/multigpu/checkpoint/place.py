@@ -19,7 +19,8 @@ from multigpu.errors import CheckpointError, visible
 from multigpu.fileio import Folder, PathLike
 
 xxhash: Optional[ModuleType]
-try:  # a declared dependency; without it new checkpoints fall back to CRC-32 (slower, same promises)
+# a declared dependency; without it new checkpoints fall back to CRC-32 (slower, same promises)
+try:
     import xxhash
 except ImportError:  # pragma: no cover
     xxhash = None
@@ -42,6 +43,7 @@ class CheckpointInfo:
 
 
 # ---------------------------------------------------------------------------------------- places
+
 
 @dataclass(frozen=True)
 class Place:
@@ -90,17 +92,26 @@ class Place:
         """True if the folder exists (created when ``create``); a link or file in the way: CheckpointError."""
         state = self.state()
         if state not in (None, "folder"):
-            what = ("is a symbolic link (or has one on its way)" if state == "link" else
-                    "is neither a folder nor a file" if state == "other" else f"is a {state}")
-            raise CheckpointError(f"{visible(str(self.path))} {what}, not a real folder: refusing to read, write or "
-                                  "prune checkpoints through it.",
-                                  "remove the link and let multigpu create the folder, or choose another out_dir.")
+            what = (
+                "is a symbolic link (or has one on its way)"
+                if state == "link"
+                else "is neither a folder nor a file"
+                if state == "other"
+                else f"is a {state}"
+            )
+            raise CheckpointError(
+                f"{visible(str(self.path))} {what}, not a real folder: refusing to read, write or "
+                "prune checkpoints through it.",
+                "remove the link and let multigpu create the folder, or choose another out_dir.",
+            )
         if state is None and create:
             try:
                 self.root.create().child(self.rel)
             except OSError as exc:
-                raise CheckpointError(f"cannot create {visible(str(self.path))}: {exc.strerror or exc}.",
-                                      "choose a folder you can write to.") from None
+                raise CheckpointError(
+                    f"cannot create {visible(str(self.path))}: {exc.strerror or exc}.",
+                    "choose a folder you can write to.",
+                ) from None
             return True
         return state == "folder"
 
@@ -116,6 +127,7 @@ def step_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- checksums
+
 
 class Hasher:
     """Size and checksum of bytes as they go by ("xxh3" when xxhash is installed, else "crc32")."""
@@ -185,5 +197,3 @@ def digest_of(folder: Folder, rel: str, kind: str) -> tuple[int, str]:
                 crc = zlib.crc32(block, crc)
             size += len(block)
     return size, (hasher.digest() if hasher is not None else f"{crc:08x}")
-
-

@@ -22,13 +22,22 @@ except ImportError:  # pragma: no cover
 def capture() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "python": {
+            "version": version,
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss": gauss,
+        },
         "torch": torch.get_rng_state(),
     }
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached": float(cached)}
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -40,8 +49,15 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if np is not None and "numpy" in state:
         npst = state["numpy"]
-        np.random.set_state((npst["kind"], npst["keys"].numpy().astype("uint32"), npst["pos"],
-                             npst["has_gauss"], npst["cached"]))
+        np.random.set_state(
+            (
+                npst["kind"],
+                npst["keys"].numpy().astype("uint32"),
+                npst["pos"],
+                npst["has_gauss"],
+                npst["cached"],
+            )
+        )
     if "cuda" in state and torch.cuda.is_available():
         cuda_states = state["cuda"]
         if len(cuda_states) == torch.cuda.device_count():

@@ -89,9 +89,12 @@ def _hashing_file_system() -> Any:
                 with ThreadPoolExecutor(max_workers=1, thread_name_prefix="multigpu-hash") as pool:
                     hashed = HashingWriter(stream, pool)  # type: ignore[arg-type]  # torch types it IOBase: a binary file
                     yield _Stream(hashed, stream)
-            name = Path(path).name  # DCP writes ".metadata.tmp" and renames it to ".metadata" (its own rename)
-            self.digests[name[:-len(".tmp")] if name.endswith(".metadata.tmp") else name] = (
-                hashed.hasher.size, hashed.hasher.digest())
+            # DCP writes ".metadata.tmp" and renames it to ".metadata" (its own rename)
+            name = Path(path).name
+            self.digests[name[: -len(".tmp")] if name.endswith(".metadata.tmp") else name] = (
+                hashed.hasher.size,
+                hashed.hasher.digest(),
+            )
 
     return HashingFileSystem()
 
@@ -116,15 +119,26 @@ def _record(draft: Draft, digests: dict[str, tuple[int, str]]) -> None:
             draft.record(name, size, CHECKSUM, digest)
 
 
-def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict[str, Any],
-         *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict[str, Any]] = None,
-         gather: Optional[Callable[[Any], Optional[list[Any]]]] = None) -> Path:
+def save(
+    directory: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    extra: dict[str, Any],
+    *,
+    is_main: bool,
+    barrier: Callable[[], None],
+    meta: Optional[dict[str, Any]] = None,
+    gather: Optional[Callable[[Any], Optional[list[Any]]]] = None,
+) -> Path:
     """Every rank calls this. Shards go through DCP; ``extra`` (counters, RNG, scheduler) is written by rank 0.
     ``gather``: collects each rank's checksums on rank 0 (None in a single process)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [], options=_options(True))
+    model_state, optim_state = get_state_dict(
+        model, [optimizer] if optimizer is not None else [], options=_options(True)
+    )
     if is_main:
         start_draft(directory, step, unique=False)  # the same name on every rank, without talking
     barrier()
@@ -145,8 +159,13 @@ def save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch
     return final
 
 
-def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-         map_location: Any = "cpu", manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    map_location: Any = "cpu",
+    manifest: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Load shards into ``model``/``optimizer`` whatever their layout now; return the extra state.
 
     The metadata and non-tensor entries are read by :mod:`multigpu.checkpoint.dcp_safe`: a planted
@@ -155,14 +174,21 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from multigpu.checkpoint.dcp_safe import SafeLoadPlanner, SafeReader, last_line, read_checked_metadata
+    from multigpu.checkpoint.dcp_safe import (
+        SafeLoadPlanner,
+        SafeReader,
+        last_line,
+        read_checked_metadata,
+    )
 
     manifest = manifest if manifest is not None else read_manifest(Path(path))
-    metadata = read_checked_metadata(path, manifest)  # before DCP sees the folder: a planted object stops here
+    # before DCP sees the folder: a planted object stops here
+    metadata = read_checked_metadata(path, manifest)
     optimizers = [optimizer] if optimizer is not None else []
     options = _options(bool(manifest.get(FLAT_OPTIMIZER)))
     model_state, optim_state = get_state_dict(model, optimizers, options=options)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}  # DCP's STATE_DICT_TYPE, loaded in place
+    # DCP's STATE_DICT_TYPE, loaded in place
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     planner = SafeLoadPlanner()
     try:
         with warnings.catch_warnings():  # "loading in a single process" is what we mean to do
@@ -173,10 +199,17 @@ def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         if planner.refusal is not None:
             raise planner.refusal from None
-        raise CheckpointError(f"cannot load the sharded checkpoint {visible(str(path))}: {visible(last_line(exc))}",
-                              "it was saved from a different model; resume with the same model configuration.") from None
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=options)
+        raise CheckpointError(
+            f"cannot load the sharded checkpoint {visible(str(path))}: {visible(last_line(exc))}",
+            "it was saved from a different model; resume with the same model configuration.",
+        ) from None
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=options,
+    )
     return load_state(Path(path) / EXTRA_FILE, map_location=map_location)
 
 
@@ -185,8 +218,11 @@ def load_full_into_sharded(model: nn.Module, full_model_state: dict[str, Any]) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, full_model_state, options=StateDictOptions(full_state_dict=True))
-    warnings.warn("multigpu: loaded model weights from a replicated checkpoint into a sharded model; "
-                  "the optimizer state starts fresh.", stacklevel=2)
+    warnings.warn(
+        "multigpu: loaded model weights from a replicated checkpoint into a sharded model; "
+        "the optimizer state starts fresh.",
+        stacklevel=2,
+    )
 
 
 def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
@@ -196,19 +232,29 @@ def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
     path = Path(path)
     manifest = verify(path)  # reads only: nothing of the source is moved, fixed or deleted
     if not manifest.get("sharded"):
-        raise CheckpointError(f"{visible(str(path))} is not a sharded (DCP) checkpoint.", "it already is a single state.pt.")
+        raise CheckpointError(
+            f"{visible(str(path))} is not a sharded (DCP) checkpoint.",
+            "it already is a single state.pt.",
+        )
     step = manifest.get("step")
     if not isinstance(step, int):
-        raise CheckpointError(f"the manifest of {visible(str(path))} has no step number.", "the checkpoint is corrupt.")
+        raise CheckpointError(
+            f"the manifest of {visible(str(path))} has no step number.",
+            "the checkpoint is corrupt.",
+        )
     target = Path(out_directory) if out_directory else path.parent / "consolidated"
     place = Place.of(target)
     source, out = path.resolve(), target.resolve()
     if out == source or source in out.parents:
-        raise CheckpointError(f"--out {visible(str(target))} is inside the checkpoint being consolidated.",
-                              "write the consolidated checkpoint to another folder.")
+        raise CheckpointError(
+            f"--out {visible(str(target))} is inside the checkpoint being consolidated.",
+            "write the consolidated checkpoint to another folder.",
+        )
     if place.require(create=False) and place.root.kind(place.sub(step_name(step))) is not None:
-        raise CheckpointError(f"{visible(str(target / step_name(step)))} already exists.",
-                              "choose another --out; an existing checkpoint is never replaced.")
+        raise CheckpointError(
+            f"{visible(str(target / step_name(step)))} already exists.",
+            "choose another --out; an existing checkpoint is never replaced.",
+        )
     try:
         model_state = _read_model_tensors(path, manifest)
     except CheckpointError:
@@ -216,15 +262,24 @@ def consolidate(path: Path, out_directory: Optional[Path] = None) -> Path:
     except (Exception, CheckpointException) as exc:
         from multigpu.checkpoint.dcp_safe import last_line
 
-        raise CheckpointError(f"cannot read the shards of {visible(str(path))}: {visible(last_line(exc))}",
-                              "the checkpoint is corrupt; use an earlier one.") from None
+        raise CheckpointError(
+            f"cannot read the shards of {visible(str(path))}: {visible(last_line(exc))}",
+            "the checkpoint is corrupt; use an earlier one.",
+        ) from None
     if not model_state:
-        raise CheckpointError(f"{visible(str(path))} holds no model state.", "it was not written by multigpu.")
+        raise CheckpointError(
+            f"{visible(str(path))} holds no model state.", "it was not written by multigpu."
+        )
     extra = load_state(path / EXTRA_FILE)
     state = {"model": model_state, **{k: v for k, v in extra.items() if k not in ("rng", "ranks")}}
 
-    return write_checkpoint_folder(target, step, lambda draft: draft.save(STATE_FILE, state),
-                                   meta={"consolidated_from": str(path)}, overwrite=False)
+    return write_checkpoint_folder(
+        target,
+        step,
+        lambda draft: draft.save(STATE_FILE, state),
+        meta={"consolidated_from": str(path)},
+        overwrite=False,
+    )
 
 
 def _read_model_tensors(path: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -240,18 +295,38 @@ def _read_model_tensors(path: Path, manifest: dict[str, Any]) -> dict[str, torch
     target, names = {}, {}
     for fqn, entry in metadata.state_dict_metadata.items():
         where = paths.get(fqn) if isinstance(paths, dict) else None
-        if isinstance(entry, TensorStorageMetadata) and isinstance(where, tuple) and where[:1] == ("model",):
+        if (
+            isinstance(entry, TensorStorageMetadata)
+            and isinstance(where, tuple)
+            and where[:1] == ("model",)
+        ):
             target[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
             names[fqn] = ".".join(str(p) for p in where[1:])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            target,
+            storage_reader=SafeReader(path, metadata),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     return {names[fqn]: tensor for fqn, tensor in target.items()}
 
 
-def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: dict[str, Any],
-               *, is_main: bool, barrier: Callable[[], None], meta: Optional[dict[str, Any]], stager: Any, group: Any,
-               after: Callable[[], None]) -> PendingSave:
+def start_save(
+    directory: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    extra: dict[str, Any],
+    *,
+    is_main: bool,
+    barrier: Callable[[], None],
+    meta: Optional[dict[str, Any]],
+    stager: Any,
+    group: Any,
+    after: Callable[[], None],
+) -> PendingSave:
     """Every rank calls this: DCP's ``async_save`` stages the shards to CPU memory and writes them on a
     thread (its collectives on ``group``, a gloo group of its own, never the training's); rank 0 then
     writes ``extra``, the manifest, renames the folder into place and runs ``after``."""
@@ -260,7 +335,9 @@ def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional
 
     from multigpu.checkpoint.background import PendingSave
 
-    model_state, optim_state = get_state_dict(model, [optimizer] if optimizer is not None else [], options=_options(True))
+    model_state, optim_state = get_state_dict(
+        model, [optimizer] if optimizer is not None else [], options=_options(True)
+    )
     if is_main:
         start_draft(directory, step, unique=False)
     barrier()
@@ -269,15 +346,21 @@ def start_save(directory: Path, step: int, model: nn.Module, optimizer: Optional
     staged_extra = stager.stage(extra) if is_main else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        future = dcp.async_save({"model": model_state, "optimizer": optim_state}, storage_writer=storage,
-                                process_group=group)
-    if not isinstance(future, Future):  # an AsyncSaveResponse comes only with an async_stager, never given here
+        future = dcp.async_save(
+            {"model": model_state, "optimizer": optim_state},
+            storage_writer=storage,
+            process_group=group,
+        )
+    # an AsyncSaveResponse comes only with an async_stager, never given here
+    if not isinstance(future, Future):
         raise TypeError(f"dcp.async_save returned a {type(future).__name__}, not a Future")
 
     def finish() -> None:
-        future.result()  # every rank's shards and the global .metadata are written (DCP's own barrier)
+        # every rank's shards and the global .metadata are written (DCP's own barrier)
+        future.result()
         if is_main:
-            _record(draft, storage.fs.digests)  # the other ranks' shards are summed by finalize, reading them
+            # the other ranks' shards are summed by finalize, reading them
+            _record(draft, storage.fs.digests)
             draft.save(EXTRA_FILE, staged_extra)
             finalize(draft, step, meta={**(meta or {}), "sharded": True, FLAT_OPTIMIZER: True})
             after()

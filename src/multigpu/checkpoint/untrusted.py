@@ -85,7 +85,9 @@ class _Simulator:
         if node.depth > self.limits.max_depth:
             raise _Refused(f"nests deeper than {self.limits.max_depth} levels")
         if node.size > self.limits.max_expanded:
-            raise _Refused(f"expands to more than {self.limits.max_expanded:,} units (shared references repeated)")
+            raise _Refused(
+                f"expands to more than {self.limits.max_expanded:,} units (shared references repeated)"
+            )
         self.stack.append(node)
 
     def pop(self) -> _Node:
@@ -107,7 +109,9 @@ class _Simulator:
         return self.stack[-1]
 
     def combine(self, items: list[_Node], kind: int) -> _Node:
-        return _Node(1 + max((n.depth for n in items), default=0), 1 + sum(n.size for n in items), kind)
+        return _Node(
+            1 + max((n.depth for n in items), default=0), 1 + sum(n.size for n in items), kind
+        )
 
     def mutate(self, target: _Node, items: list[_Node]) -> None:
         """Items added to ``target`` (APPEND, SETITEM, BUILD). A target shared before is refused: its
@@ -115,13 +119,17 @@ class _Simulator:
         object can be among its own items only if a GET or DUP pushed it again). Python's pickler
         shares an object only once it is complete, so our files never do it."""
         if target.shared:
-            raise _Refused("changes an object after sharing it (a way to hide its depth or make a cycle)")
+            raise _Refused(
+                "changes an object after sharing it (a way to hide its depth or make a cycle)"
+            )
         target.depth = max(target.depth, 1 + max((n.depth for n in items), default=0))
         target.size += sum(n.size for n in items)
         if target.depth > self.limits.max_depth:
             raise _Refused(f"nests deeper than {self.limits.max_depth} levels")
         if target.size > self.limits.max_expanded:
-            raise _Refused(f"expands to more than {self.limits.max_expanded:,} units (shared references repeated)")
+            raise _Refused(
+                f"expands to more than {self.limits.max_expanded:,} units (shared references repeated)"
+            )
 
     # --------------------------------------------------------------- one opcode
     def step(self, name: str, arg: Any) -> None:  # noqa: C901 - one branch per opcode family
@@ -132,7 +140,9 @@ class _Simulator:
         elif name in _LEAVES:
             size = len(arg) if isinstance(arg, (str, bytes, bytearray)) else 1
             if size > self.limits.max_string:
-                raise _Refused(f"holds a string of {size:,} bytes (limit {self.limits.max_string:,})")
+                raise _Refused(
+                    f"holds a string of {size:,} bytes (limit {self.limits.max_string:,})"
+                )
             self.push(_Node(0, 1 + size, _LEAF))
         elif name in ("GLOBAL", "STACK_GLOBAL"):
             if name == "STACK_GLOBAL":
@@ -194,16 +204,38 @@ class _Simulator:
 
 
 _LEAVES = {
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING", "SHORT_BINSTRING",
-    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "NONE", "NEWTRUE", "NEWFALSE", "UNICODE",
-    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT",
+    "INT",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "LONG",
+    "LONG1",
+    "LONG4",
+    "STRING",
+    "BINSTRING",
+    "SHORT_BINSTRING",
+    "BINBYTES",
+    "SHORT_BINBYTES",
+    "BINBYTES8",
+    "BYTEARRAY8",
+    "NONE",
+    "NEWTRUE",
+    "NEWFALSE",
+    "UNICODE",
+    "SHORT_BINUNICODE",
+    "BINUNICODE",
+    "BINUNICODE8",
+    "FLOAT",
+    "BINFLOAT",
 }
 
 
 def scan_pickle(data: bytes, what: str, limits: PickleLimits = DATA_PKL_LIMITS) -> None:
     """Refuse (CheckpointError) a pickle that exceeds ``limits`` - without building any object of it."""
     if len(data) > limits.max_bytes:
-        raise CheckpointError(f"{what} is {len(data):,} bytes of pickle (limit {limits.max_bytes:,}).", _HINT)
+        raise CheckpointError(
+            f"{what} is {len(data):,} bytes of pickle (limit {limits.max_bytes:,}).", _HINT
+        )
     machine = _Simulator(limits)
     ops = 0
     try:
@@ -218,12 +250,23 @@ def scan_pickle(data: bytes, what: str, limits: PickleLimits = DATA_PKL_LIMITS) 
             raise _Refused("ends before its STOP opcode")
     except _Refused as exc:
         raise CheckpointError(f"{what} was refused before loading: it {exc}.", _HINT) from None
-    except (ValueError, EOFError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
-        raise CheckpointError(f"{what} is not a readable pickle ({type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())[:80]}).", _HINT) from None
+    except (
+        ValueError,
+        EOFError,
+        struct.error,
+        UnicodeDecodeError,
+        OverflowError,
+        MemoryError,
+    ) as exc:
+        raise CheckpointError(
+            f"{what} is not a readable pickle ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:80]}).",
+            _HINT,
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- zips
+
 
 @dataclass(frozen=True)
 class ZipLimits:
@@ -264,10 +307,10 @@ def _directory(handle: IO[bytes], file_size: int, limits: ZipLimits) -> tuple[in
     at = tail.rfind(_EOCD)
     if at < 0 or at + 22 > len(tail):
         raise _Refused("has no end of central directory (not a zip)")
-    _, _, _, _, records, cd_size, cd_offset, _ = struct.unpack("<4sHHHHIIH", tail[at:at + 22])
+    _, _, _, _, records, cd_size, cd_offset, _ = struct.unpack("<4sHHHHIIH", tail[at : at + 22])
     locator_at = at - 20
-    if locator_at >= 0 and tail[locator_at:locator_at + 4] == _EOCD64_LOCATOR:
-        (eocd64_offset,) = struct.unpack("<Q", tail[locator_at + 8:locator_at + 16])
+    if locator_at >= 0 and tail[locator_at : locator_at + 4] == _EOCD64_LOCATOR:
+        (eocd64_offset,) = struct.unpack("<Q", tail[locator_at + 8 : locator_at + 16])
         if eocd64_offset + 56 > file_size:
             raise _Refused("points its zip64 end record outside the file")
         record = _read_at(handle, eocd64_offset, 56)
@@ -284,10 +327,10 @@ def _directory(handle: IO[bytes], file_size: int, limits: ZipLimits) -> tuple[in
 def _zip64_sizes(extra: bytes, size: int, compressed: int, offset: int) -> tuple[int, int, int]:
     at = 0
     while at + 4 <= len(extra):
-        tag, length = struct.unpack("<HH", extra[at:at + 4])
-        body = extra[at + 4:at + 4 + length]
+        tag, length = struct.unpack("<HH", extra[at : at + 4])
+        body = extra[at + 4 : at + 4 + length]
         if tag == 1:
-            values = list(struct.unpack(f"<{len(body) // 8}Q", body[:len(body) // 8 * 8]))
+            values = list(struct.unpack(f"<{len(body) // 8}Q", body[: len(body) // 8 * 8]))
             if size == 0xFFFFFFFF and values:
                 size = values.pop(0)
             if compressed == 0xFFFFFFFF and values:
@@ -298,27 +341,32 @@ def _zip64_sizes(extra: bytes, size: int, compressed: int, offset: int) -> tuple
     return size, compressed, offset
 
 
-def read_zip_records(handle: IO[bytes], file_size: int, limits: ZipLimits = ZipLimits()) -> list[ZipRecord]:
+def read_zip_records(
+    handle: IO[bytes], file_size: int, limits: ZipLimits = ZipLimits()
+) -> list[ZipRecord]:
     """The records of a zip, each checked: stored, inside the file, not overlapping another."""
     count, cd_offset, cd_size = _directory(handle, file_size, limits)
     directory = _read_at(handle, cd_offset, cd_size)
     records, at = [], 0
     for _ in range(count):
-        if directory[at:at + 4] != _CENTRAL or at + 46 > len(directory):
+        if directory[at : at + 4] != _CENTRAL or at + 46 > len(directory):
             raise _Refused("has a damaged central directory")
-        (method, _time, _date, _crc, compressed, size, name_len, extra_len, comment_len, offset) = struct.unpack(
-            "<HHHIIIHHH8xI", directory[at + 10:at + 46])
+        (method, _time, _date, _crc, compressed, size, name_len, extra_len, comment_len, offset) = (
+            struct.unpack("<HHHIIIHHH8xI", directory[at + 10 : at + 46])
+        )
         if name_len > limits.max_name:
             raise _Refused(f"names a record with {name_len:,} bytes")
-        name = directory[at + 46:at + 46 + name_len].decode("utf-8", errors="replace")
-        extra = directory[at + 46 + name_len:at + 46 + name_len + extra_len]
+        name = directory[at + 46 : at + 46 + name_len].decode("utf-8", errors="replace")
+        extra = directory[at + 46 + name_len : at + 46 + name_len + extra_len]
         size, compressed, offset = _zip64_sizes(extra, size, compressed, offset)
         records.append(ZipRecord(name, method, size, compressed, offset))
         at += 46 + name_len + extra_len + comment_len
     placed = []
     for record in records:
         if record.method != 0 or record.size != record.compressed:
-            raise _Refused(f"stores {record.name[:80]!r} compressed (method {record.method}); torch.save never does")
+            raise _Refused(
+                f"stores {record.name[:80]!r} compressed (method {record.method}); torch.save never does"
+            )
         header = _read_at(handle, record.header_offset, 30)
         if header[:4] != _LOCAL:
             raise _Refused(f"has a damaged local header for {record.name[:80]!r}")
@@ -328,7 +376,9 @@ def read_zip_records(handle: IO[bytes], file_size: int, limits: ZipLimits = ZipL
         data_offset = record.header_offset + 30 + name_len + extra_len
         if data_offset + record.size > file_size:
             raise _Refused(f"says {record.name[:80]!r} reaches past the end of the file")
-        placed.append(ZipRecord(record.name, 0, record.size, record.size, record.header_offset, data_offset))
+        placed.append(
+            ZipRecord(record.name, 0, record.size, record.size, record.header_offset, data_offset)
+        )
     ranges = sorted((r.header_offset, r.data_offset + r.size) for r in placed)
     for (_, end), (start, _) in zip(ranges, ranges[1:]):
         if start < end:
@@ -348,7 +398,9 @@ def check_zip(handle: IO[bytes], what: str, limits: PickleLimits = DATA_PKL_LIMI
             raise _Refused(f"holds {len(pickles)} data.pkl records (torch.save writes one)")
         data: Optional[bytes] = None
         if pickles[0].size > limits.max_bytes:
-            raise _Refused(f"has a data.pkl of {pickles[0].size:,} bytes (limit {limits.max_bytes:,})")
+            raise _Refused(
+                f"has a data.pkl of {pickles[0].size:,} bytes (limit {limits.max_bytes:,})"
+            )
         data = _read_at(handle, pickles[0].data_offset, pickles[0].size)
     except _Refused as exc:
         raise CheckpointError(f"{what} was refused before loading: it {exc}.", _HINT) from None
@@ -357,7 +409,9 @@ def check_zip(handle: IO[bytes], what: str, limits: PickleLimits = DATA_PKL_LIMI
     scan_pickle(data, f"{what} (its data.pkl)", limits)
 
 
-def load_checked(handle: IO[bytes], what: str, map_location: Any = None, limits: PickleLimits = DATA_PKL_LIMITS) -> Any:
+def load_checked(
+    handle: IO[bytes], what: str, map_location: Any = None, limits: PickleLimits = DATA_PKL_LIMITS
+) -> Any:
     """``torch.load(weights_only=True)`` of a zip that :func:`check_zip` accepted: the one place a
     checkpoint's ``torch.save`` files are loaded."""
     import torch

@@ -41,32 +41,82 @@ Each run writes into OUT/<run name>/ (run.yaml, log.txt, status.json and the rec
 Running the queue again skips finished runs and resumes interrupted ones (a search: its study too).
 """
 
+
 def add_queue_parser(sub: argparse._SubParsersAction[Any]) -> None:
-    p = sub.add_parser("queue", help="train many runs at once on a pool of GPUs (or as Slurm jobs)",
-                       description="Place each run of a runs file on free GPUs (CPU: process slots).",
-                       epilog=QUEUE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "queue",
+        help="train many runs at once on a pool of GPUs (or as Slurm jobs)",
+        description="Place each run of a runs file on free GPUs (CPU: process slots).",
+        epilog=QUEUE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("runs_file")
-    p.add_argument("--gpus", metavar="IDS", help="the GPU pool, e.g. 0,1,2,3 (default: every visible GPU)")
-    p.add_argument("--slots", type=whole_flag, metavar="N", help="N CPU process slots instead of GPUs (default on a "
-                   "machine without GPUs: one per core)")
-    p.add_argument("--gpus-per-run", type=whole_flag, metavar="K", help="override every run's gpus: setting")
-    p.add_argument("--runs-per-gpu", type=whole_flag, default=1, metavar="K",
-                   help="pack K one-GPU runs onto each GPU (CPU: each slot), each held to 1/K of the GPU's "
-                   "memory so a run that does not fit fails alone (default 1)")
-    p.add_argument("--only", metavar="NAMES", help="comma-separated run names to run (in that order)")
+    p.add_argument(
+        "--gpus", metavar="IDS", help="the GPU pool, e.g. 0,1,2,3 (default: every visible GPU)"
+    )
+    p.add_argument(
+        "--slots",
+        type=whole_flag,
+        metavar="N",
+        help="N CPU process slots instead of GPUs (default on a "
+        "machine without GPUs: one per core)",
+    )
+    p.add_argument(
+        "--gpus-per-run", type=whole_flag, metavar="K", help="override every run's gpus: setting"
+    )
+    p.add_argument(
+        "--runs-per-gpu",
+        type=whole_flag,
+        default=1,
+        metavar="K",
+        help="pack K one-GPU runs onto each GPU (CPU: each slot), each held to 1/K of the GPU's "
+        "memory so a run that does not fit fails alone (default 1)",
+    )
+    p.add_argument(
+        "--only", metavar="NAMES", help="comma-separated run names to run (in that order)"
+    )
     p.add_argument("--max-parallel", type=whole_flag, metavar="M", help="at most M runs at once")
-    p.add_argument("--out", metavar="DIR", help="where run folders go (default: outputs/<runs file name>)")
-    p.add_argument("--no-live", action="store_true", help="print one line per event instead of a live table")
-    p.add_argument("--allow-env", action="append", default=[], metavar="NAME",
-                   help="let the runs file set this environment variable (beyond NCCL_*, OMP_*, HF_*, ...; repeatable)")
-    p.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUES",
-                   help="sweep an override in every chosen run: a list (optim.lr=1e-3,3e-3) or a distribution "
-                   "(optim.lr=loguniform(1e-4,1e-1); also choice, uniform, int); repeatable")
-    p.add_argument("--samples", type=whole_flag, metavar="N", help="draws of the --sweep distributions (per grid point)")
-    p.add_argument("--slurm", action="store_true", help="submit each run as its own Slurm job instead")
-    p.add_argument("--array", action="store_true", help="with --slurm: all runs as one job array, each task its own "
-                   "run folder; --max-parallel M runs at most M at once (runs file: slurm_array: true)")
-    p.add_argument("--status", action="store_true", help="with --slurm: show each run's job and state, submit nothing")
+    p.add_argument(
+        "--out", metavar="DIR", help="where run folders go (default: outputs/<runs file name>)"
+    )
+    p.add_argument(
+        "--no-live", action="store_true", help="print one line per event instead of a live table"
+    )
+    p.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="let the runs file set this environment variable (beyond NCCL_*, OMP_*, HF_*, ...; repeatable)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=VALUES",
+        help="sweep an override in every chosen run: a list (optim.lr=1e-3,3e-3) or a distribution "
+        "(optim.lr=loguniform(1e-4,1e-1); also choice, uniform, int); repeatable",
+    )
+    p.add_argument(
+        "--samples",
+        type=whole_flag,
+        metavar="N",
+        help="draws of the --sweep distributions (per grid point)",
+    )
+    p.add_argument(
+        "--slurm", action="store_true", help="submit each run as its own Slurm job instead"
+    )
+    p.add_argument(
+        "--array",
+        action="store_true",
+        help="with --slurm: all runs as one job array, each task its own "
+        "run folder; --max-parallel M runs at most M at once (runs file: slurm_array: true)",
+    )
+    p.add_argument(
+        "--status",
+        action="store_true",
+        help="with --slurm: show each run's job and state, submit nothing",
+    )
     add_slurm_job_options(p)
     p.set_defaults(handler=_cmd_queue)
 
@@ -80,19 +130,33 @@ def _show_plan(specs: list[Any], searches: list[Any], out: Any, on_gpus: bool, s
     from multigpu.queue.run_folder import decide
 
     unit = "GPU(s)" if on_gpus else "slot(s)"
-    print(f"multigpu queue --dry-run: {len(specs)} run(s) on {slots} {unit}, folders in {visible(str(out))}; "
-          "nothing started")
+    print(
+        f"multigpu queue --dry-run: {len(specs)} run(s) on {slots} {unit}, folders in {visible(str(out))}; "
+        "nothing started"
+    )
     for spec in specs:
         folder = out / spec.name
         decision = decide(folder, spec.fingerprint())
-        what = {"start": "would start", "resume": "would resume", "fresh": "would start afresh (settings changed)",
-                "skip": "skipped"}[decision.action]
+        what = {
+            "start": "would start",
+            "resume": "would resume",
+            "fresh": "would start afresh (settings changed)",
+            "skip": "skipped",
+        }[decision.action]
         after = f", after {', '.join(spec.waits_for())}" if spec.waits_for() else ""
-        print(visible(f"{spec.name}: {what}{f' ({decision.note})' if decision.note else ''}, {spec.gpus:g} {unit}"
-                      f"{after}: {shlex.join(spec.command(folder, on_gpus))}"))
+        print(
+            visible(
+                f"{spec.name}: {what}{f' ({decision.note})' if decision.note else ''}, {spec.gpus:g} {unit}"
+                f"{after}: {shlex.join(spec.command(folder, on_gpus))}"
+            )
+        )
     for search in searches:
-        print(visible(f"{search.name}: a search of {search.space.search.trials} trial(s), each asked when it can "
-                      "start"))
+        print(
+            visible(
+                f"{search.name}: a search of {search.space.search.trials} trial(s), each asked when it can "
+                "start"
+            )
+        )
     return 0
 
 
@@ -103,8 +167,15 @@ def _cmd_queue(args: argparse.Namespace) -> int:
     from multigpu.queue.space import parse_cli
 
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
-    allowed = [environment.env_name(n, ConfigError, "--allow-env: ") for a in args.allow_env for n in a.split(",") if n]
-    plan = load_plan(args.runs_file, only, allow_env=allowed, sweep=parse_cli(args.sweep), samples=args.samples)
+    allowed = [
+        environment.env_name(n, ConfigError, "--allow-env: ")
+        for a in args.allow_env
+        for n in a.split(",")
+        if n
+    ]
+    plan = load_plan(
+        args.runs_file, only, allow_env=allowed, sweep=parse_cli(args.sweep), samples=args.samples
+    )
     specs = plan.runs
     if args.gpus_per_run is not None:
         validate.count(args.gpus_per_run, "--gpus-per-run", ConfigError)
@@ -114,50 +185,87 @@ def _cmd_queue(args: argparse.Namespace) -> int:
         validate.count(args.max_parallel, "--max-parallel", ConfigError)
     out = Path(args.out or Path("outputs") / Path(args.runs_file).stem)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder.", "give a folder for the run folders.")
-    validate.count(args.runs_per_gpu, "--runs-per-gpu", ConfigError, high=validate.MAX_SHARERS_PER_GPU)
+        raise ConfigError(
+            f"--out {out} is a file, not a folder.", "give a folder for the run folders."
+        )
+    validate.count(
+        args.runs_per_gpu, "--runs-per-gpu", ConfigError, high=validate.MAX_SHARERS_PER_GPU
+    )
     if (args.array or args.status) and not args.slurm:
         flag = "--array" if args.array else "--status"
-        raise ConfigError(f"{flag} is for Slurm jobs.", f"add --slurm: `multigpu queue {args.runs_file} --slurm {flag}`.")
+        raise ConfigError(
+            f"{flag} is for Slurm jobs.",
+            f"add --slurm: `multigpu queue {args.runs_file} --slurm {flag}`.",
+        )
     if args.slurm:
         from multigpu.queue.slurm_jobs import show_status, submit_runs
 
         if args.gpus is not None or args.slots is not None:
             flag = "--gpus" if args.gpus is not None else "--slots"
-            raise ConfigError(f"{flag} chooses this machine's GPUs or slots; Slurm jobs get theirs from the cluster.",
-                              "ask per node with --gpus-per-node N (or --gres gpu:N) instead.")
+            raise ConfigError(
+                f"{flag} chooses this machine's GPUs or slots; Slurm jobs get theirs from the cluster.",
+                "ask per node with --gpus-per-node N (or --gres gpu:N) instead.",
+            )
         if args.status:
             return show_status(specs, out)
         from multigpu.queue.run_folder import finished_as
 
-        for spec in specs:  # a run may wait only for runs already done (its folder says so, with these settings)
-            pending = [n for n in spec.waits_for() if not finished_as(out / n, spec.upstream.get(n))]
+        # a run may wait only for runs already done (its folder says so, with these settings)
+        for spec in specs:
+            pending = [
+                n for n in spec.waits_for() if not finished_as(out / n, spec.upstream.get(n))
+            ]
             if pending:
-                raise ConfigError(f"run {spec.name!r} waits for {', '.join(pending)} (after: or {{run:NAME}}), which "
-                                  "is not done; Slurm jobs submitted here are not ordered yet.",
-                                  f"submit {', '.join(pending)} first (--only {','.join(pending)}), then this run once "
-                                  f"they are done (--only {spec.name}).")
+                raise ConfigError(
+                    f"run {spec.name!r} waits for {', '.join(pending)} (after: or {{run:NAME}}), which "
+                    "is not done; Slurm jobs submitted here are not ordered yet.",
+                    f"submit {', '.join(pending)} first (--only {','.join(pending)}), then this run once "
+                    f"they are done (--only {spec.name}).",
+                )
 
         packed = next((spec.name for spec in specs if spec.gpus < 1), None)
         if args.runs_per_gpu != 1 or packed:
-            what = f"--runs-per-gpu {args.runs_per_gpu}" if args.runs_per_gpu != 1 else f"run {packed!r}'s gpus: below 1"
-            raise ConfigError(f"{what} packs runs onto shared GPUs, which Slurm jobs do not do (each gets whole GPUs).",
-                              "give the runs whole GPUs with --slurm, or pack them inside one job: "
-                              "`multigpu queue runs.yaml --runs-per-gpu K` in an sbatch script.")
+            what = (
+                f"--runs-per-gpu {args.runs_per_gpu}"
+                if args.runs_per_gpu != 1
+                else f"run {packed!r}'s gpus: below 1"
+            )
+            raise ConfigError(
+                f"{what} packs runs onto shared GPUs, which Slurm jobs do not do (each gets whole GPUs).",
+                "give the runs whole GPUs with --slurm, or pack them inside one job: "
+                "`multigpu queue runs.yaml --runs-per-gpu K` in an sbatch script.",
+            )
         options = slurm_options_from_args(args)
         if plan.searches and args.dry_run:
-            raise ConfigError(f"run {plan.searches[0].name!r} is a search, which asks each trial's values when it can "
-                              "start: there is no script to write ahead.", "leave out --dry-run, or --only the other runs.")
-        code = submit_runs(specs, out, options, dry_run=args.dry_run, array=args.array,
-                           max_parallel=args.max_parallel) if specs else 0
+            raise ConfigError(
+                f"run {plan.searches[0].name!r} is a search, which asks each trial's values when it can "
+                "start: there is no script to write ahead.",
+                "leave out --dry-run, or --only the other runs.",
+            )
+        code = (
+            submit_runs(
+                specs,
+                out,
+                options,
+                dry_run=args.dry_run,
+                array=args.array,
+                max_parallel=args.max_parallel,
+            )
+            if specs
+            else 0
+        )
         if plan.searches:
             from multigpu.queue.display import console_for_output
             from multigpu.queue.search import Search
             from multigpu.queue.search_slurm import follow_searches
             from multigpu.queue.trials import summarize
 
-            followed, runs = follow_searches([Search(f.entry, f.space, out) for f in plan.searches], out, options,
-                                             args.max_parallel)
+            followed, runs = follow_searches(
+                [Search(f.entry, f.space, out) for f in plan.searches],
+                out,
+                options,
+                args.max_parallel,
+            )
             summarize(console_for_output(), runs, out.resolve(), plan.searches)
             code = followed or code
         return code
@@ -176,8 +284,16 @@ def _cmd_queue(args: argparse.Namespace) -> int:
 
         searches = [Search(f.entry, f.space, out) for f in plan.searches]
     display = Display(console_for_output(), live=False if args.no_live else None)
-    queue = Queue(specs, out, pool.slots, pool.on_gpus, args.max_parallel, display, runs_per_gpu=args.runs_per_gpu,
-                  searches=searches)
+    queue = Queue(
+        specs,
+        out,
+        pool.slots,
+        pool.on_gpus,
+        args.max_parallel,
+        display,
+        runs_per_gpu=args.runs_per_gpu,
+        searches=searches,
+    )
     code = queue.execute()
     display.summary(queue)
     summarize(display.console, queue.runs, out, plan.families)

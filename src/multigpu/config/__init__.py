@@ -29,18 +29,6 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound="DataclassInstance")  # config classes are dataclasses
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """``["trainer.epochs=3", "lr=1e-3"]`` -> ``{"trainer.epochs": 3, "lr": 0.001}`` (YAML-typed values)."""
     out: dict[str, Any] = {}
@@ -49,8 +37,10 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         key = key.strip().lstrip("-")
         if not sep or not key:
-            raise ConfigError(f"override {shown(item, 60)} is not KEY=VALUE.",
-                              "write e.g. trainer.epochs=3 (dotted for nested keys).")
+            raise ConfigError(
+                f"override {shown(item, 60)} is not KEY=VALUE.",
+                "write e.g. trainer.epochs=3 (dotted for nested keys).",
+            )
         try:
             value = parse_yaml(raw, f"override {key}")[0] if raw.strip() else ""
         except ConfigError as exc:
@@ -77,16 +67,23 @@ def format_value(value: Any) -> str:
 def _hydra_habit(item: str) -> None:
     """Hydra's spellings, which say something else here: one line naming what does."""
     if item in ("--multirun", "-m"):
-        raise ConfigError(f"{item} is Hydra's sweep switch; a recipe's overrides here are one run's.",
-                          "sweep with the queue: `multigpu queue runs.yaml --sweep 'optim.lr=1e-3,3e-3'` (a runs file's "
-                          "entry names the script), or list the runs in a runs file.")
+        raise ConfigError(
+            f"{item} is Hydra's sweep switch; a recipe's overrides here are one run's.",
+            "sweep with the queue: `multigpu queue runs.yaml --sweep 'optim.lr=1e-3,3e-3'` (a runs file's "
+            "entry names the script), or list the runs in a runs file.",
+        )
     if item.startswith("+") and "=" in item:
-        raise ConfigError(f"override {shown(item, 60)}: Hydra's + adds a key; here every key the recipe has is set "
-                          "as KEY=VALUE, and one it does not have is an error.",
-                          f"write {shown(item.lstrip('+'), 60)} (without the +).")
+        raise ConfigError(
+            f"override {shown(item, 60)}: Hydra's + adds a key; here every key the recipe has is set "
+            "as KEY=VALUE, and one it does not have is an error.",
+            f"write {shown(item.lstrip('+'), 60)} (without the +).",
+        )
     if item.startswith("~"):
-        raise ConfigError(f"override {shown(item, 60)}: Hydra's ~ deletes a key; a recipe's key here always has a "
-                          "value.", "leave the override out to keep the file's value, or give the key its default.")
+        raise ConfigError(
+            f"override {shown(item, 60)}: Hydra's ~ deletes a key; a recipe's key here always has a "
+            "value.",
+            "leave the override out to keep the file's value, or give the key its default.",
+        )
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -97,8 +94,10 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted}: {part!r} is a value, not a group of keys.",
-                              f"use {'.'.join(parts[:-1])}=VALUE.")
+            raise ConfigError(
+                f"override {dotted}: {part!r} is a value, not a group of keys.",
+                f"use {'.'.join(parts[:-1])}=VALUE.",
+            )
         node = child
     node[parts[-1]] = value
 
@@ -146,29 +145,53 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
                 return _convert(value, option, source, lines, path)
             except ConfigError as exc:
                 errors.append(exc)
-        raise errors[0] if errors else ConfigError(f"{where(source, lines, path)}: {key} cannot be null.", "give a value.")
+        raise (
+            errors[0]
+            if errors
+            else ConfigError(
+                f"{where(source, lines, path)}: {key} cannot be null.", "give a value."
+            )
+        )
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where(source, lines, path)}: {key} must be a group of keys, not {value!r}.",
-                              f"indent its settings under `{path[-1]}:`.")
+            raise ConfigError(
+                f"{where(source, lines, path)}: {key} must be a group of keys, not {value!r}.",
+                f"indent its settings under `{path[-1]}:`.",
+            )
         return from_mapping(tp, value, source, lines, path)
     if origin in (list, tuple, collections.abc.Sequence) or tp in (list, tuple):
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) > MAX_ITEMS:
-            raise ConfigError(f"{where(source, lines, path)}: {key} must be a list of at most {MAX_ITEMS:,} items, not "
-                              f"{shown(value)}.", f"write {key}: [a, b].")
+        if (
+            isinstance(value, (str, bytes))
+            or not isinstance(value, (list, tuple))
+            or len(value) > MAX_ITEMS
+        ):
+            raise ConfigError(
+                f"{where(source, lines, path)}: {key} must be a list of at most {MAX_ITEMS:,} items, not "
+                f"{shown(value)}.",
+                f"write {key}: [a, b].",
+            )
         args = typing.get_args(tp)
-        items = [_convert(v, args[0], source, lines, path) for v in value] if args and args[0] is not Ellipsis else list(value)
+        items = (
+            [_convert(v, args[0], source, lines, path) for v in value]
+            if args and args[0] is not Ellipsis
+            else list(value)
+        )
         return tuple(items) if (origin is tuple or tp is tuple) else items
     if origin in (dict, collections.abc.Mapping) or tp is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where(source, lines, path)}: {key} must be a mapping, not {shown(value)}.",
-                              f"write {key}: {{a: 1}}.")
-        return dict(value)  # entries as given: their owner checks them (a runs file's env: YAML's true stays "True")
+            raise ConfigError(
+                f"{where(source, lines, path)}: {key} must be a mapping, not {shown(value)}.",
+                f"write {key}: {{a: 1}}.",
+            )
+        # entries as given: their owner checks them (a runs file's env: YAML's true stays "True")
+        return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where(source, lines, path)}: {key} must be true or false, not {shown(value)}.",
-                          "write true or false.")
+        raise ConfigError(
+            f"{where(source, lines, path)}: {key} must be true or false, not {shown(value)}.",
+            "write true or false.",
+        )
     if tp is float:
         number: Optional[float] = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -184,12 +207,16 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
         if number is not None and math.isfinite(number):
             return number
         if number is not None:
-            raise ConfigError(f"{where(source, lines, path)}: {key} must be a finite number, not {shown(value)}.",
-                              f"give {key} a number (not nan or inf).")
+            raise ConfigError(
+                f"{where(source, lines, path)}: {key} must be a finite number, not {shown(value)}.",
+                f"give {key} a number (not nan or inf).",
+            )
         if isinstance(value, str) and "," in value:  # Hydra's sweep of values (lr=1e-3,3e-3)
-            raise ConfigError(f"{where(source, lines, path)}: {key} must be a number, not {shown(value)}.",
-                              f"give one value; several to sweep are `multigpu queue runs.yaml --sweep "
-                              f"'{key}={value[:40]}'`.")
+            raise ConfigError(
+                f"{where(source, lines, path)}: {key} must be a number, not {shown(value)}.",
+                f"give one value; several to sweep are `multigpu queue runs.yaml --sweep "
+                f"'{key}={value[:40]}'`.",
+            )
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -197,13 +224,18 @@ def _convert(value: Any, tp: Any, source: str, lines: Lines, path: tuple[str, ..
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             text = str(value)
             if len(text) > MAX_TEXT or not _encodable(text):
-                raise ConfigError(f"{where(source, lines, path)}: {key} must be UTF-8 text of at most {MAX_TEXT:,} "
-                                  f"characters, not {shown(value)}.", f"give {key} a shorter, plain value.")
+                raise ConfigError(
+                    f"{where(source, lines, path)}: {key} must be UTF-8 text of at most {MAX_TEXT:,} "
+                    f"characters, not {shown(value)}.",
+                    f"give {key} a shorter, plain value.",
+                )
             return text
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{where(source, lines, path)}: {key} must be {_type_name(tp)}, not {shown(value)}.",
-                      f"give {key} a value of type {_type_name(tp)}.")
+    raise ConfigError(
+        f"{where(source, lines, path)}: {key} must be {_type_name(tp)}, not {shown(value)}.",
+        f"give {key} a value of type {_type_name(tp)}.",
+    )
 
 
 def _encodable(text: str) -> bool:
@@ -216,35 +248,56 @@ def _encodable(text: str) -> bool:
 
 def check_keys(known: Any, given: Mapping[str, Any], owner: str, noun: str = "setting") -> None:
     """Refuse keys that ``known`` (a dataclass or a list of names) does not have, naming the nearest one."""
-    names = [f.name for f in dataclasses.fields(known) if f.init] if dataclasses.is_dataclass(known) else list(known)
+    names = (
+        [f.name for f in dataclasses.fields(known) if f.init]
+        if dataclasses.is_dataclass(known)
+        else list(known)
+    )
     for key in given:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"its {noun}s are: {', '.join(names) or 'none'}."
+            hint = (
+                f"did you mean {close[0]!r}?"
+                if close
+                else f"its {noun}s are: {', '.join(names) or 'none'}."
+            )
             raise ConfigError(f"{owner} has no {noun} {str(key)[:80]!r}.", hint)
 
 
-def bounds(low: Optional[float] = None, high: Optional[float] = None, items: Optional[int] = None) -> dict[str, Any]:
+def bounds(
+    low: Optional[float] = None, high: Optional[float] = None, items: Optional[int] = None
+) -> dict[str, Any]:
     """A field's bounds, declared with it: ``field(default=None, metadata=bounds(1, 4096))``. A number is
     checked against ``low``..``high``, a list or mapping against ``items`` (entries); :func:`from_mapping`
     checks them with the types, so a value passed to a library is typed and bounded at one door."""
     return {"bounds": (low, high, items)}
 
 
-def _in_bounds(value: Any, field: dataclasses.Field[Any], source: str, lines: Lines, path: tuple[str, ...]) -> None:
+def _in_bounds(
+    value: Any, field: dataclasses.Field[Any], source: str, lines: Lines, path: tuple[str, ...]
+) -> None:
     low, high, items = field.metadata.get("bounds", (None, None, None))
     key = ".".join(path)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if (low is not None and value < low) or (high is not None and value > high):
-            raise ConfigError(f"{where(source, lines, path)}: {key} {shown(value)} is outside {low:g}..{high:g}.",
-                              f"give {key} a value from {low:g} to {high:g}.")
+            raise ConfigError(
+                f"{where(source, lines, path)}: {key} {shown(value)} is outside {low:g}..{high:g}.",
+                f"give {key} a value from {low:g} to {high:g}.",
+            )
     elif items is not None and isinstance(value, (list, tuple, dict)) and len(value) > items:
-        raise ConfigError(f"{where(source, lines, path)}: {key} has {len(value):,} entries, more than {items:,}.",
-                          f"give {key} at most {items:,}.")
+        raise ConfigError(
+            f"{where(source, lines, path)}: {key} has {len(value):,} entries, more than {items:,}.",
+            f"give {key} at most {items:,}.",
+        )
 
 
-def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>", lines: Optional[Lines] = None,
-                 path: tuple[str, ...] = ()) -> T:
+def from_mapping(
+    cls: type[T],
+    data: Mapping[str, Any],
+    source: str = "<config>",
+    lines: Optional[Lines] = None,
+    path: tuple[str, ...] = (),
+) -> T:
     """Build dataclass ``cls`` from ``data``: unknown keys, wrong types and values outside a field's
     :func:`bounds` are errors with file:line."""
     lines = lines or {}
@@ -253,20 +306,35 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], source: str = "<config>"
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"did you mean {'.'.join((*path, close[0]))!r}?" if close else f"known keys: {', '.join(fields)}."
-            raise ConfigError(f"{where(source, lines, (*path, str(key)))}: unknown key {'.'.join((*path, str(key)))!r}.", hint)
-    values = {name: _convert(value, hints[name], source, lines, (*path, name)) for name, value in data.items()}
+            hint = (
+                f"did you mean {'.'.join((*path, close[0]))!r}?"
+                if close
+                else f"known keys: {', '.join(fields)}."
+            )
+            raise ConfigError(
+                f"{where(source, lines, (*path, str(key)))}: unknown key {'.'.join((*path, str(key)))!r}.",
+                hint,
+            )
+    values = {
+        name: _convert(value, hints[name], source, lines, (*path, name))
+        for name, value in data.items()
+    }
     for name, value in values.items():
         _in_bounds(value, fields[name], source, lines, (*path, name))
     try:
         return cls(**values)
-    except ConfigError as exc:  # the class's own check: placed at the key it names, where it can be found
-        named = [where(source, lines, (*path, name)) for name in values if f" {name}=" in exc.message]
+    # the class's own check: placed at the key it names, where it can be found
+    except ConfigError as exc:
+        named = [
+            where(source, lines, (*path, name)) for name in values if f" {name}=" in exc.message
+        ]
         raise ConfigError(f"{(named or [source])[0]}: {exc.message}", exc.hint) from None
     except TypeError as exc:
         missing = str(exc).split(":")[-1].strip()
-        raise ConfigError(f"{source}: missing required setting(s) {missing} in {'.'.join(path) or 'the top level'}.",
-                          "add them to the file or pass KEY=VALUE.") from None
+        raise ConfigError(
+            f"{source}: missing required setting(s) {missing} in {'.'.join(path) or 'the top level'}.",
+            "add them to the file or pass KEY=VALUE.",
+        ) from None
 
 
 def load(cls: type[T], path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()) -> T:
@@ -274,7 +342,9 @@ def load(cls: type[T], path: Optional[Union[str, Path]] = None, overrides: Seque
     return from_mapping(cls, *gather(path, overrides))
 
 
-def gather(path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], str, Lines]:
+def gather(
+    path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = ()
+) -> tuple[dict[str, Any], str, Lines]:
     """A YAML file (optional) with ``key=value`` overrides set in it: (data, source, where each key came
     from) - what :func:`load` checks against its class, and what the launcher checks a part of early."""
     data, lines = load_yaml(path) if path else ({}, {})
@@ -283,7 +353,8 @@ def gather(path: Optional[Union[str, Path]] = None, overrides: Sequence[str] = (
     for key, value in parse_overrides(overrides).items():
         set_dotted(data, key, value)
         parts = tuple(key.split("."))
-        for depth in range(1, len(parts) + 1):  # the override is where this key (and its new groups) came from
+        # the override is where this key (and its new groups) came from
+        for depth in range(1, len(parts) + 1):
             if parts[:depth] not in lines or depth == len(parts):
                 lines[parts[:depth]] = f"the command-line override {given.get(key, key)!r}"
     return data, source, lines
@@ -303,15 +374,3 @@ def to_dict(obj: Any) -> Any:
 def dump_yaml(obj: Any) -> str:
     text: str = yaml.safe_dump(to_dict(obj), sort_keys=False)
     return text
-
-
-
-
-
-
-
-
-
-
-
-

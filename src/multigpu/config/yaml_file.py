@@ -55,8 +55,10 @@ def _check_tree(node: yaml.Node, source: str) -> Lines:
         if key in sizes:
             return sizes[key]
         if key in active:
-            raise ConfigError(f"{source}:{node.start_mark.line + 1}: a YAML alias refers to itself.",
-                              "remove the recursive alias (*name inside the value it names).")
+            raise ConfigError(
+                f"{source}:{node.start_mark.line + 1}: a YAML alias refers to itself.",
+                "remove the recursive alias (*name inside the value it names).",
+            )
         active.add(key)
         total = 1
         if isinstance(node, yaml.MappingNode):
@@ -69,8 +71,10 @@ def _check_tree(node: yaml.Node, source: str) -> Lines:
                 if isinstance(key_node, yaml.ScalarNode):
                     name = str(key_node.value)
                     if name in seen:
-                        raise ConfigError(f"{source}:{line}: key {name!r} is given twice (also at line {seen[name]}).",
-                                          "keep one of them: YAML would silently use the last.")
+                        raise ConfigError(
+                            f"{source}:{line}: key {name!r} is given twice (also at line {seen[name]}).",
+                            "keep one of them: YAML would silently use the last.",
+                        )
                     seen[name] = line
                 child = (*path, str(key_node.value)) if path is not None else None
                 if child is not None:
@@ -80,15 +84,20 @@ def _check_tree(node: yaml.Node, source: str) -> Lines:
             for item in node.value:
                 total += size(item, None)
         elif node.tag == _INT_TAG and not _BASE10.fullmatch(str(node.value)):
-            raise ConfigError(f"{source}:{node.start_mark.line + 1}: {shown(str(node.value), 40)} is read by YAML as "
-                              "a number in another form (1_000, 0x10, 010 or 1:30 are 1000, 16, 8 and 90).",
-                              "write whole numbers with the digits 0-9 only, without a leading 0, or quote the value "
-                              "to keep it as text.")
+            raise ConfigError(
+                f"{source}:{node.start_mark.line + 1}: {shown(str(node.value), 40)} is read by YAML as "
+                "a number in another form (1_000, 0x10, 010 or 1:30 are 1000, 16, 8 and 90).",
+                "write whole numbers with the digits 0-9 only, without a leading 0, or quote the value "
+                "to keep it as text.",
+            )
         active.discard(key)
         sizes[key] = total
         if total > MAX_YAML_NODES:
-            raise ConfigError(f"{source}: the document expands to more than {MAX_YAML_NODES:,} values "
-                              "through its aliases.", "write the values out, or use fewer nested aliases (&name/*name).")
+            raise ConfigError(
+                f"{source}: the document expands to more than {MAX_YAML_NODES:,} values "
+                "through its aliases.",
+                "write the values out, or use fewer nested aliases (&name/*name).",
+            )
         return total
 
     size(node, ())
@@ -111,18 +120,31 @@ def parse_yaml(text: str, source: str = "<yaml>") -> tuple[Any, Lines]:
         lines = _check_tree(node, source)
         return loader.construct_document(node), lines
     except yaml.YAMLError as exc:
-        context, problem_mark = getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)
+        context, problem_mark = (
+            getattr(exc, "context_mark", None),
+            getattr(exc, "problem_mark", None),
+        )
         mark = context or problem_mark
         where = f"{source}:{mark.line + 1}" if mark else source
         problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
         if context is not None and problem_mark is not None and problem_mark.line != context.line:
-            problem = f"{getattr(exc, 'context', '')}: {problem} at line {problem_mark.line + 1}".strip(": ")
-        raise ConfigError(f"{where}: invalid YAML ({problem}).", "fix the syntax at that line.") from None
+            problem = (
+                f"{getattr(exc, 'context', '')}: {problem} at line {problem_mark.line + 1}".strip(
+                    ": "
+                )
+            )
+        raise ConfigError(
+            f"{where}: invalid YAML ({problem}).", "fix the syntax at that line."
+        ) from None
     except RecursionError:
-        raise ConfigError(f"{source}: the YAML is nested too deeply to read.", "flatten the structure.") from None
+        raise ConfigError(
+            f"{source}: the YAML is nested too deeply to read.", "flatten the structure."
+        ) from None
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. a timestamp like 2020-13-45
-        raise ConfigError(f"{source}: a value cannot be read ({' '.join(str(exc).split())[:200]}).",
-                          "quote it to keep it as text.") from None
+        raise ConfigError(
+            f"{source}: a value cannot be read ({' '.join(str(exc).split())[:200]}).",
+            "quote it to keep it as text.",
+        ) from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -134,19 +156,29 @@ def read_text_file(path: Union[str, Path], what: str = "file", limit: int = MAX_
     try:
         raw = read_regular(path, limit)
     except IsADirectoryError:
-        raise ConfigError(f"{path} is a folder, not a {what}.", "give the path of the file.") from None
+        raise ConfigError(
+            f"{path} is a folder, not a {what}.", "give the path of the file."
+        ) from None
     except OSError as exc:
         if exc.errno == 21:
-            raise ConfigError(f"{path} is a folder, not a {what}.", "give the path of the file.") from None
-        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}.", "check the path.") from None
+            raise ConfigError(
+                f"{path} is a folder, not a {what}.", "give the path of the file."
+            ) from None
+        raise ConfigError(
+            f"cannot read {path}: {exc.strerror or exc}.", "check the path."
+        ) from None
     if len(raw) > limit:
-        raise ConfigError(f"{path} is larger than {limit >> 20} MiB: not a {what}.", "check the path.")
+        raise ConfigError(
+            f"{path} is larger than {limit >> 20} MiB: not a {what}.", "check the path."
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not valid UTF-8 (byte {raw[exc.start]:#04x}).",
-                          "save the file as UTF-8.") from None
+        raise ConfigError(
+            f"{path}:{line}: not valid UTF-8 (byte {raw[exc.start]:#04x}).",
+            "save the file as UTF-8.",
+        ) from None
 
 
 def load_yaml(path: Union[str, Path]) -> tuple[dict[str, Any], Lines]:
@@ -155,5 +187,8 @@ def load_yaml(path: Union[str, Path]) -> tuple[dict[str, Any], Lines]:
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys to values.", "write `key: value` lines.")
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of keys to values.",
+            "write `key: value` lines.",
+        )
     return data, lines

@@ -41,8 +41,18 @@ from multigpu.distributed.agreement import Pending
 from multigpu.errors import ConfigError
 
 #: DataLoader settings carried over to the rebuilt loader (each is an attribute of the same name).
-KEPT = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-        "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+KEPT = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
 _WORKER_ONLY = ("prefetch_factor", "persistent_workers", "multiprocessing_context")
 
 
@@ -50,43 +60,71 @@ def dataloader_settings(loader: DataLoader[Any]) -> dict[str, Any]:
     """What to keep of a user's DataLoader; refuses what cannot be re-sharded."""
     name = type(loader).__name__
     if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
-        raise ConfigError(f"the {name} uses a custom batch sampler ({type(loader.batch_sampler).__name__}), which "
-                          "decides its batches itself: multigpu cannot shard it without changing them.",
-                          "pass the dataset (and batch_size) instead, or shard in your sampler with run.dp_rank / "
-                          "run.dp_size and pass a plain iterable.")
+        raise ConfigError(
+            f"the {name} uses a custom batch sampler ({type(loader.batch_sampler).__name__}), which "
+            "decides its batches itself: multigpu cannot shard it without changing them.",
+            "pass the dataset (and batch_size) instead, or shard in your sampler with run.dp_rank / "
+            "run.dp_size and pass a plain iterable.",
+        )
     if loader.batch_sampler is None:
-        raise ConfigError(f"the {name} yields single samples (batch_size=None): there is no batch to shard.",
-                          "give the DataLoader a batch_size, or pass the dataset itself.")
+        raise ConfigError(
+            f"the {name} yields single samples (batch_size=None): there is no batch to shard.",
+            "give the DataLoader a batch_size, or pass the dataset itself.",
+        )
     kept = {key: getattr(loader, key) for key in KEPT if hasattr(loader, key)}
     if not kept.get("num_workers"):
         for key in _WORKER_ONLY:
             kept.pop(key, None)
     # A plain BatchSampler given by hand holds the batch size and drop_last itself.
-    return {**kept, "batch_size": loader.batch_sampler.batch_size, "drop_last": loader.batch_sampler.drop_last}
+    return {
+        **kept,
+        "batch_size": loader.batch_sampler.batch_size,
+        "drop_last": loader.batch_sampler.drop_last,
+    }
 
 
 def sampler_order(loader: DataLoader[Any]) -> tuple[bool, Optional[int]]:
     """(shuffle, seed) of the user's sampler, for the samplers whose order ours reproduces."""
-    batch_sampler = loader.batch_sampler  # a plain BatchSampler or None (dataloader_settings checked)
+    # a plain BatchSampler or None (dataloader_settings checked)
+    batch_sampler = loader.batch_sampler
     sampler = batch_sampler.sampler if isinstance(batch_sampler, BatchSampler) else loader.sampler
     if isinstance(sampler, DistributedSampler):
         return bool(sampler.shuffle), int(sampler.seed)
     if type(sampler) is RandomSampler:
         if sampler.replacement or sampler._num_samples is not None:
-            raise ConfigError("the DataLoader samples with replacement or a fixed number of samples, which is not "
-                              "an epoch of the dataset.", "pass the dataset and shuffle instead.")
+            raise ConfigError(
+                "the DataLoader samples with replacement or a fixed number of samples, which is not "
+                "an epoch of the dataset.",
+                "pass the dataset and shuffle instead.",
+            )
         return True, None
     if type(sampler) is SequentialSampler:
         return False, None
-    raise ConfigError(f"the DataLoader uses a custom sampler ({type(sampler).__name__}); its order cannot be split "
-                      "across ranks without changing it.",
-                      "pass the dataset (shuffle: true/false), or build one loader per rank with run.dp_rank/run.dp_size.")
+    raise ConfigError(
+        f"the DataLoader uses a custom sampler ({type(sampler).__name__}); its order cannot be split "
+        "across ranks without changing it.",
+        "pass the dataset (shuffle: true/false), or build one loader per rank with run.dp_rank/run.dp_size.",
+    )
 
 
-def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation: bool, shuffle: bool = True,
-          seed: int = 0, drop_last: bool = False, pin_memory: bool = False, collate_fn: Optional[Callable[..., Any]] = None,
-          num_workers: int = 0, rank_streams: bool = True, agree: Optional[Callable[[], Optional[Pending]]] = None,
-          batch_scale: int = 1, **dataloader_kwargs: Any) -> "Loader | StreamLoader":
+def adapt(
+    data: Any,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    batch_size: int,
+    evaluation: bool,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    pin_memory: bool = False,
+    collate_fn: Optional[Callable[..., Any]] = None,
+    num_workers: int = 0,
+    rank_streams: bool = True,
+    agree: Optional[Callable[[], Optional[Pending]]] = None,
+    batch_scale: int = 1,
+    **dataloader_kwargs: Any,
+) -> "Loader | StreamLoader":
     """A loader of this rank's share of ``data`` (a Loader, a DataLoader, an IterableDataset or a Dataset).
 
     ``rank_streams``: workers' random seeds differ between ranks (augmentations are not repeated on
@@ -106,20 +144,59 @@ def adapt(data: Any, *, dp_rank: int, dp_size: int, batch_size: int, evaluation:
         settings["pin_memory"] = settings.get("pin_memory") or pin_memory
         batch_size, drop_last = settings.pop("batch_size") * batch_scale, settings.pop("drop_last")
         if isinstance(data.dataset, IterableDataset):
-            return StreamLoader(data.dataset, batch_size, dp_rank, dp_size, evaluation=evaluation, drop_last=drop_last,
-                                seed=seed, rank_streams=rank_streams, agree=None if evaluation else agree, **settings)
+            return StreamLoader(
+                data.dataset,
+                batch_size,
+                dp_rank,
+                dp_size,
+                evaluation=evaluation,
+                drop_last=drop_last,
+                seed=seed,
+                rank_streams=rank_streams,
+                agree=None if evaluation else agree,
+                **settings,
+            )
         loader_shuffle, loader_seed = sampler_order(data)
-        return make_loader(data.dataset, batch_size, rank=dp_rank, world_size=dp_size, evaluation=evaluation,
-                           shuffle=loader_shuffle, seed=seed if loader_seed is None else loader_seed,
-                           drop_last=drop_last, stream=dp_rank if rank_streams else 0, **settings)
+        return make_loader(
+            data.dataset,
+            batch_size,
+            rank=dp_rank,
+            world_size=dp_size,
+            evaluation=evaluation,
+            shuffle=loader_shuffle,
+            seed=seed if loader_seed is None else loader_seed,
+            drop_last=drop_last,
+            stream=dp_rank if rank_streams else 0,
+            **settings,
+        )
     batch_size *= batch_scale
     if isinstance(data, IterableDataset):
-        return StreamLoader(data, batch_size, dp_rank, dp_size, evaluation=evaluation, drop_last=drop_last, seed=seed,
-                            rank_streams=rank_streams, agree=None if evaluation else agree, pin_memory=pin_memory,
-                            **kwargs)
-    return make_loader(data, batch_size, rank=dp_rank, world_size=dp_size, evaluation=evaluation, shuffle=shuffle,
-                       seed=seed, drop_last=drop_last, pin_memory=pin_memory, stream=dp_rank if rank_streams else 0,
-                       **kwargs)
+        return StreamLoader(
+            data,
+            batch_size,
+            dp_rank,
+            dp_size,
+            evaluation=evaluation,
+            drop_last=drop_last,
+            seed=seed,
+            rank_streams=rank_streams,
+            agree=None if evaluation else agree,
+            pin_memory=pin_memory,
+            **kwargs,
+        )
+    return make_loader(
+        data,
+        batch_size,
+        rank=dp_rank,
+        world_size=dp_size,
+        evaluation=evaluation,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        pin_memory=pin_memory,
+        stream=dp_rank if rank_streams else 0,
+        **kwargs,
+    )
 
 
 # ------------------------------------------------------------------------------------------ streams
@@ -132,8 +209,15 @@ def _is_hf_stream(dataset: Any) -> bool:
 class RankShare(IterableDataset[Any]):
     """This rank's share of a stream, split again across the DataLoader's workers, resumable by count."""
 
-    def __init__(self, dataset: Any, rank: int, size: int, batch_size: int, skip_batches: int = 0,
-                 split_workers: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        rank: int,
+        size: int,
+        batch_size: int,
+        skip_batches: int = 0,
+        split_workers: bool = True,
+    ) -> None:
         self.dataset, self.rank, self.size, self.batch_size = dataset, rank, size, batch_size
         self.skip_batches, self.split_workers = skip_batches, split_workers
 
@@ -162,15 +246,31 @@ class StreamLoader:
     Has no ``len()`` (``length`` is None): the epoch ends when the shortest share does.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, rank: int, size: int, *, evaluation: bool = False,
-                 drop_last: bool = False, seed: int = 0, rank_streams: bool = True,
-                 agree: Optional[Callable[[], Optional[Pending]]] = None, **dataloader_kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        rank: int,
+        size: int,
+        *,
+        evaluation: bool = False,
+        drop_last: bool = False,
+        seed: int = 0,
+        rank_streams: bool = True,
+        agree: Optional[Callable[[], Optional[Pending]]] = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size {batch_size!r} must be a positive integer.", "it is per process: e.g. 32.")
+            raise ConfigError(
+                f"batch_size {batch_size!r} must be a positive integer.",
+                "it is per process: e.g. 32.",
+            )
         for reserved in ("sampler", "batch_sampler", "shuffle"):
             if reserved in dataloader_kwargs:
-                raise ConfigError(f"an iterable dataset takes no {reserved}=: it decides its own order.",
-                                  "shuffle inside the dataset (e.g. datasets' .shuffle(seed=...)).")
+                raise ConfigError(
+                    f"an iterable dataset takes no {reserved}=: it decides its own order.",
+                    "shuffle inside the dataset (e.g. datasets' .shuffle(seed=...)).",
+                )
         self.batch_size, self.rank, self.size = batch_size, rank, size
         self.evaluation, self.drop_last, self.seed = evaluation, drop_last, seed
         self.stream = rank if rank_streams else 0
@@ -185,10 +285,14 @@ class StreamLoader:
         if _is_hf_stream(dataset):
             from datasets.distributed import split_dataset_by_node
 
-            self.dataset, self._split_workers = split_dataset_by_node(dataset, rank=rank, world_size=size), False
+            self.dataset, self._split_workers = (
+                split_dataset_by_node(dataset, rank=rank, world_size=size),
+                False,
+            )
         elif hasattr(dataset, "split_by_node"):
             self.dataset, self._split_workers = dataset.split_by_node(rank, size), True
-            self.rank, self.size = 0, 1  # the hook returned this rank's share: only workers are left to split
+            # the hook returned this rank's share: only workers are left to split
+            self.rank, self.size = 0, 1
         else:
             self.dataset, self._split_workers = dataset, True
 
@@ -214,7 +318,9 @@ class StreamLoader:
         return None  # a stream's length is not known ahead
 
     def __len__(self) -> int:
-        raise TypeError("a stream has no length: its epoch ends when the shortest rank's share ends")
+        raise TypeError(
+            "a stream has no length: its epoch ends when the shortest rank's share ends"
+        )
 
     def abandon(self) -> None:
         if self._agreement is not None:
@@ -229,13 +335,25 @@ class StreamLoader:
     def __iter__(self) -> Iterator[Any]:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
-        source = RankShare(self.dataset, self.rank, self.size, self.batch_size, self._resume_batches, self._split_workers)
+        source = RankShare(
+            self.dataset,
+            self.rank,
+            self.size,
+            self.batch_size,
+            self._resume_batches,
+            self._split_workers,
+        )
         self._done = self._resume_batches
         self._resume_batches = 0
         generator = torch.Generator()
         generator.manual_seed(epoch_generator_seed(self.seed, self.epoch, self.stream))
-        loader = DataLoader(source, batch_size=self.batch_size, drop_last=self.drop_last, generator=generator,
-                            **self.kwargs)
+        loader = DataLoader(
+            source,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            generator=generator,
+            **self.kwargs,
+        )
         batches = iter(loader)
         self._pending = next(batches, _END)
         self._agreement = self.agree() if self.agree is not None else None
@@ -250,11 +368,13 @@ class StreamLoader:
                 current = self._pending
                 self._pending = next(batches, _END)
                 if self._agreement is not None:
-                    self._agreement.start([int(self._pending is not _END)])  # finishes while the step runs
+                    # finishes while the step runs
+                    self._agreement.start([int(self._pending is not _END)])
                 self._done += 1
                 yield current
         finally:
             if self._agreement is not None:
-                self._agreement.finish()  # stopped early on every rank (max_steps): complete the last one
+                # stopped early on every rank (max_steps): complete the last one
+                self._agreement.finish()
         self.epoch += 1
         self._done = 0

@@ -29,8 +29,15 @@ class ShardedSampler(Sampler[int]):
     ``skip(n)`` so a resumed run continues with the sample after the last one it trained on.
     """
 
-    def __init__(self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(
+        self,
+        length: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
         self.length = length
@@ -111,8 +118,15 @@ class Loader:
     still works and wins. ``batch_size`` is per process.
     """
 
-    def __init__(self, loader: DataLoader[Any], sampler: Sampler[Any], batch_size: int, world_size: int,
-                 seed: int = 0, stream: int = 0) -> None:
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        sampler: Sampler[Any],
+        batch_size: int,
+        world_size: int,
+        seed: int = 0,
+        stream: int = 0,
+    ) -> None:
         self.loader = loader
         self.sampler = sampler
         self.seed = seed
@@ -151,7 +165,9 @@ class Loader:
         if self.loader.generator is not None:
             # DataLoader draws its workers' base seed from this generator when an epoch starts; one
             # seeded per epoch keeps the global RNG untouched and makes a resumed epoch identical.
-            self.loader.generator.manual_seed(epoch_generator_seed(self.seed, self.epoch, self.stream))
+            self.loader.generator.manual_seed(
+                epoch_generator_seed(self.seed, self.epoch, self.stream)
+            )
         if self._resume_batches and isinstance(self.sampler, ShardedSampler):
             self.sampler.skip(self._resume_batches * self.batch_size)
         self._done = self._resume_batches if isinstance(self.sampler, ShardedSampler) else 0
@@ -198,12 +214,25 @@ def _length(dataset: Any) -> int:
     return len(dataset)
 
 
-def make_loader(dataset: Any, batch_size: int, *, rank: int, world_size: int, shuffle: bool = True,
-                seed: int = 0, drop_last: bool = False, evaluation: bool = False,
-                pin_memory: bool = False, stream: int = 0, **dataloader_kwargs: Any) -> Loader:
+def make_loader(
+    dataset: Any,
+    batch_size: int,
+    *,
+    rank: int,
+    world_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    evaluation: bool = False,
+    pin_memory: bool = False,
+    stream: int = 0,
+    **dataloader_kwargs: Any,
+) -> Loader:
     """A :class:`Loader` for this rank. ``evaluation``: every sample once, no padding, no shuffle."""
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"batch_size {batch_size!r} must be a positive integer.", "it is per process: e.g. 32.")
+        raise ConfigError(
+            f"batch_size {batch_size!r} must be a positive integer.", "it is per process: e.g. 32."
+        )
     for reserved in ("sampler", "batch_sampler", "shuffle"):
         if reserved in dataloader_kwargs:
             raise ConfigError(
@@ -214,21 +243,37 @@ def make_loader(dataset: Any, batch_size: int, *, rank: int, world_size: int, sh
     if evaluation:
         sampler: Sampler[Any] = EvalSampler(length, world_size, rank)
     else:
-        sampler = ShardedSampler(length, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = ShardedSampler(
+            length, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
     dataloader_kwargs.setdefault("generator", torch.Generator())
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last and not evaluation,
-                        pin_memory=pin_memory, **dataloader_kwargs)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last and not evaluation,
+        pin_memory=pin_memory,
+        **dataloader_kwargs,
+    )
     return Loader(loader, sampler, batch_size, world_size, seed, stream)
 
 
-def describe_batch(batch_size: int, world_size: int, accumulation: int = 1, length: Optional[int] = None,
-                   unit: str = "process") -> str:
+def describe_batch(
+    batch_size: int,
+    world_size: int,
+    accumulation: int = 1,
+    length: Optional[int] = None,
+    unit: str = "process",
+) -> str:
     """The sentence printed at start, so nobody trains a week with the wrong effective batch.
 
     ``world_size``: how many ranks read different data (the data-parallel size); ``unit`` names them.
     """
     global_batch = batch_size * world_size * accumulation
-    parts = [f"batch {batch_size} per {unit}", f"{world_size} {unit}(es)" if unit == "process" else f"{world_size} {unit}s"]
+    parts = [
+        f"batch {batch_size} per {unit}",
+        f"{world_size} {unit}(es)" if unit == "process" else f"{world_size} {unit}s",
+    ]
     if accumulation > 1:
         parts.append(f"{accumulation} accumulation steps")
     text = " x ".join(parts) + f" = global batch {global_batch}"

@@ -46,8 +46,13 @@ def measure(size_bytes: int, device: torch.device, repeats: int = 5) -> dict[str
             times.append(elapsed)
     seconds = statistics.median(times)
     moved = numel * 4 * (2 * (world - 1) / world if world > 1 else 1)
-    return {"bytes": numel * 4, "seconds": seconds, "bus_gbps": moved / seconds / 1e9, "correct": correct,
-            "world": world}
+    return {
+        "bytes": numel * 4,
+        "seconds": seconds,
+        "bus_gbps": moved / seconds / 1e9,
+        "correct": correct,
+        "world": world,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -56,11 +61,20 @@ def main(argv: list[str]) -> int:
     sizes_mib = [float(a) for a in argv] or [1.0, 64.0]
     run = mg.init(timeout_s=120)
     # One process has nobody to exchange with: an "all-reduce" of itself measures a memory copy.
-    results = [measure(int(size * 2**20), run.comm_device if run.backend != "nccl" else run.device)
-               for size in sizes_mib] if run.world_size > 1 else []
+    results = (
+        [
+            measure(int(size * 2**20), run.comm_device if run.backend != "nccl" else run.device)
+            for size in sizes_mib
+        ]
+        if run.world_size > 1
+        else []
+    )
     if run.is_main:
-        print("MULTIGPU_BANDWIDTH " + json.dumps({"backend": run.backend, "device": str(run.device),
-                                                  "results": results}), flush=True)
+        print(
+            "MULTIGPU_BANDWIDTH "
+            + json.dumps({"backend": run.backend, "device": str(run.device), "results": results}),
+            flush=True,
+        )
     return 0 if all(r["correct"] for r in results) else 1
 
 

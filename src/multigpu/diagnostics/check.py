@@ -56,51 +56,108 @@ from multigpu.launch.process import StopSignals, launched, stopping_cleanly
 EQUAL, DIFFERENT, DID_NOT_RUN, UNVERIFIED = 0, 1, 2, 3
 
 
-def _run(command: Sequence[str], nproc: int, scale: int, steps: int, folder: Path, cpu: bool, timeout_s: float,
-         stops: StopSignals, procs_per_gpu: int = 1) -> Outcome:
+def _run(
+    command: Sequence[str],
+    nproc: int,
+    scale: int,
+    steps: int,
+    folder: Path,
+    cpu: bool,
+    timeout_s: float,
+    stops: StopSignals,
+    procs_per_gpu: int = 1,
+) -> Outcome:
     Folder(folder.parent).make(folder.name)
     env = {**os.environ, **job_env(os.environ.get(JOB_VAR), check=Check(str(folder), steps, scale))}
-    argv = RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu).to_argv(command)
-    with launched(argv, stops, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+    argv = RunFlags(nproc=nproc, procs_per_gpu=procs_per_gpu, tee_prefix="never", cpu=cpu).to_argv(
+        command
+    )
+    with launched(
+        argv, stops, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
         stops.release()  # (see launched)
         try:
             output, errors = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             stops.holding = True  # (see launched)
-            raise LaunchError(f"the {nproc}-process run did not finish in {timeout_s:.0f} s.",
-                              "lower --steps, or give --timeout more seconds.") from None
+            raise LaunchError(
+                f"the {nproc}-process run did not finish in {timeout_s:.0f} s.",
+                "lower --steps, or give --timeout more seconds.",
+            ) from None
     return Outcome.read(folder, proc.returncode, output + errors)
 
 
-def check(command: Sequence[str], nproc: int, steps: int, cpu: bool = False, tolerance: Optional[float] = None,
-          keep: bool = False, timeout_s: float = 600.0, out: Callable[[str], None] = print, procs_per_gpu: int = 1,
-          show_output: bool = False) -> int:
+def check(
+    command: Sequence[str],
+    nproc: int,
+    steps: int,
+    cpu: bool = False,
+    tolerance: Optional[float] = None,
+    keep: bool = False,
+    timeout_s: float = 600.0,
+    out: Callable[[str], None] = print,
+    procs_per_gpu: int = 1,
+    show_output: bool = False,
+) -> int:
     """Run, compare, print the verdict; the exit status (:data:`EQUAL` 0 ... :data:`UNVERIFIED` 3).
 
     ``procs_per_gpu``: the N processes share the GPUs K to a GPU (a one-GPU machine checks 2 processes
     with ``nproc=2, procs_per_gpu=2``); the one-process run has a GPU to itself. ``show_output``: print
     each run's own output (stdout and stderr) before the comparison."""
-    validate.count(nproc, "--nproc", LaunchError, low=2, high=validate.MAX_PROCS_PER_NODE,
-                   hint="compare 2 or more processes against one.")
+    validate.count(
+        nproc,
+        "--nproc",
+        LaunchError,
+        low=2,
+        high=validate.MAX_PROCS_PER_NODE,
+        hint="compare 2 or more processes against one.",
+    )
     validate.count(steps, "--steps", LaunchError, low=1, high=10_000)
     if procs_per_gpu != 1:  # refuse an impossible device plan now, not as a failed run
         from multigpu.launch.devices import plan_devices, visible_gpus
 
         plan_devices(visible_gpus(), nproc=nproc, procs_per_gpu=procs_per_gpu, cpu=cpu)
-    with stopping_cleanly() as stops:  # a stop signal raises: the runs are stopped, the folders removed
-        return _check(command, nproc, steps, cpu, tolerance, keep, timeout_s, out, procs_per_gpu, show_output, stops)
+    # a stop signal raises: the runs are stopped, the folders removed
+    with stopping_cleanly() as stops:
+        return _check(
+            command,
+            nproc,
+            steps,
+            cpu,
+            tolerance,
+            keep,
+            timeout_s,
+            out,
+            procs_per_gpu,
+            show_output,
+            stops,
+        )
 
 
-def _check(command: Sequence[str], nproc: int, steps: int, cpu: bool, tolerance: Optional[float], keep: bool,
-           timeout_s: float, out: Callable[[str], None], procs_per_gpu: int, show_output: bool,
-           stops: StopSignals) -> int:
+def _check(
+    command: Sequence[str],
+    nproc: int,
+    steps: int,
+    cpu: bool,
+    tolerance: Optional[float],
+    keep: bool,
+    timeout_s: float,
+    out: Callable[[str], None],
+    procs_per_gpu: int,
+    show_output: bool,
+    stops: StopSignals,
+) -> int:
     root: Optional[Path] = None
     try:
         with stops.held():  # the folder and our hold on it come together
             root = Path(tempfile.mkdtemp(prefix="multigpu-check-"))
-        out(f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
-            f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both")
-        many = _run(command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, stops, procs_per_gpu)
+        out(
+            f"multigpu check: {' '.join(command)}: {nproc} processes (their own batch each) against 1 process "
+            f"(the {nproc}x batch), {steps} optimizer step(s); dropout off in both"
+        )
+        many = _run(
+            command, nproc, 1, steps, root / f"n{nproc}", cpu, timeout_s, stops, procs_per_gpu
+        )
         one = _run(command, 1, nproc, steps, root / "n1", cpu, timeout_s, stops)
         if show_output:
             for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
@@ -117,38 +174,62 @@ def _check(command: Sequence[str], nproc: int, steps: int, cpu: bool, tolerance:
                 Folder(root.parent).remove_tree(root.name)
 
 
-def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optional[float],
-           out: Callable[[str], None] = print) -> int:
+def report(
+    many: Outcome,
+    one: Outcome,
+    nproc: int,
+    steps: int,
+    tolerance: Optional[float],
+    out: Callable[[str], None] = print,
+) -> int:
     """Print the comparison of two runs' records and the verdict; return the exit status."""
     for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
         if outcome.most_steps == 0 and not outcome.ranks and outcome.status == 0:
-            out(f"the {label} run finished (exit 0) without calling mg.init(): check records what mg.init() and "
+            out(
+                f"the {label} run finished (exit 0) without calling mg.init(): check records what mg.init() and "
                 "run.setup (or mg.Trainer) see, so a script that sets up its own DDP - the PyTorch DDP tutorial's "
-                "shape, Hugging Face's Trainer, Accelerate - cannot be compared.")
-            out("HINT: such a script runs unchanged under `multigpu run`; to check it, build the model with "
-                "run.setup and step through run.loader (docs/migrating.md), or compare its losses yourself.")
+                "shape, Hugging Face's Trainer, Accelerate - cannot be compared."
+            )
+            out(
+                "HINT: such a script runs unchanged under `multigpu run`; to check it, build the model with "
+                "run.setup and step through run.loader (docs/migrating.md), or compare its losses yourself."
+            )
             return DID_NOT_RUN
         if outcome.most_steps == 0:
-            why = outcome.error_line() if outcome.status != 0 else "it ran, but no optimizer step went through run.setup's model"
+            why = (
+                outcome.error_line()
+                if outcome.status != 0
+                else "it ran, but no optimizer step went through run.setup's model"
+            )
             out(f"the {label} run recorded no step (exit {outcome.status}): {why}")
-            out("HINT: the script must build its model with run.setup (or the Trainer) and step an optimizer; "
-                "run it with `multigpu run` first.")
+            out(
+                "HINT: the script must build its model with run.setup (or the Trainer) and step an optimizer; "
+                "run it with `multigpu run` first."
+            )
             return DID_NOT_RUN
     for outcome, label in ((many, f"{nproc}-process"), (one, "1-process")):
         if outcome.stranded:
-            out(f"the {label} run: rank(s) {', '.join(map(str, outcome.stranded))} went past step {steps} without "
+            out(
+                f"the {label} run: rank(s) {', '.join(map(str, outcome.stranded))} went past step {steps} without "
                 f"stepping; the ranks that reached it left without them, so their next collective failed "
-                f"(exit {outcome.status}): {outcome.error_line()}")
+                f"(exit {outcome.status}): {outcome.error_line()}"
+            )
         elif outcome.status != 0 or outcome.steps < steps:
-            out(f"the {label} run stopped after {outcome.steps} of {steps} step(s) (exit {outcome.status}): "
-                f"{outcome.error_line()}")
+            out(
+                f"the {label} run stopped after {outcome.steps} of {steps} step(s) (exit {outcome.status}): "
+                f"{outcome.error_line()}"
+            )
     causes = diagnose(many, one, nproc)
-    dtype = next((r[0].get("dtype") for r in one.ranks if r and r[0].get("dtype")), None) or "float32"
+    dtype = (
+        next((r[0].get("dtype") for r in one.ranks if r and r[0].get("dtype")), None) or "float32"
+    )
     tol = tolerance_for(dtype, steps, tolerance)
     out(f"\nglobal batch of step 1:  {batch_shape(many)}   |   {batch_shape(one)}")
     shown = min(many.steps, one.steps)  # steps every rank of both runs recorded
     if shown:
-        out(f"\n{'step':>4}  {'loss, ' + str(nproc) + ' procs':>15}  {'loss, 1 proc':>15}  {'rel. diff':>9}  samples")
+        out(
+            f"\n{'step':>4}  {'loss, ' + str(nproc) + ' procs':>15}  {'loss, 1 proc':>15}  {'rel. diff':>9}  samples"
+        )
     else:
         out("\n(no step was recorded by every rank of both runs: nothing to compare step by step)")
     worst_loss = 0.0 if shown else math.inf
@@ -161,39 +242,55 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
         else:
             rel = finite_or_inf(abs(a - b) / max(abs(b), 1e-12))
         worst_loss = max(worst_loss, rel)
-        out(f"{i + 1:>4}  {a if a is not None else float('nan'):>15.8g}  {b if b is not None else float('nan'):>15.8g}  "
-            f"{rel:>9.2e}  {many.samples(i)} / {one.samples(i)}")
+        out(
+            f"{i + 1:>4}  {a if a is not None else float('nan'):>15.8g}  {b if b is not None else float('nan'):>15.8g}  "
+            f"{rel:>9.2e}  {many.samples(i)} / {one.samples(i)}"
+        )
     if shown and all(many.loss(i) is None and one.loss(i) is None for i in range(shown)):
         out("(no losses: nothing was backpropagated through a scalar loss; the weights decide)")
     weights_many, weights_one = many.weights(), one.weights()
-    worst_weight = math.inf  # stays so when a run stopped before writing its weights ("a run stopped early")
+    # stays so when a run stopped before writing its weights ("a run stopped early")
+    worst_weight = math.inf
     if weights_many is not None and weights_one is not None:
         rows = weight_differences(weights_many, weights_one)
         worst = max(rows, key=lambda row: row[2]) if rows else ("-", 0.0, 0.0)
         worst_weight = worst[2]
-        out(f"\nweights after step {steps}: {len(rows)} tensor(s); largest difference {worst[1]:.3g} in {worst[0]} "
-            f"({worst[2]:.3g} of its largest value)")
-    diverged = [i + 1 for i in range(shown) if all(v is not None and not math.isfinite(v) for v in (many.loss(i), one.loss(i)))]
+        out(
+            f"\nweights after step {steps}: {len(rows)} tensor(s); largest difference {worst[1]:.3g} in {worst[0]} "
+            f"({worst[2]:.3g} of its largest value)"
+        )
+    diverged = [
+        i + 1
+        for i in range(shown)
+        if all(v is not None and not math.isfinite(v) for v in (many.loss(i), one.loss(i)))
+    ]
     if diverged:  # NaN against NaN says nothing either way
-        out(f"verdict: UNVERIFIED - the loss is NaN or infinite in both runs from step {diverged[0]}: nothing to "
+        out(
+            f"verdict: UNVERIFIED - the loss is NaN or infinite in both runs from step {diverged[0]}: nothing to "
             "compare (the training diverged, or the model or the data hold NaN or inf). Check the loss on one "
-            "process first, or run fewer --steps.")
+            "process first, or run fewer --steps."
+        )
         return UNVERIFIED
     same_samples = all(many.samples(i) == one.samples(i) for i in range(shown))
-    complete = (many.status == 0 and one.status == 0 and many.steps >= steps and one.steps >= steps)
+    complete = many.status == 0 and one.status == 0 and many.steps >= steps and one.steps >= steps
     numbers_agree = complete and worst_loss <= tol and worst_weight <= tol and same_samples
     blocking = [c for c in causes if c.kind == BLOCKING]
     wrong = [c for c in causes if c.kind == WRONG]
     within = f"within {tol:.2g}, {dtype}"
     if not numbers_agree or blocking:
         if numbers_agree:
-            out(f"verdict: DIFFERENT - the numbers agree ({within}), but {nproc} processes do not train as one "
-                "process does:")
+            out(
+                f"verdict: DIFFERENT - the numbers agree ({within}), but {nproc} processes do not train as one "
+                "process does:"
+            )
         else:
             parts = []
             if worst_loss > tol and shown:
-                parts.append(f"losses differ by up to {worst_loss:.3g}" if math.isfinite(worst_loss) else
-                             "a loss is NaN or infinite in one run only")
+                parts.append(
+                    f"losses differ by up to {worst_loss:.3g}"
+                    if math.isfinite(worst_loss)
+                    else "a loss is NaN or infinite in one run only"
+                )
             if weights_many is not None and weights_one is not None and worst_weight > tol:
                 parts.append(f"weights differ by up to {worst_weight:.3g}")
             if not same_samples:
@@ -206,14 +303,18 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
             for cause in causes:
                 out(f"  - {cause.text}")
         else:
-            out("why: none of the usual causes was seen (sharding, batch size, accumulation, BatchNorm, summed losses, "
+            out(
+                "why: none of the usual causes was seen (sharding, batch size, accumulation, BatchNorm, summed losses, "
                 "gradient sync, shared random streams, unused parameters, averaged metrics). Run again with --keep "
-                "and compare the records.")
+                "and compare the records."
+            )
         return DIFFERENT
     reasons = unverified(many, one, nproc)
     if wrong:
-        out(f"verdict: EQUAL numbers ({within}), but the records show a mistake that is wrong on any number of "
-            "processes:")
+        out(
+            f"verdict: EQUAL numbers ({within}), but the records show a mistake that is wrong on any number of "
+            "processes:"
+        )
         for text in [c.text for c in causes] + reasons:
             out(f"  - {text}")
         return DIFFERENT
@@ -222,7 +323,8 @@ def report(many: Outcome, one: Outcome, nproc: int, steps: int, tolerance: Optio
         for text in reasons + [c.text for c in causes]:
             out(f"  - {text}")
         return UNVERIFIED
-    if causes:  # numeric explanations only arise with a difference; kept so that nothing found goes unsaid
+    # numeric explanations only arise with a difference; kept so that nothing found goes unsaid
+    if causes:
         out(f"verdict: EQUAL ({within}), but:")
         for cause in causes:
             out(f"  - {cause.text}")

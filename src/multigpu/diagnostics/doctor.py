@@ -52,15 +52,21 @@ def local_facts(out: Path) -> dict[str, Any]:
     import multigpu
 
     facts: dict[str, Any] = {
-        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "python": platform.python_version(),
+        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "python": platform.python_version(),
         "torch": torch.__version__,
-        "cuda": torch.version.cuda or "none", "multigpu": multigpu.__version__, "nccl": "none",
+        "cuda": torch.version.cuda or "none",
+        "multigpu": multigpu.__version__,
+        "nccl": "none",
     }
     if torch.cuda.is_available() and dist.is_nccl_available():
         try:
             version = torch.cuda.nccl.version()
-            facts["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except Exception:  # a CUDA build without a usable libnccl: the all-reduce below will say more
+            facts["nccl"] = (
+                ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+            )
+        # a CUDA build without a usable libnccl: the all-reduce below will say more
+        except Exception:
             facts["nccl"] = "unknown"
     try:
         probe = f".multigpu-doctor-write-{socket.gethostname()[:60]}-{os.getpid()}"
@@ -74,12 +80,19 @@ def local_facts(out: Path) -> dict[str, Any]:
         facts["free_gb"] = shutil.disk_usage(existing(out)).free / 1e9
     except OSError:
         facts["free_gb"] = None
-    if torch.cuda.is_available() and validate.whole_number(os.environ.get("LOCAL_RANK", "0"), "LOCAL_RANK") == 0:
+    if (
+        torch.cuda.is_available()
+        and validate.whole_number(os.environ.get("LOCAL_RANK", "0"), "LOCAL_RANK") == 0
+    ):
         facts["ecc"] = ecc_errors()  # once per node
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
         free, total = torch.cuda.mem_get_info(device)
-        facts["gpu"] = {"name": torch.cuda.get_device_name(device), "free_gb": free / 1e9, "total_gb": total / 1e9}
+        facts["gpu"] = {
+            "name": torch.cuda.get_device_name(device),
+            "free_gb": free / 1e9,
+            "total_gb": total / 1e9,
+        }
     return facts
 
 
@@ -91,8 +104,16 @@ def ecc_errors() -> Optional[dict[str, str]]:
     import subprocess
 
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
-                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        done = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=index,ecc.errors.uncorrected.volatile.total",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     found = {}
@@ -129,7 +150,9 @@ def _shared_folder(out: Path, run: Any, writable: bool) -> Optional[bool]:
     return seen
 
 
-def faults(facts: list[dict[str, Any]], args: argparse.Namespace, results: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def faults(
+    facts: list[dict[str, Any]], args: argparse.Namespace, results: list[dict[str, Any]]
+) -> list[tuple[str, str]]:
     """(problem, hint) in the order a person should fix them."""
     found: list[tuple[str, str]] = []
     for key in ("multigpu", "torch", "cuda", "nccl", "python"):
@@ -137,57 +160,102 @@ def faults(facts: list[dict[str, Any]], args: argparse.Namespace, results: list[
         for rank, fact in enumerate(facts):
             values.setdefault(fact[key], []).append(f"{fact['host']} (rank {rank})")
         if len(values) > 1:
-            shown = "; ".join(f"{version} on {', '.join(where[:3])}" for version, where in values.items())
-            found.append((f"{key} versions differ: {shown}",
-                          "install the same versions on every node (the same container image or environment)."))
+            shown = "; ".join(
+                f"{version} on {', '.join(where[:3])}" for version, where in values.items()
+            )
+            found.append(
+                (
+                    f"{key} versions differ: {shown}",
+                    "install the same versions on every node (the same container image or environment).",
+                )
+            )
     stamps = [fact["clock"] for fact in facts]
     skew = max(stamps) - min(stamps)
     if skew > args.max_clock_skew:
         late = facts[stamps.index(max(stamps))]["host"]
-        found.append((f"clocks differ by {skew:.1f} s (ahead: {late}; bound {args.max_clock_skew:g} s)",
-                      "run NTP/chrony on every node: timestamps in logs, checkpoints and Slurm's limits rely on them."))
+        found.append(
+            (
+                f"clocks differ by {skew:.1f} s (ahead: {late}; bound {args.max_clock_skew:g} s)",
+                "run NTP/chrony on every node: timestamps in logs, checkpoints and Slurm's limits rely on them.",
+            )
+        )
     for rank, fact in enumerate(facts):
         if not fact["writable"]:
-            found.append((f"{args.out} is not writable on {fact['host']} (rank {rank}): {fact.get('write_error')}",
-                          "give --out a folder every node may write (checkpoints go there)."))
+            found.append(
+                (
+                    f"{args.out} is not writable on {fact['host']} (rank {rank}): {fact.get('write_error')}",
+                    "give --out a folder every node may write (checkpoints go there).",
+                )
+            )
             break
     for rank, fact in enumerate(facts):
         if fact["writable"] and fact["shared"] is False:
-            found.append((f"{args.out} is not shared: a file written by rank 0 on {facts[0]['host']} is not there "
-                          f"on {fact['host']} (rank {rank})",
-                          "put the output folder on the shared file system (checkpoints are written by rank 0 and "
-                          "read by every rank on resume)."))
+            found.append(
+                (
+                    f"{args.out} is not shared: a file written by rank 0 on {facts[0]['host']} is not there "
+                    f"on {fact['host']} (rank {rank})",
+                    "put the output folder on the shared file system (checkpoints are written by rank 0 and "
+                    "read by every rank on resume).",
+                )
+            )
             break
     if args.checkpoint_gb:
         for _rank, fact in enumerate(facts):
             if fact.get("free_gb") is not None and fact["free_gb"] < args.checkpoint_gb:
-                found.append((f"{fact['free_gb']:.1f} GB free at {args.out} on {fact['host']}, the checkpoints "
-                              f"need {args.checkpoint_gb:g} GB", "free space, or lower keep_last."))
+                found.append(
+                    (
+                        f"{fact['free_gb']:.1f} GB free at {args.out} on {fact['host']}, the checkpoints "
+                        f"need {args.checkpoint_gb:g} GB",
+                        "free space, or lower keep_last.",
+                    )
+                )
                 break
     for rank, fact in enumerate(facts):
         gpu = fact.get("gpu")
         if gpu and gpu["free_gb"] < 0.9 * gpu["total_gb"] - 1.0:
-            found.append((f"the GPU of rank {rank} on {fact['host']} has only {gpu['free_gb']:.1f} of "
-                          f"{gpu['total_gb']:.1f} GB free: another process holds it",
-                          "find it with nvidia-smi; a job sharing a GPU runs slowly or out of memory."))
+            found.append(
+                (
+                    f"the GPU of rank {rank} on {fact['host']} has only {gpu['free_gb']:.1f} of "
+                    f"{gpu['total_gb']:.1f} GB free: another process holds it",
+                    "find it with nvidia-smi; a job sharing a GPU runs slowly or out of memory.",
+                )
+            )
             break
     for fact in facts:
-        bad = {gpu: count for gpu, count in (fact.get("ecc") or {}).items() if validate.is_digits(count) and int(count) > 0}
+        bad = {
+            gpu: count
+            for gpu, count in (fact.get("ecc") or {}).items()
+            if validate.is_digits(count) and int(count) > 0
+        }
         if bad:
-            found.append((f"uncorrected ECC errors on {fact['host']}: " + ", ".join(f"GPU {g}: {c}" for g, c in bad.items()),
-                          "drain the node (or leave those GPUs out with --gpus) and tell its administrators."))
+            found.append(
+                (
+                    f"uncorrected ECC errors on {fact['host']}: "
+                    + ", ".join(f"GPU {g}: {c}" for g, c in bad.items()),
+                    "drain the node (or leave those GPUs out with --gpus) and tell its administrators.",
+                )
+            )
             break
     for result in results:
         if not result["correct"]:
-            found.append((f"an all-reduce of {result['bytes'] / 2**20:.0f} MiB gave a wrong sum",
-                          "check the GPUs and the interconnect (nvidia-smi -q for ECC and XID errors)."))
+            found.append(
+                (
+                    f"an all-reduce of {result['bytes'] / 2**20:.0f} MiB gave a wrong sum",
+                    "check the GPUs and the interconnect (nvidia-smi -q for ECC and XID errors).",
+                )
+            )
             break
     if args.expect_gbps:
         slow = [r for r in results if r["bytes"] >= 64 * 2**20 and r["bus_gbps"] < args.expect_gbps]
         if slow:
-            found.append((f"all-reduce bus bandwidth {slow[0]['bus_gbps']:.2f} GB/s is below the expected "
-                          f"{args.expect_gbps:g} GB/s", "check NCCL_SOCKET_IFNAME / the InfiniBand setup with "
-                          "`multigpu run --debug` (NCCL_DEBUG=INFO shows the transport)."))
+            found.append(
+                (
+                    f"all-reduce bus bandwidth {slow[0]['bus_gbps']:.2f} GB/s is below the expected "
+                    f"{args.expect_gbps:g} GB/s",
+                    "check NCCL_SOCKET_IFNAME / the InfiniBand setup with "
+                    "`multigpu run --debug` (NCCL_DEBUG=INFO shows the transport).",
+                )
+            )
     return found
 
 
@@ -203,10 +271,20 @@ def _shared_row(facts: list[dict[str, Any]]) -> tuple[str, str, str]:
 def _ecc_row(facts: list[dict[str, Any]]) -> tuple[str, str, str]:
     seen = [fact["ecc"] for fact in facts if fact.get("ecc") is not None]
     if not seen:
-        return ("ecc", "-", "not checked: no nvidia-smi on the nodes (XID errors: the kernel log, dmesg)")
-    bad = sum(1 for ecc in seen for count in ecc.values() if validate.is_digits(count) and int(count) > 0)
-    return ("ecc", "ok" if not bad else "ERRORS", f"uncorrected errors on {bad} GPU(s) of {sum(map(len, seen))}; "
-            "XID errors are not read (kernel log, dmesg)")
+        return (
+            "ecc",
+            "-",
+            "not checked: no nvidia-smi on the nodes (XID errors: the kernel log, dmesg)",
+        )
+    bad = sum(
+        1 for ecc in seen for count in ecc.values() if validate.is_digits(count) and int(count) > 0
+    )
+    return (
+        "ecc",
+        "ok" if not bad else "ERRORS",
+        f"uncorrected errors on {bad} GPU(s) of {sum(map(len, seen))}; "
+        "XID errors are not read (kernel log, dmesg)",
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -218,8 +296,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sizes", default="1,256")
     parser.add_argument("--max-clock-skew", type=float, default=2.0)
     parser.add_argument("--expect-gbps", type=float, default=0.0)
-    parser.add_argument("--report-only", action="store_true",
-                        help="exit 0 even with faults (`multigpu doctor` reads the verdict line instead)")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="exit 0 even with faults (`multigpu doctor` reads the verdict line instead)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     run = mg.init(timeout_s=60)
@@ -234,35 +315,77 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist.all_gather_object(facts, fact)
     device = run.device if run.backend == "nccl" else run.comm_device
     # One process has nobody to exchange with: its "all-reduce" would time a memory copy.
-    results = [measure(int(float(size) * 2**20), device, repeats=3) for size in args.sizes.split(",") if size
-               ] if run.world_size > 1 else []
-    found = faults(facts, args, results)  # every rank has the same facts: every rank reaches the same verdict
+    results = (
+        [
+            measure(int(float(size) * 2**20), device, repeats=3)
+            for size in args.sizes.split(",")
+            if size
+        ]
+        if run.world_size > 1
+        else []
+    )
+    # every rank has the same facts: every rank reaches the same verdict
+    found = faults(facts, args, results)
     status = 0 if args.report_only or not found else 1
     if not run.is_main:
         return status
     hosts = sorted({f["host"] for f in facts})
-    print(f"multigpu doctor: {run.world_size} rank(s) on {len(hosts)} node(s) ({', '.join(hosts[:4])}"
-          f"{', ...' if len(hosts) > 4 else ''}), backend {run.backend}")
+    print(
+        f"multigpu doctor: {run.world_size} rank(s) on {len(hosts)} node(s) ({', '.join(hosts[:4])}"
+        f"{', ...' if len(hosts) > 4 else ''}), backend {run.backend}"
+    )
     first = facts[0]
-    rows = [("rendezvous", "ok", f"{run.world_size} ranks joined"),
-            *[(key, "ok" if len({f[key] for f in facts}) == 1 else "DIFFER", ", ".join(sorted({str(f[key]) for f in facts})))
-              for key in ("multigpu", "torch", "cuda", "nccl", "python")],
-            ("clocks", "ok" if max(f["clock"] for f in facts) - min(f["clock"] for f in facts) <= args.max_clock_skew
-             else "SKEW", f"spread {max(f['clock'] for f in facts) - min(f['clock'] for f in facts):.2f} s"),
-            ("output folder", "ok" if all(f["writable"] for f in facts) else "NOT WRITABLE",
-             str(out) if out.exists() else f"{out} (does not exist yet: checked {existing(out)}, where it would be "
-             "created)"),
-            _shared_row(facts),
-            ("free disk", "ok" if not args.checkpoint_gb or min((f["free_gb"] or 0) for f in facts) >= args.checkpoint_gb
-             else "LOW", f"{min((f['free_gb'] or 0) for f in facts):.1f} GB at least"),
-            ("gpus", "ok" if "gpu" in first or run.backend != "nccl" else "?",
-             first["gpu"]["name"] if "gpu" in first else "none (CPU, gloo)"),
-            _ecc_row(facts)]
+    rows = [
+        ("rendezvous", "ok", f"{run.world_size} ranks joined"),
+        *[
+            (
+                key,
+                "ok" if len({f[key] for f in facts}) == 1 else "DIFFER",
+                ", ".join(sorted({str(f[key]) for f in facts})),
+            )
+            for key in ("multigpu", "torch", "cuda", "nccl", "python")
+        ],
+        (
+            "clocks",
+            "ok"
+            if max(f["clock"] for f in facts) - min(f["clock"] for f in facts)
+            <= args.max_clock_skew
+            else "SKEW",
+            f"spread {max(f['clock'] for f in facts) - min(f['clock'] for f in facts):.2f} s",
+        ),
+        (
+            "output folder",
+            "ok" if all(f["writable"] for f in facts) else "NOT WRITABLE",
+            str(out)
+            if out.exists()
+            else f"{out} (does not exist yet: checked {existing(out)}, where it would be created)",
+        ),
+        _shared_row(facts),
+        (
+            "free disk",
+            "ok"
+            if not args.checkpoint_gb
+            or min((f["free_gb"] or 0) for f in facts) >= args.checkpoint_gb
+            else "LOW",
+            f"{min((f['free_gb'] or 0) for f in facts):.1f} GB at least",
+        ),
+        (
+            "gpus",
+            "ok" if "gpu" in first or run.backend != "nccl" else "?",
+            first["gpu"]["name"] if "gpu" in first else "none (CPU, gloo)",
+        ),
+        _ecc_row(facts),
+    ]
     if not results:
         rows.append(("all-reduce", "-", "skipped: one process has nobody to exchange with"))
     for result in results:
-        rows.append((f"all-reduce {result['bytes'] / 2**20:.0f} MiB", "ok" if result["correct"] else "WRONG",
-                     f"{result['seconds'] * 1e3:.1f} ms, bus {result['bus_gbps']:.2f} GB/s"))
+        rows.append(
+            (
+                f"all-reduce {result['bytes'] / 2**20:.0f} MiB",
+                "ok" if result["correct"] else "WRONG",
+                f"{result['seconds'] * 1e3:.1f} ms, bus {result['bus_gbps']:.2f} GB/s",
+            )
+        )
     for name, verdict, detail in rows:
         print(f"  {name:<18} {verdict:<12} {detail}")
     print(f"  ({time.monotonic() - started:.1f} s)")
@@ -271,7 +394,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"multigpu: error: {problem}. HINT: {hint}", file=sys.stderr, flush=True)
         for problem, _hint in found[1:]:
             print(f"  also: {problem}", file=sys.stderr)
-    print(DOCTOR_MARKER + json.dumps({"faults": [p for p, _ in found], "world": run.world_size}), flush=True)
+    print(
+        DOCTOR_MARKER + json.dumps({"faults": [p for p, _ in found], "world": run.world_size}),
+        flush=True,
+    )
     return status
 
 

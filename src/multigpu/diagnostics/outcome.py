@@ -32,14 +32,31 @@ class Outcome:
 
     @classmethod
     def read(cls, folder: Path, status: int, output: str) -> "Outcome":
-        records = Folder(folder)  # written by the runs the check started, in its own temporary folder
+        # written by the runs the check started, in its own temporary folder
+        records = Folder(folder)
         ranks = []
-        for path in sorted(folder.glob("rank*.jsonl"), key=lambda p: int(p.stem[4:]) if validate.is_digits(p.stem[4:]) else -1):
-            lines = [line for line in records.load_text(path.name, limit=256 << 20).splitlines() if line.strip()]
+        for path in sorted(
+            folder.glob("rank*.jsonl"),
+            key=lambda p: int(p.stem[4:]) if validate.is_digits(p.stem[4:]) else -1,
+        ):
+            lines = [
+                line
+                for line in records.load_text(path.name, limit=256 << 20).splitlines()
+                if line.strip()
+            ]
             ranks.append([json.loads(line) for line in lines])
-        model = json.loads(records.load_text("model.json")) if records.kind("model.json") == "file" else {}
-        stranded = sorted({r for path in folder.glob("stranded.rank*.json")
-                           for r in json.loads(records.load_text(path.name)).get("missing", [])})
+        model = (
+            json.loads(records.load_text("model.json"))
+            if records.kind("model.json") == "file"
+            else {}
+        )
+        stranded = sorted(
+            {
+                r
+                for path in folder.glob("stranded.rank*.json")
+                for r in json.loads(records.load_text(path.name)).get("missing", [])
+            }
+        )
         return cls(folder, status, output, ranks, model, stranded)
 
     @property
@@ -72,8 +89,11 @@ class Outcome:
         if not rows:
             return None
         total = sum(row["samples"] for row in rows)
-        mean: float = (sum(row["loss"] for row in rows) / len(rows) if total == 0
-                       else sum(row["loss"] * row["samples"] for row in rows) / total)
+        mean: float = (
+            sum(row["loss"] for row in rows) / len(rows)
+            if total == 0
+            else sum(row["loss"] * row["samples"] for row in rows) / total
+        )
         return mean
 
     def samples(self, step: int) -> int:
@@ -81,7 +101,9 @@ class Outcome:
 
     def error_line(self) -> str:
         lines = [line for line in self.output.splitlines() if "error" in line.lower()]
-        return (lines[-1] if lines else (self.output.strip().splitlines() or ["(no output)"])[-1]).strip()[:300]
+        return (
+            lines[-1] if lines else (self.output.strip().splitlines() or ["(no output)"])[-1]
+        ).strip()[:300]
 
 
 #: The default tolerance never exceeds this: a summed loss (1/N), doubled gradients (N x) or BatchNorm
@@ -92,7 +114,9 @@ MAX_TOLERANCE = 2e-2
 def tolerance_for(dtype: Optional[str], steps: int, given: Optional[float]) -> float:
     if given is not None:
         return given
-    return min(MAX_TOLERANCE, 500 * EPS.get(dtype or "float32", EPS["float32"]) * math.sqrt(max(steps, 1)))
+    return min(
+        MAX_TOLERANCE, 500 * EPS.get(dtype or "float32", EPS["float32"]) * math.sqrt(max(steps, 1))
+    )
 
 
 def finite_or_inf(value: float) -> float:
@@ -123,7 +147,13 @@ def update_ratio(many: Outcome, one: Outcome, nproc: int) -> Optional[float]:
         return None
     ratios = []
     for k in m0:
-        if k in m1 and k in o0 and k in o1 and m1[k].is_floating_point() and m1[k].shape == o1[k].shape:
+        if (
+            k in m1
+            and k in o0
+            and k in o1
+            and m1[k].is_floating_point()
+            and m1[k].shape == o1[k].shape
+        ):
             num = (m1[k].double() - m0[k].double()).norm().item()
             den = (o1[k].double() - o0[k].double()).norm().item()
             if den > 0:
@@ -141,7 +171,11 @@ def batch_shape(outcome: Outcome, step: int = 0) -> str:
         return "no step recorded"
     forwards = {row["forwards"] for row in rows}
     sizes = {size for row in rows for size in row["rows"]}
-    micro = str(forwards.pop()) if len(forwards) == 1 else "/".join(str(row["forwards"]) for row in rows)
+    micro = (
+        str(forwards.pop())
+        if len(forwards) == 1
+        else "/".join(str(row["forwards"]) for row in rows)
+    )
     each = str(sizes.pop()) if len(sizes) == 1 else "+".join(str(s) for s in sorted(sizes))
     procs = f"{len(rows)} process{'es' if len(rows) > 1 else ''}"
     missing = [str(r) for r, records in enumerate(outcome.ranks) if len(records) <= step]

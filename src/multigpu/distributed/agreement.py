@@ -24,7 +24,9 @@ import torch.distributed as dist
 _OPS = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def reduce_ints(values: Sequence[int], op: str, group: Any = None, active: bool = True) -> list[int]:
+def reduce_ints(
+    values: Sequence[int], op: str, group: Any = None, active: bool = True
+) -> list[int]:
     """``values`` reduced element-wise over the ranks of ``group`` (``op``: "max" or "min")."""
     if not active:
         return list(values)
@@ -51,8 +53,13 @@ class Pending:
     wait on a collective the other ranks may not join.
     """
 
-    def __init__(self, op: str, group: Any = None, active: bool = True,
-                 before: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        op: str,
+        group: Any = None,
+        active: bool = True,
+        before: Optional[Callable[[], None]] = None,
+    ) -> None:
         self.op = _OPS[op]
         self.group = group
         self.active = active

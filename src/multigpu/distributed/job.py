@@ -82,8 +82,10 @@ class Job:
 
 
 _RULES = rules_of(Job)  # from the declarations above
-_SECTIONS: dict[str, tuple[type, dict[str, Rule]]] = {"check": (Check, rules_of(Check)),
-                                                      "workers": (Workers, rules_of(Workers))}
+_SECTIONS: dict[str, tuple[type, dict[str, Rule]]] = {
+    "check": (Check, rules_of(Check)),
+    "workers": (Workers, rules_of(Workers)),
+}
 
 
 def parse_job(text: Optional[str]) -> Job:
@@ -98,7 +100,9 @@ def parse_job(text: Optional[str]) -> Job:
     except _Duplicate as exc:
         raise WorldError(f"{JOB_VAR} gives {shown(str(exc), 40)} twice.", _HINT) from None
     except (ValueError, RecursionError) as exc:
-        raise WorldError(f"{JOB_VAR}={shown(text, 60)} is not a JSON object ({shown(str(exc), 60)}).", _HINT) from None
+        raise WorldError(
+            f"{JOB_VAR}={shown(text, 60)} is not a JSON object ({shown(str(exc), 60)}).", _HINT
+        ) from None
     if not isinstance(data, dict):
         raise WorldError(f"{JOB_VAR}={shown(text, 60)} is not a JSON object.", _HINT)
     sections = {name: data.pop(name) for name in _SECTIONS if name in data}
@@ -109,14 +113,23 @@ def parse_job(text: Optional[str]) -> Job:
             continue
         if not isinstance(section, dict):
             raise WorldError(f"{JOB_VAR}: {name}={shown(section, 60)} is not an object.", _HINT)
-        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in section]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in section
+        ]
         if missing:
-            raise WorldError(f"{JOB_VAR}: {name}={shown(section, 60)} is missing its {missing[0]}.", _HINT)
+            raise WorldError(
+                f"{JOB_VAR}: {name}={shown(section, 60)} is missing its {missing[0]}.", _HINT
+            )
         values[name] = cls(**_typed(section, rules, f"{JOB_VAR} {name}"))
     job = Job(**values)
     for where, path in _paths(job):
-        if not os.path.isabs(path):  # a fence that moves with the script's current folder is no fence
-            raise WorldError(f"{JOB_VAR}: {where}={shown(path, 60)} is not an absolute path.", _HINT)
+        # a fence that moves with the script's current folder is no fence
+        if not os.path.isabs(path):
+            raise WorldError(
+                f"{JOB_VAR}: {where}={shown(path, 60)} is not an absolute path.", _HINT
+            )
     return job
 
 
@@ -135,9 +148,12 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _paths(job: Job) -> list[tuple[str, str]]:
     """The job's folders, by where they are: each must be absolute."""
-    found = [("run_dir", job.run_dir), ("trial_dir", job.trial_dir),
-             ("check.dir", job.check.dir if job.check else None),
-             ("workers.log_dir", job.workers.log_dir if job.workers else None)]
+    found = [
+        ("run_dir", job.run_dir),
+        ("trial_dir", job.trial_dir),
+        ("check.dir", job.check.dir if job.check else None),
+        ("workers.log_dir", job.workers.log_dir if job.workers else None),
+    ]
     return [(where, path) for where, path in found if path is not None]
 
 
@@ -145,7 +161,9 @@ def _typed(data: Mapping[str, Any], rules: Mapping[str, Rule], owner: str) -> di
     unknown = [str(key) for key in data if key not in rules]
     if unknown:
         raise WorldError(f"{owner} has an unknown key {shown(unknown[0], 40)}.", _HINT)
-    values = {name: checked(owner, name, value, rules[name], WorldError) for name, value in data.items()}
+    values = {
+        name: checked(owner, name, value, rules[name], WorldError) for name, value in data.items()
+    }
     if isinstance(values.get("memory_fraction"), int):
         values["memory_fraction"] = float(values["memory_fraction"])
     return values
@@ -158,23 +176,31 @@ def job_text(job: Job) -> str:
     for item in dataclasses.fields(Job):
         value = getattr(job, item.name)
         if value != getattr(defaults, item.name):
-            out[item.name] = dataclasses.asdict(value) if isinstance(value, (Check, Workers)) else value
+            out[item.name] = (
+                dataclasses.asdict(value) if isinstance(value, (Check, Workers)) else value
+            )
     return json.dumps(out, sort_keys=True)
 
 
 def job_env(inherited: Optional[str], **changes: Any) -> dict[str, str]:
     """The :data:`JOB_VAR` entry of a child's environment: the job this process was given (``inherited``,
     its own variable's value), with ``changes`` (a section set to None is cleared)."""
-    for name in ("run_dir", "trial_dir"):  # made absolute here, once: the run's folder stays where it was
+    # made absolute here, once: the run's folder stays where it was
+    for name in ("run_dir", "trial_dir"):
         if isinstance(changes.get(name), str):
             changes[name] = os.path.abspath(changes[name])
     for name, folder in (("check", "dir"), ("workers", "log_dir")):
         if changes.get(name) is not None and getattr(changes[name], folder) is not None:
-            changes[name] = dataclasses.replace(changes[name], **{folder: os.path.abspath(getattr(changes[name], folder))})
+            changes[name] = dataclasses.replace(
+                changes[name], **{folder: os.path.abspath(getattr(changes[name], folder))}
+            )
     text = job_text(dataclasses.replace(parse_job(inherited), **changes))
     try:
-        parse_job(text)  # what the runs will read: a value they would refuse is refused here, by its writer
+        # what the runs will read: a value they would refuse is refused here, by its writer
+        parse_job(text)
     except WorldError as exc:
-        raise WorldError(exc.message, "give the run's folders names of plain text (valid UTF-8, no control "
-                                      "characters).") from None
+        raise WorldError(
+            exc.message,
+            "give the run's folders names of plain text (valid UTF-8, no control characters).",
+        ) from None
     return {JOB_VAR: text}

@@ -48,30 +48,50 @@ class Parallelism:
         return cls(world_size, 1, world_size, 1)
 
     @classmethod
-    def from_degrees(cls, world_size: int, local_world_size: int, *, dp_replicate: int = 1,
-                     dp_shard: Optional[int] = None, tp: int = 1, pp: int = 1) -> "Parallelism":
+    def from_degrees(
+        cls,
+        world_size: int,
+        local_world_size: int,
+        *,
+        dp_replicate: int = 1,
+        dp_shard: Optional[int] = None,
+        tp: int = 1,
+        pp: int = 1,
+    ) -> "Parallelism":
         """Validate requested degrees; ``dp_shard`` None (or -1) takes what is left of the world."""
         for name, value in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a whole number of at least 1.", f"use {name}: 1 or more.")
+                raise ConfigError(
+                    f"{name}={value!r} must be a whole number of at least 1.",
+                    f"use {name}: 1 or more.",
+                )
         staged = f"pp={pp} x " if pp > 1 else ""
         rest = dp_replicate * tp * pp
         if dp_shard is None or dp_shard == -1:
             if world_size % rest:
-                raise ConfigError(f"{staged}dp_replicate={dp_replicate} x tp={tp} = {rest} does not divide the world "
-                                  f"size {world_size}.", f"choose degrees whose product divides {world_size}.")
+                raise ConfigError(
+                    f"{staged}dp_replicate={dp_replicate} x tp={tp} = {rest} does not divide the world "
+                    f"size {world_size}.",
+                    f"choose degrees whose product divides {world_size}.",
+                )
             dp_shard = world_size // rest
         if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1:
-            raise ConfigError(f"dp_shard={dp_shard!r} must be a whole number of at least 1 (or -1: the rest).",
-                              "leave dp_shard out to use the rest of the world.")
+            raise ConfigError(
+                f"dp_shard={dp_shard!r} must be a whole number of at least 1 (or -1: the rest).",
+                "leave dp_shard out to use the rest of the world.",
+            )
         if dp_replicate * dp_shard * tp * pp != world_size:
-            raise ConfigError(f"{staged}dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} = "
-                              f"{dp_replicate * dp_shard * tp * pp}, but the world has {world_size} processes.",
-                              f"choose degrees whose product is {world_size} (dp_shard -1 takes the rest).")
+            raise ConfigError(
+                f"{staged}dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} = "
+                f"{dp_replicate * dp_shard * tp * pp}, but the world has {world_size} processes.",
+                f"choose degrees whose product is {world_size} (dp_shard -1 takes the rest).",
+            )
         if tp > 1 and local_world_size % tp:
-            raise ConfigError(f"tp={tp} would span nodes: each node runs {local_world_size} process(es).",
-                              f"tensor parallelism talks every layer; keep it within a node: tp must divide "
-                              f"{local_world_size}.")
+            raise ConfigError(
+                f"tp={tp} would span nodes: each node runs {local_world_size} process(es).",
+                f"tensor parallelism talks every layer; keep it within a node: tp must divide "
+                f"{local_world_size}.",
+            )
         return cls(world_size, dp_replicate, dp_shard, tp, pp)
 
     # ---------------------------------------------------------------- who am I in each dimension
@@ -99,8 +119,11 @@ class Parallelism:
     def dp_group_ranks(self, rank: int) -> list[int]:
         """The ranks that hold the same tensor-parallel slice of the same stage and different data (metrics
         reduce here)."""
-        return [r for r in range(self.world_size)
-                if r % self.tp == rank % self.tp and self.pp_rank(r) == self.pp_rank(rank)]
+        return [
+            r
+            for r in range(self.world_size)
+            if r % self.tp == rank % self.tp and self.pp_rank(r) == self.pp_rank(rank)
+        ]
 
     def dp_groups(self) -> list[list[int]]:
         """Every data-parallel group, in rank order (each rank creates each group, torch's rule)."""
@@ -123,7 +146,11 @@ class Parallelism:
         parts = [f"pp {self.pp}"] if self.pp > 1 else []
         if self.dp_replicate > 1:
             parts.append(f"dp_replicate {self.dp_replicate}")
-        parts.append(f"dp_shard {self.dp_shard}" if (self.dp_replicate > 1 or self.tp > 1) else f"dp {self.dp_shard}")
+        parts.append(
+            f"dp_shard {self.dp_shard}"
+            if (self.dp_replicate > 1 or self.tp > 1)
+            else f"dp {self.dp_shard}"
+        )
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
         return " x ".join(parts)
@@ -136,7 +163,9 @@ class Parallelism:
 
         staged = self.pp > 1
         shape = ((self.pp,) if staged else ()) + (self.dp_replicate, self.dp_shard, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=(("pp",) if staged else ()) + DIM_NAMES)
+        return init_device_mesh(
+            device_type, shape, mesh_dim_names=(("pp",) if staged else ()) + DIM_NAMES
+        )
 
 
 def check_replica_groups(fault_tolerance: Optional[Mapping[str, int]], world: "World") -> None:
@@ -147,10 +176,15 @@ def check_replica_groups(fault_tolerance: Optional[Mapping[str, int]], world: "W
     wanted, least = fault_tolerance["replica_groups"], fault_tolerance["min_replicas"]
     flags = f"--replica-groups {wanted}" + (f" --min-replicas {least}" if least != 1 else "")
     if world.lighthouse is None:
-        raise ConfigError(f"this recipe asks for fault_tolerance with {wanted} replica groups, but the job was not "
-                          "launched with replica groups.", f"launch it with `multigpu run {flags} ...`, or remove "
-                          "fault_tolerance from the settings.")
+        raise ConfigError(
+            f"this recipe asks for fault_tolerance with {wanted} replica groups, but the job was not "
+            "launched with replica groups.",
+            f"launch it with `multigpu run {flags} ...`, or remove "
+            "fault_tolerance from the settings.",
+        )
     if (world.replica_groups, world.min_replicas) != (wanted, least):
-        raise ConfigError(f"fault_tolerance asks for {wanted} replica group(s), at least {least} per step, but the job "
-                          f"was launched with {world.replica_groups}, at least {world.min_replicas}.",
-                          f"launch with `multigpu run {flags} ...`, or change fault_tolerance to match.")
+        raise ConfigError(
+            f"fault_tolerance asks for {wanted} replica group(s), at least {least} per step, but the job "
+            f"was launched with {world.replica_groups}, at least {world.min_replicas}.",
+            f"launch with `multigpu run {flags} ...`, or change fault_tolerance to match.",
+        )

@@ -84,13 +84,17 @@ def get_logger(name: str = "multigpu") -> logging.Logger:
         logger.addFilter(RankZeroFilter())
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        )
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     return logger
 
 
-def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0, **kwargs: Any) -> T:
+def run_on_main(
+    fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0, **kwargs: Any
+) -> T:
     """Run ``fn(*args, **kwargs)`` once, on global rank 0, while the other ranks wait; return its result
     on every rank.
 
@@ -119,7 +123,8 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
     index = _CALLS.get(group, 0)
     _CALLS[group] = index + 1
     key = f"multigpu/run_on_main/{index}"
-    store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank already shares
+    # the rendezvous store every rank already shares
+    store = dist.distributed_c10d._get_default_store()
     me = dist.get_rank()
     box: list[Any] = [None]  # rank 0's result, sent to the others
     others = dist.get_world_size() - 1
@@ -134,12 +139,19 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
             return result
         box[0] = result
         try:
-            _poll(lambda: store.add(f"{key}/arrived", 0) >= others, lambda waited: _not_arrived(
-                store, key, fn, others, waited), notice_every_s, FIRST_NOTICE_S)
-        except RuntimeError as exc:  # the store (hosted by the launcher) went away: the job is stopping
-            raise MultiGPUError(f"run_on_main({_name(fn)}) lost the store while waiting for the other ranks "
-                                f"({' '.join(str(exc).split())[:120]}).", "a rank failed or was stopped; its own "
-                                "error is above.") from None
+            _poll(
+                lambda: store.add(f"{key}/arrived", 0) >= others,
+                lambda waited: _not_arrived(store, key, fn, others, waited),
+                notice_every_s,
+                FIRST_NOTICE_S,
+            )
+        # the store (hosted by the launcher) went away: the job is stopping
+        except RuntimeError as exc:
+            raise MultiGPUError(
+                f"run_on_main({_name(fn)}) lost the store while waiting for the other ranks "
+                f"({' '.join(str(exc).split())[:120]}).",
+                "a rank failed or was stopped; its own error is above.",
+            ) from None
     else:
         status = _wait_for(store, key, fn, me, notice_every_s, others)
         if status.startswith("error:"):
@@ -157,16 +169,31 @@ def run_on_main(fn: Callable[..., T], *args: Any, notice_every_s: float = 300.0,
 FIRST_NOTICE_S = 10.0
 
 
-def _wait_for(store: Any, key: str, fn: Callable[..., Any], me: int, notice_every_s: float, others: int,
-              first_notice_s: float = FIRST_NOTICE_S) -> str:
+def _wait_for(
+    store: Any,
+    key: str,
+    fn: Callable[..., Any],
+    me: int,
+    notice_every_s: float,
+    others: int,
+    first_notice_s: float = FIRST_NOTICE_S,
+) -> str:
     """Rank ``me``'s wait for rank 0's status of ``fn`` under ``key``; rank 1 speaks for the waiting ranks."""
     who = "rank 1" if others == 1 else f"ranks 1-{others}"
     try:
-        store.set(f"{key}/arrived/{me}", "1")  # here (rank 0 waits for every rank before it broadcasts)
+        # here (rank 0 waits for every rank before it broadcasts)
+        store.set(f"{key}/arrived/{me}", "1")
         store.add(f"{key}/arrived", 1)
-        _poll(lambda: store.check([key]), lambda waited: (
-            f"multigpu: {who} wait for rank 0 to finish {_name(fn)} ({waited:.0f} s so far)" if me == 1 else None),
-            notice_every_s, first_notice_s)
+        _poll(
+            lambda: store.check([key]),
+            lambda waited: (
+                f"multigpu: {who} wait for rank 0 to finish {_name(fn)} ({waited:.0f} s so far)"
+                if me == 1
+                else None
+            ),
+            notice_every_s,
+            first_notice_s,
+        )
         status: str = store.get(key).decode()
         return status
     except RuntimeError as exc:  # the store (hosted by rank 0 or its launcher) went away
@@ -176,8 +203,12 @@ def _wait_for(store: Any, key: str, fn: Callable[..., Any], me: int, notice_ever
         ) from None
 
 
-def _poll(ready: Callable[[], bool], notice: Callable[[float], Optional[str]], notice_every_s: float,
-          first_notice_s: float) -> None:
+def _poll(
+    ready: Callable[[], bool],
+    notice: Callable[[float], Optional[str]],
+    notice_every_s: float,
+    first_notice_s: float,
+) -> None:
     """Wait until ``ready()``, polling ever less often (up to 0.5 s); ``notice(seconds waited)``'s line (None:
     none) after ``first_notice_s``, then at doubling intervals up to ``notice_every_s``: a wait is never
     silent for long, and an hour-long one is not a wall of lines."""
@@ -197,16 +228,22 @@ def _poll(ready: Callable[[], bool], notice: Callable[[float], Optional[str]], n
         delay = min(delay * 2, 0.5)
 
 
-def _not_arrived(store: Any, key: str, fn: Callable[..., Any], others: int, waited: float) -> Optional[str]:
+def _not_arrived(
+    store: Any, key: str, fn: Callable[..., Any], others: int, waited: float
+) -> Optional[str]:
     """Rank 0's line for the ranks that have not called run_on_main ``key`` yet (asked only when a line is
     due: one store request per rank), or None once they all have."""
     missing = [r for r in range(1, others + 1) if not store.check([f"{key}/arrived/{r}"])]
     if not missing:
         return None
-    shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-    return (f"multigpu: rank 0 waits for rank(s) {shown} to call run_on_main({_name(fn)}) too ({waited:.0f} s "
-            "so far). HINT: if a rank skips the call (under a condition it can see differently, such as a file "
-            "rank 0 has just made), call it on every rank and let the function skip work already done.")
+    shown = ", ".join(map(str, missing[:8])) + (
+        f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    )
+    return (
+        f"multigpu: rank 0 waits for rank(s) {shown} to call run_on_main({_name(fn)}) too ({waited:.0f} s "
+        "so far). HINT: if a rank skips the call (under a condition it can see differently, such as a file "
+        "rank 0 has just made), call it on every rank and let the function skip work already done."
+    )
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -35,18 +35,29 @@ def choose_devices(world: World, cuda_count: int, accelerator: str = "auto") -> 
     if accelerator == "cpu" or (accelerator == "auto" and cuda_count == 0):
         return [torch.device("cpu")]
     if cuda_count == 0:
-        raise LaunchError("accelerator='cuda' was asked for but no GPU is visible.", "use accelerator='auto' or 'cpu'.")
+        raise LaunchError(
+            "accelerator='cuda' was asked for but no GPU is visible.",
+            "use accelerator='auto' or 'cpu'.",
+        )
     per_proc, sharing = world.devices_per_process, world.processes_per_device
     first = world.local_rank // sharing if sharing > 1 else world.local_rank * per_proc
     last = first + per_proc - 1
     if last >= cuda_count:
-        visible = f" (CUDA_VISIBLE_DEVICES={world.visible_devices})" if world.visible_devices is not None else ""
+        visible = (
+            f" (CUDA_VISIBLE_DEVICES={world.visible_devices})"
+            if world.visible_devices is not None
+            else ""
+        )
         if sharing > 1:
-            needed = (f"{world.local_world_size} process(es) per node at {sharing} per GPU = "
-                      f"{-(-world.local_world_size // sharing)}")
+            needed = (
+                f"{world.local_world_size} process(es) per node at {sharing} per GPU = "
+                f"{-(-world.local_world_size // sharing)}"
+            )
         else:
-            needed = (f"{world.local_world_size} process(es) per node x {per_proc} GPU(s) each = "
-                      f"{world.local_world_size * per_proc}")
+            needed = (
+                f"{world.local_world_size} process(es) per node x {per_proc} GPU(s) each = "
+                f"{world.local_world_size * per_proc}"
+            )
         raise WorldError(
             f"local rank {world.local_rank} needs GPU {first}"
             + (f"-{last}" if per_proc > 1 else "")
@@ -57,17 +68,25 @@ def choose_devices(world: World, cuda_count: int, accelerator: str = "auto") -> 
     return [torch.device("cuda", first + i) for i in range(per_proc)]
 
 
-def choose_backend(device: torch.device, requested: Optional[str] = None, shared: bool = False) -> str:
+def choose_backend(
+    device: torch.device, requested: Optional[str] = None, shared: bool = False
+) -> str:
     """nccl for GPUs, gloo for CPUs - and gloo for GPUs that several processes share (``shared``):
     NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), gloo moves CUDA tensors through the host."""
     if requested is not None:
         if requested not in BACKENDS:
-            raise LaunchError(f"unknown backend {requested!r}.", f"use one of {', '.join(BACKENDS)}.")
+            raise LaunchError(
+                f"unknown backend {requested!r}.", f"use one of {', '.join(BACKENDS)}."
+            )
         if requested == "nccl" and device.type != "cuda":
-            raise LaunchError("backend 'nccl' needs GPUs but this process runs on the CPU.", "use backend='gloo'.")
+            raise LaunchError(
+                "backend 'nccl' needs GPUs but this process runs on the CPU.", "use backend='gloo'."
+            )
         if requested == "nccl" and shared:
-            raise LaunchError("backend 'nccl' cannot run several processes on one GPU (--procs-per-gpu).",
-                              "leave backend unset (gloo is chosen) or give each process its own GPU.")
+            raise LaunchError(
+                "backend 'nccl' cannot run several processes on one GPU (--procs-per-gpu).",
+                "leave backend unset (gloo is chosen) or give each process its own GPU.",
+            )
         return requested
     return "nccl" if device.type == "cuda" and not shared else "gloo"
 
@@ -97,11 +116,15 @@ GOODBYE_NOTICE_S = 5.0
 class DistSession:
     """Owns torch.distributed's default process group for one run: start once, close once (idempotent)."""
 
-    def __init__(self, world: World, device: torch.device, settings: GroupSettings = GroupSettings()) -> None:
+    def __init__(
+        self, world: World, device: torch.device, settings: GroupSettings = GroupSettings()
+    ) -> None:
         self.world = world
         self.device = device
         self.settings = settings
-        self.backend = choose_backend(device, settings.backend, shared=world.processes_per_device > 1)
+        self.backend = choose_backend(
+            device, settings.backend, shared=world.processes_per_device > 1
+        )
         self._started = False
         self._control: Any = None
 
@@ -130,26 +153,34 @@ class DistSession:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         world, join = self.world, max(self.settings.timeout, self.settings.join_timeout)
-        kwargs: dict[str, Any] = dict(backend=self.backend, rank=world.rank, world_size=world.world_size,
-                                      timeout=self.settings.timeout)
+        kwargs: dict[str, Any] = dict(
+            backend=self.backend,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=self.settings.timeout,
+        )
         if self.backend == "nccl":
-            kwargs["device_id"] = self.device  # eager NCCL start: errors surface here, not at step 1
+            # eager NCCL start: errors surface here, not at step 1
+            kwargs["device_id"] = self.device
         try:
             if self.backend == "mpi":  # MPI finds its peers itself: no store
                 dist.init_process_group(**kwargs)
             else:
                 dist.init_process_group(store=self._joined(join), **kwargs)
-        except Exception as exc:  # nobody came, a wrong address, a stale RANK/WORLD_SIZE in the shell
+        # nobody came, a wrong address, a stale RANK/WORLD_SIZE in the shell
+        except Exception as exc:
             text = " ".join(str(exc).split())
             raise LaunchError(
                 f"rank {world.rank} could not join the other {world.world_size - 1} process(es) at "
                 f"{world.master_addr}:{world.master_port} ({type(exc).__name__}: {text[:200]}).",
                 "start every rank (multigpu run / torchrun / srun do), or unset stale RANK/WORLD_SIZE/MASTER_* "
-                "variables in this shell.") from None
+                "variables in this shell.",
+            ) from None
         self._started = True
         if self.backend != "gloo":
             self._control = dist.new_group(backend="gloo", timeout=self.settings.timeout)
-        if self.backend != "mpi":  # the groups are made: the store's own waits get the collective timeout
+        # the groups are made: the store's own waits get the collective timeout
+        if self.backend != "mpi":
             dist.distributed_c10d._get_default_store().set_timeout(self.settings.timeout)
         return self
 
@@ -160,13 +191,27 @@ class DistSession:
         if world.agent_store:
             # The agent hosts the store and keeps it across restarts: keys of the previous attempt are
             # still there. A prefix per attempt keeps a restarted group from reading them.
-            store = dist.PrefixStore(f"multigpu/attempt_{world.restart_count}", dist.TCPStore(
-                world.master_addr, int(world.master_port or 0), world.world_size, is_master=False, timeout=timeout))
-        else:  # torchrun's agent or the user put MASTER_ADDR/PORT in the environment (env://), or tcp://
-            url = "env://" if world.source in ("torchrun", "env") else \
-                f"tcp://{_host(world.master_addr)}:{world.master_port}"
-            store = dist.PrefixStore("default_pg", next(dist.rendezvous(url, world.rank, world.world_size,
-                                                                        timeout=timeout))[0])
+            store = dist.PrefixStore(
+                f"multigpu/attempt_{world.restart_count}",
+                dist.TCPStore(
+                    world.master_addr,
+                    int(world.master_port or 0),
+                    world.world_size,
+                    is_master=False,
+                    timeout=timeout,
+                ),
+            )
+        # torchrun's agent or the user put MASTER_ADDR/PORT in the environment (env://), or tcp://
+        else:
+            url = (
+                "env://"
+                if world.source in ("torchrun", "env")
+                else f"tcp://{_host(world.master_addr)}:{world.master_port}"
+            )
+            store = dist.PrefixStore(
+                "default_pg",
+                next(dist.rendezvous(url, world.rank, world.world_size, timeout=timeout))[0],
+            )
         # The n-th rank to come to this store for this world size is in join (n - 1) // world_size: a second
         # mg.init in one process (after run.close()) is the next join, and a world grown on the same agent
         # store (torchrun's c10d: not a new attempt) counts afresh.
@@ -199,18 +244,28 @@ class DistSession:
         try:
             if goodbye:
                 # A wait of more than a few seconds says what it waits for (the others may still be saving).
-                notice = threading.Timer(GOODBYE_NOTICE_S, lambda: print(
-                    f"multigpu: rank {self.world.rank} has finished and waits for the other ranks to finish too "
-                    f"(up to {self.settings.teardown_timeout.total_seconds():.0f} s)", file=sys.stderr, flush=True))
+                notice = threading.Timer(
+                    GOODBYE_NOTICE_S,
+                    lambda: print(
+                        f"multigpu: rank {self.world.rank} has finished and waits for the other ranks to finish too "
+                        f"(up to {self.settings.teardown_timeout.total_seconds():.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    ),
+                )
                 notice.daemon = True
                 notice.start()
                 try:
-                    dist.monitored_barrier(group=self._control, timeout=self.settings.teardown_timeout)
+                    dist.monitored_barrier(
+                        group=self._control, timeout=self.settings.teardown_timeout
+                    )
                 finally:
                     notice.cancel()
         except Exception as exc:  # a peer already gone: still destroy our side
-            warnings.warn(f"multigpu: goodbye barrier failed on rank {self.world.rank}: {' '.join(str(exc).split())[:200]}",
-                          stacklevel=2)
+            warnings.warn(
+                f"multigpu: goodbye barrier failed on rank {self.world.rank}: {' '.join(str(exc).split())[:200]}",
+                stacklevel=2,
+            )
         finally:
             dist.destroy_process_group()
             self._started = False

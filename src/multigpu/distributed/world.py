@@ -87,7 +87,9 @@ class World:
         return self.replica_group * self.world_size + self.rank
 
     def describe(self) -> str:
-        group = f", replica group {self.replica_group}/{self.replica_groups}" if self.lighthouse else ""
+        group = (
+            f", replica group {self.replica_group}/{self.replica_groups}" if self.lighthouse else ""
+        )
         return (
             f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
             f"node {self.node_rank}/{self.num_nodes}{group}) from {self.source}"
@@ -102,23 +104,36 @@ def _int(env: Env, name: str, default: Optional[int] = None, hint: str = "") -> 
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
-            raise WorldError(f"{name} is not set.", hint or f"set {name} or launch with `multigpu run`.")
+            raise WorldError(
+                f"{name} is not set.", hint or f"set {name} or launch with `multigpu run`."
+            )
         return default
-    return checks.whole_number(raw, name, WorldError,
-                               hint or f"fix or unset {name}; it is normally set by the launcher, not by hand.")
+    return checks.whole_number(
+        raw,
+        name,
+        WorldError,
+        hint or f"fix or unset {name}; it is normally set by the launcher, not by hand.",
+    )
 
 
 def _common(env: Env) -> dict[str, Any]:
     """Settings that every launcher passes the same way."""
-    workers = read_job(env).workers or Workers()  # what `multigpu run` told its workers (none: torchrun's)
+    # what `multigpu run` told its workers (none: torchrun's)
+    workers = read_job(env).workers or Workers()
     per_proc, sharing = workers.devices_per_process, workers.processes_per_device
     if sharing > 1 and per_proc > 1:
-        raise WorldError(f"{JOB_VAR}: processes_per_device={sharing} with devices_per_process={per_proc}: processes "
-                         "share a device or own several, not both.",
-                         "use `multigpu run --procs-per-gpu K` or `--gpus-per-proc K`, not both.")
-    return {"devices_per_process": per_proc, "processes_per_device": sharing,
-            "visible_devices": env.get("CUDA_VISIBLE_DEVICES"), "slurm_job_id": env.get("SLURM_JOB_ID", ""),
-            **_replica_groups(env)}
+        raise WorldError(
+            f"{JOB_VAR}: processes_per_device={sharing} with devices_per_process={per_proc}: processes "
+            "share a device or own several, not both.",
+            "use `multigpu run --procs-per-gpu K` or `--gpus-per-proc K`, not both.",
+        )
+    return {
+        "devices_per_process": per_proc,
+        "processes_per_device": sharing,
+        "visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+        "slurm_job_id": env.get("SLURM_JOB_ID", ""),
+        **_replica_groups(env),
+    }
 
 
 def _replica_groups(env: Env) -> dict[str, Any]:
@@ -127,8 +142,10 @@ def _replica_groups(env: Env) -> dict[str, Any]:
     lighthouse = env.get(LIGHTHOUSE_VAR) or None
     if lighthouse is None:
         if env.get(REPLICA_GROUP_VAR) or env.get(REPLICA_GROUPS_VAR):
-            raise WorldError(f"{REPLICA_GROUP_VAR}/{REPLICA_GROUPS_VAR} are set but {LIGHTHOUSE_VAR} is not.",
-                             "launch with `multigpu run --replica-groups R`, which sets all of them, or unset them.")
+            raise WorldError(
+                f"{REPLICA_GROUP_VAR}/{REPLICA_GROUPS_VAR} are set but {LIGHTHOUSE_VAR} is not.",
+                "launch with `multigpu run --replica-groups R`, which sets all of them, or unset them.",
+            )
         return {}
     hint = "these are set by `multigpu run --replica-groups R`; unset them when running by hand."
     if len(lighthouse) > 300 or not re.fullmatch(r"https?://[\w.\-\[\]:%]+:[0-9]{1,5}", lighthouse):
@@ -137,10 +154,18 @@ def _replica_groups(env: Env) -> dict[str, Any]:
     group = _int(env, REPLICA_GROUP_VAR, hint=hint)
     least = _int(env, MIN_REPLICAS_VAR, 1, hint)
     if not 1 <= groups <= MAX_REPLICA_GROUPS or not 0 <= group < groups or not 1 <= least <= groups:
-        raise WorldError(f"replica group {group} of {groups} with {least} needed per step is not possible "
-                         f"(need 0 <= {REPLICA_GROUP_VAR} < {REPLICA_GROUPS_VAR} <= {MAX_REPLICA_GROUPS} and "
-                         f"1 <= {MIN_REPLICAS_VAR} <= {REPLICA_GROUPS_VAR}).", hint)
-    return {"replica_group": group, "replica_groups": groups, "lighthouse": lighthouse, "min_replicas": least}
+        raise WorldError(
+            f"replica group {group} of {groups} with {least} needed per step is not possible "
+            f"(need 0 <= {REPLICA_GROUP_VAR} < {REPLICA_GROUPS_VAR} <= {MAX_REPLICA_GROUPS} and "
+            f"1 <= {MIN_REPLICAS_VAR} <= {REPLICA_GROUPS_VAR}).",
+            hint,
+        )
+    return {
+        "replica_group": group,
+        "replica_groups": groups,
+        "lighthouse": lighthouse,
+        "min_replicas": least,
+    }
 
 
 def read_torchrun(env: Env) -> Optional[World]:
@@ -231,8 +256,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def _too_many(whole: str) -> WorldError:
-    return WorldError(f"the Slurm node list {whole[:80]!r} names more than {MAX_NODELIST:,} nodes.",
-                      "check SLURM_JOB_NODELIST/SLURM_NODELIST: no job spans that many nodes (a typo in a range?).")
+    return WorldError(
+        f"the Slurm node list {whole[:80]!r} names more than {MAX_NODELIST:,} nodes.",
+        "check SLURM_JOB_NODELIST/SLURM_NODELIST: no job spans that many nodes (a typo in a range?).",
+    )
 
 
 def _expand_one(name: str, whole: str, room: int) -> list[str]:
@@ -245,7 +272,12 @@ def _expand_one(name: str, whole: str, room: int) -> list[str]:
     for part in match.group(1).split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not checks.is_digits(lo) or (sep and not checks.is_digits(hi)) or len(lo) > 18 or len(hi) > 18:
+        if (
+            not checks.is_digits(lo)
+            or (sep and not checks.is_digits(hi))
+            or len(lo) > 18
+            or len(hi) > 18
+        ):
             raise WorldError(
                 f"cannot parse {part!r} in the Slurm node list {whole!r}.",
                 "check SLURM_JOB_NODELIST; ranges look like [01-03,07].",
@@ -253,7 +285,10 @@ def _expand_one(name: str, whole: str, room: int) -> list[str]:
         if not sep:
             values.append(lo)
         elif int(hi) < int(lo):
-            raise WorldError(f"descending range {part!r} in the Slurm node list {whole!r}.", "check SLURM_JOB_NODELIST.")
+            raise WorldError(
+                f"descending range {part!r} in the Slurm node list {whole!r}.",
+                "check SLURM_JOB_NODELIST.",
+            )
         elif int(hi) - int(lo) + 1 > room - len(values):
             raise _too_many(whole)
         else:
@@ -272,11 +307,15 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     for part in spec.split(","):
         match = re.fullmatch(r"\s*([0-9]{1,9})(?:\(x([0-9]{1,9})\))?\s*", part)
         if match is None:
-            raise WorldError(f"cannot parse SLURM_TASKS_PER_NODE={spec[:80]!r}.", "it should look like 2(x3),1.")
+            raise WorldError(
+                f"cannot parse SLURM_TASKS_PER_NODE={spec[:80]!r}.", "it should look like 2(x3),1."
+            )
         repeat = int(match.group(2) or 1)
         if len(counts) + repeat > MAX_NODELIST:
-            raise WorldError(f"SLURM_TASKS_PER_NODE={spec[:80]!r} names more than {MAX_NODELIST:,} nodes.",
-                             "check SLURM_TASKS_PER_NODE: no job spans that many nodes.")
+            raise WorldError(
+                f"SLURM_TASKS_PER_NODE={spec[:80]!r} names more than {MAX_NODELIST:,} nodes.",
+                "check SLURM_TASKS_PER_NODE: no job spans that many nodes.",
+            )
         counts.extend([int(match.group(1))] * repeat)
     return counts
 
@@ -293,12 +332,16 @@ def read_slurm(env: Env) -> Optional[World]:
         return None
     if env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
         return None
-    hint = "these come from srun; run the script with `srun` inside the job, or with `multigpu slurm`."
+    hint = (
+        "these come from srun; run the script with `srun` inside the job, or with `multigpu slurm`."
+    )
     rank = _int(env, "SLURM_PROCID", hint=hint)
     world_size = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS", 1, hint), hint)
     node_rank = _int(env, "SLURM_NODEID", 0, hint)
     num_nodes = _int(env, "SLURM_STEP_NUM_NODES", _int(env, "SLURM_NNODES", 1, hint), hint)
-    nodes = tuple(expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""))
+    nodes = tuple(
+        expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "")
+    )
     per_node_spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if per_node_spec:
         per_node = expand_tasks_per_node(per_node_spec)
@@ -309,7 +352,9 @@ def read_slurm(env: Env) -> Optional[World]:
             )
         local_world_size = per_node[node_rank] if node_rank < len(per_node) else 1
     else:
-        local_world_size = _int(env, "SLURM_NTASKS_PER_NODE", max(world_size // max(num_nodes, 1), 1), hint)
+        local_world_size = _int(
+            env, "SLURM_NTASKS_PER_NODE", max(world_size // max(num_nodes, 1), 1), hint
+        )
     job_id = env.get("SLURM_JOB_ID", "")
     port_raw = env.get("MASTER_PORT")
     world = World(
@@ -328,7 +373,9 @@ def read_slurm(env: Env) -> Optional[World]:
         **_common(env),
     )
     if nodes and len(nodes) != num_nodes:
-        raise WorldError(f"the Slurm node list has {len(nodes)} hosts but SLURM_NNODES={num_nodes}.", hint)
+        raise WorldError(
+            f"the Slurm node list has {len(nodes)} hosts but SLURM_NNODES={num_nodes}.", hint
+        )
     return world
 
 
@@ -342,7 +389,10 @@ def validate(world: World) -> World:
     """Reject impossible combinations at once, naming the numbers, instead of hanging at rendezvous."""
     where = f"(from {world.source})"
     if world.world_size < 1:
-        raise WorldError(f"world size {world.world_size} {where} must be at least 1.", "check the launcher's variables.")
+        raise WorldError(
+            f"world size {world.world_size} {where} must be at least 1.",
+            "check the launcher's variables.",
+        )
     if not 0 <= world.rank < world.world_size:
         raise WorldError(
             f"rank {world.rank} is outside world size {world.world_size} {where}.",
@@ -379,4 +429,3 @@ def detect_world(env: Optional[Env] = None, readers: Sequence[Reader] = READERS)
         if world is not None:
             return validate(world)
     return validate(World(**_common(env)))
-

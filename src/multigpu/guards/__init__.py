@@ -65,9 +65,13 @@ class Guards:
         if watchdog is None:
             if not self.settings.hang_timeout_s:
                 return
-            watchdog = self._watchdog = HangWatchdog(self.settings.hang_timeout_s, Path(self.settings.report_dir),
-                                                     self.session.world.rank, self.session.world.world_size,
-                                                     notice_s=self.settings.hang_notice_s).start()
+            watchdog = self._watchdog = HangWatchdog(
+                self.settings.hang_timeout_s,
+                Path(self.settings.report_dir),
+                self.session.world.rank,
+                self.session.world.world_size,
+                notice_s=self.settings.hang_notice_s,
+            ).start()
         watchdog.beat(step)
 
     def should_stop(self) -> bool:
@@ -76,33 +80,47 @@ class Guards:
         if self._stop is None:
             if not self.settings.preemption:
                 return False
-            self._stop = StopSignal(self.session.control, self.session.active, every=self.settings.stop_check_every).install()
+            self._stop = StopSignal(
+                self.session.control, self.session.active, every=self.settings.stop_check_every
+            ).install()
         if self.interrupted_by:
             return False
         return self._stop.poll()
 
-    def exit_preempted(self, say: Callable[[str], None], checkpoint_path: Any = None,
-                       step: Optional[int] = None) -> None:
+    def exit_preempted(
+        self, say: Callable[[str], None], checkpoint_path: Any = None, step: Optional[int] = None
+    ) -> None:
         """After the agreed stop and its checkpoint: requeue the Slurm job on SIGUSR1, raise Preempted (75)."""
         stop = self._stop
         reason = stop.describe() if stop is not None else "a stop request"
-        where = f"; checkpoint {checkpoint_path} - run the same command again to resume" if checkpoint_path else ""
+        where = (
+            f"; checkpoint {checkpoint_path} - run the same command again to resume"
+            if checkpoint_path
+            else ""
+        )
         after = f" after step {step}" if step is not None else ""
         say(f"multigpu: stopped by {reason}{after}{where}")
         # One requeue per job: global rank 0 (with replica groups, the first group's), after every line this
         # rank has to say - the requeue ends the job's processes, this one among them.
         if self.session.world.global_rank == 0 and stop is not None and stop.received is not None:
             requeue_slurm_job(self.session.world.slurm_job_id, stop.received)
-        raise Preempted(f"preempted by {reason}" + (f"; resume from {checkpoint_path}" if checkpoint_path else ""))
+        raise Preempted(
+            f"preempted by {reason}"
+            + (f"; resume from {checkpoint_path}" if checkpoint_path else "")
+        )
 
     def report(self, value: Any, step: int, say: Callable[[str], None]) -> bool:
         """A queue trial's report to its search (see :mod:`~multigpu.guards.trial`); True on every rank
         once the search pruned the trial. Nothing at all outside a queue trial."""
         if self._trial is None:
             world, session = self.session.world, self.session
-            self._trial = TrialChannel(self.trial_dir, world.is_main, say=say,
-                                       agree=lambda flag: any_rank(flag, session.control, session.active),
-                                       stopping=lambda: self._stop is not None and self._stop.received is not None)
+            self._trial = TrialChannel(
+                self.trial_dir,
+                world.is_main,
+                say=say,
+                agree=lambda flag: any_rank(flag, session.control, session.active),
+                stopping=lambda: self._stop is not None and self._stop.received is not None,
+            )
         if self._trial.folder is None:
             return False
         self.ensure_usable("run.report")
@@ -139,10 +157,12 @@ class Guards:
     def ensure_usable(self, doing: str = "a collective") -> None:
         """Refuse a collective at once after an interrupt: the other ranks may be anywhere."""
         if self.interrupted_by and self.session.active:
-            raise MultiGPUError(f"{doing} needs every rank, but this rank was interrupted ({self.interrupted_by}) "
-                                "and the others may be anywhere.",
-                                "let the script end after an interrupt; run it again to resume from the last "
-                                "checkpoint.")
+            raise MultiGPUError(
+                f"{doing} needs every rank, but this rank was interrupted ({self.interrupted_by}) "
+                "and the others may be anywhere.",
+                "let the script end after an interrupt; run it again to resume from the last "
+                "checkpoint.",
+            )
 
 
 __all__ = ["GuardSettings", "Guards", "Preempted"]

@@ -25,8 +25,11 @@ def model_fingerprint(model: nn.Module) -> dict[str, Any]:
     """Parameter names, shapes and dtypes (hashed, with counts kept readable)."""
     entries = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
     digest = hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
-    return {"parameters": len(entries), "parameter_elements": sum(p.numel() for p in model.parameters()),
-            "parameter_layout": digest}
+    return {
+        "parameters": len(entries),
+        "parameter_elements": sum(p.numel() for p in model.parameters()),
+        "parameter_layout": digest,
+    }
 
 
 def config_hash(config: Any) -> str:
@@ -38,7 +41,11 @@ def config_hash(config: Any) -> str:
         if isinstance(value, (set, frozenset)):
             return sorted(repr(v) for v in value)
         text = repr(value)
-        return f"<{type(value).__qualname__}>" if " at 0x" in text else f"<{type(value).__qualname__} {text[:500]}>"
+        return (
+            f"<{type(value).__qualname__}>"
+            if " at 0x" in text
+            else f"<{type(value).__qualname__} {text[:500]}>"
+        )
 
     text = json.dumps(config, sort_keys=True, default=plain)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -74,13 +81,21 @@ def plain(config: Any) -> Any:
     """A recipe config as plain data: dataclasses become dicts (anything else is hashed as it is)."""
     import dataclasses
 
-    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
+    return (
+        dataclasses.asdict(config)
+        if dataclasses.is_dataclass(config) and not isinstance(config, type)
+        else config
+    )
 
 
 def environment_fingerprint() -> dict[str, str]:
     from multigpu import __version__
 
-    return {"torch": torch.__version__, "multigpu": __version__, "python": platform.python_version()}
+    return {
+        "torch": torch.__version__,
+        "multigpu": __version__,
+        "python": platform.python_version(),
+    }
 
 
 def compare(fingerprints: list[Mapping[str, Any]]) -> list[str]:
@@ -91,7 +106,11 @@ def compare(fingerprints: list[Mapping[str, Any]]) -> list[str]:
     for key in keys:
         values = [fp.get(key, "<missing>") for fp in fingerprints]
         if any(v != values[0] for v in values[1:]):
-            shown = ", ".join(f"rank {r} = {v}" for r, v in enumerate(values) if r == 0 or v != reference.get(key, "<missing>"))
+            shown = ", ".join(
+                f"rank {r} = {v}"
+                for r, v in enumerate(values)
+                if r == 0 or v != reference.get(key, "<missing>")
+            )
             lines.append(f"{key}: {shown}")
     return lines
 
@@ -105,7 +124,8 @@ def check_same_on_all_ranks(fingerprint: Mapping[str, Any], group: Optional[Any]
     differences = compare(gathered)
     if differences:
         raise DesyncError(
-            f"ranks disagree before training ({len(differences)} difference(s)): " + "; ".join(differences),
+            f"ranks disagree before training ({len(differences)} difference(s)): "
+            + "; ".join(differences),
             "start every rank with the same config, code, data and package versions (a shared "
             "filesystem or the same container image on every node).",
         )

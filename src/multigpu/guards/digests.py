@@ -52,5 +52,6 @@ def tensor_digest(tensors: list[Any]) -> str:
 def rng_digest(device: Optional[torch.device]) -> str:
     h = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
     if device is not None and device.type == "cuda":
-        h.update(torch.cuda.get_rng_state(device).numpy().tobytes())  # dropout on a GPU draws from its generator
+        # dropout on a GPU draws from its generator
+        h.update(torch.cuda.get_rng_state(device).numpy().tobytes())
     return h.hexdigest()[:16]

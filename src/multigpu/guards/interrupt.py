@@ -41,6 +41,10 @@ def install(guards: Guards, distributed: bool) -> None:
 def remove(guards: Guards) -> None:
     """Stop marking ``guards``; the previous handler is back once no Run is left."""
     _TO_MARK.discard(guards)
-    if (not _TO_MARK and _PREVIOUS_HANDLER and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is _on_interrupt):
+    if (
+        not _TO_MARK
+        and _PREVIOUS_HANDLER
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is _on_interrupt
+    ):
         signal.signal(signal.SIGINT, _PREVIOUS_HANDLER.pop())

@@ -52,8 +52,15 @@ class Preempted(SystemExit):
 class StopSignal:
     """Signal handlers plus the cross-rank agreement. ``poll()`` once per optimizer step on every rank."""
 
-    def __init__(self, group: Any = None, active: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS,
-                 every: Optional[int] = None, target_s: float = 2.0, max_every: int = 1000) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        active: bool = False,
+        signals: Sequence[int] = DEFAULT_SIGNALS,
+        every: Optional[int] = None,
+        target_s: float = 2.0,
+        max_every: int = 1000,
+    ) -> None:
         self.group = group  # None: the default group (gloo); a gloo subgroup under nccl
         self.distributed = active
         self.signals = tuple(signals)
@@ -71,8 +78,10 @@ class StopSignal:
     # -------------------------------------------------------------- handlers
     def install(self) -> "StopSignal":
         if threading.current_thread() is not threading.main_thread():
-            warnings.warn("multigpu: fit() is not on the main thread; preemption signals are not handled.",
-                          stacklevel=3)
+            warnings.warn(
+                "multigpu: fit() is not on the main thread; preemption signals are not handled.",
+                stacklevel=3,
+            )
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -130,7 +139,11 @@ class StopSignal:
         self._agreement.finish()
 
     def describe(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "a stop request from another rank"
+        return (
+            signal.Signals(self.received).name
+            if self.received is not None
+            else "a stop request from another rank"
+        )
 
 
 def _signal_name(number: int) -> str:
@@ -154,23 +167,46 @@ def requeue_slurm_job(job_id: str, signum: int) -> bool:
     """
     if not job_id or signum != signal.SIGUSR1 or shutil.which("scontrol") is None:
         return False
-    if not re.fullmatch(r"[0-9]{1,12}", job_id):  # Slurm sets a number; anything else was set by hand
-        print(f"multigpu: SLURM_JOB_ID={shown(job_id, 40)} is not a Slurm job number, so the job was not "
-              "requeued (HINT: unset SLURM_JOB_ID outside Slurm jobs)", file=sys.stderr, flush=True)
+    # Slurm sets a number; anything else was set by hand
+    if not re.fullmatch(r"[0-9]{1,12}", job_id):
+        print(
+            f"multigpu: SLURM_JOB_ID={shown(job_id, 40)} is not a Slurm job number, so the job was not "
+            "requeued (HINT: unset SLURM_JOB_ID outside Slurm jobs)",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     # On stdout, as the stop's own line: it goes to the job's log file itself, not through a log copier
-    print(f"multigpu: requeueing Slurm job {job_id} (this ends the job's processes now)", flush=True)
+    print(
+        f"multigpu: requeueing Slurm job {job_id} (this ends the job's processes now)", flush=True
+    )
     try:
-        done = subprocess.run(["/bin/sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol", job_id],
-                              capture_output=True, encoding="utf-8", errors="replace", timeout=30)
+        done = subprocess.run(
+            ["/bin/sh", "-c", 'trap "" TERM; exec scontrol requeue "$1"', "scontrol", job_id],
+            capture_output=True,
+            encoding="utf-8",
+            errors="replace",
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        print(f"multigpu: could not requeue Slurm job {job_id}: {visible(str(exc))[:300]}", file=sys.stderr, flush=True)
+        print(
+            f"multigpu: could not requeue Slurm job {job_id}: {visible(str(exc))[:300]}",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     if done.returncode < 0:  # killed with the job's processes before the answer came, or by hand
-        print(f"multigpu: scontrol requeue {job_id} was ended by {_signal_name(-done.returncode)} before "
-              f"it answered (HINT: `scontrol show job {job_id}` shows whether the job was requeued)",
-              file=sys.stderr, flush=True)
+        print(
+            f"multigpu: scontrol requeue {job_id} was ended by {_signal_name(-done.returncode)} before "
+            f"it answered (HINT: `scontrol show job {job_id}` shows whether the job was requeued)",
+            file=sys.stderr,
+            flush=True,
+        )
     elif done.returncode != 0:
-        print(f"multigpu: scontrol requeue {job_id} failed: {visible(' '.join(done.stderr.split()))[:300]} "
-              "(HINT: submit with --requeue, which `multigpu slurm` does)", file=sys.stderr, flush=True)
+        print(
+            f"multigpu: scontrol requeue {job_id} failed: {visible(' '.join(done.stderr.split()))[:300]} "
+            "(HINT: submit with --requeue, which `multigpu slurm` does)",
+            file=sys.stderr,
+            flush=True,
+        )
     return done.returncode == 0

@@ -58,14 +58,6 @@ def from_job(job: Job, rank: int) -> "Probe | NoProbe":
     return Probe(Path(job.check.dir), rank, steps=job.check.steps, scale=job.check.scale)
 
 
-
-
-
-
-
-
-
-
 class Probe:
     """Per-rank recorder: one JSON line per optimizer step in ``DIR/rank<R>.jsonl``; rank 0 saves the
     weights after setup, step 1 and step K (``weights0.pt``, ``weights1.pt``, ``weights.pt``) and a
@@ -73,7 +65,8 @@ class Probe:
 
     def __init__(self, folder: Path, rank: int, steps: int, scale: int) -> None:
         self.folder, self.rank, self.steps, self.scale = folder, rank, steps, scale
-        self.records = Folder(folder).create()  # check's own temporary folder (mkdtemp), via the file door
+        # check's own temporary folder (mkdtemp), via the file door
+        self.records = Folder(folder).create()
         self._log = self.records.open_append(f"rank{rank}.jsonl")
         self.step = 0
         self.world_size = 1
@@ -87,8 +80,10 @@ class Probe:
         self._eval_samples = 0
         self._averaged_scalars = 0
         self._total_forwards = 0
-        self._loader_rows: Optional[int] = None  # the last run.loader batch's size: where the batch dimension is
-        self._explicit_losses = False  # run.backward / the Trainer report losses: the backward patch stays quiet
+        # the last run.loader batch's size: where the batch dimension is
+        self._loader_rows: Optional[int] = None
+        # run.backward / the Trainer report losses: the backward patch stays quiet
+        self._explicit_losses = False
         self._scalers: list[Any] = []
         self._undo: list[Callable[[], None]] = []
         self._closed = False
@@ -123,20 +118,29 @@ class Probe:
             if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
                 module.p = 0.0
                 dropouts += 1
-        batchnorms = [name for name, m in inner.named_modules()
-                      if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+        batchnorms = [
+            name
+            for name, m in inner.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, nn.SyncBatchNorm)
+        ]
         for name, param in inner.named_parameters():
             if param.requires_grad:
                 self._names[id(param)] = name
                 handle = param.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
                 self._undo.append(handle.remove)
-        self._undo.append(wrapped.register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
-        if inner is not wrapped:  # calls that go around the wrapper (model.module(x)) reach only this one
+        self._undo.append(
+            wrapped.register_forward_pre_hook(self._on_forward, with_kwargs=True).remove
+        )
+        # calls that go around the wrapper (model.module(x)) reach only this one
+        if inner is not wrapped:
             self._undo.append(inner.register_forward_pre_hook(self._on_inner_forward).remove)
         # Global: also an optimizer built after run.setup (`model, _ = run.setup(model)`; opt = SGD(...)).
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._undo.append(register_optimizer_step_post_hook(lambda opt, args, kwargs: self._on_step(opt)).remove)
+        self._undo.append(
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: self._on_step(opt)).remove
+        )
         self._patch_all_reduce()
         self._patch_backward()
         self._patch_scaler()
@@ -144,10 +148,21 @@ class Probe:
         self._patch_schedulers()
         self._save_weights("weights0.pt")  # a collective for sharded models: every rank is in setup
         if self.rank == 0:
-            self.records.write_atomic("model.json", json.dumps({
-                "dropouts_disabled": dropouts, "batchnorms": batchnorms[:20], "batchnorm_count": len(batchnorms),
-                "scale": self.scale, "world_size": run.world_size, "dp_size": run.dp_size,
-                "strategy": strategy, "replicated": self._replicated}))
+            self.records.write_atomic(
+                "model.json",
+                json.dumps(
+                    {
+                        "dropouts_disabled": dropouts,
+                        "batchnorms": batchnorms[:20],
+                        "batchnorm_count": len(batchnorms),
+                        "scale": self.scale,
+                        "world_size": run.world_size,
+                        "dp_size": run.dp_size,
+                        "strategy": strategy,
+                        "replicated": self._replicated,
+                    }
+                ),
+            )
 
     def close(self) -> None:
         """Remove every hook and patch (also when the script failed before the K-th step)."""
@@ -172,21 +187,30 @@ class Probe:
         import torch.distributed as dist
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any) -> Any:
-                if op == dist.ReduceOp.AVG and isinstance(tensor, torch.Tensor) and tensor.numel() <= 16:
+            def all_reduce(
+                tensor: Any, op: Any = dist.ReduceOp.SUM, *args: Any, **kwargs: Any
+            ) -> Any:
+                if (
+                    op == dist.ReduceOp.AVG
+                    and isinstance(tensor, torch.Tensor)
+                    and tensor.numel() <= 16
+                ):
                     self._averaged_scalars += 1
                 return original(tensor, op, *args, **kwargs)
+
             return all_reduce
 
         self._patch(dist, "all_reduce", make)
 
     def _patch_backward(self) -> None:
         """``loss.backward()`` called by the script itself: its loss is recorded too."""
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 if not self._explicit_losses and tensor.numel() == 1 and tensor.requires_grad:
                     self._losses.append(self._unscaled(tensor))
                 return original(tensor, *args, **kwargs)
+
             return backward
 
         self._patch(torch.Tensor, "backward", make)
@@ -194,6 +218,7 @@ class Probe:
     def _patch_scaler(self) -> None:
         """Remember what a GradScaler multiplied, to report the loss undivided by its scale and to see
         gradients clipped before ``scaler.unscale_``."""
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def scale(scaler: Any, outputs: Any) -> Any:
                 result = original(scaler, outputs)
@@ -202,6 +227,7 @@ class Probe:
                     if all(s is not scaler for s in self._scalers):
                         self._scalers.append(scaler)
                 return result
+
             return scale
 
         self._patch(torch.amp.GradScaler, "scale", make)
@@ -211,10 +237,15 @@ class Probe:
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-                if self._scaled and not any(state.get("stage") is OptState.UNSCALED for scaler in self._scalers
-                                            for state in scaler._per_optimizer_states.values()):
-                    self._clipped_scaled += 1  # a loss was scaled this step and nothing was unscaled yet
+                if self._scaled and not any(
+                    state.get("stage") is OptState.UNSCALED
+                    for scaler in self._scalers
+                    for state in scaler._per_optimizer_states.values()
+                ):
+                    # a loss was scaled this step and nothing was unscaled yet
+                    self._clipped_scaled += 1
                 return original(*args, **kwargs)
+
             return clip_grad_norm_
 
         self._patch(torch.nn.utils, "clip_grad_norm_", make)
@@ -225,6 +256,7 @@ class Probe:
                 if getattr(scheduler, "_step_count", 0) >= 1:  # 0: the step the constructor takes
                     self._scheduler_steps += 1
                 return original(scheduler, *args, **kwargs)
+
             return step
 
         self._patch(torch.optim.lr_scheduler.LRScheduler, "step", make)
@@ -250,7 +282,11 @@ class Probe:
         if not first.dim():
             return 1
         rows = int(first.shape[0])
-        if self._loader_rows is not None and rows != self._loader_rows and self._loader_rows in first.shape[1:]:
+        if (
+            self._loader_rows is not None
+            and rows != self._loader_rows
+            and self._loader_rows in first.shape[1:]
+        ):
             return self._loader_rows
         return rows
 
@@ -263,9 +299,13 @@ class Probe:
         if self._compute_dtype is None:
             device = first.device.type if first is not None else "cpu"
             enabled = torch.is_autocast_enabled(device) if device in ("cuda", "cpu") else False
-            self._compute_dtype = str(torch.get_autocast_dtype(device) if enabled else
-                                      next((p.dtype for p in module.parameters() if p.is_floating_point()),
-                                           torch.float32)).replace("torch.", "")
+            self._compute_dtype = str(
+                torch.get_autocast_dtype(device)
+                if enabled
+                else next(
+                    (p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32
+                )
+            ).replace("torch.", "")
         self._rows.append(self._rows_of(first))
         self._inputs.append(tensor_digest(tensors) if tensors else "")
         self._rng.append(rng_digest(first.device if first is not None else None))
@@ -297,7 +337,9 @@ class Probe:
         """A Trainer under the check writes into the check's own folder, never the user's outputs."""
         import dataclasses
 
-        return dataclasses.replace(settings, out_dir=str(self.folder / "trainer_out"), loggers=[], plot=False)
+        return dataclasses.replace(
+            settings, out_dir=str(self.folder / "trainer_out"), loggers=[], plot=False
+        )
 
     def loader(self, loader: Any, evaluation: bool) -> Any:
         return loader if evaluation else self.count(loader)
@@ -313,26 +355,50 @@ class Probe:
         if self._closed:
             return
         self.step += 1
-        record = {"step": self.step, "loss": sum(self._losses) if self._losses else None,
-                  "backwards": len(self._losses), "forwards": len(self._rows), "rows": self._rows,
-                  "samples": sum(self._rows), "inputs": self._inputs, "rng": self._rng, "sync": self._sync,
-                  "loader_batches": self._loader_batches, "bypass": max(self._inner_forwards, 0),
-                  "dtype": self._compute_dtype, "eval_samples": self._eval_samples,
-                  "averaged_scalars": self._averaged_scalars, "scheduler_steps": self._scheduler_steps,
-                  "clipped_scaled": self._clipped_scaled, "dp_rank": getattr(self._run, "dp_rank", self.rank)}
+        record = {
+            "step": self.step,
+            "loss": sum(self._losses) if self._losses else None,
+            "backwards": len(self._losses),
+            "forwards": len(self._rows),
+            "rows": self._rows,
+            "samples": sum(self._rows),
+            "inputs": self._inputs,
+            "rng": self._rng,
+            "sync": self._sync,
+            "loader_batches": self._loader_batches,
+            "bypass": max(self._inner_forwards, 0),
+            "dtype": self._compute_dtype,
+            "eval_samples": self._eval_samples,
+            "averaged_scalars": self._averaged_scalars,
+            "scheduler_steps": self._scheduler_steps,
+            "clipped_scaled": self._clipped_scaled,
+            "dp_rank": getattr(self._run, "dp_rank", self.rank),
+        }
         if self.step == 1:
-            record["no_grad"] = [name for key, name in self._names.items() if key not in self._used][:50]
-            outside = [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]
-                       if id(p) not in self._names]
+            record["no_grad"] = [
+                name for key, name in self._names.items() if key not in self._used
+            ][:50]
+            outside = [
+                p
+                for group in getattr(optimizer, "param_groups", [])
+                for p in group["params"]
+                if id(p) not in self._names
+            ]
             record["outside"] = len(outside)
             record["outside_digest"] = self._params_digest(outside)
-        if self._replicated and self._inner is not None and (self.step == 1 or self.step >= self.steps):  # set by attach
+        # set by attach
+        if (
+            self._replicated
+            and self._inner is not None
+            and (self.step == 1 or self.step >= self.steps)
+        ):
             record["weights_digest"] = self._params_digest(list(self._inner.parameters()))
         self._log.write(json.dumps(record) + "\n")
         self._log.flush()
         self._new_step()
         if self.step == 1:
-            self._save_weights("weights1.pt")  # every rank finishes step 1 here: a collective is safe
+            # every rank finishes step 1 here: a collective is safe
+            self._save_weights("weights1.pt")
         if self.step >= self.steps:
             self._finish()
 
@@ -345,8 +411,12 @@ class Probe:
             if missing:
                 # They went on without stepping (an optimizer step on some ranks only): they are in a
                 # collective this rank will never join, so leave without the goodbye barrier.
-                self.records.write_atomic(f"stranded.rank{self.rank}.json", json.dumps({"missing": missing}))
-                self._run.interrupted(f"multigpu check: rank(s) {missing} did not reach step {self.steps}")
+                self.records.write_atomic(
+                    f"stranded.rank{self.rank}.json", json.dumps({"missing": missing})
+                )
+                self._run.interrupted(
+                    f"multigpu check: rank(s) {missing} did not reach step {self.steps}"
+                )
         raise CheckDone()
 
     def _wait_for_peers(self) -> list[int]:
@@ -355,7 +425,9 @@ class Probe:
         deadline = time.monotonic() + PEER_WAIT_S
         past_since: dict[int, float] = {}
         while True:
-            missing = [r for r in range(self.world_size) if not (self.folder / f"done.rank{r}").exists()]
+            missing = [
+                r for r in range(self.world_size) if not (self.folder / f"done.rank{r}").exists()
+            ]
             now = time.monotonic()
             for r in missing:
                 if self._forwards_of(r) > self._total_forwards:

@@ -22,7 +22,12 @@ import operator
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from multigpu.distributed.job import JOB_VAR, TRIAL_REPORTS_FILE, TRIAL_SETTINGS_FILE, TRIAL_VERDICT_FILE
+from multigpu.distributed.job import (
+    JOB_VAR,
+    TRIAL_REPORTS_FILE,
+    TRIAL_SETTINGS_FILE,
+    TRIAL_VERDICT_FILE,
+)
 from multigpu.errors import ConfigError, shown
 from multigpu.fileio import Folder
 
@@ -36,8 +41,14 @@ _LARGEST_STEP = 2**62
 class TrialChannel:
     """``report(value, step)`` -> stop now? for one process of a trial (every rank calls it)."""
 
-    def __init__(self, folder: Optional[str], is_main: bool, agree: Callable[[bool], bool],
-                 say: Callable[[str], None] = print, stopping: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        folder: Optional[str],
+        is_main: bool,
+        agree: Callable[[bool], bool],
+        say: Callable[[str], None] = print,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.folder = Folder(folder) if folder else None
         self.is_main = is_main
         #: True on every rank when it is true on any (an all-reduce of the flag over the trial's ranks).
@@ -54,7 +65,8 @@ class TrialChannel:
     @property
     def _folder(self) -> Folder:
         if self.folder is None:
-            raise RuntimeError("not a queue trial")  # report() returns before anything needs the folder
+            # report() returns before anything needs the folder
+            raise RuntimeError("not a queue trial")
         return self.folder
 
     def report(self, value: Any, step: int) -> bool:
@@ -69,8 +81,10 @@ class TrialChannel:
         pruned = self._report_on_main(number, step) if self.is_main else False
         self.pruned = self.agree(pruned)
         if self.pruned:
-            self.say(f"multigpu: pruned by the queue's search at step {step} ({self.metric} {number:.6g}): "
-                     "stopping (the Trainer keeps a checkpoint)")
+            self.say(
+                f"multigpu: pruned by the queue's search at step {step} ({self.metric} {number:.6g}): "
+                "stopping (the Trainer keeps a checkpoint)"
+            )
         return self.pruned
 
     # ------------------------------------------------------------------ rank 0
@@ -82,7 +96,9 @@ class TrialChannel:
         self._rows += 1
         self._append(f"{step},{number!r}\n")
         if self._rows == MAX_REPORTS:
-            self.say(f"multigpu: this trial reported {MAX_REPORTS:,} times; later reports are not written.")
+            self.say(
+                f"multigpu: this trial reported {MAX_REPORTS:,} times; later reports are not written."
+            )
         return self._verdict(step) if self.wait_s > 0 else False
 
     def _append(self, text: str) -> None:
@@ -99,8 +115,10 @@ class TrialChannel:
             if self.stopping():
                 return False
             if time.monotonic() >= deadline:
-                self.say(f"multigpu: the queue did not answer this trial's report of step {step} within "
-                         f"{self.wait_s:g} s; going on without waiting (no pruning from here on).")
+                self.say(
+                    f"multigpu: the queue did not answer this trial's report of step {step} within "
+                    f"{self.wait_s:g} s; going on without waiting (no pruning from here on)."
+                )
                 self.wait_s = 0.0
                 return False
             time.sleep(pause)
@@ -111,7 +129,9 @@ class TrialChannel:
             data = json.loads(self._folder.load_text(TRIAL_VERDICT_FILE, limit=4096))
         except (OSError, ValueError):
             return None  # not written yet (or being replaced): ask again
-        step, prune = (data.get("step"), data.get("prune")) if isinstance(data, dict) else (None, None)
+        step, prune = (
+            (data.get("step"), data.get("prune")) if isinstance(data, dict) else (None, None)
+        )
         if isinstance(step, int) and not isinstance(step, bool) and isinstance(prune, bool):
             return step, prune
         return None
@@ -126,10 +146,19 @@ class TrialChannel:
         try:
             data = json.loads(self._folder.load_text(TRIAL_SETTINGS_FILE, limit=64 * 1024))
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}.", hint) from None
-        metric, wait_s = (data.get("metric"), data.get("wait_s")) if isinstance(data, dict) else (None, None)
-        if (not isinstance(metric, str) or not 0 < len(metric) <= 200 or isinstance(wait_s, bool)
-                or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_WAIT_S):
+            raise ConfigError(
+                f"cannot read {where}: {getattr(exc, 'strerror', None) or exc}.", hint
+            ) from None
+        metric, wait_s = (
+            (data.get("metric"), data.get("wait_s")) if isinstance(data, dict) else (None, None)
+        )
+        if (
+            not isinstance(metric, str)
+            or not 0 < len(metric) <= 200
+            or isinstance(wait_s, bool)
+            or not isinstance(wait_s, (int, float))
+            or not 0 <= wait_s <= MAX_WAIT_S
+        ):
             raise ConfigError(f"{where} are malformed.", hint)
         self.metric, self.wait_s, self._settings_read = metric, float(wait_s), True
 
@@ -138,16 +167,23 @@ class TrialChannel:
         if isinstance(value, Mapping):
             if self.metric not in value:
                 names = ", ".join(str(k) for k in list(value)[:20])
-                raise ConfigError(f"the search's metric {self.metric!r} is not among the metrics reported ({names}).",
-                                  "set metric: in the runs file's sweep: or search: block to one of them.")
+                raise ConfigError(
+                    f"the search's metric {self.metric!r} is not among the metrics reported ({names}).",
+                    "set metric: in the runs file's sweep: or search: block to one of them.",
+                )
             value = value[self.metric]
         if isinstance(value, (bool, str, bytes)):
-            raise ConfigError(f"run.report got {shown(value)}, not a number.", "report a float: run.report(loss, step).")
+            raise ConfigError(
+                f"run.report got {shown(value)}, not a number.",
+                "report a float: run.report(loss, step).",
+            )
         try:
             number = float(value)  # floats, ints, numpy scalars, one-element tensors
         except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(f"run.report got {shown(value)}, not a number.",
-                              "report a float (or a one-element tensor): run.report(loss, step).") from None
+            raise ConfigError(
+                f"run.report got {shown(value)}, not a number.",
+                "report a float (or a one-element tensor): run.report(loss, step).",
+            ) from None
         return number if not math.isinf(number) else math.nan  # inf is as bad as NaN to a search
 
 
@@ -157,8 +193,12 @@ def _step(step: Any) -> int:
             raise TypeError
         number = operator.index(step)
     except TypeError:
-        raise ConfigError(f"run.report step {shown(step)} is not a whole number.",
-                          "pass the optimizer step: run.report(loss, step).") from None
+        raise ConfigError(
+            f"run.report step {shown(step)} is not a whole number.",
+            "pass the optimizer step: run.report(loss, step).",
+        ) from None
     if not 0 <= number <= _LARGEST_STEP:
-        raise ConfigError(f"run.report step {number} is outside 0..2**62.", "pass the optimizer step.")
+        raise ConfigError(
+            f"run.report step {number} is outside 0..2**62.", "pass the optimizer step."
+        )
     return number

@@ -32,7 +32,10 @@ _KINDS = (
     ("torch/autograd", "in backward (DDP's gradient all-reduce runs here)"),
     ("torch/_tensor.py", "in backward (DDP's gradient all-reduce runs here)"),
     ("multigpu/guards/preemption", "waiting for the other ranks' stop flags"),
-    ("multigpu/distributed/agreement", "waiting for the other ranks to agree (a stop, a stream's end)"),
+    (
+        "multigpu/distributed/agreement",
+        "waiting for the other ranks to agree (a stop, a stream's end)",
+    ),
     ("multigpu/checkpoint", "writing or reading a checkpoint"),
 )
 
@@ -49,7 +52,11 @@ def where(frame_stack: list[traceback.FrameSummary]) -> str:
         else:
             continue
         break
-    user = [f for f in frame_stack if "site-packages" not in f.filename and "/multigpu/" not in f.filename.replace(os.sep, "/")]
+    user = [
+        f
+        for f in frame_stack
+        if "site-packages" not in f.filename and "/multigpu/" not in f.filename.replace(os.sep, "/")
+    ]
     last = (user or frame_stack)[-1] if frame_stack else None
     at = f" at {Path(last.filename).name}:{last.lineno} in {last.name}()" if last else ""
     return kind + at
@@ -59,12 +66,20 @@ class HangWatchdog:
     """``notice_s``: after that long without a step, one line on rank 0 naming where every rank is (the
     report and the exit still wait for ``timeout_s``): a stuck rank is named in a minute, not in 15."""
 
-    def __init__(self, timeout_s: float, folder: Path, rank: int, world_size: int,
-                 grace_s: float = 5.0, exit: Callable[[int], None] = os._exit,
-                 notice_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        folder: Path,
+        rank: int,
+        world_size: int,
+        grace_s: float = 5.0,
+        exit: Callable[[int], None] = os._exit,
+        notice_s: Optional[float] = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.notice_s = notice_s if notice_s is not None and notice_s < timeout_s else None
-        self._noticed: Optional[float] = None  # the beat a notice was given for: one notice per stall
+        # the beat a notice was given for: one notice per stall
+        self._noticed: Optional[float] = None
         self.folder = Path(folder)
         self.rank = rank
         self.world_size = world_size
@@ -84,8 +99,11 @@ class HangWatchdog:
 
     def start(self) -> "HangWatchdog":
         root = Folder(self.folder)
-        for name in (f"rank{self.rank}.stack", f"rank{self.rank}.summary", f"rank{self.rank}.notice") + (
-                ("report.txt",) if self.rank == 0 else ()):
+        for name in (
+            f"rank{self.rank}.stack",
+            f"rank{self.rank}.summary",
+            f"rank{self.rank}.notice",
+        ) + (("report.txt",) if self.rank == 0 else ()):
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 root.remove(name)  # a report of an earlier hang must not be read as this one
         self._last = time.monotonic()
@@ -121,7 +139,8 @@ class HangWatchdog:
                 return
             if self.notice_s is not None and idle >= self.notice_s and self._noticed != last:
                 self._noticed = last
-                with contextlib.suppress(OSError):  # a notice that cannot be written is not a reason to stop
+                # a notice that cannot be written is not a reason to stop
+                with contextlib.suppress(OSError):
                     self._notice(idle)
 
     def _here(self) -> str:
@@ -141,8 +160,11 @@ class HangWatchdog:
         while len(places) < self.world_size and time.monotonic() < deadline:
             for r in set(range(self.world_size)) - set(places):
                 with contextlib.suppress(OSError, ValueError):
-                    stamp, _, place = root.load_text(f"rank{r}.notice", limit=4096).strip().partition(" ")
-                    if float(stamp) >= time.time() - idle - self.grace_s:  # written in this stall, not an earlier one
+                    stamp, _, place = (
+                        root.load_text(f"rank{r}.notice", limit=4096).strip().partition(" ")
+                    )
+                    # written in this stall, not an earlier one
+                    if float(stamp) >= time.time() - idle - self.grace_s:
                         places[r] = place
             time.sleep(0.05)
         groups: dict[str, list[int]] = {}
@@ -152,9 +174,14 @@ class HangWatchdog:
         parts = [f"{_ranks(ranks)} {place}" for place, ranks in groups.items()]
         if silent:
             parts.append(f"{_ranks(silent)} said nothing (stuck holding the GIL, or gone)")
-        sys.stderr.write(visible(f"multigpu: no training step for {idle:.0f} s after step {self._step}: "
-                                 f"{'; '.join(parts)}. The watchdog reports and ends the job at {self.timeout_s:g} s "
-                                 "(hang_timeout_s).") + "\n")
+        sys.stderr.write(
+            visible(
+                f"multigpu: no training step for {idle:.0f} s after step {self._step}: "
+                f"{'; '.join(parts)}. The watchdog reports and ends the job at {self.timeout_s:g} s "
+                "(hang_timeout_s)."
+            )
+            + "\n"
+        )
         sys.stderr.flush()
 
     # -------------------------------------------------------------- the report
@@ -169,8 +196,11 @@ class HangWatchdog:
         root.write_atomic(f"rank{self.rank}.summary", line + "\n")
         if self.rank == 0:
             summaries = self._collect(root)
-            text = (f"multigpu: hang detected - no training step finished for {self.timeout_s:g} s.\n"
-                    + "\n".join(summaries) + f"\nfull stacks: {self.folder}/rank<N>.stack\n")
+            text = (
+                f"multigpu: hang detected - no training step finished for {self.timeout_s:g} s.\n"
+                + "\n".join(summaries)
+                + f"\nfull stacks: {self.folder}/rank<N>.stack\n"
+            )
             root.write_atomic("report.txt", text)
             sys.stderr.write(visible(text, keep_newlines=True))
         else:
@@ -195,7 +225,9 @@ class HangWatchdog:
         silent = [r for r in range(self.world_size) if r not in lines]
         out = [lines[r] for r in sorted(lines)]
         if silent:
-            out.append(f"ranks {silent} wrote no report within {self.grace_s:g} s (dead, or stuck holding the GIL)")
+            out.append(
+                f"ranks {silent} wrote no report within {self.grace_s:g} s (dead, or stuck holding the GIL)"
+            )
         return out
 
 
@@ -207,5 +239,7 @@ def _ranks(ranks: list[int]) -> str:
             runs[-1].append(r)
         else:
             runs.append([r])
-    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    text = ", ".join(
+        f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs
+    )
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"

@@ -81,8 +81,10 @@ class WorkerOutcome:
             return f"rank {self.rank} failed: {self.error}"
         if self.status is not None:
             return f"rank {self.rank} exited with status {self.status}"
-        return (f"rank {self.rank} ended without a word (killed by a signal: SIGKILL, a crash, or the "
-                "out-of-memory killer)")
+        return (
+            f"rank {self.rank} ended without a word (killed by a signal: SIGKILL, a crash, or the "
+            "out-of-memory killer)"
+        )
 
 
 def read_int(path: Path) -> Optional[int]:
@@ -117,11 +119,17 @@ def _errors(log_dir: str, attempt: int) -> dict[int, str]:
     root = Folder(log_dir)
     for path in Path(log_dir).glob(f"*/attempt_{attempt}/*/error.json"):
         try:
-            message = json.loads(root.load_text(path.relative_to(log_dir), limit=1_000_000)).get("message")
+            message = json.loads(root.load_text(path.relative_to(log_dir), limit=1_000_000)).get(
+                "message"
+            )
         except (OSError, ValueError, AttributeError, RecursionError):
             continue
         if isinstance(message, dict):
-            line = (message.get("extraInfo") or {}).get("multigpu_error") or message.get("message") or ""
+            line = (
+                (message.get("extraInfo") or {}).get("multigpu_error")
+                or message.get("message")
+                or ""
+            )
         else:
             line = str(message or "")
         if validate.is_digits(path.parent.name) and line:
@@ -131,17 +139,33 @@ def _errors(log_dir: str, attempt: int) -> dict[int, str]:
 
 def outcomes(log_dir: str, attempt: int, first_rank: int = 0) -> list[WorkerOutcome]:
     """Every worker of this node in ``attempt`` (ranks from ``first_rank``), in rank order."""
-    ranks = sorted(rank for rank, found_attempt, _ in files_of(log_dir, "pid") if found_attempt == attempt)
+    ranks = sorted(
+        rank for rank, found_attempt, _ in files_of(log_dir, "pid") if found_attempt == attempt
+    )
     errors = _errors(log_dir, attempt)
-    return [WorkerOutcome(rank, read_int(record_path(log_dir, rank, attempt, "exit")),
-                          _alive(read_int(record_path(log_dir, rank, attempt, "pid"))),
-                          errors.get(rank - first_rank, "")) for rank in ranks]
+    return [
+        WorkerOutcome(
+            rank,
+            read_int(record_path(log_dir, rank, attempt, "exit")),
+            _alive(read_int(record_path(log_dir, rank, attempt, "pid"))),
+            errors.get(rank - first_rank, ""),
+        )
+        for rank in ranks
+    ]
 
 
 #: Messages of ranks that failed only because a peer went away first.
-PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe", "dist backend error",
-             "distbackenderror", "nccl communicator was aborted", "socket timeout", "connection refused",
-             "ranks disagree before training")
+PEER_GONE = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "dist backend error",
+    "distbackenderror",
+    "nccl communicator was aborted",
+    "socket timeout",
+    "connection refused",
+    "ranks disagree before training",
+)
 
 
 def lost_a_peer(message: str) -> bool:
@@ -162,4 +186,3 @@ def culprits(found: list[WorkerOutcome]) -> list[WorkerOutcome]:
 def all_preempted(found: list[WorkerOutcome], status: int = EXIT_PREEMPTED) -> bool:
     """Every worker left with the preemption status after its checkpoint."""
     return bool(found) and all(w.status == status for w in found)
-

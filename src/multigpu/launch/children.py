@@ -33,11 +33,17 @@ class Children:
 
     def __enter__(self) -> "Children":
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, lambda signum, frame: self.received.append(signum))
+            self._previous[sig] = signal.signal(
+                sig, lambda signum, frame: self.received.append(signum)
+            )
         return self
 
-    def __exit__(self, kind: Optional[type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:
+    def __exit__(
+        self,
+        kind: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self.signal_all(signal.SIGKILL)
@@ -45,8 +51,12 @@ class Children:
             proc.wait()
 
     def start(self, command: Sequence[str], env: Optional[Mapping[str, str]] = None) -> None:
-        self.procs.append(subprocess.Popen(list(command), start_new_session=True,  # env None: this one's
-                                           env=None if env is None else dict(env)))
+        # env None: this one's
+        self.procs.append(
+            subprocess.Popen(
+                list(command), start_new_session=True, env=None if env is None else dict(env)
+            )
+        )
 
     def running(self) -> int:
         return sum(proc.poll() is None for proc in self.procs)
@@ -68,7 +78,8 @@ class Children:
             if len(self.received) > forwarded:
                 if forwarded == 0:
                     self.signal_all(self.received[0])
-                if len(self.received) > 1:  # a second stop, even one that came with the first: at once
+                # a second stop, even one that came with the first: at once
+                if len(self.received) > 1:
                     self.signal_all(signal.SIGKILL)
                 forwarded = len(self.received)
                 deadline = deadline or time.monotonic() + self.grace_s

@@ -37,7 +37,9 @@ class DevicePlan:
 def no_gpu_here() -> bool:
     """No GPU driver on this machine, or every GPU hidden (``CUDA_VISIBLE_DEVICES`` empty): known without
     importing torch. False means "maybe": :func:`visible_gpus` asks torch."""
-    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/nvidiactl")):
+    if not any(
+        os.path.exists(p) for p in ("/proc/driver/nvidia/gpus", "/dev/kfd", "/dev/nvidiactl")
+    ):
         return True
     return os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() == ""
 
@@ -66,17 +68,31 @@ def parse_gpu_ids(text: str) -> list[int]:
     for part in text.split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not validate.is_digits(lo) or (sep and not validate.is_digits(hi)) or len(lo) > 4 or len(hi) > 4:
-            raise LaunchError(f"--gpus {text[:40]!r}: {part[:20]!r} is not a GPU index.", "write --gpus 0,2,3 or --gpus 0-3.")
+        if (
+            not validate.is_digits(lo)
+            or (sep and not validate.is_digits(hi))
+            or len(lo) > 4
+            or len(hi) > 4
+        ):
+            raise LaunchError(
+                f"--gpus {text[:40]!r}: {part[:20]!r} is not a GPU index.",
+                "write --gpus 0,2,3 or --gpus 0-3.",
+            )
         if sep and int(hi) < int(lo):
-            raise LaunchError(f"--gpus {text[:40]!r}: the range {part!r} runs backwards.", "write --gpus 0-3.")
+            raise LaunchError(
+                f"--gpus {text[:40]!r}: the range {part!r} runs backwards.", "write --gpus 0-3."
+            )
         ids.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
         if len(ids) > validate.MAX_PROCS_PER_NODE:
-            raise LaunchError(f"--gpus {text[:40]!r} names more than {validate.MAX_PROCS_PER_NODE} GPUs.",
-                              "list the GPUs of this machine (`nvidia-smi -L`).")
+            raise LaunchError(
+                f"--gpus {text[:40]!r} names more than {validate.MAX_PROCS_PER_NODE} GPUs.",
+                "list the GPUs of this machine (`nvidia-smi -L`).",
+            )
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
-        raise LaunchError(f"--gpus {text!r} names GPU {duplicates[0]} twice.", "list each GPU once.")
+        raise LaunchError(
+            f"--gpus {text!r} names GPU {duplicates[0]} twice.", "list each GPU once."
+        )
     return ids
 
 
@@ -90,8 +106,13 @@ def plan_devices(
 ) -> DevicePlan:
     """Decide processes and CUDA_VISIBLE_DEVICES. ``visible_gpus`` are the ids this shell can see."""
     validate.count(gpus_per_proc, "--gpus-per-proc", LaunchError)
-    validate.count(procs_per_gpu, "--procs-per-gpu", LaunchError, high=validate.MAX_SHARERS_PER_GPU,
-                   hint=f"use 1 to {validate.MAX_SHARERS_PER_GPU}: each process holds a CUDA context on the GPU.")
+    validate.count(
+        procs_per_gpu,
+        "--procs-per-gpu",
+        LaunchError,
+        high=validate.MAX_SHARERS_PER_GPU,
+        hint=f"use 1 to {validate.MAX_SHARERS_PER_GPU}: each process holds a CUDA context on the GPU.",
+    )
     if nproc is not None:
         validate.count(nproc, "--nproc", LaunchError)
     if procs_per_gpu > 1:
@@ -103,8 +124,10 @@ def plan_devices(
     if gpus is not None:
         ids = parse_gpu_ids(gpus)
         if not visible_gpus:
-            raise LaunchError(f"--gpus {gpus} was given but no GPU is visible.",
-                              "use CPU processes instead: --nproc N with `run`, --slots N with `queue`.")
+            raise LaunchError(
+                f"--gpus {gpus} was given but no GPU is visible.",
+                "use CPU processes instead: --nproc N with `run`, --slots N with `queue`.",
+            )
         bad = [i for i in ids if i >= len(visible_gpus)]
         if bad:
             raise LaunchError(
@@ -143,30 +166,48 @@ def plan_devices(
     return DevicePlan(nproc=count, visible=",".join(chosen), gpus_per_proc=gpus_per_proc)
 
 
-def _shared_gpus(visible_gpus: Sequence[str], gpus: Optional[str], nproc: Optional[int], gpus_per_proc: int,
-                 cpu: bool, procs_per_gpu: int) -> DevicePlan:
+def _shared_gpus(
+    visible_gpus: Sequence[str],
+    gpus: Optional[str],
+    nproc: Optional[int],
+    gpus_per_proc: int,
+    cpu: bool,
+    procs_per_gpu: int,
+) -> DevicePlan:
     """``--procs-per-gpu K``: K processes on each chosen GPU (every visible one unless --gpus or --nproc)."""
     k = procs_per_gpu
     if cpu or gpus_per_proc > 1:
         other = "--cpu" if cpu else "--gpus-per-proc"
-        raise LaunchError(f"--procs-per-gpu {k} and {other} contradict each other.",
-                          "--procs-per-gpu puts several processes on one GPU; drop one of the two flags.")
+        raise LaunchError(
+            f"--procs-per-gpu {k} and {other} contradict each other.",
+            "--procs-per-gpu puts several processes on one GPU; drop one of the two flags.",
+        )
     if not visible_gpus:
-        raise LaunchError(f"--procs-per-gpu {k} needs a GPU but none is visible.",
-                          "on a CPU machine use --nproc N alone (each CPU process uses the CPU).")
+        raise LaunchError(
+            f"--procs-per-gpu {k} needs a GPU but none is visible.",
+            "on a CPU machine use --nproc N alone (each CPU process uses the CPU).",
+        )
     if nproc is not None and nproc % k:
-        raise LaunchError(f"--nproc {nproc} is not a multiple of --procs-per-gpu {k}.",
-                          f"give --nproc {k * max(1, nproc // k)}, or only --gpus (processes = GPUs x {k}).")
+        raise LaunchError(
+            f"--nproc {nproc} is not a multiple of --procs-per-gpu {k}.",
+            f"give --nproc {k * max(1, nproc // k)}, or only --gpus (processes = GPUs x {k}).",
+        )
     if gpus is not None:
         base = plan_devices(visible_gpus, gpus=gpus)
     else:
         count = nproc // k if nproc is not None else len(visible_gpus)
         if count > len(visible_gpus):
-            raise LaunchError(f"--nproc {nproc} at {k} per GPU needs {count} GPUs but {len(visible_gpus)} are visible.",
-                              "lower --nproc, or raise --procs-per-gpu.")
+            raise LaunchError(
+                f"--nproc {nproc} at {k} per GPU needs {count} GPUs but {len(visible_gpus)} are visible.",
+                "lower --nproc, or raise --procs-per-gpu.",
+            )
         base = DevicePlan(nproc=count, visible=",".join(visible_gpus[:count]))
     if nproc is not None and nproc != base.nproc * k:
-        raise LaunchError(f"--nproc {nproc} contradicts --gpus {gpus} at --procs-per-gpu {k} ({base.nproc * k} processes).",
-                          "give only --gpus; the number of processes follows from it.")
-    validate.count(base.nproc * k, "--procs-per-gpu x GPUs", LaunchError, high=validate.MAX_PROCS_PER_NODE)
+        raise LaunchError(
+            f"--nproc {nproc} contradicts --gpus {gpus} at --procs-per-gpu {k} ({base.nproc * k} processes).",
+            "give only --gpus; the number of processes follows from it.",
+        )
+    validate.count(
+        base.nproc * k, "--procs-per-gpu x GPUs", LaunchError, high=validate.MAX_PROCS_PER_NODE
+    )
     return DevicePlan(nproc=base.nproc * k, visible=base.visible, procs_per_gpu=k)

@@ -74,7 +74,11 @@ class Ended:
     def written(self) -> bool:
         """The stacks file holds the dump (it is a regular file with something in it)."""
         try:
-            return self.stacks.is_file() and not self.stacks.is_symlink() and self.stacks.stat().st_size > 0
+            return (
+                self.stacks.is_file()
+                and not self.stacks.is_symlink()
+                and self.stacks.stat().st_size > 0
+            )
         except OSError:
             return False
 
@@ -87,7 +91,7 @@ class Ended:
         for line in text.splitlines():
             line = line.strip()
             if line.startswith("File "):
-                return line[len("File "):]
+                return line[len("File ") :]
         return ""
 
 
@@ -105,8 +109,13 @@ def _progress(pid: int) -> Optional[tuple[float, int]]:
     try:
         proc = Folder(f"/proc/{pid}")
         fields = proc.load_text("stat", limit=4096).rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: every thread
-        counts = dict(line.split(": ", 1) for line in proc.load_text("io", limit=4096).splitlines() if ": " in line)
+        # utime, stime: every thread
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        counts = dict(
+            line.split(": ", 1)
+            for line in proc.load_text("io", limit=4096).splitlines()
+            if ": " in line
+        )
         return cpu, int(counts.get("rchar", 0)) + int(counts.get("wchar", 0))
     except (OSError, IndexError, ValueError):
         return None
@@ -137,7 +146,8 @@ class ExitWatch:
         self.ended: list[Ended] = []
         self._stop = threading.Event()
         self._attempt: Optional[int] = None
-        self._watched: dict[int, _Watched] = {}  # rank -> what was seen of it, once every local rank finished
+        # rank -> what was seen of it, once every local rank finished
+        self._watched: dict[int, _Watched] = {}
         self._thread = threading.Thread(target=self._run, name="multigpu-exit-watch", daemon=True)
 
     def __enter__(self) -> "ExitWatch":
@@ -166,8 +176,11 @@ class ExitWatch:
         attempt = max(found for _, found, _ in started)
         if attempt != self._attempt:
             self._attempt, self._watched = attempt, {}
-        pids = {rank: pid for rank, found, path in started if found == attempt
-                and (pid := read_int(path)) is not None}
+        pids = {
+            rank: pid
+            for rank, found, path in started
+            if found == attempt and (pid := read_int(path)) is not None
+        }
         finished = {rank for rank, found, _ in files_of(self.log_dir, "exit") if found == attempt}
         alive = {rank: pid for rank, pid in pids.items() if _our_live_child(pid)}
         if len(pids) < self.nproc or not alive or not set(alive) <= finished:
@@ -181,8 +194,11 @@ class ExitWatch:
             cpu, io = seen
             if last is None or last.pid != pid or _moved(last, cpu, io, now):
                 self._watched[rank] = _Watched(pid, cpu, io, now)
-        stalled = {rank: pid for rank, pid in alive.items()
-                   if rank in self._watched and now - self._watched[rank].since >= self.timeout_s}
+        stalled = {
+            rank: pid
+            for rank, pid in alive.items()
+            if rank in self._watched and now - self._watched[rank].since >= self.timeout_s
+        }
         # only when none is moving: ending one while another still writes its last checkpoint would have
         # torch's agent stop that one too
         if stalled and len(stalled) == len(alive):
@@ -209,7 +225,9 @@ class ExitWatch:
                 deadline, size = time.monotonic() + DUMP_WAIT_S, -1
                 while time.monotonic() < deadline:  # written, and no longer growing
                     time.sleep(0.2)
-                    now_size = stacks.stat().st_size if stacks.exists() and not stacks.is_symlink() else 0
+                    now_size = (
+                        stacks.stat().st_size if stacks.exists() and not stacks.is_symlink() else 0
+                    )
                     if now_size and now_size == size:
                         break
                     size = now_size
@@ -234,8 +252,10 @@ def ended_ranks_succeed() -> contextlib.AbstractContextManager[None]:
             with _lock:
                 ours = {failure.pid for failure in result.failures.values()} <= _ended_succeeded
             if ours:
-                return RunResult(state=WorkerState.SUCCEEDED,
-                                 return_values={worker.global_rank: None for worker in worker_group.workers})
+                return RunResult(
+                    state=WorkerState.SUCCEEDED,
+                    return_values={worker.global_rank: None for worker in worker_group.workers},
+                )
         return result
 
     return swapped(LocalElasticAgent, "_monitor_workers", monitor)  # type: ignore[arg-type]

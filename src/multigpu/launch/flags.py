@@ -17,7 +17,9 @@ from multigpu.launch.interpreter import python_module
 from multigpu.launch.knobs import BY_NAME, KNOBS, LAUNCH_GROUPS
 
 #: The knobs a ``multigpu run`` line carries, in the order they are written (switches last).
-_HANDED_ON = tuple(k for k in KNOBS if k.handed_on and not k.switch) + tuple(k for k in KNOBS if k.handed_on and k.switch)
+_HANDED_ON = tuple(k for k in KNOBS if k.handed_on and not k.switch) + tuple(
+    k for k in KNOBS if k.handed_on and k.switch
+)
 #: The device and node flags that ``run`` and ``doctor`` share (``doctor`` hands them on to ``run``).
 LAUNCH_FIELDS = tuple(k.name for k in KNOBS if k.group in LAUNCH_GROUPS)
 
@@ -73,9 +75,12 @@ class RunFlags:
             value = self._given.get(knob.name)
             if knob.switch:
                 out += [knob.flags[0]] if value else []
-            elif value is not None and value != knob.default:  # "-x" as one word: never read as a flag
+            # "-x" as one word: never read as a flag
+            elif value is not None and value != knob.default:
                 text = str(value)
-                out += [f"{knob.flags[0]}={text}"] if text.startswith("-") else [knob.flags[0], text]
+                out += (
+                    [f"{knob.flags[0]}={text}"] if text.startswith("-") else [knob.flags[0], text]
+                )
         return out
 
     def to_argv(self, target: Sequence[str], python: str = sys.executable) -> list[str]:

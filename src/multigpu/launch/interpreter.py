@@ -19,8 +19,10 @@ import sys
 
 #: The first statement of a ``-c`` child: drop the current folder ('' under ``-c``; nothing under ``-P`` or
 #: ``PYTHONSAFEPATH``, when there is nothing to drop), then run the module as ``-m`` would.
-BOOTSTRAP = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
-             "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+BOOTSTRAP = (
+    "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import runpy; "
+    "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+)
 
 
 def python_module(module: str, python: str = sys.executable, unbuffered: bool = False) -> list[str]:

@@ -99,8 +99,10 @@ def port_is_free(port: int, host: str = "") -> bool:
                 if exc.errno == errno.EADDRINUSE:
                     return False
                 if exc.errno == errno.EACCES:
-                    raise LaunchError(f"port {port} needs root privileges to listen on (ports below 1024 do).",
-                                      "use a port from 1024 to 65535, e.g. --master-port 29500.") from None
+                    raise LaunchError(
+                        f"port {port} needs root privileges to listen on (ports below 1024 do).",
+                        "use a port from 1024 to 65535, e.g. --master-port 29500.",
+                    ) from None
                 if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
                     continue
                 raise
@@ -109,7 +111,9 @@ def port_is_free(port: int, host: str = "") -> bool:
 
 def require_free_port(port: int, flag: str = "--master-port") -> None:
     if not 0 < port < 65536:
-        raise LaunchError(f"{flag} {port} is not a valid port.", "use a port between 1024 and 65535.")
+        raise LaunchError(
+            f"{flag} {port} is not a valid port.", "use a port between 1024 and 65535."
+        )
     if not port_is_free(port):
         raise LaunchError(
             f"{flag} {port} is already in use on this machine (another job or rendezvous holds it).",

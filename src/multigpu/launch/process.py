@@ -92,7 +92,9 @@ def parent_of(pid: int) -> int:
     from multigpu.fileio import Folder
 
     try:
-        return int(Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[1])
+        return int(
+            Folder(f"/proc/{pid}").load_text("stat", limit=4096).rsplit(")", 1)[1].split()[1]
+        )
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -132,8 +134,10 @@ class StopSignals:
                 return
             if not claimed:
                 self.raised = True
-                if self.raising is Stopped:  # one stop ends the start-up; a second waits for its clean-up
-                    self.holding = True  # (in torch's agent every stop raises, as torch's own handler does)
+                # one stop ends the start-up; a second waits for its clean-up
+                if self.raising is Stopped:
+                    # (in torch's agent every stop raises, as torch's own handler does)
+                    self.holding = True
         if claimed:  # another thread acts on the stop and ends the process: go no further meanwhile
             threading.Event().wait()
         raise self.raising(signum)
@@ -177,7 +181,9 @@ Handlers = list[tuple[int, Any]]
 def agent_signal_handlers() -> Handlers:
     """The handlers of :data:`AGENT_SIGNALS` now, to put back after the launch (torch's agent never does);
     not one Python cannot see (set from C)."""
-    return [(sig, handler) for sig in AGENT_SIGNALS if (handler := signal.getsignal(sig)) is not None]
+    return [
+        (sig, handler) for sig in AGENT_SIGNALS if (handler := signal.getsignal(sig)) is not None
+    ]
 
 
 def install_stops(stops: StopSignals, saved: Handlers, holding: bool = False) -> None:
@@ -213,7 +219,9 @@ def restore_stops(stops: StopSignals, saved: Handlers, deliver: bool = False) ->
 
 
 @contextlib.contextmanager
-def watching_stops(stops: StopSignals, act: Callable[[int], None], grace_s: float = 1.0) -> Iterator[None]:
+def watching_stops(
+    stops: StopSignals, act: Callable[[int], None], grace_s: float = 1.0
+) -> Iterator[None]:
     """While the main thread may wait inside C++ (a rendezvous's store, for the other nodes: no Python
     handler runs until the wait returns, up to its timeout), a thread acts on a stop that ``stops`` has
     not handled within ``grace_s``: ``act(signum)`` cleans up and ends the process. Why it sees the stop:
@@ -285,14 +293,18 @@ def stopping_cleanly() -> Iterator[StopSignals]:
     # An ignored SIGINT or SIGHUP stays ignored (`nohup`, `cmd &`): the runs are in sessions of their own,
     # no terminal's. SIGTERM is taken all the same: the runs must not inherit it ignored (exec resets only a
     # handled one), or neither our stop nor their parent's death would reach them.
-    kept = [(sig, handler) for sig, handler in saved
-            if handler is not signal.SIG_IGN or sig not in (signal.SIGINT, signal.SIGHUP)]
+    kept = [
+        (sig, handler)
+        for sig, handler in saved
+        if handler is not signal.SIG_IGN or sig not in (signal.SIGINT, signal.SIGHUP)
+    ]
     try:
         install_stops(stops, kept)
         yield stops
         done = True
     except Stopped as stopped:
-        if not is_command_process():  # a Python program called the command: its own handler gets the stop too
+        # a Python program called the command: its own handler gets the stop too
+        if not is_command_process():
             stops.came, done = stopped.signum, True
         raise
     finally:
@@ -318,8 +330,12 @@ def own_session_dying_with_parent() -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def launched(argv: list[str], stops: StopSignals, read: Optional[Callable[[IO[str]], None]] = None,
-             **popen: Any) -> Iterator[subprocess.Popen[Any]]:
+def launched(
+    argv: list[str],
+    stops: StopSignals,
+    read: Optional[Callable[[IO[str]], None]] = None,
+    **popen: Any,
+) -> Iterator[subprocess.Popen[Any]]:
     """A launch (``multigpu run``'s argv) that a command (check, doctor) starts and never leaves behind: in a
     session of its own (:func:`own_session_dying_with_parent`: a terminal's Ctrl-C reaches only the command,
     which stops the launch, once; the command's death stops it too), and whatever leaves the block - a stop
@@ -336,7 +352,11 @@ def launched(argv: list[str], stops: StopSignals, read: Optional[Callable[[IO[st
 
     stops.holding = True
     with subprocess.Popen(argv, preexec_fn=own_session_dying_with_parent(), **popen) as proc:
-        reader = None if read is None else threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+        reader = (
+            None
+            if read is None
+            else threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+        )
         try:
             if reader is not None:
                 reader.start()
@@ -368,7 +388,8 @@ def _stop_launch(proc: subprocess.Popen[Any], signum: int, drained: bool) -> Non
     except subprocess.TimeoutExpired:
         pass
     finally:
-        if proc.poll() is None:  # its group, as the signal went: nothing left holding the pipes we read
+        # its group, as the signal went: nothing left holding the pipes we read
+        if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

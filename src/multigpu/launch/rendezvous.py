@@ -41,9 +41,13 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     if validate.is_digits(lo[:12]) and validate.is_digits((hi if sep else lo)[:12]):
         min_nodes, max_nodes = int(lo[:12]), int((hi if sep else lo)[:12])
     else:
-        raise LaunchError(f"--nnodes {text!r} is not a number or MIN:MAX.", "write --nnodes 2 or --nnodes 1:4.") from None
+        raise LaunchError(
+            f"--nnodes {text!r} is not a number or MIN:MAX.", "write --nnodes 2 or --nnodes 1:4."
+        ) from None
     if not 0 < min_nodes <= max_nodes:
-        raise LaunchError(f"--nnodes {text!r}: need 0 < MIN <= MAX.", "write --nnodes 2 or --nnodes 1:4.")
+        raise LaunchError(
+            f"--nnodes {text!r}: need 0 < MIN <= MAX.", "write --nnodes 2 or --nnodes 1:4."
+        )
     validate.count(max_nodes, "--nnodes", LaunchError, high=validate.MAX_NODES)
     return min_nodes, max_nodes
 
@@ -63,12 +67,17 @@ def require_resolvable(host: str, flag: str, timeout_s: float = 10.0) -> None:
         pool.submit(socket.getaddrinfo, name, None).result(timeout=timeout_s)
         answered = True
     except concurrent.futures.TimeoutError:
-        raise LaunchError(f"{flag} {host}: looking the name up took more than {timeout_s:.0f} s.",
-                          "check the machine's DNS, or give the first node's IP address.") from None
+        raise LaunchError(
+            f"{flag} {host}: looking the name up took more than {timeout_s:.0f} s.",
+            "check the machine's DNS, or give the first node's IP address.",
+        ) from None
     except (OSError, UnicodeError) as exc:
-        raise LaunchError(f"{flag} {host} is not a host this machine can resolve ({exc.__class__.__name__}).",
-                          "give the first node's IP address or a name in /etc/hosts (the same on every node).") from None
-    finally:  # the thread ends with the lookup (the fork server is forked from a launcher with no other thread)
+        raise LaunchError(
+            f"{flag} {host} is not a host this machine can resolve ({exc.__class__.__name__}).",
+            "give the first node's IP address or a name in /etc/hosts (the same on every node).",
+        ) from None
+    # the thread ends with the lookup (the fork server is forked from a launcher with no other thread)
+    finally:
         pool.shutdown(wait=answered)
 
 
@@ -85,20 +94,39 @@ def plan_rendezvous(
     min_nodes, max_nodes = parse_nnodes(nnodes)
     for flag, text in (("--master-addr", master_addr), ("--rdzv-id", rdzv_id)):
         if text is not None:
-            validate.plain_text(text, flag, LaunchError, allow_space=False, pattern=r"[\w.:\[\]%-]{1,255}",
-                                example="host1 or 10.0.0.1")
+            validate.plain_text(
+                text,
+                flag,
+                LaunchError,
+                allow_space=False,
+                pattern=r"[\w.:\[\]%-]{1,255}",
+                example="host1 or 10.0.0.1",
+            )
     if rdzv_endpoint:
         if master_port is not None or master_addr is not None:
             raise LaunchError(
-                "--rdzv-endpoint and --master-addr/--master-port both name the rendezvous.", "give only one of them."
+                "--rdzv-endpoint and --master-addr/--master-port both name the rendezvous.",
+                "give only one of them.",
             )
         host, _, port = rdzv_endpoint.rpartition(":")
         if port == "0" and max_nodes == 1 and host in ("localhost", "127.0.0.1"):
             # torchrun's single-machine spelling (--rdzv-endpoint=localhost:0): a free port, as we do anyway.
-            return Rendezvous("c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s)
-        if not host or not validate.is_digits(port) or not 0 < int(port[:6]) < 65536 or re.search(r"[\s\x00-\x1f]", host):
-            raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT.", "write --rdzv-endpoint node1:29400.")
-        return Rendezvous("c10d", rdzv_endpoint, rdzv_id or "multigpu", min_nodes, max_nodes, 0, timeout_s)
+            return Rendezvous(
+                "c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s
+            )
+        if (
+            not host
+            or not validate.is_digits(port)
+            or not 0 < int(port[:6]) < 65536
+            or re.search(r"[\s\x00-\x1f]", host)
+        ):
+            raise LaunchError(
+                f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT.",
+                "write --rdzv-endpoint node1:29400.",
+            )
+        return Rendezvous(
+            "c10d", rdzv_endpoint, rdzv_id or "multigpu", min_nodes, max_nodes, 0, timeout_s
+        )
     if min_nodes != max_nodes:
         raise LaunchError(
             f"--nnodes {nnodes} is elastic, which needs a c10d rendezvous.",
@@ -111,7 +139,9 @@ def plan_rendezvous(
         )
     if max_nodes == 1 and master_port is None:
         # One machine: let the agent's store bind port 0, so concurrent launches never clash.
-        return Rendezvous("c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s)
+        return Rendezvous(
+            "c10d", "localhost:0", rdzv_id or uuid.uuid4().hex[:12], 1, 1, 0, timeout_s
+        )
     if max_nodes > 1 and (master_addr is None or master_port is None):
         missing = "--master-addr" if master_addr is None else "--master-port"
         raise LaunchError(
@@ -121,7 +151,17 @@ def plan_rendezvous(
         )
     addr = master_addr or "127.0.0.1"
     if master_port is None:  # one machine returned above, several were refused
-        raise LaunchError("no --master-port for a static rendezvous.", "give --master-port (node 0's free port).")
+        raise LaunchError(
+            "no --master-port for a static rendezvous.", "give --master-port (node 0's free port)."
+        )
     if node_rank == 0:
         require_free_port(int(master_port))  # node 0 hosts the store: refuse a taken port now
-    return Rendezvous("static", f"{addr}:{master_port}", rdzv_id or "multigpu", max_nodes, max_nodes, node_rank, timeout_s)
+    return Rendezvous(
+        "static",
+        f"{addr}:{master_port}",
+        rdzv_id or "multigpu",
+        max_nodes,
+        max_nodes,
+        node_rank,
+        timeout_s,
+    )

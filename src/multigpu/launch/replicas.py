@@ -64,39 +64,72 @@ class ReplicaSettings:
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def check(self) -> "ReplicaSettings":
-        validate.count(self.groups, "--replica-groups", LaunchError, high=MAX_REPLICA_GROUPS,
-                       hint=f"use 2 or more groups (at most {MAX_REPLICA_GROUPS}): each is a whole replica of the job.")
-        validate.count(self.min_replicas, "--min-replicas", LaunchError, high=self.groups,
-                       hint=f"use 1 to --replica-groups ({self.groups}): the fewest live groups a step needs.")
-        if (isinstance(self.heartbeat_timeout_s, bool) or not isinstance(self.heartbeat_timeout_s, (int, float))
-                or not 0.1 <= self.heartbeat_timeout_s <= MAX_HEARTBEAT_TIMEOUT_S):
-            raise LaunchError(f"--heartbeat-timeout {self.heartbeat_timeout_s!r} must be 0.1 to "
-                              f"{MAX_HEARTBEAT_TIMEOUT_S:.0f} seconds.",
-                              "e.g. --heartbeat-timeout 5: the pause per failure (too short evicts slow groups).")
+        validate.count(
+            self.groups,
+            "--replica-groups",
+            LaunchError,
+            high=MAX_REPLICA_GROUPS,
+            hint=f"use 2 or more groups (at most {MAX_REPLICA_GROUPS}): each is a whole replica of the job.",
+        )
+        validate.count(
+            self.min_replicas,
+            "--min-replicas",
+            LaunchError,
+            high=self.groups,
+            hint=f"use 1 to --replica-groups ({self.groups}): the fewest live groups a step needs.",
+        )
+        if (
+            isinstance(self.heartbeat_timeout_s, bool)
+            or not isinstance(self.heartbeat_timeout_s, (int, float))
+            or not 0.1 <= self.heartbeat_timeout_s <= MAX_HEARTBEAT_TIMEOUT_S
+        ):
+            raise LaunchError(
+                f"--heartbeat-timeout {self.heartbeat_timeout_s!r} must be 0.1 to "
+                f"{MAX_HEARTBEAT_TIMEOUT_S:.0f} seconds.",
+                "e.g. --heartbeat-timeout 5: the pause per failure (too short evicts slow groups).",
+            )
         return self
 
 
 def parse_address(text: str, flag: str = "--lighthouse") -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too), checked."""
     host, _, port = str(text).rpartition(":")
-    if (not host or not validate.is_digits(port) or len(port) > 5 or not 0 < int(port) < 65536
-            or not re.fullmatch(r"[\w.\-]{1,253}|\[[0-9A-Fa-f:.%\w]{2,60}\]", host)):
-        raise LaunchError(f"{flag} {str(text)[:60]!r} is not HOST:PORT.",
-                          f"write {flag} node1:29510 (the first node's address and the lighthouse's port).")
+    if (
+        not host
+        or not validate.is_digits(port)
+        or len(port) > 5
+        or not 0 < int(port) < 65536
+        or not re.fullmatch(r"[\w.\-]{1,253}|\[[0-9A-Fa-f:.%\w]{2,60}\]", host)
+    ):
+        raise LaunchError(
+            f"{flag} {str(text)[:60]!r} is not HOST:PORT.",
+            f"write {flag} node1:29510 (the first node's address and the lighthouse's port).",
+        )
     return host, int(port)
 
 
-def group_env(group: int, settings: ReplicaSettings, lighthouse: str, *, loopback: bool, verbose: bool,
-              threads: Optional[int] = None) -> dict[str, str]:
+def group_env(
+    group: int,
+    settings: ReplicaSettings,
+    lighthouse: str,
+    *,
+    loopback: bool,
+    verbose: bool,
+    threads: Optional[int] = None,
+) -> dict[str, str]:
     """What a group's agent passes its workers: which group, how many, the lighthouse, and quiet torchft
     servers (their Rust logs print every quorum at INFO; ``--verbose`` or your own RUST_LOG keeps them)."""
-    env = {REPLICA_GROUP_VAR: str(group), REPLICA_GROUPS_VAR: str(settings.groups),
-           LIGHTHOUSE_VAR: lighthouse if lighthouse.startswith("http") else f"http://{lighthouse}",
-           MIN_REPLICAS_VAR: str(settings.min_replicas)}
+    env = {
+        REPLICA_GROUP_VAR: str(group),
+        REPLICA_GROUPS_VAR: str(settings.groups),
+        LIGHTHOUSE_VAR: lighthouse if lighthouse.startswith("http") else f"http://{lighthouse}",
+        MIN_REPLICAS_VAR: str(settings.min_replicas),
+    }
     if not verbose and "RUST_LOG" not in os.environ:
         env["RUST_LOG"] = "warn"
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # every group on this machine: gloo listens on loopback only
+        # every group on this machine: gloo listens on loopback only
+        env["GLOO_SOCKET_IFNAME"] = "lo"
     if threads is not None and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -105,7 +138,9 @@ def group_env(group: int, settings: ReplicaSettings, lighthouse: str, *, loopbac
 class Lighthouse:
     """torchft's lighthouse in this process: ``with Lighthouse(...) as house: house.address``."""
 
-    def __init__(self, host: str, port: int, settings: ReplicaSettings, verbose: bool = False) -> None:
+    def __init__(
+        self, host: str, port: int, settings: ReplicaSettings, verbose: bool = False
+    ) -> None:
         self.host, self.port, self.settings, self.verbose = host, port, settings, verbose
         self._server: Optional[LighthouseServer] = None
 
@@ -115,17 +150,25 @@ class Lighthouse:
         try:
             from torchft.coordination import LighthouseServer
         except ImportError as exc:  # the same words as the strategy's (which launch may not import)
-            raise LaunchError(f"replica groups need torchft, which is not installed ({exc.name or 'torchft'}).",
-                              "pip install 'multigpu[ft]' (or pip install torchft); it installs beside a CPU or "
-                              "CUDA torch without changing it.") from None
+            raise LaunchError(
+                f"replica groups need torchft, which is not installed ({exc.name or 'torchft'}).",
+                "pip install 'multigpu[ft]' (or pip install torchft); it installs beside a CPU or "
+                "CUDA torch without changing it.",
+            ) from None
 
         try:
-            self._server = LighthouseServer(bind=f"{self.host}:{self.port}", min_replicas=self.settings.min_replicas,
-                                            join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=QUORUM_TICK_MS,
-                                            heartbeat_timeout_ms=int(self.settings.heartbeat_timeout_s * 1000))
+            self._server = LighthouseServer(
+                bind=f"{self.host}:{self.port}",
+                min_replicas=self.settings.min_replicas,
+                join_timeout_ms=JOIN_TIMEOUT_MS,
+                quorum_tick_ms=QUORUM_TICK_MS,
+                heartbeat_timeout_ms=int(self.settings.heartbeat_timeout_s * 1000),
+            )
         except Exception as exc:
-            raise LaunchError(f"cannot start the lighthouse on {self.host}:{self.port}: {' '.join(str(exc).split())[:200]}",
-                              "choose a free port (or leave it to the launcher on one machine).") from None
+            raise LaunchError(
+                f"cannot start the lighthouse on {self.host}:{self.port}: {' '.join(str(exc).split())[:200]}",
+                "choose a free port (or leave it to the launcher on one machine).",
+            ) from None
         self.port = int(self._server.address().rpartition(":")[2])
         return self
 
@@ -152,22 +195,32 @@ def follow_launcher() -> None:
         os._exit(1)  # the launcher died before prctl took effect
 
 
-def run_groups(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, Any]], lighthouse: Lighthouse,
-               say: Callable[[str], None], poll_s: float = 0.1, grace_s: float = 180.0) -> int:
+def run_groups(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[dict[str, Any]],
+    lighthouse: Lighthouse,
+    say: Callable[[str], None],
+    poll_s: float = 0.1,
+    grace_s: float = 180.0,
+) -> int:
     """Start every group's agent, forward stop signals to them, report groups that end; the status."""
 
     def ended(group: int, code: int) -> bool:
         if code not in (0, EXIT_PREEMPTED) and not children.received and children.running():
-            say(f"replica group {group} ended with status {code} (its restarts are used up); the other groups go "
-                "on without it")
+            say(
+                f"replica group {group} ended with status {code} (its restarts are used up); the other groups go "
+                "on without it"
+            )
         return False  # the others keep training
 
     with Children(_FORWARDED, grace_s, poll_s) as children:
         for command, env in zip(commands, envs):
             children.start(command, {**os.environ, **env, LAUNCHER_PID_VAR: str(os.getpid())})
-        say(f"lighthouse {lighthouse.address} (at least {lighthouse.settings.min_replicas} group(s) per step, a "
+        say(
+            f"lighthouse {lighthouse.address} (at least {lighthouse.settings.min_replicas} group(s) per step, a "
             f"silent group is left out after {lighthouse.settings.heartbeat_timeout_s:g} s); {len(commands)} replica "
-            "groups started")
+            "groups started"
+        )
         codes = children.watch(ended)
     return _status(codes, children.received, say)
 
@@ -175,7 +228,9 @@ def run_groups(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, Any]]
 def _status(codes: dict[int, int], received: list[int], say: Callable[[str], None]) -> int:
     values = [codes[g] for g in sorted(codes)]
     if values and all(code == EXIT_PREEMPTED for code in values):
-        say("every replica group wrote its checkpoint and stopped (run the same command again to resume).")
+        say(
+            "every replica group wrote its checkpoint and stopped (run the same command again to resume)."
+        )
         return EXIT_PREEMPTED
     if received:
         name = signal.Signals(received[0]).name
@@ -184,7 +239,9 @@ def _status(codes: dict[int, int], received: list[int], say: Callable[[str], Non
     if 0 in values:
         failed = [g for g, code in sorted(codes.items()) if code != 0]
         if failed:
-            say(f"training finished; replica group(s) {', '.join(map(str, failed))} had failed for good on the way.")
+            say(
+                f"training finished; replica group(s) {', '.join(map(str, failed))} had failed for good on the way."
+            )
         return 0
     return next((code for code in values if code != 0), 1)
 
@@ -192,21 +249,31 @@ def _status(codes: dict[int, int], received: list[int], say: Callable[[str], Non
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m multigpu.launch.replicas --bind HOST:PORT``: host the lighthouse until stopped (the
     first node of a Slurm job of replica groups runs this in the background)."""
-    parser = argparse.ArgumentParser(prog="python -m multigpu.launch.replicas",
-                                     description="Host torchft's lighthouse for a job of replica groups.")
+    parser = argparse.ArgumentParser(
+        prog="python -m multigpu.launch.replicas",
+        description="Host torchft's lighthouse for a job of replica groups.",
+    )
     parser.add_argument("--bind", required=True, metavar="HOST:PORT")
     parser.add_argument("--replica-groups", type=whole_flag, required=True, metavar="R")
     parser.add_argument("--min-replicas", type=whole_flag, default=1, metavar="M")
-    parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S")
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S"
+    )
     args = parser.parse_args(argv)
     try:
         host, port = parse_address(args.bind, "--bind")
-        settings = ReplicaSettings(args.replica_groups, args.min_replicas, args.heartbeat_timeout).check()
+        settings = ReplicaSettings(
+            args.replica_groups, args.min_replicas, args.heartbeat_timeout
+        ).check()
         stop: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, lambda signum, frame: stop.append(signum))
         with Lighthouse(host, port, settings) as house:
-            print(f"multigpu: lighthouse {house.address} for {settings.groups} replica groups", file=sys.stderr, flush=True)
+            print(
+                f"multigpu: lighthouse {house.address} for {settings.groups} replica groups",
+                file=sys.stderr,
+                flush=True,
+            )
             while not stop:
                 time.sleep(0.2)
     except LaunchError as exc:

@@ -43,18 +43,26 @@ class RestartReporter(logging.Handler):
             return  # a membership change (a node joined) is not a failure
         from multigpu.launch.attempts import culprits, outcomes
 
-        left, most = (record.args[2], record.args[3]) if isinstance(record.args, tuple) and len(record.args) >= 4 \
+        left, most = (
+            (record.args[2], record.args[3])
+            if isinstance(record.args, tuple) and len(record.args) >= 4
             else (None, None)
+        )
         found = culprits(outcomes(self.log_dir, self.restarts, self.first_rank))
         why = "; ".join(w.describe() for w in found[:3]) or "a worker failed on another node"
-        counted = f"restart {most - left + 1} of {most}" if isinstance(left, int) and isinstance(most, int) else "a restart"
+        counted = (
+            f"restart {most - left + 1} of {most}"
+            if isinstance(left, int) and isinstance(most, int)
+            else "a restart"
+        )
         self.restarts += 1
         say(f"{why}. Restarting every worker ({counted}): {self.note}.")
 
 
 @contextlib.contextmanager
-def reporting_restarts(log_dir: str, first_rank: int, verbose: bool,
-                       note: str = RESTART_NOTE) -> Iterator[None]:
+def reporting_restarts(
+    log_dir: str, first_rank: int, verbose: bool, note: str = RESTART_NOTE
+) -> Iterator[None]:
     """Attach a :class:`RestartReporter` to torch's agent logger for the launch (quiet otherwise)."""
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     saved = (agent_log.level, agent_log.propagate)
@@ -129,13 +137,22 @@ def recorded_errors(log_dir: str) -> list[str]:
     root = Folder(log_dir)
     for path in sorted(Path(log_dir).glob("*/attempt_*/*/error.json")):
         try:
-            message = json.loads(root.load_text(path.relative_to(log_dir), limit=1_000_000)).get("message")
+            message = json.loads(root.load_text(path.relative_to(log_dir), limit=1_000_000)).get(
+                "message"
+            )
         except (OSError, ValueError, AttributeError, RecursionError):
             continue
-        line = (message.get("extraInfo") or {}).get("multigpu_error") if isinstance(message, dict) else None
+        line = (
+            (message.get("extraInfo") or {}).get("multigpu_error")
+            if isinstance(message, dict)
+            else None
+        )
         if line:
             lines.setdefault(line, []).append(path.parent.name)
-    return [f"{line} (local rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})" for line, ranks in lines.items()]
+    return [
+        f"{line} (local rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})"
+        for line, ranks in lines.items()
+    ]
 
 
 def report_failure(failures: dict[int, Any], log_dir: str) -> int:
@@ -145,25 +162,35 @@ def report_failure(failures: dict[int, Any], log_dir: str) -> int:
     rank, failure = root_cause(failures)
     own = {r: f for r, f in failures.items() if not (r != rank and -f.exitcode in _STOP_SIGNALS)}
     lines = {r: one_line_error(f) for r, f in own.items()}
-    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    how = (
+        f"was killed by {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}"
+    )
     if lines.get(rank):
         same = [r for r, line in lines.items() if line == lines[rank]]
         stopped = len(failures) - len(own)
         if len(same) == len(failures) and len(same) > 1:
             where = f" (on all {len(same)} ranks)"
         elif len(failures) > 1:
-            where = (f" (on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, sorted(same)))}"
-                     + (f"; {stopped} other rank(s) stopped by the launcher" if stopped else "") + ")")
+            where = (
+                f" (on rank{'s' if len(same) > 1 else ''} {', '.join(map(str, sorted(same)))}"
+                + (f"; {stopped} other rank(s) stopped by the launcher" if stopped else "")
+                + ")"
+            )
         else:
             where = ""
         print(f"{visible(lines[rank])}{where}", file=sys.stderr, flush=True)
         others = len(own) - len(same)
         if others:
-            say(f"{others} other rank(s) failed differently; logs of every rank are kept in {log_dir}")
+            say(
+                f"{others} other rank(s) failed differently; logs of every rank are kept in {log_dir}"
+            )
         return _status(rank, failure, log_dir)
     others = len(own) - 1
     also = f"; {others} other rank(s) failed after it" if others else ""
-    pid = recorded(log_dir, rank, "pid") or failure.pid  # the worker's own (a forked one is not the agent's child)
+    # the worker's own (a forked one is not the agent's child)
+    pid = recorded(log_dir, rank, "pid") or failure.pid
     say(f"error: rank {rank} (local rank {failure.local_rank}, pid {pid}) {how}{also}.")
     stderr_log = _stderr_log(log_dir, rank)
     tail = _tail(stderr_log, STDERR_TAIL_LINES) if stderr_log else []

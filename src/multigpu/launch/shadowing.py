@@ -45,8 +45,8 @@ def _own_names(folder: str) -> dict[str, str]:
     for entry in entries[:100_000]:
         path = os.path.join(folder, entry)
         suffix = next((s for s in _SUFFIXES if entry.endswith(s)), None)
-        if suffix is not None and entry[:-len(suffix)].isidentifier():
-            found.setdefault(entry[:-len(suffix)], path)
+        if suffix is not None and entry[: -len(suffix)].isidentifier():
+            found.setdefault(entry[: -len(suffix)], path)
         elif entry.isidentifier() and os.path.isfile(os.path.join(path, "__init__.py")):
             found[entry] = os.path.join(path, "__init__.py")
     return found
@@ -56,13 +56,16 @@ class ShadowGuard:
     """The finder (see the module's docstring): refuses a library's import that would load a user's file."""
 
     def __init__(self, folder: str, names: dict[str, str], script: str) -> None:
-        self.folder = os.path.join(os.path.realpath(folder), "")  # "/x/" (and "/" for a script in /)
+        # "/x/" (and "/" for a script in /)
+        self.folder = os.path.join(os.path.realpath(folder), "")
         self.names = names
         self.script = script
 
-    def find_spec(self, name: str, path: Optional[Sequence[str]] = None,
-                  target: Optional[ModuleType] = None) -> Any:
-        if path is not None or name not in self.names:  # a submodule, or not one of the folder's names
+    def find_spec(
+        self, name: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
+    ) -> Any:
+        # a submodule, or not one of the folder's names
+        if path is not None or name not in self.names:
             return None
         if name in sys.builtin_module_names:  # found before any file
             return None
@@ -71,16 +74,23 @@ class ShadowGuard:
             return None  # generated code: not ours to judge
         where = os.path.realpath(importer.f_code.co_filename)
         if where.startswith(self.folder) or _unpickling(importer):
-            return None  # the user's own import of their own file, or of the module of a class in their pickle
-        elsewhere = [p for p in sys.path if os.path.join(os.path.realpath(p or "."), "") != self.folder]
-        if name not in sys.stdlib_module_names and importlib.machinery.PathFinder.find_spec(name, elsewhere) is None:
+            # the user's own import of their own file, or of the module of a class in their pickle
+            return None
+        elsewhere = [
+            p for p in sys.path if os.path.join(os.path.realpath(p or "."), "") != self.folder
+        ]
+        if (
+            name not in sys.stdlib_module_names
+            and importlib.machinery.PathFinder.find_spec(name, elsewhere) is None
+        ):
             return None  # only theirs exists
         who = str(importer.f_globals.get("__name__") or os.path.basename(where)).split(".")[0]
         raise LaunchError(
             f"{visible(self.names[name])} beside {visible(os.path.basename(self.script))} hides the module "
             f"{name!r} that {visible(who)} imports.",
             f"rename {visible(os.path.basename(self.names[name]))} (and your imports of it): a file beside the "
-            "script is what `import " + name + "` finds first, as under python and torchrun.")
+            "script is what `import " + name + "` finds first, as under python and torchrun.",
+        )
 
 
 def _unpickling(frame: FrameType) -> bool:
@@ -104,7 +114,10 @@ def _importer(frame: Optional[FrameType]) -> Optional[FrameType]:
 
 def guard(folder: str, script: str) -> None:
     """Install a :class:`ShadowGuard` for ``folder`` if it holds any name found elsewhere too."""
-    names = {name: path for name, path in _own_names(folder).items()
-             if name not in sys.modules and os.path.realpath(path) != os.path.realpath(script)}
+    names = {
+        name: path
+        for name, path in _own_names(folder).items()
+        if name not in sys.modules and os.path.realpath(path) != os.path.realpath(script)
+    }
     if names:
         sys.meta_path.insert(0, ShadowGuard(folder, names, script))

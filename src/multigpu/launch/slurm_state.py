@@ -28,11 +28,31 @@ from typing import Optional, Sequence
 from multigpu import validate
 from multigpu.errors import LaunchError
 from multigpu.fileio import Folder, tail_lines
-from multigpu.launch.slurm import ACTIVE_STATES, SCRIPT_NAME, TASKS_FILE, call, check_job_id, job_infos, slurm_tool
+from multigpu.launch.slurm import (
+    ACTIVE_STATES,
+    SCRIPT_NAME,
+    TASKS_FILE,
+    call,
+    check_job_id,
+    job_infos,
+    slurm_tool,
+)
 
 #: sacct fields read (SubmitLine last: it is the one that may hold a ``|``).
-SACCT_FIELDS = ("JobID", "JobIDRaw", "JobName", "State", "Reason", "ExitCode", "Elapsed", "NodeList", "Submit",
-                "SubmitLine")
+SACCT_FIELDS = (
+    "JobID",
+    "JobIDRaw",
+    "JobName",
+    "State",
+    "Reason",
+    "ExitCode",
+    "Elapsed",
+    "NodeList",
+    "Submit",
+    "SubmitLine",
+)
+
+
 @dataclass(frozen=True)
 class JobRecord:
     job_id: str  # 123, 123_4 (array task), 123_[5-9%2] (tasks not started yet)
@@ -59,8 +79,10 @@ class JobRecord:
         elif self.active:
             what = f"{self.state}, elapsed {self.elapsed or '?'}, restarts {self.restarts}, nodes {self.nodes or '?'}"
         else:
-            what = (f"{self.state}, exit {self.exit_code or '?'}, elapsed {self.elapsed or '?'}, restarts {self.restarts}, "
-                    f"nodes {self.nodes or '?'}")
+            what = (
+                f"{self.state}, exit {self.exit_code or '?'}, elapsed {self.elapsed or '?'}, restarts {self.restarts}, "
+                f"nodes {self.nodes or '?'}"
+            )
         return f"job {self.job_id} ({self.name}): {what}, log {self.log or '?'} [{self.source}]"
 
 
@@ -84,11 +106,22 @@ def parse_sacct(text: str) -> list[JobRecord]:
     for job_id, instances in rows.items():
         last = instances[-1]
         script = _script_of_submit_line(last["SubmitLine"])
-        records.append(JobRecord(
-            job_id=job_id, name=last["JobName"], state=last["State"].split(" ")[0], reason=last["Reason"],
-            exit_code=last["ExitCode"], elapsed=last["Elapsed"], nodes=last["NodeList"], submitted=last["Submit"],
-            restarts=len(instances) - 1, script=script, log=_log_of(job_id, last["JobIDRaw"], script, ""),
-            source="sacct"))
+        records.append(
+            JobRecord(
+                job_id=job_id,
+                name=last["JobName"],
+                state=last["State"].split(" ")[0],
+                reason=last["Reason"],
+                exit_code=last["ExitCode"],
+                elapsed=last["Elapsed"],
+                nodes=last["NodeList"],
+                submitted=last["Submit"],
+                restarts=len(instances) - 1,
+                script=script,
+                log=_log_of(job_id, last["JobIDRaw"], script, ""),
+                source="sacct",
+            )
+        )
     return records
 
 
@@ -123,14 +156,26 @@ def _record_of_scontrol(info: dict[str, str]) -> JobRecord:
         job_id = f"{array}_{task}" if validate.is_digits(task) else f"{array}_[{task}]"
     script = info.get("Command", "")
     return JobRecord(
-        job_id=job_id, name=info.get("JobName", "?"), state=info.get("JobState", "?"), reason=info.get("Reason", ""),
-        exit_code=info.get("ExitCode", ""), elapsed=info.get("RunTime", ""), nodes=info.get("NodeList", ""),
-        submitted=info.get("SubmitTime", ""), restarts=int(info.get("Restarts", "0") or 0) if
-        validate.is_digits(info.get("Restarts", "0")) else 0, script=script,
-        log=_log_of(job_id, info.get("JobId", ""), script, info.get("StdOut", "")), source="scontrol")
+        job_id=job_id,
+        name=info.get("JobName", "?"),
+        state=info.get("JobState", "?"),
+        reason=info.get("Reason", ""),
+        exit_code=info.get("ExitCode", ""),
+        elapsed=info.get("RunTime", ""),
+        nodes=info.get("NodeList", ""),
+        submitted=info.get("SubmitTime", ""),
+        restarts=int(info.get("Restarts", "0") or 0)
+        if validate.is_digits(info.get("Restarts", "0"))
+        else 0,
+        script=script,
+        log=_log_of(job_id, info.get("JobId", ""), script, info.get("StdOut", "")),
+        source="scontrol",
+    )
 
 
-def sacct(job_ids: Sequence[str] = (), user: Optional[str] = None, days: int = 7) -> Optional[list[JobRecord]]:
+def sacct(
+    job_ids: Sequence[str] = (), user: Optional[str] = None, days: int = 7
+) -> Optional[list[JobRecord]]:
     """Records from the accounting database, or None when this cluster has none (or sacct is missing)."""
     tool = shutil.which("sacct")
     if tool is None:
@@ -143,8 +188,10 @@ def sacct(job_ids: Sequence[str] = (), user: Optional[str] = None, days: int = 7
     else:
         args += ["-u", user or current_user(), "-S", f"now-{days}days", *window]
     done = call(args)
-    if done.returncode != 0:  # no accounting ("accounting storage is disabled"), slurmdbd down, no config:
-        return None  # scontrol answers for the jobs the controller still holds, or says why it cannot
+    # no accounting ("accounting storage is disabled"), slurmdbd down, no config:
+    if done.returncode != 0:
+        # scontrol answers for the jobs the controller still holds, or says why it cannot
+        return None
     found = parse_sacct(done.stdout)
     arrays = sorted({r.job_id.split("_")[0] for r in found if "_" in r.job_id})
     if job_ids or not arrays:
@@ -184,9 +231,12 @@ def records(job_ids: Sequence[str]) -> dict[str, list[JobRecord]]:
 def job_records(job_id: str) -> list[JobRecord]:
     found = records([check_job_id(job_id)])[job_id]
     if not found:
-        raise LaunchError(f"Slurm knows no job {job_id}.", "check the id with `multigpu slurm status` (your jobs of "
-                          "the last days) or `squeue --me`; without job accounting finished jobs are forgotten after "
-                          "MinJobAge.")
+        raise LaunchError(
+            f"Slurm knows no job {job_id}.",
+            "check the id with `multigpu slurm status` (your jobs of "
+            "the last days) or `squeue --me`; without job accounting finished jobs are forgotten after "
+            "MinJobAge.",
+        )
     return found
 
 
@@ -202,40 +252,71 @@ def my_jobs(days: int = 7) -> tuple[list[JobRecord], str]:
     else:
         found = _live(found) + _not_in_accounting_yet(user, {r.job_id.split("_")[0] for r in found})
     mine = [r for r in found if Path(r.script).name == SCRIPT_NAME]
-    return sorted(mine, key=lambda r: [int(n) if validate.is_digits(n) else -1 for n in re.split(r"[_+]", r.job_id)]), source
+    return sorted(
+        mine,
+        key=lambda r: [
+            int(n) if validate.is_digits(n) else -1 for n in re.split(r"[_+]", r.job_id)
+        ],
+    ), source
 
 
 def _not_in_accounting_yet(user: str, known: set[str]) -> list[JobRecord]:
     """Queued jobs that accounting has no row for yet (one held until a later --begin, for one)."""
     done = call([slurm_tool("squeue"), "-u", user, "-h", "-o", "%i"])
     # an array task 12_3 and a heterogeneous job's component 77+0 are parts of the jobs 12 and 77
-    ids = {re.split(r"[_+]", line.strip())[0] for line in done.stdout.split() if line.strip()} \
-        if done.returncode == 0 else set()
-    return [_record_of_scontrol(info) for job_id in sorted((i for i in ids - known if validate.is_digits(i)), key=int)
-            for info in job_infos(job_id)]
+    ids = (
+        {re.split(r"[_+]", line.strip())[0] for line in done.stdout.split() if line.strip()}
+        if done.returncode == 0
+        else set()
+    )
+    return [
+        _record_of_scontrol(info)
+        for job_id in sorted((i for i in ids - known if validate.is_digits(i)), key=int)
+        for info in job_infos(job_id)
+    ]
 
 
 def table(rows: Sequence[JobRecord]) -> str:
     """Columns for a terminal: id, name, state (with why it is pending), exit, elapsed, restarts, log."""
     header = ("JOBID", "NAME", "STATE", "EXIT", "ELAPSED", "RESTARTS", "LOG")
-    lines = [header] + [(r.job_id, r.name, r.state + (f" ({r.reason})" if r.state == "PENDING" else ""),
-                         "" if r.active else r.exit_code, r.elapsed, str(r.restarts), r.log) for r in rows]
+    lines = [header] + [
+        (
+            r.job_id,
+            r.name,
+            r.state + (f" ({r.reason})" if r.state == "PENDING" else ""),
+            "" if r.active else r.exit_code,
+            r.elapsed,
+            str(r.restarts),
+            r.log,
+        )
+        for r in rows
+    ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]).rstrip() for line in lines)
+    return "\n".join(
+        "  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]).rstrip()
+        for line in lines
+    )
 
 
 def log_tail(job_id: str, lines: int = 50) -> tuple[Path, list[str], int]:
     """(log path, its last ``lines`` lines, the number of lines) - read from the end, whatever its size."""
     found = job_records(job_id)
     if len(found) > 1:
-        raise LaunchError(f"job {job_id} is an array of {len(found)} tasks.",
-                          f"name one task, e.g. `multigpu slurm logs {found[0].job_id}`.")
+        raise LaunchError(
+            f"job {job_id} is an array of {len(found)} tasks.",
+            f"name one task, e.g. `multigpu slurm logs {found[0].job_id}`.",
+        )
     record = found[0]
     if not record.log:
-        raise LaunchError(f"Slurm does not say where job {job_id} logs.", "look in its run folder (slurm-<id>.out).")
+        raise LaunchError(
+            f"Slurm does not say where job {job_id} logs.",
+            "look in its run folder (slurm-<id>.out).",
+        )
     path = Path(record.log)
     if not path.is_file():
-        raise LaunchError(f"job {job_id} has no log yet at {path}.", "it may still be pending: `multigpu slurm status`.")
+        raise LaunchError(
+            f"job {job_id} has no log yet at {path}.",
+            "it may still be pending: `multigpu slurm status`.",
+        )
     tail, total = tail_lines(path, lines)
     return path, tail, total
-

@@ -22,8 +22,14 @@ import sys
 import time
 
 
-def copy(source: int, sink: int, log_path: str, prefix: bytes = b"", parent: int = 0,
-         drain_s: float = 1.0) -> None:
+def copy(
+    source: int,
+    sink: int,
+    log_path: str,
+    prefix: bytes = b"",
+    parent: int = 0,
+    drain_s: float = 1.0,
+) -> None:
     """Copy until the last writer closes. ``parent``: the worker's pid - once it is gone (a child it
     started may still hold the stream open), copy what arrives for ``drain_s`` more and stop."""
     from pathlib import Path
@@ -36,8 +42,12 @@ def copy(source: int, sink: int, log_path: str, prefix: bytes = b"", parent: int
     try:
         log = Folder(path.parent).open_append_bytes(path.name)  # a planted link or FIFO is refused
     except OSError as exc:  # the terminal still gets every byte; only the per-rank copy is lost
-        os.write(2, f"multigpu: not keeping a copy of this rank's {path.suffix[1:] or 'output'} in {log_path}: "
-                    f"{exc.strerror or exc}\n".encode(errors="replace"))  # stderr: never into the script's stdout
+        os.write(
+            2,
+            f"multigpu: not keeping a copy of this rank's {path.suffix[1:] or 'output'} in {log_path}: "
+            # stderr: never into the script's stdout
+            f"{exc.strerror or exc}\n".encode(errors="replace"),
+        )
         log = os.fdopen(open_devnull(), "ab", buffering=0)
     with log:
         while True:

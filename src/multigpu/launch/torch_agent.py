@@ -29,8 +29,12 @@ _swaps: dict[tuple[int, str], list[Any]] = {}
 
 
 @contextlib.contextmanager
-def swapped(module: ModuleType, name: str, replacement: Callable[..., Any],
-            on_last_exit: Optional[Callable[[], None]] = None) -> Iterator[None]:
+def swapped(
+    module: ModuleType,
+    name: str,
+    replacement: Callable[..., Any],
+    on_last_exit: Optional[Callable[[], None]] = None,
+) -> Iterator[None]:
     """``module.name`` is ``replacement`` while any block of this kind for it runs in this process (the
     replacement of the first block that is still running is what the others get too). ``on_last_exit``
     runs when the last one ends (``ports.store_ports_held`` closes the ports it held then)."""

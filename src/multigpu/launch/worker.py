@@ -101,8 +101,12 @@ def _tee_streams() -> None:
 def _tee(fd: int, log_dir: str, stream: str, prefixed: bool) -> None:
     """Send ``fd`` through a pseudo-terminal (or a pipe when it is not a terminal) read by a small
     copier process: the terminal sees the bytes unchanged, the file keeps a copy."""
-    path = stream_log_path(log_dir, int(os.environ.get("RANK", "0")),
-                           int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), stream)
+    path = stream_log_path(
+        log_dir,
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        stream,
+    )
     try:
         Folder(log_dir).create()
         if os.isatty(fd):
@@ -114,17 +118,30 @@ def _tee(fd: int, log_dir: str, stream: str, prefixed: bool) -> None:
             tty.setraw(writer)  # no newline translation: the bytes arrive as written
             try:
                 size = fcntl.ioctl(fd, termios.TIOCGWINSZ, b"\0" * 8)
-                fcntl.ioctl(writer, termios.TIOCSWINSZ, size)  # bars size themselves to the real terminal
+                # bars size themselves to the real terminal
+                fcntl.ioctl(writer, termios.TIOCSWINSZ, size)
             except OSError:
                 pass
         else:
             reader, writer = _above_standard(*os.pipe())
-        group = f"group{os.environ['REPLICA_GROUP_ID']} " if os.environ.get("REPLICA_GROUP_ID") else ""
-        prefix = f"[{group}rank{os.environ.get('RANK', '0')}]: " if prefixed else ""  # (--tee-prefix: stderr's)
+        group = (
+            f"group{os.environ['REPLICA_GROUP_ID']} " if os.environ.get("REPLICA_GROUP_ID") else ""
+        )
+        # (--tee-prefix: stderr's)
+        prefix = f"[{group}rank{os.environ.get('RANK', '0')}]: " if prefixed else ""
         terminal = os.dup(fd)
-        _TEES[fd] = subprocess.Popen([*python_module("multigpu.launch.tee"), str(reader), path,
-                                      *([prefix] if prefix else [])],
-                                     stdin=subprocess.DEVNULL, stdout=terminal, pass_fds=(reader,), close_fds=True)
+        _TEES[fd] = subprocess.Popen(
+            [
+                *python_module("multigpu.launch.tee"),
+                str(reader),
+                path,
+                *([prefix] if prefix else []),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=terminal,
+            pass_fds=(reader,),
+            close_fds=True,
+        )
         os.close(reader)
         os.close(terminal)
         (sys.stderr if fd == 2 else sys.stdout).flush()
@@ -139,9 +156,16 @@ def _record_error(exc: BaseException, one_line: str = "") -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": one_line or f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc))[-20000:],
-                                      "timestamp": str(int(time.time())), "multigpu_error": one_line}}}
+    data = {
+        "message": {
+            "message": one_line or f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc))[-20000:],
+                "timestamp": str(int(time.time())),
+                "multigpu_error": one_line,
+            },
+        }
+    }
     try:
         where = Path(path)
         Folder(where.parent).write_atomic(where.name, json.dumps(data))
@@ -164,8 +188,10 @@ _OWN_FILES = (os.path.abspath(__file__), os.path.abspath(runpy.__file__))
 def print_user_traceback(exc: BaseException) -> None:
     """The traceback as ``python script.py`` would print it: this wrapper's and runpy's frames dropped."""
     tb = exc.__traceback__
-    while tb is not None and (os.path.abspath(tb.tb_frame.f_code.co_filename) in _OWN_FILES
-                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+    while tb is not None and (
+        os.path.abspath(tb.tb_frame.f_code.co_filename) in _OWN_FILES
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
+    ):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb)
 
@@ -175,19 +201,24 @@ def run_user_code(argv: list[str]) -> int:
     from multigpu.launch.shadowing import guard
 
     if not argv:
-        print("usage: python -m multigpu.launch.worker (script.py | -m module) [args...]", file=sys.stderr)
+        print(
+            "usage: python -m multigpu.launch.worker (script.py | -m module) [args...]",
+            file=sys.stderr,
+        )
         return 2
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            if not argv[1].startswith("multigpu."):  # a user's module, as `python -m` finds it (not one of ours)
+            # a user's module, as `python -m` finds it (not one of ours)
+            if not argv[1].startswith("multigpu."):
                 sys.path.insert(0, os.getcwd())
                 guard(os.getcwd(), argv[1])
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(argv[0])
             sys.argv = list(argv)
-            folder = os.path.dirname(os.path.realpath(script))  # a linked script's own folder, as python has it
+            # a linked script's own folder, as python has it
+            folder = os.path.dirname(os.path.realpath(script))
             sys.path.insert(0, folder)  # as `python script.py` would (never the current folder)
             guard(folder, script)
             runpy.run_path(script, run_name="__main__")
@@ -207,8 +238,11 @@ def run_user_code(argv: list[str]) -> int:
             # Not the cause: another rank went away. The traceback goes to this rank's log only; the
             # launcher names the rank that failed first.
             _append_to_rank_log("".join(traceback.format_exception(exc)))
-            print(f"multigpu: rank {os.environ.get('RANK', '0')} lost contact with another rank "
-                  f"({type(exc).__name__}); the launcher names the rank that failed first", file=sys.stderr)
+            print(
+                f"multigpu: rank {os.environ.get('RANK', '0')} lost contact with another rank "
+                f"({type(exc).__name__}); the launcher names the rank that failed first",
+                file=sys.stderr,
+            )
             return 1
         print_user_traceback(exc)
         if line:
@@ -234,7 +268,9 @@ def out_of_memory_line(exc: BaseException) -> str:
     line that says what to change - and, in a packed queue run, the share it runs in; '' for anything else."""
     seen: set[int] = set()
     cause: Optional[BaseException] = exc
-    while cause is not None and id(cause) not in seen and type(cause).__name__ != "OutOfMemoryError":
+    while (
+        cause is not None and id(cause) not in seen and type(cause).__name__ != "OutOfMemoryError"
+    ):
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     if cause is None or type(cause).__name__ != "OutOfMemoryError":
@@ -246,10 +282,13 @@ def out_of_memory_line(exc: BaseException) -> str:
     if share:  # the same words on every rank: the launcher prints them once
         return MultiGPUError(
             f"out of GPU memory in a packed queue run, which may use {share:.6g} of the GPU.",
-            "give this run more of the GPU (gpus: 1, or a lower --runs-per-gpu), or lower its batch size.").one_line()
-    return MultiGPUError("out of GPU memory.",
-                         "lower the per-process batch size (raise accumulate to keep the global batch), use "
-                         "precision=bf16, or shard the model (strategy fsdp).").one_line()
+            "give this run more of the GPU (gpus: 1, or a lower --runs-per-gpu), or lower its batch size.",
+        ).one_line()
+    return MultiGPUError(
+        "out of GPU memory.",
+        "lower the per-process batch size (raise accumulate to keep the global batch), use "
+        "precision=bf16, or shard the model (strategy fsdp).",
+    ).one_line()
 
 
 def _append_to_rank_log(line: str) -> None:
@@ -257,8 +296,13 @@ def _append_to_rank_log(line: str) -> None:
     if not log_dir:
         print(line, file=sys.stderr)
         return
-    path = Path(stream_log_path(log_dir, int(os.environ.get("RANK", "0")),
-                                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
+    path = Path(
+        stream_log_path(
+            log_dir,
+            int(os.environ.get("RANK", "0")),
+            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
+    )
     try:
         with Folder(log_dir).open_append(path.name) as handle:
             handle.write(line + "\n")
@@ -274,7 +318,8 @@ def finish(code: int) -> None:
     """
     sys.last_type = sys.last_traceback = None
     sys.last_value = SystemExit(code) if code else None
-    try:  # what the interpreter does first at its exit: wait for the script's own (non-daemon) threads and
+    # what the interpreter does first at its exit: wait for the script's own (non-daemon) threads and
+    try:
         threading._shutdown()  # type: ignore[attr-defined]  # concurrent.futures' pending work, then the handlers
     except BaseException:
         traceback.print_exc()
@@ -309,7 +354,8 @@ def _drain_tee() -> None:
     for copier in _TEES.values():
         try:
             copier.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # a child of the script still holds the stream: do not wait for it
+        # a child of the script still holds the stream: do not wait for it
+        except subprocess.TimeoutExpired:
             copier.kill()
         except OSError:
             pass
@@ -317,8 +363,11 @@ def _drain_tee() -> None:
 
 def _where() -> tuple[Optional[str], int, int]:
     """(log folder, rank, attempt) of this worker."""
-    return (launched_by().log_dir, int(os.environ.get("RANK", "0")),
-            int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    return (
+        launched_by().log_dir,
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
 
 
 def _announce_node() -> None:
@@ -327,8 +376,12 @@ def _announce_node() -> None:
     if not launched_by().announce_node or os.environ.get("LOCAL_RANK") != "0":
         return
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    print(f"multigpu: this machine is node {os.environ.get('GROUP_RANK', '?')} of "
-          f"{os.environ.get('GROUP_WORLD_SIZE', '?')} (ranks {rank}-{rank + local - 1})", file=sys.stderr, flush=True)
+    print(
+        f"multigpu: this machine is node {os.environ.get('GROUP_RANK', '?')} of "
+        f"{os.environ.get('GROUP_WORLD_SIZE', '?')} (ranks {rank}-{rank + local - 1})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def stacks_on_request(log_dir: Optional[str], rank: int, attempt: int) -> None:

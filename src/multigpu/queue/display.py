@@ -24,8 +24,14 @@ from multigpu.queue.run_folder import log_tail
 from multigpu.queue.scheduler import EntryState, Queue
 from multigpu.trainer.progress import PROGRESS_FILE, format_duration
 
-STYLE = {"queued": "dim", "running": "bold cyan", "done": "green", "skipped": "green", "failed": "bold red",
-         "interrupted": "yellow"}
+STYLE = {
+    "queued": "dim",
+    "running": "bold cyan",
+    "done": "green",
+    "skipped": "green",
+    "failed": "bold red",
+    "interrupted": "yellow",
+}
 
 
 def last_metrics(run: EntryState) -> dict[str, str]:
@@ -40,14 +46,19 @@ def last_metrics(run: EntryState) -> dict[str, str]:
     except (OSError, ValueError, RecursionError):
         values = None
     if isinstance(values, dict):
-        return {visible(str(k))[:40]: f"{v:.4g}" if isinstance(v, float) else visible(str(v))[:40]
-                for k, v in list(values.items())[:50]}
+        return {
+            visible(str(k))[:40]: f"{v:.4g}" if isinstance(v, float) else visible(str(v))[:40]
+            for k, v in list(values.items())[:50]
+        }
     try:
         last = read_csv(run.folder / "metrics.csv")[-1:]
     except (OSError, MultiGPUError):
         return {}
-    return {visible(k)[:40]: visible(str(v))[:40] for k, v in (last[0] if last else {}).items()
-            if isinstance(k, str) and v is not None}
+    return {
+        visible(k)[:40]: visible(str(v))[:40]
+        for k, v in (last[0] if last else {}).items()
+        if isinstance(k, str) and v is not None
+    }
 
 
 def headline(run: EntryState) -> str:
@@ -55,8 +66,14 @@ def headline(run: EntryState) -> str:
     values = last_metrics(run)
     if not values:
         return ""
-    key = run.spec.metric if run.spec.metric in values else next(
-        (k for k in values if k.startswith("valid_")), next((k for k in ("accuracy", "loss", "train_loss") if k in values), None))
+    key = (
+        run.spec.metric
+        if run.spec.metric in values
+        else next(
+            (k for k in values if k.startswith("valid_")),
+            next((k for k in ("accuracy", "loss", "train_loss") if k in values), None),
+        )
+    )
     if key is None:
         return ""
     value = values[key]
@@ -88,7 +105,11 @@ def progress(run: EntryState) -> str:
 
     def count(key: str) -> Optional[int]:
         value = values.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**15 else None
+        return (
+            value
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**15
+            else None
+        )
 
     done, of, epoch, epochs = count("done"), count("of"), count("epoch"), count("epochs")
     eta = values.get("eta_s")
@@ -113,8 +134,15 @@ def status_table(queue: Queue) -> Table:
     for column in ("run", "state", unit, "elapsed", "progress", "last metric", "note"):
         table.add_column(column)
     for run in queue.runs:  # user strings as Text: never read as rich markup
-        table.add_row(Text(run.spec.name), Text(run.state, style=STYLE[run.state]), Text(where(run)),
-                      _elapsed(run), Text(progress(run)), Text(headline(run)), Text(run.note))
+        table.add_row(
+            Text(run.spec.name),
+            Text(run.state, style=STYLE[run.state]),
+            Text(where(run)),
+            _elapsed(run),
+            Text(progress(run)),
+            Text(headline(run)),
+            Text(run.note),
+        )
     return table
 
 
@@ -133,7 +161,9 @@ def console_for_output() -> Console:
 class Display:
     """Callable given to :class:`Queue`: live table on a terminal, event lines otherwise."""
 
-    def __init__(self, console: Optional[Console] = None, live: Optional[bool] = None, refresh_s: float = 0.5) -> None:
+    def __init__(
+        self, console: Optional[Console] = None, live: Optional[bool] = None, refresh_s: float = 0.5
+    ) -> None:
         self.console = console or console_for_output()
         self.live_enabled = self.console.is_terminal if live is None else live
         self.refresh_s = refresh_s
@@ -166,29 +196,44 @@ class Display:
             extra = f" after {_elapsed(run)} (exit {run.exit_code}) {headline(run)}"
         else:
             extra = f" ({run.note})" if run.note else ""
-        self.console.print(f"[queue] {state} {name}{place}{extra}".rstrip(), highlight=False, markup=False,
-                           soft_wrap=True)  # one line per event, however long
+        self.console.print(
+            f"[queue] {state} {name}{place}{extra}".rstrip(),
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )  # one line per event, however long
 
     def summary(self, queue: Queue) -> None:
         table = Table(title="summary", title_justify="left")
         metric_names: list[str] = []
         finals = {run.spec.name: last_metrics(run) for run in queue.runs}
         for values in finals.values():
-            metric_names += [k for k in values if k not in metric_names and k not in ("epoch", "step", "lr", "epoch_s")]
+            metric_names += [
+                k
+                for k in values
+                if k not in metric_names and k not in ("epoch", "step", "lr", "epoch_s")
+            ]
         notes = any(run.note for run in queue.runs)
         for column in ("run", "state", "elapsed", *metric_names, *(["note"] if notes else [])):
             table.add_column(Text(column))
         for run in queue.runs:
             values = finals[run.spec.name]
-            table.add_row(Text(run.spec.name), Text(run.state, style=STYLE[run.state]), _elapsed(run),
-                          *[Text(_short(values.get(k, ""))) for k in metric_names], *([Text(run.note)] if notes else []))
+            table.add_row(
+                Text(run.spec.name),
+                Text(run.state, style=STYLE[run.state]),
+                _elapsed(run),
+                *[Text(_short(values.get(k, ""))) for k in metric_names],
+                *([Text(run.note)] if notes else []),
+            )
         self.console.print(table)
         for run in queue.runs:
             if run.state == "failed" and run.note.startswith("not started"):
                 self.console.print(Text(f"{run.spec.name} {run.note}", style="bold red"))
             elif run.state == "failed":
-                self.console.print(f"[bold red]{escape(run.spec.name)} failed (exit {run.exit_code}); last lines of "
-                                   f"{escape(str(run.folder / 'log.txt'))}:[/]")
+                self.console.print(
+                    f"[bold red]{escape(run.spec.name)} failed (exit {run.exit_code}); last lines of "
+                    f"{escape(str(run.folder / 'log.txt'))}:[/]"
+                )
                 for line in log_tail(run.folder):
                     self.console.print(f"    {line}", highlight=False, markup=False)
         best = best_line(queue)
@@ -197,9 +242,12 @@ class Display:
         span, work = queue.makespan()
         if span:
             ideal = work / len(queue.slots)
-            self.console.print(f"makespan {span:.1f} s for {work:.1f} s of runs on {len(queue.slots)} "
-                               f"{'GPU(s)' if queue.on_gpus else 'slot(s)'} (ideal {ideal:.1f} s, "
-                               f"{ideal / span:.0%} of it)", highlight=False)
+            self.console.print(
+                f"makespan {span:.1f} s for {work:.1f} s of runs on {len(queue.slots)} "
+                f"{'GPU(s)' if queue.on_gpus else 'slot(s)'} (ideal {ideal:.1f} s, "
+                f"{ideal / span:.0%} of it)",
+                highlight=False,
+            )
 
 
 def best_line(queue: Queue) -> str:
@@ -227,8 +275,10 @@ def best_line(queue: Queue) -> str:
     if not key or not scored:
         return ""
     value, name = (max if mode == "max" else min)(scored)
-    return (f"best run: {name} ({key} {value:.4g}, {'highest' if mode == 'max' else 'lowest'} of {len(scored)}); "
-            f"curves of every run: multigpu plot {shlex.quote(str(queue.root))}")
+    return (
+        f"best run: {name} ({key} {value:.4g}, {'highest' if mode == 'max' else 'lowest'} of {len(scored)}); "
+        f"curves of every run: multigpu plot {shlex.quote(str(queue.root))}"
+    )
 
 
 def _short(value: str) -> str:

@@ -47,8 +47,13 @@ class Plan:
         return [f for f in self.families if f.space.search is not None]
 
 
-def load_plan(path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = (),
-              sweep: Sequence[Param] = (), samples: Optional[int] = None) -> Plan:
+def load_plan(
+    path: str | Path,
+    only: Optional[Sequence[str]] = None,
+    allow_env: Sequence[str] = (),
+    sweep: Sequence[Param] = (),
+    samples: Optional[int] = None,
+) -> Plan:
     """The runs file's plan. ``sweep``: overrides to sweep in every chosen run (``--sweep``), added to a
     family's own (the command line wins for the same override); ``samples``: draws per grid point."""
     entries = load_entries(path, allow_env)
@@ -63,9 +68,17 @@ def load_plan(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
             continue
         family = Family(entry.spec, space)
         if space.search is None:
-            family.trials = [make_trial(entry.spec, point.name, point.values, space) for point in points(entry.spec.name, space)]
-            check_names([(t.name, f"trial {t.name!r} of {entry.spec.name!r} ({_values(t.values)})") for t in family.trials],
-                        taken)
+            family.trials = [
+                make_trial(entry.spec, point.name, point.values, space)
+                for point in points(entry.spec.name, space)
+            ]
+            check_names(
+                [
+                    (t.name, f"trial {t.name!r} of {entry.spec.name!r} ({_values(t.values)})")
+                    for t in family.trials
+                ],
+                taken,
+            )
             taken.update((t.name.lower(), f"trial {t.name!r}") for t in family.trials)
             family.every = list(family.trials)
             runs.extend(family.trials)
@@ -77,19 +90,29 @@ def load_plan(path: str | Path, only: Optional[Sequence[str]] = None, allow_env:
         for family in families:
             family.trials = [t for t in family.trials if t.name in single_trials]
     for family in families:
-        clash = next((n for n in taken if family.space.search and _search_trial_name(family.name, n)), None)
+        clash = next(
+            (n for n in taken if family.space.search and _search_trial_name(family.name, n)), None
+        )
         if clash is not None:
-            raise ConfigError(f"{path}: {taken[clash]} is named like a trial of the search {family.name!r}.",
-                              "rename it: search trials are named <family>-t<number>-..., each in its own folder.")
+            raise ConfigError(
+                f"{path}: {taken[clash]} is named like a trial of the search {family.name!r}.",
+                "rename it: search trials are named <family>-t<number>-..., each in its own folder.",
+            )
     _check_waits(entries, runs, families, path)
-    total = sum(len(f.trials) for f in families) + sum(f.space.count() for f in families if f.space.search)
+    total = sum(len(f.trials) for f in families) + sum(
+        f.space.count() for f in families if f.space.search
+    )
     if total > MAX_TRIALS:
-        raise ConfigError(f"{path}: its sweeps have {total:,} trials together; at most {MAX_TRIALS:,}.",
-                          "run fewer families at once (--only), or sample them (samples: N, or a search: block).")
+        raise ConfigError(
+            f"{path}: its sweeps have {total:,} trials together; at most {MAX_TRIALS:,}.",
+            "run fewer families at once (--only), or sample them (samples: N, or a search: block).",
+        )
     return Plan(runs, families)
 
 
-def _check_waits(entries: list[Entry], runs: list[QueueEntry], families: list[Family], path: str | Path) -> None:
+def _check_waits(
+    entries: list[Entry], runs: list[QueueEntry], families: list[Family], path: str | Path
+) -> None:
     """What runs wait for, once sweeps are expanded (a sweep's values, ``--sweep``): plain runs of the file
     only - never a family (many runs), a trial or a name that is none - and no search waits (its trials
     are asked while the queue runs, not ordered)."""
@@ -97,33 +120,48 @@ def _check_waits(entries: list[Entry], runs: list[QueueEntry], families: list[Fa
     plain = {e.spec.name: e.spec for e in entries if e.spec.name not in swept}
     for family in families:
         if family.space.search is not None and family.entry.waits_for():
-            raise ConfigError(f"{path}: the search {family.name!r} waits for {', '.join(family.entry.waits_for())}, "
-                              "which searches do not do yet.", "run it in a second queue once those are done.")
+            raise ConfigError(
+                f"{path}: the search {family.name!r} waits for {', '.join(family.entry.waits_for())}, "
+                "which searches do not do yet.",
+                "run it in a second queue once those are done.",
+            )
     for spec in runs:
         for name in spec.waits_for():
             if name in swept:
-                raise ConfigError(f"{path}: run {spec.name!r} waits for {name!r}, which is swept here: its trials "
-                                  "are many runs.", "name one plain run (or wait for the family in a second queue).")
+                raise ConfigError(
+                    f"{path}: run {spec.name!r} waits for {name!r}, which is swept here: its trials "
+                    "are many runs.",
+                    "name one plain run (or wait for the family in a second queue).",
+                )
             if name not in plain:
-                raise ConfigError(f"{path}: run {spec.name!r} waits for {name!r}, which is not a run of this file.",
-                                  f"runs: {', '.join(sorted(plain))[:300]}.")
+                raise ConfigError(
+                    f"{path}: run {spec.name!r} waits for {name!r}, which is not a run of this file.",
+                    f"runs: {', '.join(sorted(plain))[:300]}.",
+                )
         spec.upstream = {name: plain[name].fingerprint() for name in spec.waits_for()}
 
 
-def _chosen(entries: list[Entry], only: Optional[Sequence[str]], path: str | Path) -> tuple[list[Entry], list[str]]:
+def _chosen(
+    entries: list[Entry], only: Optional[Sequence[str]], path: str | Path
+) -> tuple[list[Entry], list[str]]:
     """The entries ``--only`` chooses (all without it), and the trial names it gives."""
     if only is None:
         return entries, []
     if not only:
-        raise ConfigError("--only names no run.", "give comma-separated run names, or leave --only out for every run.")
+        raise ConfigError(
+            "--only names no run.",
+            "give comma-separated run names, or leave --only out for every run.",
+        )
     names = [e.spec.name for e in entries]
     picked = [next(e for e in entries if e.spec.name == n) for n in only if n in names]
     others = [n for n in only if n not in names]
     if not others:
         return picked, []
     if picked:
-        raise ConfigError(f"--only mixes runs ({picked[0].spec.name!r}) and other names ({others[0]!r}).",
-                          "give runs and families, or trials of sweeps, not both.")
+        raise ConfigError(
+            f"--only mixes runs ({picked[0].spec.name!r}) and other names ({others[0]!r}).",
+            "give runs and families, or trials of sweeps, not both.",
+        )
     # Trials of grid/random sweeps: expand every family to find them (cheap: no folder is touched).
     families = [e for e in entries if e.blocks]
     trial_names: set[str] = set()
@@ -133,8 +171,10 @@ def _chosen(entries: list[Entry], only: Optional[Sequence[str]], path: str | Pat
             trial_names.update(p.name for p in points(entry.spec.name, space))
     unknown = [n for n in others if n not in trial_names]
     if unknown:
-        raise ConfigError(f"--only names {unknown[0]!r}, which {path} does not define.",
-                          f"runs: {', '.join(names)[:300]} (or a trial of one of their sweeps).")
+        raise ConfigError(
+            f"--only names {unknown[0]!r}, which {path} does not define.",
+            f"runs: {', '.join(names)[:300]} (or a trial of one of their sweeps).",
+        )
     return families, list(others)
 
 
@@ -142,20 +182,32 @@ def _space(entry: Entry, sweep: Sequence[Param], samples: Optional[int]) -> Opti
     """The entry's space (its blocks, then the command line's --sweep and --samples), or None: a plain run."""
     if not entry.blocks and not sweep:
         if samples is not None:
-            raise ConfigError(f"--samples {samples} but run {entry.spec.name!r} sweeps nothing.",
-                              "add --sweep KEY=DISTRIBUTION, or a sweep: block to the run.")
+            raise ConfigError(
+                f"--samples {samples} but run {entry.spec.name!r} sweeps nothing.",
+                "add --sweep KEY=DISTRIBUTION, or a sweep: block to the run.",
+            )
         return None
     if "search" in entry.blocks and "sweep" not in entry.blocks:
-        raise ConfigError(f"{entry.where}: search: without a sweep: to search in.",
-                          "add sweep: {params: {optim.lr: {loguniform: [1e-4, 1e-1]}}} next to it.")
-    return parse_space(entry.blocks.get("sweep"), entry.blocks.get("search"), entry.where, entry.spec.out_dir_key,
-                       extra=sweep, samples=samples, metric=entry.spec.metric, mode=getattr(entry.spec, "mode", None))
+        raise ConfigError(
+            f"{entry.where}: search: without a sweep: to search in.",
+            "add sweep: {params: {optim.lr: {loguniform: [1e-4, 1e-1]}}} next to it.",
+        )
+    return parse_space(
+        entry.blocks.get("sweep"),
+        entry.blocks.get("search"),
+        entry.where,
+        entry.spec.out_dir_key,
+        extra=sweep,
+        samples=samples,
+        metric=entry.spec.metric,
+        mode=getattr(entry.spec, "mode", None),
+    )
 
 
 def _search_trial_name(family: str, name: str) -> bool:
     """Could ``name`` (lowercased) be a trial of the search ``family`` (``<family>-t<number>...``)?"""
     prefix = f"{family.lower()}-t"
-    return name.startswith(prefix) and validate.is_digits(name[len(prefix):][:1])
+    return name.startswith(prefix) and validate.is_digits(name[len(prefix) :][:1])
 
 
 def _values(values: dict[str, Any]) -> str:

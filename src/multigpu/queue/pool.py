@@ -18,7 +18,8 @@ from multigpu.launch.local import usable_cores
 
 @dataclass(frozen=True)
 class Pool:
-    slots: tuple[str, ...]  # GPU ids as CUDA_VISIBLE_DEVICES names them, or "0".."N-1" for CPU slots
+    # GPU ids as CUDA_VISIBLE_DEVICES names them, or "0".."N-1" for CPU slots
+    slots: tuple[str, ...]
     on_gpus: bool
 
     @property
@@ -26,16 +27,22 @@ class Pool:
         return "GPU(s)" if self.on_gpus else "slot(s)"
 
 
-def plan_pool(visible_gpus: Sequence[str], gpus: Optional[str] = None, slots: Optional[int] = None) -> Pool:
+def plan_pool(
+    visible_gpus: Sequence[str], gpus: Optional[str] = None, slots: Optional[int] = None
+) -> Pool:
     """``--slots N``: N CPU process slots (also where GPUs exist); else the GPUs named by ``--gpus``
     (indexes into the visible ones), else every visible GPU, else one CPU slot per usable core."""
     if slots is not None and gpus is not None:
-        raise ConfigError("--slots and --gpus contradict each other.",
-                          "--gpus places runs on GPUs, --slots on CPU process slots: give one.")
+        raise ConfigError(
+            "--slots and --gpus contradict each other.",
+            "--gpus places runs on GPUs, --slots on CPU process slots: give one.",
+        )
     if slots is None and (visible_gpus or gpus is not None):
         visible = plan_devices(visible_gpus, gpus=gpus).visible
         if visible is None:  # GPUs are visible or named here, so the plan names them
-            raise ConfigError("no GPU to place runs on.", "give --slots N to run on CPU process slots.")
+            raise ConfigError(
+                "no GPU to place runs on.", "give --slots N to run on CPU process slots."
+            )
         return Pool(tuple(visible.split(",")), True)
     count = validate.count(slots if slots is not None else usable_cores(), "--slots", ConfigError)
     return Pool(tuple(str(i) for i in range(count)), False)

@@ -32,12 +32,15 @@ CONFIG_FILE = "run.yaml"
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # "start" (new), "resume", "skip" (finished with these settings) or "fresh" (settings changed)
+    # "start" (new), "resume", "skip" (finished with these settings) or "fresh" (settings changed)
+    action: str
     note: str
     status: dict[str, Any]
 
 
-def decide(folder: Path, fingerprint: str, active_job: Optional[Callable[[str], bool]] = None) -> Decision:
+def decide(
+    folder: Path, fingerprint: str, active_job: Optional[Callable[[str], bool]] = None
+) -> Decision:
     """What to do with a run given what its folder says - the same rules for the local queue and for
     ``--slurm`` (``active_job``: is this Slurm job still queued or running?)."""
     status = read_status(folder)
@@ -46,8 +49,11 @@ def decide(folder: Path, fingerprint: str, active_job: Optional[Callable[[str], 
     job = str(status.get("job_id") or "")
     if active_job is not None and job and active_job(job):
         if status.get("fingerprint") != fingerprint:
-            raise ConfigError(f"the settings of run {folder.name!r} changed but its Slurm job {job} is still queued or "
-                              "running.", f"wait for it, or cancel it first (`multigpu slurm cancel {job}`).")
+            raise ConfigError(
+                f"the settings of run {folder.name!r} changed but its Slurm job {job} is still queued or "
+                "running.",
+                f"wait for it, or cancel it first (`multigpu slurm cancel {job}`).",
+            )
         return Decision("skip", f"already submitted as job {job}", status)
     if status.get("fingerprint") != fingerprint:
         return Decision("fresh", "settings changed", status)
@@ -68,7 +74,11 @@ def finished_as(folder: Path, fingerprint: Optional[str]) -> bool:
     if folder.is_symlink() or not folder.is_dir():
         return False
     status = read_status(folder)
-    return status.get("state") == "done" and fingerprint is not None and status.get("fingerprint") == fingerprint
+    return (
+        status.get("state") == "done"
+        and fingerprint is not None
+        and status.get("fingerprint") == fingerprint
+    )
 
 
 def read_status(folder: Path) -> dict[str, Any]:
@@ -83,11 +93,13 @@ def read_status(folder: Path) -> dict[str, Any]:
     for key, kind in _STATUS_FIELDS.items():
         value = status.get(key)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value) if abs(value) < 1 << 1000 else None  # JSON's integers have no bound
+            # JSON's integers have no bound
+            value = float(value) if abs(value) < 1 << 1000 else None
         if isinstance(value, float) and not math.isfinite(value):
             continue
         if isinstance(value, kind) and not isinstance(value, bool):
-            checked[key] = visible(value[:200]) if isinstance(value, str) else value  # printed in the table
+            # printed in the table
+            checked[key] = visible(value[:200]) if isinstance(value, str) else value
     return checked
 
 
@@ -109,5 +121,13 @@ def log_tail(folder: Path, lines: int = 15) -> list[str]:
 
 #: The fields of status.json and their types: a status file is data from disk (a received or copied
 #: queue folder) - anything else in it is dropped, a field of the wrong type is as if it were missing.
-_STATUS_FIELDS = {"state": str, "exit_code": int, "started": float, "ended": float, "slots": list, "share": str,
-                  "fingerprint": str, "job_id": str}
+_STATUS_FIELDS = {
+    "state": str,
+    "exit_code": int,
+    "started": float,
+    "ended": float,
+    "slots": list,
+    "share": str,
+    "fingerprint": str,
+    "job_id": str,
+}

@@ -69,35 +69,64 @@ class QueueEntry:
         for name in [*self.after, *self.references()]:
             validate.run_name(name, ConfigError, f"{where}after: ")
             if name == self.name:
-                raise ConfigError(f"{where}waits for itself.", "name another run of the file in after: (or {run:NAME}).")
+                raise ConfigError(
+                    f"{where}waits for itself.",
+                    "name another run of the file in after: (or {run:NAME}).",
+                )
         for written in self._texts():
             if re.search(r"\{\s*run\s*:", RUN_REFERENCE.sub("", written), re.IGNORECASE):
-                raise ConfigError(f"{where}{visible(written)[:120]!r} holds a {{run:...}} that is not a run's name.",
-                                  "write {run:NAME} exactly, NAME a run of this file (letters, digits, _ . -).")
-        nested = [v for v in self.overrides.values() if not isinstance(v, str) and "{run:" in str(v).lower()]
+                raise ConfigError(
+                    f"{where}{visible(written)[:120]!r} holds a {{run:...}} that is not a run's name.",
+                    "write {run:NAME} exactly, NAME a run of this file (letters, digits, _ . -).",
+                )
+        nested = [
+            v
+            for v in self.overrides.values()
+            if not isinstance(v, str) and "{run:" in str(v).lower()
+        ]
         if nested:
-            raise ConfigError(f"{where}{{run:NAME}} inside a list or mapping value ({visible(str(nested[0]))[:80]}).",
-                              "give it a string value of its own: key: \"{run:NAME}\".")
+            raise ConfigError(
+                f"{where}{{run:NAME}} inside a list or mapping value ({visible(str(nested[0]))[:80]}).",
+                'give it a string value of its own: key: "{run:NAME}".',
+            )
         if (self.script is None) == (self.module is None):
-            raise ConfigError(f"{where}needs exactly one of script: or module:.", "e.g. script: examples/digits/train.py")
-        for what, text in (("script", self.script), ("module", self.module), ("out_dir_key", self.out_dir_key),
-                           ("metric", self.metric), *(("args", a) for a in self.args)):
+            raise ConfigError(
+                f"{where}needs exactly one of script: or module:.",
+                "e.g. script: examples/digits/train.py",
+            )
+        for what, text in (
+            ("script", self.script),
+            ("module", self.module),
+            ("out_dir_key", self.out_dir_key),
+            ("metric", self.metric),
+            *(("args", a) for a in self.args),
+        ):
             if text is not None:
                 validate.plain_text(text, f"{where}{what}", ConfigError)
         if self.script is not None and (not self.script or self.script.startswith("-")):
-            raise ConfigError(f"{where}script {self.script[:60]!r} starts with '-': it would be read as a launcher "
-                              "flag.", "write the path of the script, e.g. ./-odd-name.py.")
+            raise ConfigError(
+                f"{where}script {self.script[:60]!r} starts with '-': it would be read as a launcher "
+                "flag.",
+                "write the path of the script, e.g. ./-odd-name.py.",
+            )
         if self.module is not None and not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
-            raise ConfigError(f"{where}module {self.module!r} is not a module name.", "write e.g. module: mypkg.train")
+            raise ConfigError(
+                f"{where}module {self.module!r} is not a module name.",
+                "write e.g. module: mypkg.train",
+            )
         if self.mode not in ("min", "max"):
-            raise ConfigError(f"{where}mode {str(self.mode)[:40]!r} is neither min nor max.",
-                              "mode: max when a higher metric is better (accuracy), min when lower is (a loss).")
+            raise ConfigError(
+                f"{where}mode {str(self.mode)[:40]!r} is neither min nor max.",
+                "mode: max when a higher metric is better (accuracy), min when lower is (a loss).",
+            )
         self.gpus = whole_or_share(self.gpus, f"{where}gpus")
         if self.nproc is not None:
             validate.count(self.nproc, f"{where}nproc", ConfigError)
             if self.gpus < 1 and self.nproc > 1:
-                raise ConfigError(f"{where}gpus: {self.gpus} (a share of one GPU) with nproc: {self.nproc}.",
-                                  "a run on a share of a GPU runs one process: drop nproc:, or give it gpus: 1 or more.")
+                raise ConfigError(
+                    f"{where}gpus: {self.gpus} (a share of one GPU) with nproc: {self.nproc}.",
+                    "a run on a share of a GPU runs one process: drop nproc:, or give it gpus: 1 or more.",
+                )
         for name, value in self.env.items():
             environment.env_name(name, ConfigError, where)
             validate.plain_text(value, f"{where}env {name}", ConfigError)
@@ -111,7 +140,8 @@ class QueueEntry:
         """How much of the pool it takes: its whole GPUs, or its share of one (``gpus: 1`` counts as
         ``1/runs_per_gpu`` under ``multigpu queue --runs-per-gpu``)."""
         if self.gpus < 1:
-            return Fraction(str(self.gpus))  # as written: 0.333 three times fits on one GPU, 0.97 stays 0.97
+            # as written: 0.333 three times fits on one GPU, 0.97 stays 0.97
+            return Fraction(str(self.gpus))
         return Fraction(1, runs_per_gpu) if self.gpus == 1 else Fraction(int(self.gpus))
 
     def references(self) -> list[str]:
@@ -120,17 +150,25 @@ class QueueEntry:
 
     def _texts(self) -> list[str]:
         """Where a ``{run:NAME}`` may stand: the arguments and the overrides' string values."""
-        return [str(a) for a in self.args] + [v for v in self.overrides.values() if isinstance(v, str)]
+        return [str(a) for a in self.args] + [
+            v for v in self.overrides.values() if isinstance(v, str)
+        ]
 
     def waits_for(self) -> list[str]:
         return sorted({*self.after, *self.references()})
 
     def recipe_args(self, folder: Path) -> list[str]:
         def placed(value: Any) -> Any:  # {run:NAME} -> that run's folder, a sibling of this one
-            return RUN_REFERENCE.sub(lambda m: str(folder.parent / m.group(1)), value) if isinstance(value, str) else value
+            return (
+                RUN_REFERENCE.sub(lambda m: str(folder.parent / m.group(1)), value)
+                if isinstance(value, str)
+                else value
+            )
 
         out = [placed(str(a)) for a in self.args]
-        out += [f"{key}={config.format_value(placed(value))}" for key, value in self.overrides.items()]
+        out += [
+            f"{key}={config.format_value(placed(value))}" for key, value in self.overrides.items()
+        ]
         if self.out_dir_key:
             out.append(f"{self.out_dir_key}={folder}")
         return out
@@ -138,8 +176,11 @@ class QueueEntry:
     def command(self, folder: Path, on_gpus: bool, python: str = sys.executable) -> list[str]:
         from multigpu.launch.flags import RunFlags
 
-        target = ["-m", self.module] if self.module else ["--", self.script]  # never read as launcher flags
-        flags = RunFlags(nproc=self.processes(on_gpus), cpu=not on_gpus, log_dir=str(folder / "logs"))
+        # never read as launcher flags
+        target = ["-m", self.module] if self.module else ["--", self.script]
+        flags = RunFlags(
+            nproc=self.processes(on_gpus), cpu=not on_gpus, log_dir=str(folder / "logs")
+        )
         return flags.to_argv([*target, *self.recipe_args(folder)], python)
 
     def job_changes(self, folder: Path) -> dict[str, Any]:
@@ -155,11 +196,17 @@ class QueueEntry:
 
     def fingerprint(self) -> str:
         """Changes when anything that affects the run's result changes (not its name)."""
-        data = {k: v for k, v in self.resolved().items() if k not in ("name", "metric", "mode", "slurm_array", "after")}
+        data = {
+            k: v
+            for k, v in self.resolved().items()
+            if k not in ("name", "metric", "mode", "slurm_array", "after")
+        }
         if not data.get("upstream"):  # a run that waits for none: the fingerprint it always had
             data.pop("upstream", None)
         data["gpus"] = math.ceil(self.gpus)  # a share of a GPU computes what a whole one does
-        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[
+            :16
+        ]
 
 
 #: ``{run:NAME}`` in an argument or an override value: the folder of the run NAME of the same queue.
@@ -171,12 +218,16 @@ MAX_RUNS_PER_GPU = validate.MAX_SHARERS_PER_GPU
 
 def whole_or_share(value: Any, what: str) -> Union[int, float]:
     """A whole number of GPUs (1, 2, ...) or a share of one GPU above 1/16 (0.5, 0.25)."""
-    hint = "give a whole number of GPUs (1, 2, ...) or a share of one GPU (0.5, 0.25, down to 0.0625)."
+    hint = (
+        "give a whole number of GPUs (1, 2, ...) or a share of one GPU (0.5, 0.25, down to 0.0625)."
+    )
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, float):
         if not Fraction(1, MAX_RUNS_PER_GPU) <= value < 1:  # NaN fails too
-            raise ConfigError(f"{what} {value!r} is neither a whole number nor a share of one GPU.", hint)
+            raise ConfigError(
+                f"{what} {value!r} is neither a whole number nor a share of one GPU.", hint
+            )
         return value
     return validate.count(value, what, ConfigError, hint=None if isinstance(value, int) else hint)
 
@@ -203,31 +254,47 @@ def load_entries(path: str | Path, allow_env: Sequence[str] = ()) -> list[Entry]
     (:data:`multigpu.environment.ENV_ALLOWED`)."""
     data, lines = yaml_file.load_yaml(path)
     if not data:
-        raise ConfigError(f"{path} defines no runs.", "add `name:` entries with script:, args:, overrides:.")
+        raise ConfigError(
+            f"{path} defines no runs.", "add `name:` entries with script:, args:, overrides:."
+        )
     folded: dict[str, str] = {}
     for key in data:
         name, parent = inheritance.split_run_key(key)
         at = f"{config.where(str(path), lines, (str(key),))}: "
         validate.run_name(name, ConfigError, at)
         if name.lower() in folded and folded[name.lower()] != name:
-            raise ConfigError(f"{at}run names {folded[name.lower()]!r} and {name!r} differ only in case.",
-                              "they would share one folder on some file systems; rename one.")
+            raise ConfigError(
+                f"{at}run names {folded[name.lower()]!r} and {name!r} differ only in case.",
+                "they would share one folder on some file systems; rename one.",
+            )
         folded[name.lower()] = name
     resolved = inheritance.resolve_inheritance(data, str(path), lines)
     raw_keys = {inheritance.split_run_key(key)[0]: key for key in data}
     entries = []
     for name, settings in resolved.items():
-        run_lines = {path_[1:]: line for path_, line in lines.items() if path_ and path_[0] == raw_keys[name]}
+        run_lines = {
+            path_[1:]: line for path_, line in lines.items() if path_ and path_[0] == raw_keys[name]
+        }
         if "name" in settings:
-            raise ConfigError(f"{config.where(str(path), lines, (raw_keys[name], 'name'))}: run {name!r} sets name:, "
-                              "which is the run's key.", "remove name: (rename the entry instead).")
+            raise ConfigError(
+                f"{config.where(str(path), lines, (raw_keys[name], 'name'))}: run {name!r} sets name:, "
+                "which is the run's key.",
+                "remove name: (rename the entry instead).",
+            )
         if "upstream" in settings:
-            raise ConfigError(f"{config.where(str(path), lines, (raw_keys[name], 'upstream'))}: upstream: is the "
-                              "queue's own record of the runs a run waits for.", "remove it; name them in after:.")
+            raise ConfigError(
+                f"{config.where(str(path), lines, (raw_keys[name], 'upstream'))}: upstream: is the "
+                "queue's own record of the runs a run waits for.",
+                "remove it; name them in after:.",
+            )
         blocks = {key: settings[key] for key in SWEEP_KEYS if settings.get(key) is not None}
         settings = {key: value for key, value in settings.items() if key not in SWEEP_KEYS}
-        spec = config.from_mapping(QueueEntry, {**settings, "name": name}, f"{path} (run {name!r})", run_lines)
-        at = config.where(str(path), lines, (raw_keys[name], *(["sweep"] if "sweep" in blocks else [])))
+        spec = config.from_mapping(
+            QueueEntry, {**settings, "name": name}, f"{path} (run {name!r})", run_lines
+        )
+        at = config.where(
+            str(path), lines, (raw_keys[name], *(["sweep"] if "sweep" in blocks else []))
+        )
         entries.append(Entry(spec, blocks, f"{at} (run {name!r})"))
     for entry in entries:
         for name, value in entry.spec.env.items():
@@ -245,11 +312,15 @@ def check_order(entries: Sequence[Entry]) -> None:
     for entry in entries:
         for name in entry.spec.waits_for():
             if name in families:
-                raise ConfigError(f"{entry.where}: waits for {name!r}, a sweep or search: its trials are many runs.",
-                                  "name one plain run of the file (or wait for the family in a second queue).")
+                raise ConfigError(
+                    f"{entry.where}: waits for {name!r}, a sweep or search: its trials are many runs.",
+                    "name one plain run of the file (or wait for the family in a second queue).",
+                )
             if name not in plain:
-                raise ConfigError(f"{entry.where}: waits for {name!r}, which is not a run of this file.",
-                                  f"runs: {', '.join(sorted(plain))[:300]}.")
+                raise ConfigError(
+                    f"{entry.where}: waits for {name!r}, which is not a run of this file.",
+                    f"runs: {', '.join(sorted(plain))[:300]}.",
+                )
     waits = {e.spec.name: e.spec.waits_for() for e in entries}
     for start in waits:
         path, todo = [start], list(waits[start])
@@ -257,8 +328,11 @@ def check_order(entries: Sequence[Entry]) -> None:
         while todo:
             name = todo.pop()
             if name == start:
-                raise ConfigError(f"runs {start!r} and {', '.join(repr(n) for n in path[1:]) or 'itself'} wait for "
-                                  "each other: none would start.", "remove one of the after: (or {run:NAME}) links.")
+                raise ConfigError(
+                    f"runs {start!r} and {', '.join(repr(n) for n in path[1:]) or 'itself'} wait for "
+                    "each other: none would start.",
+                    "remove one of the after: (or {run:NAME}) links.",
+                )
             if name not in seen:
                 seen.add(name)
                 path.append(name)
@@ -268,17 +342,23 @@ def check_order(entries: Sequence[Entry]) -> None:
     while len(done) < len(waits):  # parents first (no cycle: each pass settles one more at least)
         for name, parents in waits.items():
             if name not in done and all(p in done for p in parents):
-                specs[name].upstream = {p: specs[p].fingerprint() for p in parents}  # a parent's holds its own
+                # a parent's holds its own
+                specs[name].upstream = {p: specs[p].fingerprint() for p in parents}
                 done.add(name)
 
 
-def load_runs(path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = ()) -> list[QueueEntry]:
+def load_runs(
+    path: str | Path, only: Optional[Sequence[str]] = None, allow_env: Sequence[str] = ()
+) -> list[QueueEntry]:
     """Every run of the file, inheritance resolved, sweeps expanded into their trials, in file order
     (``only``: just these, in that order). A file with a ``search:`` needs :func:`multigpu.queue.plan.load_plan`."""
     from multigpu.queue.plan import load_plan
 
     plan = load_plan(path, only, allow_env)
     if plan.searches:
-        raise ConfigError(f"{path}: run {plan.searches[0].entry.name!r} is a search, whose trials are asked while "
-                          "the queue runs.", "start it with `multigpu queue`.")
+        raise ConfigError(
+            f"{path}: run {plan.searches[0].entry.name!r} is a search, whose trials are asked while "
+            "the queue runs.",
+            "start it with `multigpu queue`.",
+        )
     return plan.runs

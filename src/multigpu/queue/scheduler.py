@@ -70,16 +70,31 @@ class EntryState:
         return (self.ended or time.time()) - self.started
 
     def save_status(self) -> None:
-        status = {"state": self.state, "exit_code": self.exit_code, "started": self.started, "ended": self.ended,
-                  "slots": self.slots, "share": str(self.share), "fingerprint": self.spec.fingerprint()}
+        status = {
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "started": self.started,
+            "ended": self.ended,
+            "slots": self.slots,
+            "share": str(self.share),
+            "fingerprint": self.spec.fingerprint(),
+        }
         atomic_write_text(self.folder / STATUS_FILE, json.dumps(status, indent=1))
 
 
-
 class Queue:
-    def __init__(self, specs: Sequence[QueueEntry], root: Path, slots: Sequence[str], on_gpus: bool,
-                 max_parallel: Optional[int] = None, display: Optional[Callable[["Queue", str], None]] = None,
-                 poll_s: float = 0.1, runs_per_gpu: int = 1, searches: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        specs: Sequence[QueueEntry],
+        root: Path,
+        slots: Sequence[str],
+        on_gpus: bool,
+        max_parallel: Optional[int] = None,
+        display: Optional[Callable[["Queue", str], None]] = None,
+        poll_s: float = 0.1,
+        runs_per_gpu: int = 1,
+        searches: Sequence[Any] = (),
+    ) -> None:
         self.root = Path(root)
         self.slots = list(slots)
         self.on_gpus = on_gpus
@@ -88,13 +103,19 @@ class Queue:
         validate.count(runs_per_gpu, "--runs-per-gpu", ConfigError, high=MAX_RUNS_PER_GPU)
         self.display = display or (lambda queue, event: None)
         self.poll_s = poll_s
-        self.runs = [EntryState(spec, self.root / spec.name, share=spec.share(runs_per_gpu)) for spec in specs]
+        self.runs = [
+            EntryState(spec, self.root / spec.name, share=spec.share(runs_per_gpu))
+            for spec in specs
+        ]
         self._stop = threading.Event()
         self._stop_signal: Optional[int] = None
         self.runs_per_gpu = runs_per_gpu
         #: Searches (queue.search.Search) whose trials are asked while the queue runs, when the pool has room.
         self.searches = list(searches)
-        for run in [*self.runs, *(EntryState(s.entry, self.root / s.entry.name) for s in self.searches)]:
+        for run in [
+            *self.runs,
+            *(EntryState(s.entry, self.root / s.entry.name) for s in self.searches),
+        ]:
             if run.spec.gpus > len(self.slots):
                 unit = "GPU(s)" if on_gpus else "slot(s)"
                 raise ConfigError(
@@ -107,9 +128,12 @@ class Queue:
         """Run everything to the end; returns 0 if every run succeeded (or was already done)."""
         Folder(self.root).create()
         try:
-            for search in self.searches:  # its earlier trials: skipped when finished, resumed when not
-                self.runs += [EntryState(spec, self.root / spec.name, share=spec.share(self.runs_per_gpu))
-                              for spec in search.start()]
+            # its earlier trials: skipped when finished, resumed when not
+            for search in self.searches:
+                self.runs += [
+                    EntryState(spec, self.root / spec.name, share=spec.share(self.runs_per_gpu))
+                    for spec in search.start()
+                ]
             self._skip_finished()
             for search in self.searches:
                 search.settle_earlier(self.runs)
@@ -119,12 +143,15 @@ class Queue:
         for run in self.runs:
             if run.state == "skipped":
                 self.display(self, f"skipped {run.spec.name}")
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         self.started = time.time()
         try:
             while True:
                 self._reap()
-                for search in self.searches:  # new evaluations of running trials -> the pruner's answers
+                # new evaluations of running trials -> the pruner's answers
+                for search in self.searches:
                     search.poll(self.runs)
                 if self._stop.is_set():
                     self._stop_all()
@@ -136,7 +163,8 @@ class Queue:
                 self.display(self, "tick")
                 time.sleep(self.poll_s)
         except BaseException:
-            self._stop_all()  # the queue itself failed: its runs stop cleanly and are marked interrupted
+            # the queue itself failed: its runs stop cleanly and are marked interrupted
+            self._stop_all()
             raise
         finally:
             for sig, handler in previous.items():
@@ -163,8 +191,14 @@ class Queue:
             return
         running = sum(1 for r in self.runs if r.state == "running")
         for search in self.searches:
-            probe = EntryState(search.entry, self.root / search.entry.name, share=search.entry.share(self.runs_per_gpu))
-            while search.wants_more() and (self.max_parallel is None or running < self.max_parallel):
+            probe = EntryState(
+                search.entry,
+                self.root / search.entry.name,
+                share=search.entry.share(self.runs_per_gpu),
+            )
+            while search.wants_more() and (
+                self.max_parallel is None or running < self.max_parallel
+            ):
                 slots = self.place(probe)
                 if slots is None:
                     break
@@ -186,7 +220,10 @@ class Queue:
         """Show what each run will do; the decision is taken again, under the run's lock, at its start."""
         for run in self.runs:
             if not run.lock.acquire():
-                run.state, run.note = "skipped", f"running in another queue (pid {run.lock.holder()})"
+                run.state, run.note = (
+                    "skipped",
+                    f"running in another queue (pid {run.lock.holder()})",
+                )
                 continue
             run.lock.release()
             decision = decide(run.folder, run.spec.fingerprint())
@@ -226,18 +263,22 @@ class Queue:
         for name in run.spec.waits_for():
             other = states.get(name)
             why = "did not finish"
-            if other is None:  # not in this queue (--only): its folder says whether it finished, as it is now
+            # not in this queue (--only): its folder says whether it finished, as it is now
+            if other is None:
                 finished = finished_as(self.root / name, run.spec.upstream.get(name))
                 why = "is not done with its settings in this file (run it first)"
             elif other.state in ("queued", "running"):
                 return name
             else:
-                finished = other.state == "done" or (other.state == "skipped" and other.exit_code == 0)
+                finished = other.state == "done" or (
+                    other.state == "skipped" and other.exit_code == 0
+                )
                 if other.state == "skipped" and other.exit_code != 0:
                     why = f"runs in another queue ({other.note}); start this one again when it is done"
             if not finished:
                 run.state, run.note = "failed", f"not started: {name} {why}"
-                run.started = run.ended = time.time()  # (no status file: the next queue tries it again)
+                # (no status file: the next queue tries it again)
+                run.started = run.ended = time.time()
                 self.display(self, f"failed {run.spec.name}")
                 return name
         return None
@@ -245,10 +286,13 @@ class Queue:
     def _launch_ready(self) -> None:
         running = sum(1 for r in self.runs if r.state == "running")
         whole_queued = any(r.state == "queued" and r.share >= 1 for r in self.runs)
-        blocked = False  # a run of whole GPUs is waiting: later shares do not start (it would starve)
+        # a run of whole GPUs is waiting: later shares do not start (it would starve)
+        blocked = False
         states = {r.spec.name: r for r in self.runs}  # what runs wait for, by name (once per pass)
         for run in self.runs:
-            if run.state != "queued" or (self.max_parallel is not None and running >= self.max_parallel):
+            if run.state != "queued" or (
+                self.max_parallel is not None and running >= self.max_parallel
+            ):
                 continue
             if run.spec.waits_for() and self._waiting(run, states) is not None:
                 continue
@@ -264,9 +308,14 @@ class Queue:
     def _start(self, run: EntryState, slots: list[str]) -> None:
         try:
             self._start_process(run, slots)
-        except OSError as exc:  # its folder cannot be used (a symbolic link, no space): this run fails alone
+        # its folder cannot be used (a symbolic link, no space): this run fails alone
+        except OSError as exc:
             run.lock.release()
-            run.state, run.exit_code, run.note = "failed", None, f"cannot start: {exc.strerror or exc}: {exc.filename or ''}"
+            run.state, run.exit_code, run.note = (
+                "failed",
+                None,
+                f"cannot start: {exc.strerror or exc}: {exc.filename or ''}",
+            )
             run.started = run.ended = time.time()
             self.display(self, f"failed {run.spec.name}")
 
@@ -284,14 +333,26 @@ class Queue:
         if decision.action == "fresh":
             run.note = move_aside(run.folder)
         write_run_config(run.folder, run.spec)
-        env, held = environment.run_environment(os.environ, {k: str(v) for k, v in run.spec.env.items()})
+        env, held = environment.run_environment(
+            os.environ, {k: str(v) for k, v in run.spec.env.items()}
+        )
         if held:
-            run.note = f"credentials not passed (its env names an endpoint): {', '.join(held)[:120]}"
+            run.note = (
+                f"credentials not passed (its env names an endpoint): {', '.join(held)[:120]}"
+            )
         env["MULTIGPU_RUN_NAME"] = run.spec.name
         # The run's job is the queue's own, never inherited: it may write in its folder only, and only a
         # packed run gets a memory share.
-        env.update(job_env(None, run_dir=str(run.folder), **run.spec.job_changes(run.folder),
-                           memory_fraction=float(f"{float(run.share):.6g}") if self.on_gpus and run.share < 1 else None))
+        env.update(
+            job_env(
+                None,
+                run_dir=str(run.folder),
+                **run.spec.job_changes(run.folder),
+                memory_fraction=float(f"{float(run.share):.6g}")
+                if self.on_gpus and run.share < 1
+                else None,
+            )
+        )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots) if self.on_gpus else ""
         threads = self._threads(run.share, run.spec.processes(self.on_gpus), len(slots))
         if threads:
@@ -301,14 +362,25 @@ class Queue:
         run.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         run.log.flush()
         try:
-            run.proc = subprocess.Popen(command, stdout=run.log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=own_session_dying_with_parent())
+            run.proc = subprocess.Popen(
+                command,
+                stdout=run.log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=own_session_dying_with_parent(),
+            )
         except OSError as exc:  # a run that cannot start fails alone
             run.log.write(f"multigpu: cannot start the run: {exc}\n")
             run.started = time.time()
             self._finish(run, 127)
             return
-        run.state, run.slots, run.started, run.ended, run.exit_code = "running", slots, time.time(), None, None
+        run.state, run.slots, run.started, run.ended, run.exit_code = (
+            "running",
+            slots,
+            time.time(),
+            None,
+            None,
+        )
         run.save_status()
         self.display(self, f"start {run.spec.name}")
 
@@ -323,8 +395,15 @@ class Queue:
 
     def _finish(self, run: EntryState, code: int, interrupted: bool = False) -> None:
         run.exit_code, run.ended = code, time.time()
-        run.state = "done" if code == 0 else ("interrupted" if interrupted or code in (EXIT_PREEMPTED, 128 + signal.SIGTERM,
-                                                                                 EXIT_INTERRUPTED) else "failed")
+        run.state = (
+            "done"
+            if code == 0
+            else (
+                "interrupted"
+                if interrupted or code in (EXIT_PREEMPTED, 128 + signal.SIGTERM, EXIT_INTERRUPTED)
+                else "failed"
+            )
+        )
         if run.log is not None:
             run.log.close()
             run.log = None
@@ -359,25 +438,12 @@ class Queue:
     def makespan(self) -> tuple[float, float]:
         """(wall time from the first start to the last end, the runs' own durations x their GPUs/slots)
         of this pass: the ideal makespan is the second divided by the size of the pool."""
-        ran = [(r.started, r.ended, r.share) for r in self.runs
-               if r.state not in ("skipped", "queued") and r.started and r.ended]
+        ran = [
+            (r.started, r.ended, r.share)
+            for r in self.runs
+            if r.state not in ("skipped", "queued") and r.started and r.ended
+        ]
         if not ran:
             return 0.0, 0.0
         work = sum((ended - started) * float(share) for started, ended, share in ran)
         return max(ended for _, ended, _ in ran) - min(started for started, _, _ in ran), work
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

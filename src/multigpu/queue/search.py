@@ -68,33 +68,46 @@ def distribution(param: Param) -> Any:
         return optuna.distributions.CategoricalDistribution(list(param.values))
     if param.kind == "int":
         return optuna.distributions.IntDistribution(int(param.low), int(param.high))
-    return optuna.distributions.FloatDistribution(param.low, param.high, log=param.kind == "loguniform")
+    return optuna.distributions.FloatDistribution(
+        param.low, param.high, log=param.kind == "loguniform"
+    )
 
 
 def sampler(settings: SearchSettings) -> Any:
     optuna = _optuna()
     if settings.sampler == "random":
         return optuna.samplers.RandomSampler(seed=settings.seed)
-    startup = settings.startup_trials if settings.startup_trials is not None else min(10, settings.trials)
-    return optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=startup, constant_liar=True)
+    startup = (
+        settings.startup_trials if settings.startup_trials is not None else min(10, settings.trials)
+    )
+    return optuna.samplers.TPESampler(
+        seed=settings.seed, n_startup_trials=startup, constant_liar=True
+    )
 
 
 def pruner(settings: SearchSettings) -> Any:
     optuna = _optuna()
     if settings.pruner == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=5 if settings.min_trials is None else settings.min_trials,
-                                           n_warmup_steps=settings.min_steps)
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=5 if settings.min_trials is None else settings.min_trials,
+            n_warmup_steps=settings.min_steps,
+        )
     if settings.pruner == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=settings.min_steps or "auto",
-                                                      bootstrap_count=settings.min_trials or 0)
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=settings.min_steps or "auto", bootstrap_count=settings.min_trials or 0
+        )
     return optuna.pruners.NopPruner()
 
 
 def identity(entry: QueueEntry, space: Space) -> str:
     """What a study was started for - the family's settings, the space, the metric and its direction. A
     study is continued only with the same (the number of trials, sampler and pruner may change)."""
-    data = {"settings": entry.fingerprint(), "params": [[p.key, p.record()] for p in space.params],
-            "metric": space.metric, "mode": space.mode}
+    data = {
+        "settings": entry.fingerprint(),
+        "params": [[p.key, p.record()] for p in space.params],
+        "metric": space.metric,
+        "mode": space.mode,
+    }
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -131,8 +144,10 @@ class Search:
         the finished ones are skipped by their folders, the unfinished ones resume in theirs."""
         optuna = _optuna()
         if not self.lock.acquire():
-            raise ConfigError(f"the search {self.name!r} is being run by another queue (pid {self.lock.holder()}).",
-                              "wait for it to end, or give this queue another --out.")
+            raise ConfigError(
+                f"the search {self.name!r} is being run by another queue (pid {self.lock.holder()}).",
+                "wait for it to end, or give this queue another --out.",
+            )
         try:
             return self._open(optuna)
         except BaseException:
@@ -143,57 +158,85 @@ class Search:
         folder = Folder(self.root).child(SWEEPS_FOLDER)
         database = f"{self.name}.db"
         if folder.kind(database) not in (None, "file"):
-            raise ConfigError(f"{folder / database} is not a regular file.", "move it away: the study is kept there.")
+            raise ConfigError(
+                f"{folder / database} is not a regular file.",
+                "move it away: the study is kept there.",
+            )
         path = str((folder / database).resolve())
         if any(char in path for char in "?#%"):
-            raise ConfigError(f"the study's path {path[:200]!r} has ?, # or %, which a SQLite URL cannot hold.",
-                              "give the queue an --out without them.")
+            raise ConfigError(
+                f"the study's path {path[:200]!r} has ?, # or %, which a SQLite URL cannot hold.",
+                "give the queue an --out without them.",
+            )
         check_study(folder / database)  # a received study file: bounded, Optuna's own tables only
         try:
-            return self._read(optuna, optuna.storages.RDBStorage(f"sqlite:///{path}"), folder / database)
+            return self._read(
+                optuna, optuna.storages.RDBStorage(f"sqlite:///{path}"), folder / database
+            )
         except MultiGPUError:
             raise
-        except Exception as exc:  # what Optuna raises on what it reads back (a JSON 200,000 deep, a bad enum)
-            raise ConfigError(f"Optuna could not read the study file {visible(str(folder / database))} "
-                              f"({type(exc).__name__}: {shown(' '.join(str(exc).split()), 120)}).",
-                              "move it away to start the search afresh (its trials' run folders stay), or give "
-                              "the queue another --out.") from None
+        # what Optuna raises on what it reads back (a JSON 200,000 deep, a bad enum)
+        except Exception as exc:
+            raise ConfigError(
+                f"Optuna could not read the study file {visible(str(folder / database))} "
+                f"({type(exc).__name__}: {shown(' '.join(str(exc).split()), 120)}).",
+                "move it away to start the search afresh (its trials' run folders stay), or give "
+                "the queue another --out.",
+            ) from None
 
     def _read(self, optuna: Any, storage: Any, where: Path) -> list[Trial]:
         folder, database = Folder(where.parent), where.name
         direction = "maximize" if self.space.mode == "max" else "minimize"
-        self.study = optuna.create_study(storage=storage, study_name=self.name, direction=direction,
-                                         sampler=sampler(self.settings), pruner=pruner(self.settings), load_if_exists=True)
+        self.study = optuna.create_study(
+            storage=storage,
+            study_name=self.name,
+            direction=direction,
+            sampler=sampler(self.settings),
+            pruner=pruner(self.settings),
+            load_if_exists=True,
+        )
         wanted = identity(self.entry, self.space)
         found = self.study.user_attrs.get("multigpu")
         if found is None:
             self.study.set_user_attr("multigpu", wanted)
         elif found != wanted:
-            raise ConfigError(f"the settings, space or metric of the search {self.name!r} changed since its study in "
-                              f"{folder / database} was started.",
-                              "give this queue another --out, or move that file away to start the search afresh "
-                              "(trials:, sampler: and pruner: may change; the rest may not).")
+            raise ConfigError(
+                f"the settings, space or metric of the search {self.name!r} changed since its study in "
+                f"{folder / database} was started.",
+                "give this queue another --out, or move that file away to start the search afresh "
+                "(trials:, sampler: and pruner: may change; the rest may not).",
+            )
         earlier = []
-        ours = [frozen for frozen in self.study.get_trials(deepcopy=False)
-                if isinstance(frozen.user_attrs.get("run"), str) and set(self._distributions) <= set(frozen.params)]
+        ours = [
+            frozen
+            for frozen in self.study.get_trials(deepcopy=False)
+            if isinstance(frozen.user_attrs.get("run"), str)
+            and set(self._distributions) <= set(frozen.params)
+        ]
         # (not one of ours - a study someone else wrote into - is left alone; nor is a trial asked by a queue that
         # was killed before it named it (ask and set_user_attr are two writes): no run holds it, so it is not
         # counted - the trial it should have been is asked again)
         if len(ours) > self.settings.trials:
-            raise ConfigError(f"the study of {visible(self.name)!r} in {visible(str(folder / database))} holds "
-                              f"{len(ours):,} trials, more than its trials: {self.settings.trials}.",
-                              f"raise trials: to {len(ours)} or more to continue it, or move the file away to start "
-                              "the search afresh.")
+            raise ConfigError(
+                f"the study of {visible(self.name)!r} in {visible(str(folder / database))} holds "
+                f"{len(ours):,} trials, more than its trials: {self.settings.trials}.",
+                f"raise trials: to {len(ours)} or more to continue it, or move the file away to start "
+                "the search afresh.",
+            )
         for frozen in ours:
             name = frozen.user_attrs["run"]
             spec = self._spec(name, frozen.params)  # its values checked against the space first
             values = {p.key: frozen.params[p.key] for p in self.space.params}
-            if name != trial_name(self.name, values, self._labels, prefix=f"t{frozen.number}", short=True):
+            if name != trial_name(
+                self.name, values, self._labels, prefix=f"t{frozen.number}", short=True
+            ):
                 # only the name this search gives those values: another run's folder would be written over
-                raise ConfigError(f"the study of {visible(self.name)!r} holds a trial that names the run "
-                                  f"{visible(name)[:80]!r}, which is not the name its values get.",
-                                  "move the study file away to start the search afresh, or give the queue another "
-                                  "--out.")
+                raise ConfigError(
+                    f"the study of {visible(self.name)!r} holds a trial that names the run "
+                    f"{visible(name)[:80]!r}, which is not the name its values get.",
+                    "move the study file away to start the search afresh, or give the queue another "
+                    "--out.",
+                )
             if frozen.state == optuna.trial.TrialState.RUNNING:
                 self._trials[name] = optuna.trial.Trial(self.study, frozen._trial_id)
                 steps = list(frozen.intermediate_values)
@@ -206,12 +249,16 @@ class Search:
 
     def _spec(self, name: str, params: dict[str, Any]) -> Trial:
         values = {p.key: params[p.key] for p in self.space.params}
-        for param in self.space.params:  # read back from the study file: it becomes an override of a run
+        # read back from the study file: it becomes an override of a run
+        for param in self.space.params:
             if not param.holds(values[param.key]):
-                raise ConfigError(f"the study of {visible(self.name)!r} holds a trial {visible(name)[:80]!r} with "
-                                  f"{visible(param.key)}={shown(values[param.key])}, outside the search's "
-                                  f"{visible(param.describe())}.", "move the study file away to start the search "
-                                  "afresh, or give the queue another --out.")
+                raise ConfigError(
+                    f"the study of {visible(self.name)!r} holds a trial {visible(name)[:80]!r} with "
+                    f"{visible(param.key)}={shown(values[param.key])}, outside the search's "
+                    f"{visible(param.describe())}.",
+                    "move the study file away to start the search "
+                    "afresh, or give the queue another --out.",
+                )
         return make_trial(self.entry, name, values, self.space, self.wait_s)
 
     def settle_earlier(self, runs: Sequence[Any]) -> None:
@@ -245,7 +292,8 @@ class Search:
         try:
             size = Folder(folder).size(f"{TRIAL_FOLDER}/{TRIAL_REPORTS_FILE}")
         except OSError:
-            return  # nothing reported yet (or not a regular file: read_reports would read nothing either)
+            # nothing reported yet (or not a regular file: read_reports would read nothing either)
+            return
         if self._sizes.get(name) == size:
             return
         self._sizes[name] = size
@@ -270,7 +318,9 @@ class Search:
         if run.state == "done":
             self._tell(run)
         else:
-            run.note = (run.note + "; " if run.note else "") + "resumed by the next run of the queue"
+            run.note = (
+                run.note + "; " if run.note else ""
+            ) + "resumed by the next run of the queue"
 
     def _tell(self, run: Any) -> None:
         optuna = _optuna()
@@ -279,7 +329,9 @@ class Search:
         found = result(run.folder, self.space.metric)
         trial = self._trials.pop(name)
         if self._pruned.get(name) or found.pruned:
-            self.study.tell(trial.number, state=optuna.trial.TrialState.PRUNED, skip_if_finished=True)
+            self.study.tell(
+                trial.number, state=optuna.trial.TrialState.PRUNED, skip_if_finished=True
+            )
             self.told[name] = "pruned"
             run.note = f"pruned at step {self._reported.get(name, '?')}"
         elif found.value is None or not math.isfinite(found.value):

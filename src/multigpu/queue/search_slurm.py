@@ -32,16 +32,24 @@ POLL_S = 2.0
 ASK_SLURM_S = 30.0
 
 
-def follow_searches(searches: Sequence[Any], out: Path, options: slurm.SlurmOptions,
-                    max_parallel: Optional[int] = None, poll_s: float = POLL_S,
-                    say: Callable[[str], None] = print) -> tuple[int, list[EntryState]]:
+def follow_searches(
+    searches: Sequence[Any],
+    out: Path,
+    options: slurm.SlurmOptions,
+    max_parallel: Optional[int] = None,
+    poll_s: float = POLL_S,
+    say: Callable[[str], None] = print,
+) -> tuple[int, list[EntryState]]:
     """Run every search to its number of trials; (0 when every trial finished or was pruned, every trial
     as a run: for the summary's ranking)."""
     out = Path(out).resolve()
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     watched: dict[str, EntryState] = {}
-    waiting: list[EntryState] = []  # earlier trials to resubmit (failed, interrupted, never submitted)
+    # earlier trials to resubmit (failed, interrupted, never submitted)
+    waiting: list[EntryState] = []
     asked_at: dict[str, float] = {}
     every: list[EntryState] = []
     try:
@@ -50,9 +58,16 @@ def follow_searches(searches: Sequence[Any], out: Path, options: slurm.SlurmOpti
                 run = EntryState(spec, out / spec.name)
                 every.append(run)
                 status = read_status(run.folder)
-                if status.get("state") == "done" and status.get("fingerprint") == spec.fingerprint():
+                if (
+                    status.get("state") == "done"
+                    and status.get("fingerprint") == spec.fingerprint()
+                ):
                     run.state = "skipped"
-                elif status.get("state") == "submitted" and status.get("job_id") and slurm.is_active(status["job_id"]):
+                elif (
+                    status.get("state") == "submitted"
+                    and status.get("job_id")
+                    and slurm.is_active(status["job_id"])
+                ):
                     run.state = "running"
                     watched[spec.name] = run
                     say(f"{spec.name}: following job {status['job_id']}")
@@ -79,8 +94,10 @@ def follow_searches(searches: Sequence[Any], out: Path, options: slurm.SlurmOpti
         for search in searches:
             search.close()
     if watched:
-        say(f"stopped following {len(watched)} trial job(s): they go on without pruning; run the same command "
-            "again to follow them, tell their results and go on with the search.")
+        say(
+            f"stopped following {len(watched)} trial job(s): they go on without pruning; run the same command "
+            "again to follow them, tell their results and go on with the search."
+        )
         return 130, every
     return (0 if all(run.state in ("done", "skipped") for run in every) else 1), every
 
@@ -104,8 +121,14 @@ def _ended(run: EntryState, asked_at: dict[str, float]) -> bool:
     return True
 
 
-def _submit(searches: Sequence[Any], waiting: list[EntryState], watched: dict[str, EntryState], out: Path,
-            options: slurm.SlurmOptions, max_parallel: Optional[int]) -> list[EntryState]:
+def _submit(
+    searches: Sequence[Any],
+    waiting: list[EntryState],
+    watched: dict[str, EntryState],
+    out: Path,
+    options: slurm.SlurmOptions,
+    max_parallel: Optional[int],
+) -> list[EntryState]:
     """Resubmit the earlier trials that need it, and ask new ones, up to ``max_parallel`` at once; returns
     the new ones."""
     room = (max_parallel or 10**9) - len(watched)

@@ -53,19 +53,34 @@ def run_options(options: slurm.SlurmOptions, spec: QueueEntry) -> slurm.SlurmOpt
     return replace(options, nproc_per_node=options.nproc_per_node or spec.nproc or max(gpus, 1))
 
 
-def _job(spec: QueueEntry, folder: Path, options: slurm.SlurmOptions, job_name: str) -> slurm.SlurmJob:
+def _job(
+    spec: QueueEntry, folder: Path, options: slurm.SlurmOptions, job_name: str
+) -> slurm.SlurmJob:
     target = ("-m", spec.module) if spec.module else (spec.script,)
-    env = {**{k: str(v) for k, v in spec.env.items()},  # the run writes only in its folder
-           **job_env(None, run_dir=str(folder), **spec.job_changes(folder))}
+    env = {
+        **{k: str(v) for k, v in spec.env.items()},  # the run writes only in its folder
+        **job_env(None, run_dir=str(folder), **spec.job_changes(folder)),
+    }
     _, held = environment.run_environment(os.environ, env)
-    return slurm.SlurmJob(command=(*target, *spec.recipe_args(folder)), run_dir=folder,
-                          options=replace(run_options(options, spec), job_name=job_name),
-                          env=tuple(sorted(env.items())), unset=tuple(held),
-                          status_file=folder / STATUS_FILE, fingerprint=spec.fingerprint())
+    return slurm.SlurmJob(
+        command=(*target, *spec.recipe_args(folder)),
+        run_dir=folder,
+        options=replace(run_options(options, spec), job_name=job_name),
+        env=tuple(sorted(env.items())),
+        unset=tuple(held),
+        status_file=folder / STATUS_FILE,
+        fingerprint=spec.fingerprint(),
+    )
 
 
-def submit_runs(specs: Sequence[QueueEntry], out: Path, options: slurm.SlurmOptions, dry_run: bool = False,
-                array: bool = False, max_parallel: Optional[int] = None) -> int:
+def submit_runs(
+    specs: Sequence[QueueEntry],
+    out: Path,
+    options: slurm.SlurmOptions,
+    dry_run: bool = False,
+    array: bool = False,
+    max_parallel: Optional[int] = None,
+) -> int:
     out = Path(out).resolve()
     options.validate()
     names = slurm.short_names([spec.name for spec in specs])
@@ -75,10 +90,14 @@ def submit_runs(specs: Sequence[QueueEntry], out: Path, options: slurm.SlurmOpti
         for index, spec in enumerate(specs):
             lock = RunLock(out, spec.name)
             if not lock.acquire():
-                print(f"{spec.name}: skipped - being submitted by another queue (pid {lock.holder()})")
+                print(
+                    f"{spec.name}: skipped - being submitted by another queue (pid {lock.holder()})"
+                )
                 continue
             locks.append(lock)
-            pending = _prepare(index, spec, out / spec.name, options, options.job_name or names[spec.name], dry_run)
+            pending = _prepare(
+                index, spec, out / spec.name, options, options.job_name or names[spec.name], dry_run
+            )
             if pending is None:
                 continue
             if array or spec.slurm_array:
@@ -93,8 +112,14 @@ def submit_runs(specs: Sequence[QueueEntry], out: Path, options: slurm.SlurmOpti
     return 0
 
 
-def _prepare(index: int, spec: QueueEntry, folder: Path, options: slurm.SlurmOptions, job_name: str,
-             dry_run: bool) -> Optional[_Pending]:
+def _prepare(
+    index: int,
+    spec: QueueEntry,
+    folder: Path,
+    options: slurm.SlurmOptions,
+    job_name: str,
+    dry_run: bool,
+) -> Optional[_Pending]:
     decision = decide(folder, spec.fingerprint(), active_job=None if dry_run else slurm.is_active)
     if decision.action == "skip":
         print(f"{spec.name}: skipped - {decision.note}")
@@ -102,7 +127,9 @@ def _prepare(index: int, spec: QueueEntry, folder: Path, options: slurm.SlurmOpt
     job = _job(spec, folder, options, job_name)
     slurm.render(job)  # every value checked before anything is moved or written
     if dry_run:  # a dry run changes nothing that is there: it only writes the script it shows
-        note = "earlier outputs would be moved aside" if decision.action == "fresh" else decision.note
+        note = (
+            "earlier outputs would be moved aside" if decision.action == "fresh" else decision.note
+        )
         return _Pending(index, spec, job, note)
     note = move_aside(folder) if decision.action == "fresh" else decision.note
     write_run_config(folder, spec)
@@ -110,9 +137,17 @@ def _prepare(index: int, spec: QueueEntry, folder: Path, options: slurm.SlurmOpt
 
 
 def _submitted(pending: _Pending, job_id: str, log: Path) -> None:
-    atomic_write_text(pending.job.run_dir / STATUS_FILE, json.dumps(
-        {"state": "submitted", "job_id": job_id, "fingerprint": pending.job.fingerprint}, indent=1))
-    print(f"{pending.spec.name}: submitted job {job_id} (log {log})" + (f" - {pending.note}" if pending.note else ""))
+    atomic_write_text(
+        pending.job.run_dir / STATUS_FILE,
+        json.dumps(
+            {"state": "submitted", "job_id": job_id, "fingerprint": pending.job.fingerprint},
+            indent=1,
+        ),
+    )
+    print(
+        f"{pending.spec.name}: submitted job {job_id} (log {log})"
+        + (f" - {pending.note}" if pending.note else "")
+    )
 
 
 def _submit_one(pending: _Pending, dry_run: bool) -> None:
@@ -123,8 +158,13 @@ def _submit_one(pending: _Pending, dry_run: bool) -> None:
     _submitted(pending, job_id, pending.job.run_dir / f"slurm-{job_id}.out")
 
 
-def _submit_arrays(arrayed: list[_Pending], out: Path, options: slurm.SlurmOptions, dry_run: bool,
-                   max_parallel: Optional[int]) -> None:
+def _submit_arrays(
+    arrayed: list[_Pending],
+    out: Path,
+    options: slurm.SlurmOptions,
+    dry_run: bool,
+    max_parallel: Optional[int],
+) -> None:
     """One array job per shape (nodes, GPUs and processes per node): usually one for the whole family."""
     shapes: dict[tuple[Any, ...], list[_Pending]] = {}
     for pending in arrayed:
@@ -136,8 +176,12 @@ def _submit_arrays(arrayed: list[_Pending], out: Path, options: slurm.SlurmOptio
         folder, number = out / ARRAYS_FOLDER / f"array-{stamp}", 1
         while folder.exists():  # never the script (and task map) of an earlier array
             folder, number = out / ARRAYS_FOLDER / f"array-{stamp}-{number}", number + 1
-        array = slurm.SlurmArray(tasks={p.index: p.job for p in group}, folder=folder,
-                                 options=replace(group[0].job.options, job_name=name), max_parallel=max_parallel)
+        array = slurm.SlurmArray(
+            tasks={p.index: p.job for p in group},
+            folder=folder,
+            options=replace(group[0].job.options, job_name=name),
+            max_parallel=max_parallel,
+        )
         script = slurm.write_array(array)
         runs = ", ".join(p.spec.name for p in group)
         if dry_run:
@@ -165,7 +209,10 @@ def _shown_state(status: dict[str, Any], records: list[Any]) -> tuple[str, str]:
     if status.get("state") in ("done", "failed", "interrupted"):
         return status["state"], ""
     if record is not None:
-        return record.state.lower(), "ended without writing its state: run the queue again to resubmit it"
+        return (
+            record.state.lower(),
+            "ended without writing its state: run the queue again to resubmit it",
+        )
     return str(status.get("state", "?")), "Slurm no longer knows its job"
 
 
@@ -189,14 +236,22 @@ def status_table(specs: Sequence[QueueEntry], out: Path) -> Table:
         record = records[0] if len(records) == 1 else None
         exit_code = "" if record is None or record.active else record.exit_code
         metric = headline(EntryState(spec, out / spec.name))
-        table.add_row(Text(spec.name), Text(job_id), Text(state, style=STYLE.get(state, "")),
-                      Text(record.elapsed if record else ""), Text(exit_code),
-                      Text(str(record.restarts) if record else ""), Text(metric), Text(note))
+        table.add_row(
+            Text(spec.name),
+            Text(job_id),
+            Text(state, style=STYLE.get(state, "")),
+            Text(record.elapsed if record else ""),
+            Text(exit_code),
+            Text(str(record.restarts) if record else ""),
+            Text(metric),
+            Text(note),
+        )
     return table
 
 
 def show_status(specs: Sequence[QueueEntry], out: Path) -> int:
     from multigpu.queue.display import console_for_output
 
-    console_for_output().print(status_table(specs, out))  # a log file or a pipe: full lines, not 80 columns
+    # a log file or a pipe: full lines, not 80 columns
+    console_for_output().print(status_table(specs, out))
     return 0

@@ -39,9 +39,11 @@ _COMPANIONS = ("-journal", "-wal", "-shm")
 
 
 def _refuse(path: Path, why: str) -> ConfigError:
-    return ConfigError(f"the study file {visible(str(path))} {why}.",
-                       "move it away to start the search afresh (its trials' run folders stay), or give the "
-                       "queue another --out.")
+    return ConfigError(
+        f"the study file {visible(str(path))} {why}.",
+        "move it away to start the search afresh (its trials' run folders stay), or give the "
+        "queue another --out.",
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,8 +58,10 @@ def optuna_schema() -> dict[tuple[str, str], str]:
 
 
 def _schema(connection: Any) -> dict[tuple[str, str], str]:
-    return {(kind, name): " ".join(str(sql or "").split())
-            for kind, name, sql in connection.execute("SELECT type, name, sql FROM sqlite_master")}
+    return {
+        (kind, name): " ".join(str(sql or "").split())
+        for kind, name, sql in connection.execute("SELECT type, name, sql FROM sqlite_master")
+    }
 
 
 def _columns(connection: Any, table: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -66,10 +70,15 @@ def _columns(connection: Any, table: str) -> list[tuple[str, tuple[str, ...]]]:
     found: list[tuple[str, tuple[str, ...]]] = []
     for row in connection.execute(f'PRAGMA table_xinfo("{table}")'):
         declared = str(row[2]).upper()
-        kinds: tuple[str, ...] = (("integer", "null") if "INT" in declared else ("real", "integer", "null")
-                 if any(word in declared for word in ("FLOAT", "REAL", "DOUBLE", "NUMERIC")) else
-                 ("text", "null") if any(word in declared for word in ("CHAR", "TEXT", "DATE", "TIME", "CLOB")) else
-                 ("text", "integer", "real", "blob", "null"))
+        kinds: tuple[str, ...] = (
+            ("integer", "null")
+            if "INT" in declared
+            else ("real", "integer", "null")
+            if any(word in declared for word in ("FLOAT", "REAL", "DOUBLE", "NUMERIC"))
+            else ("text", "null")
+            if any(word in declared for word in ("CHAR", "TEXT", "DATE", "TIME", "CLOB"))
+            else ("text", "integer", "real", "blob", "null")
+        )
         found.append((str(row[1]), kinds))
     return found
 
@@ -100,14 +109,15 @@ def check_study(path: Path) -> None:
             raise _refuse(path, "is empty")
         return
     try:
-        header = Folder(path.parent).load_bytes(path.name, len(_HEADER))[:len(_HEADER)]
+        header = Folder(path.parent).load_bytes(path.name, len(_HEADER))[: len(_HEADER)]
     except OSError as exc:
         raise _refuse(path, f"cannot be read ({exc.strerror or exc})") from None
     if header != _HEADER:
         raise _refuse(path, "is not a SQLite database")
     steps = [0]
 
-    def budget() -> int:  # called by SQLite every 1000 steps: a non-zero answer interrupts the statement
+    # called by SQLite every 1000 steps: a non-zero answer interrupts the statement
+    def budget() -> int:
         steps[0] += 1000
         return 1 if steps[0] > MAX_STEPS else 0
 
@@ -121,27 +131,45 @@ def check_study(path: Path) -> None:
         expected, found = optuna_schema(), _schema(connection)
         for (kind, name), sql in sorted(found.items()):
             if kind not in ("table", "index"):
-                raise _refuse(path, f"holds a {visible(kind)[:20]} ({visible(name)[:60]}), which Optuna never writes")
+                raise _refuse(
+                    path,
+                    f"holds a {visible(kind)[:20]} ({visible(name)[:60]}), which Optuna never writes",
+                )
             if (kind, name) not in expected:
-                raise _refuse(path, f"holds {'an' if kind == 'index' else 'a'} {kind} {visible(name)[:60]!r} that "
-                              "Optuna does not write")
-            if sql != expected[(kind, name)]:  # another column, a CHECK, an expression index, a generated column
-                raise _refuse(path, f"has the {kind} {name} as another Optuna version (or someone) made it")
+                raise _refuse(
+                    path,
+                    f"holds {'an' if kind == 'index' else 'a'} {kind} {visible(name)[:60]!r} that "
+                    "Optuna does not write",
+                )
+            # another column, a CHECK, an expression index, a generated column
+            if sql != expected[(kind, name)]:
+                raise _refuse(
+                    path, f"has the {kind} {name} as another Optuna version (or someone) made it"
+                )
         for table in sorted(name for kind, name in found if kind == "table"):
             rows = connection.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]
             if rows > (MAX_TRIALS if table == "trials" else MAX_ROWS):
                 raise _refuse(path, f"has {rows:,} rows in {table}, more than a search makes")
             for column, kinds in _columns(connection, table):
-                longest = connection.execute(f'SELECT max(length("{column}")) FROM "{table}"').fetchone()[0]
+                longest = connection.execute(
+                    f'SELECT max(length("{column}")) FROM "{table}"'
+                ).fetchone()[0]
                 if longest is not None and longest > MAX_VALUE:
-                    raise _refuse(path, f"holds a value of {longest:,} bytes in {table}.{column}, more than "
-                                  f"{MAX_VALUE:,}")
+                    raise _refuse(
+                        path,
+                        f"holds a value of {longest:,} bytes in {table}.{column}, more than "
+                        f"{MAX_VALUE:,}",
+                    )
                 listed = ", ".join(f"'{kind}'" for kind in kinds)
-                odd = connection.execute(f'SELECT typeof("{column}") FROM "{table}" WHERE typeof("{column}") NOT IN '
-                                         f"({listed}) LIMIT 1").fetchone()
+                odd = connection.execute(
+                    f'SELECT typeof("{column}") FROM "{table}" WHERE typeof("{column}") NOT IN '
+                    f"({listed}) LIMIT 1"
+                ).fetchone()
                 if odd is not None:
-                    raise _refuse(path, f"holds a {odd[0]} in {table}.{column}, which Optuna keeps as "
-                                  f"{kinds[0]}")
+                    raise _refuse(
+                        path,
+                        f"holds a {odd[0]} in {table}.{column}, which Optuna keeps as {kinds[0]}",
+                    )
         if connection.execute("PRAGMA quick_check(1)").fetchone()[0] != "ok":
             raise _refuse(path, "is damaged (SQLite's quick_check)")
     except sqlite3.OperationalError as exc:
@@ -149,6 +177,8 @@ def check_study(path: Path) -> None:
             raise _refuse(path, "took more than SQLite's step budget to read") from None
         raise _refuse(path, f"cannot be read ({' '.join(str(exc).split())[:120]})") from None
     except sqlite3.DatabaseError as exc:
-        raise _refuse(path, f"is not a database SQLite can read ({' '.join(str(exc).split())[:120]})") from None
+        raise _refuse(
+            path, f"is not a database SQLite can read ({' '.join(str(exc).split())[:120]})"
+        ) from None
     finally:
         connection.close()

@@ -15,13 +15,20 @@ from multigpu import validate
 from multigpu.errors import ConfigError
 
 
-def trial_name(family: str, values: Mapping[str, Any], labels: Optional[Mapping[str, str]] = None,
-               prefix: str = "", short: bool = False) -> str:
+def trial_name(
+    family: str,
+    values: Mapping[str, Any],
+    labels: Optional[Mapping[str, str]] = None,
+    prefix: str = "",
+    short: bool = False,
+) -> str:
     """``net-lr0.001-hidden64`` (``prefix``: ``s3`` for a random sample, ``t7`` for a search trial). Too
     long for a folder name: cut, with a hash of every value so that it stays distinct and stable."""
     labels = labels or labels_of(list(values))
     parts = [prefix] if prefix else []
-    parts += [f"{labels[key]}{safe_part(value_text(value, short))}" for key, value in values.items()]
+    parts += [
+        f"{labels[key]}{safe_part(value_text(value, short))}" for key, value in values.items()
+    ]
     name = "-".join([family, *parts])
     if len(name) > 100:
         digest = hashlib.sha256(stable_text(values).encode()).hexdigest()[:8]
@@ -41,7 +48,9 @@ def value_text(value: Any, short: bool = False) -> str:
 def labels_of(keys: Sequence[str]) -> dict[str, str]:
     """The last part of each dotted key (``optim.lr`` -> ``lr``), the whole key where two would clash."""
     last = [key.rsplit(".", 1)[-1] for key in keys]
-    return {key: safe_part(key if last.count(short) > 1 else short) for key, short in zip(keys, last)}
+    return {
+        key: safe_part(key if last.count(short) > 1 else short) for key, short in zip(keys, last)
+    }
 
 
 def safe_part(text: str) -> str:
@@ -60,7 +69,9 @@ def check_names(names: Sequence[tuple[str, str]], taken: Mapping[str, str]) -> N
         validate.run_name(name, ConfigError, f"{what}: ")
         folded = name.lower()
         if folded in seen:
-            raise ConfigError(f"{what} would be named {name!r}, like {seen[folded]}.",
-                              "make the values differ in their first 3 significant digits, rename the family, or "
-                              "rename the other run: each trial needs its own folder.")
+            raise ConfigError(
+                f"{what} would be named {name!r}, like {seen[folded]}.",
+                "make the values differ in their first 3 significant digits, rename the family, or "
+                "rename the other run: each trial needs its own folder.",
+            )
         seen[folded] = what

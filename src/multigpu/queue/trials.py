@@ -54,21 +54,32 @@ class Trial(QueueEntry):
 
     def fingerprint(self) -> str:
         """The same as the plain run with these settings: where a run came from does not change it."""
-        return QueueEntry(**{f.name: getattr(self, f.name) for f in fields(QueueEntry)}).fingerprint()
+        return QueueEntry(
+            **{f.name: getattr(self, f.name) for f in fields(QueueEntry)}
+        ).fingerprint()
 
     def job_changes(self, folder: Path) -> dict[str, Any]:
         return {"trial_dir": str(Path(folder) / TRIAL_FOLDER)}
 
     def prepare(self, folder: Path) -> None:
         settings = {"metric": self.metric or "valid_loss", "wait_s": self.wait_s}
-        Folder(folder).create().write_atomic(f"{TRIAL_FOLDER}/{TRIAL_SETTINGS_FILE}", json.dumps(settings))
+        Folder(folder).create().write_atomic(
+            f"{TRIAL_FOLDER}/{TRIAL_SETTINGS_FILE}", json.dumps(settings)
+        )
 
 
-def make_trial(family: QueueEntry, name: str, values: dict[str, Any], space: Space, wait_s: float = 0.0) -> Trial:
+def make_trial(
+    family: QueueEntry, name: str, values: dict[str, Any], space: Space, wait_s: float = 0.0
+) -> Trial:
     """A trial of ``family``: every setting of it, ``values`` on top of its overrides."""
     settings = {f.name: getattr(family, f.name) for f in fields(QueueEntry)}
-    settings.update(name=name, overrides={**family.overrides, **values}, env=dict(family.env), args=list(family.args),
-                    metric=space.metric)
+    settings.update(
+        name=name,
+        overrides={**family.overrides, **values},
+        env=dict(family.env),
+        args=list(family.args),
+        metric=space.metric,
+    )
     if "mode" in settings:  # the runs file's direction for the status table and the best-run line
         settings["mode"] = space.mode
     return Trial(**settings, family=family.name, values=dict(values), wait_s=wait_s)
@@ -98,7 +109,9 @@ def read_reports(folder: Path) -> list[tuple[int, float]]:
 def read_verdict(folder: Path) -> Optional[tuple[int, bool]]:
     """(latest step answered, pruned) as the queue wrote it; None when there is no answer yet."""
     try:
-        data = json.loads(Folder(Path(folder) / TRIAL_FOLDER).load_text(TRIAL_VERDICT_FILE, limit=4096))
+        data = json.loads(
+            Folder(Path(folder) / TRIAL_FOLDER).load_text(TRIAL_VERDICT_FILE, limit=4096)
+        )
     except (OSError, ValueError):
         return None
     step, prune = (data.get("step"), data.get("prune")) if isinstance(data, dict) else (None, None)
@@ -109,7 +122,9 @@ def read_verdict(folder: Path) -> Optional[tuple[int, bool]]:
 
 def write_verdict(folder: Path, step: int, prune: bool) -> None:
     """Answer every report up to ``step``; ``prune`` stays true once given (every rank reads the same)."""
-    Folder(Path(folder) / TRIAL_FOLDER).write_atomic(TRIAL_VERDICT_FILE, json.dumps({"step": step, "prune": prune}))
+    Folder(Path(folder) / TRIAL_FOLDER).write_atomic(
+        TRIAL_VERDICT_FILE, json.dumps({"step": step, "prune": prune})
+    )
 
 
 @dataclass(frozen=True)
@@ -206,29 +221,51 @@ def best_settings(family: str, space: Space, rows: Sequence[Row]) -> str:
     pruned = sum(1 for r in rows if r.state == "pruned")
     tail = f"; {pruned} pruned" if pruned else ""
     if not finished:
-        return visible(f"{family}: no trial finished with a {space.metric} yet ({len(rows)} trial(s){tail})")
+        return visible(
+            f"{family}: no trial finished with a {space.metric} yet ({len(rows)} trial(s){tail})"
+        )
     best = finished[0]
     settings = " ".join(f"{k}={value_text(v)}" for k, v in best.values.items())
     word = "highest" if space.mode == "max" else "lowest"
-    return visible(f"best of {family}: {settings} ({best.name}, {space.metric} {best.value:.4g}, {word} of "
-                   f"{len(finished)} finished{tail})")  # values read back from files: terminal-safe
+    return visible(
+        f"best of {family}: {settings} ({best.name}, {space.metric} {best.value:.4g}, {word} of "
+        f"{len(finished)} finished{tail})"
+    )  # values read back from files: terminal-safe
 
 
 def ranking_table(family: str, space: Space, rows: Sequence[Row]) -> Table:
     order = ranked(rows, space.mode)
-    kind = f"search ({space.search.sampler}, pruner {space.search.pruner})" if space.search else "sweep"
-    table = Table(title=Text(f"{kind} {family}: {len(rows)} trial(s) by {space.metric} ({space.mode})"),
-                  title_justify="left")
+    kind = (
+        f"search ({space.search.sampler}, pruner {space.search.pruner})"
+        if space.search
+        else "sweep"
+    )
+    table = Table(
+        title=Text(f"{kind} {family}: {len(rows)} trial(s) by {space.metric} ({space.mode})"),
+        title_justify="left",
+    )
     keys = [p.key for p in space.params]
     for column in ("#", "trial", "state", space.metric, "reports", *keys):
         table.add_column(Text(column))
     for index, row in enumerate(order[:SHOWN], start=1):
         value = "" if row.value is None else f"{row.value:.4g}"
-        table.add_row(str(index), Text(row.name), Text(row.state), value, str(row.reports),
-                      *[Text(value_text(row.values.get(k), short=True)) for k in keys])
+        table.add_row(
+            str(index),
+            Text(row.name),
+            Text(row.state),
+            value,
+            str(row.reports),
+            *[Text(value_text(row.values.get(k), short=True)) for k in keys],
+        )
     if len(order) > SHOWN:
-        table.add_row("", Text(f"... {len(order) - SHOWN} more (all in {SWEEPS_FOLDER}/{family}.json)"), "", "", "",
-                      *["" for _ in keys])
+        table.add_row(
+            "",
+            Text(f"... {len(order) - SHOWN} more (all in {SWEEPS_FOLDER}/{family}.json)"),
+            "",
+            "",
+            "",
+            *["" for _ in keys],
+        )
     return table
 
 
@@ -236,11 +273,21 @@ def write_record(root: Path, family: str, space: Space, rows: Sequence[Row]) -> 
     """``OUT/.sweeps/<family>.json``: the space and every trial ranked - what ``multigpu plot`` draws."""
     order = ranked(rows, space.mode)
     record = {
-        "family": family, "metric": space.metric, "mode": space.mode,
+        "family": family,
+        "metric": space.metric,
+        "mode": space.mode,
         "kind": f"search:{space.search.sampler}" if space.search else "sweep",
         "params": {p.key: p.record() for p in space.params},
-        "trials": [{"run": r.name, "values": r.values, "state": r.state,
-                    "value": r.value, "reports": f"{r.name}/{TRIAL_FOLDER}/{TRIAL_REPORTS_FILE}"} for r in order],
+        "trials": [
+            {
+                "run": r.name,
+                "values": r.values,
+                "state": r.state,
+                "value": r.value,
+                "reports": f"{r.name}/{TRIAL_FOLDER}/{TRIAL_REPORTS_FILE}",
+            }
+            for r in order
+        ],
     }
     folder = Folder(root).child(SWEEPS_FOLDER)
     folder.write_atomic(f"{family}.json", json.dumps(record, indent=1, default=str))
@@ -263,7 +310,11 @@ def _left_out(runs: Sequence[Any], root: Path, every: Sequence[Trial]) -> list[A
         if trial.name not in here:
             status = read_status(Path(root) / trial.name)
             if status.get("state"):
-                out.append(SimpleNamespace(spec=trial, folder=Path(root) / trial.name, state=status["state"], note=""))
+                out.append(
+                    SimpleNamespace(
+                        spec=trial, folder=Path(root) / trial.name, state=status["state"], note=""
+                    )
+                )
     return out
 
 
@@ -276,13 +327,29 @@ def summarize(console: Any, runs: Sequence[Any], root: Path, families: Sequence[
     from multigpu.queue.display import LOG_WIDTH
 
     if not console.is_terminal:  # a log file or a pipe: whole trial names, not 80 columns
-        console = Console(width=max(console.width, LOG_WIDTH), file=console.file, force_terminal=False)
+        console = Console(
+            width=max(console.width, LOG_WIDTH), file=console.file, force_terminal=False
+        )
     for family in families:
-        rows = rows_of([*runs, *_left_out(runs, root, getattr(family, "every", []))], family.name, family.space.metric)
+        rows = rows_of(
+            [*runs, *_left_out(runs, root, getattr(family, "every", []))],
+            family.name,
+            family.space.metric,
+        )
         if not rows:
             continue
         console.print(ranking_table(family.name, family.space, rows))
-        console.print(best_settings(family.name, family.space, rows), markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            best_settings(family.name, family.space, rows),
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         write_record(root, family.name, family.space, rows)
-        console.print(f"curves of the best trials, and {family.space.metric} against each swept value: "
-                      f"multigpu plot {shlex.quote(str(root))}", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"curves of the best trials, and {family.space.metric} against each swept value: "
+            f"multigpu plot {shlex.quote(str(root))}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )

@@ -60,7 +60,8 @@ class Run(Checkpoints):
     world: World
     devices: list[torch.device]
     session: DistSession
-    job: Job = field(default_factory=Job)  # what the command that started it asks (queue folder, check, profile)
+    # what the command that started it asks (queue folder, check, profile)
+    job: Job = field(default_factory=Job)
     #: Strategy name used by ``setup`` when it is not given there ("auto": ddp if several processes).
     strategy_name: str = "auto"
     strategy: Optional[Strategy] = None
@@ -82,7 +83,9 @@ class Run(Checkpoints):
         if self.parallelism is None:
             self.parallelism = Parallelism.plain(self.world.world_size)
         self.guards = Guards(self.session, self.job.trial_dir)
-        self._checkpoints = CheckpointManager(self.session, lambda: self.checkpoint_io, self.guards.paused, self.print)
+        self._checkpoints = CheckpointManager(
+            self.session, lambda: self.checkpoint_io, self.guards.paused, self.print
+        )
 
     # ------------------------------------------------------------------ where am I
     @property
@@ -128,22 +131,39 @@ class Run(Checkpoints):
         return self.session.control
 
     # ------------------------------------------------------------------ parallelism
-    def configure_parallelism(self, *, tp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None,
-                              pp: int = 1, fault_tolerance: Optional[Mapping[str, int]] = None) -> Parallelism:
+    def configure_parallelism(
+        self,
+        *,
+        tp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: Optional[int] = None,
+        pp: int = 1,
+        fault_tolerance: Optional[Mapping[str, int]] = None,
+    ) -> Parallelism:
         """Set the degrees (before ``setup`` and before any loader): their product is the world size.
         ``fault_tolerance`` (replica groups, the Trainer's setting) is checked against the launch."""
         check_replica_groups(fault_tolerance, self.world)
-        wanted = Parallelism.from_degrees(self.world_size, self.world.local_world_size, dp_replicate=dp_replicate,
-                                          dp_shard=dp_shard, tp=tp, pp=pp)
+        wanted = Parallelism.from_degrees(
+            self.world_size,
+            self.world.local_world_size,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            tp=tp,
+            pp=pp,
+        )
         if wanted == self.parallelism:
             return wanted
         if self.strategy is not None or self._mesh is not None:
-            raise ConfigError("the parallelism degrees changed after the model was set up.",
-                              "give tp/dp_replicate/pp to mg.init() or before run.setup().")
+            raise ConfigError(
+                "the parallelism degrees changed after the model was set up.",
+                "give tp/dp_replicate/pp to mg.init() or before run.setup().",
+            )
         if self._loaders_dp is not None and self._loaders_dp != wanted.dp_size:
-            raise ConfigError(f"loaders were built for {self._loaders_dp} data shards, but tp={tp}, "
-                              f"dp_replicate={dp_replicate}, pp={pp} make {wanted.dp_size}.",
-                              "set the degrees (mg.init(tp=...) or the Trainer settings) before building loaders.")
+            raise ConfigError(
+                f"loaders were built for {self._loaders_dp} data shards, but tp={tp}, "
+                f"dp_replicate={dp_replicate}, pp={pp} make {wanted.dp_size}.",
+                "set the degrees (mg.init(tp=...) or the Trainer settings) before building loaders.",
+            )
         self.parallelism = wanted
         return wanted
 
@@ -151,7 +171,9 @@ class Run(Checkpoints):
     def degrees(self) -> Parallelism:
         """``parallelism``, never None once constructed (plain data parallelism unless given)."""
         if self.parallelism is None:
-            raise RuntimeError("Run.parallelism is None: it is set at construction and by configure_parallelism")
+            raise RuntimeError(
+                "Run.parallelism is None: it is set at construction and by configure_parallelism"
+            )
         return self.parallelism
 
     @property
@@ -179,8 +201,14 @@ class Run(Checkpoints):
                 self._dp_group = group
 
     # ------------------------------------------------------------------ model, data, metrics
-    def setup(self, model: nn.Module, optimizer: OptimizerLike = None, *, strategy: Optional[str] = None,
-              **options: Any) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+    def setup(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerLike = None,
+        *,
+        strategy: Optional[str] = None,
+        **options: Any,
+    ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """Wrap ``model`` for the strategy (default: the one given to ``init``) and bind the optimizer.
 
         ``optimizer``: an optimizer, or a factory ``params -> optimizer`` (needed by sharded strategies,
@@ -188,8 +216,14 @@ class Run(Checkpoints):
         if ``init`` was given a seed, every rank's random streams (dropout, augmentation) differ.
         """
         self._ensure_usable("setting up the model")
-        self.strategy = make_strategy(strategy or self.strategy_name, self.world, self.devices,
-                                      parallelism=self.parallelism, mesh=lambda: self.mesh, **options)
+        self.strategy = make_strategy(
+            strategy or self.strategy_name,
+            self.world,
+            self.devices,
+            parallelism=self.parallelism,
+            mesh=lambda: self.mesh,
+            **options,
+        )
         wrapped = self.strategy.setup(model, optimizer)
         self._make_dp_groups()
         self.probe.attach(self, wrapped[0], self.strategy.unwrap(wrapped[0]), wrapped[1])
@@ -199,56 +233,112 @@ class Run(Checkpoints):
 
     def _need_strategy(self) -> Strategy:
         if self.strategy is None:
-            self.strategy = make_strategy(self.strategy_name, self.world, self.devices, parallelism=self.parallelism,
-                                          mesh=lambda: self.mesh)
+            self.strategy = make_strategy(
+                self.strategy_name,
+                self.world,
+                self.devices,
+                parallelism=self.parallelism,
+                mesh=lambda: self.mesh,
+            )
         return self.strategy
 
-    def loader(self, data: Any, batch_size: Optional[int] = None, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, quiet: bool = False, **dataloader_kwargs: Any) -> Any:
+    def loader(
+        self,
+        data: Any,
+        batch_size: Optional[int] = None,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        quiet: bool = False,
+        **dataloader_kwargs: Any,
+    ) -> Any:
         """Training loader over this rank's share of ``data`` - a Dataset, your own DataLoader (rebuilt
         with its settings), or an IterableDataset. ``batch_size`` is per data-parallel rank (a
         DataLoader keeps its own). Reshuffles each epoch by itself."""
-        loader = self._adapt(data, batch_size, evaluation=False, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                             **dataloader_kwargs)
+        loader = self._adapt(
+            data,
+            batch_size,
+            evaluation=False,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            **dataloader_kwargs,
+        )
         if not quiet:
             self.print(f"multigpu: {self.describe_batch(loader.batch_size, length=loader.samples)}")
         return loader
 
-    def eval_loader(self, data: Any, batch_size: Optional[int] = None, **dataloader_kwargs: Any) -> Any:
+    def eval_loader(
+        self, data: Any, batch_size: Optional[int] = None, **dataloader_kwargs: Any
+    ) -> Any:
         """Evaluation loader: every sample exactly once across ranks (no padding), in a fixed order -
         rank r of W reads samples r, r+W, r+2W, ... (``gather_in_order`` puts them back in order)."""
         return self._adapt(data, batch_size, evaluation=True, shuffle=False, **dataloader_kwargs)
 
-    def _adapt(self, data: Any, batch_size: Optional[int], *, evaluation: bool, **options: Any) -> Any:
+    def _adapt(
+        self, data: Any, batch_size: Optional[int], *, evaluation: bool, **options: Any
+    ) -> Any:
         from torch.utils.data import DataLoader
 
-        if batch_size is None and not isinstance(data, DataLoader) and not hasattr(data, "batch_size"):
-            raise ConfigError("a loader needs batch_size (per data-parallel rank).", "e.g. run.loader(data, 32).")
+        if (
+            batch_size is None
+            and not isinstance(data, DataLoader)
+            and not hasattr(data, "batch_size")
+        ):
+            raise ConfigError(
+                "a loader needs batch_size (per data-parallel rank).", "e.g. run.loader(data, 32)."
+            )
         self._loaders_dp = self.dp_size
         scale = self.probe.batch_scale(evaluation)
         # Evaluation stays inside a replica group: each group evaluates every sample with the same weights
         # (identical metrics in every group, no collective across groups that a dead group could stall).
-        dp_rank, dp_size = ((self.degrees.dp_rank(self.rank), self.degrees.dp_size) if evaluation
-                            else (self.dp_rank, self.dp_size))
-        loader = adapt(data, dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size or 1,
-                       evaluation=evaluation, batch_scale=scale, pin_memory=self.device.type == "cuda",
-                       rank_streams=not self.same_random_streams, agree=self._min_agreement, **options)
+        dp_rank, dp_size = (
+            (self.degrees.dp_rank(self.rank), self.degrees.dp_size)
+            if evaluation
+            else (self.dp_rank, self.dp_size)
+        )
+        loader = adapt(
+            data,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            batch_size=batch_size or 1,
+            evaluation=evaluation,
+            batch_scale=scale,
+            pin_memory=self.device.type == "cuda",
+            rank_streams=not self.same_random_streams,
+            agree=self._min_agreement,
+            **options,
+        )
         return self.probe.loader(loader, evaluation)
 
     def _min_agreement(self) -> Optional[Pending]:
         """A stream's end, agreed asynchronously: it ends on every rank where the shortest share ends."""
         if not self.session.active:
             return None
-        return Pending("min", self.control_group, before=lambda: self._ensure_usable("agreeing on the end of a stream"))
+        return Pending(
+            "min",
+            self.control_group,
+            before=lambda: self._ensure_usable("agreeing on the end of a stream"),
+        )
 
-    def describe_batch(self, batch_size: int, accumulation: int = 1, length: Optional[int] = None) -> str:
-        if self.world.lighthouse is not None:  # replica groups: the global batch while every group is live
-            return (describe_batch(batch_size, self.dp_size, accumulation, length)
-                    + f" while all {self.world.replica_groups} replica groups of {self.degrees.dp_size} are live")
+    def describe_batch(
+        self, batch_size: int, accumulation: int = 1, length: Optional[int] = None
+    ) -> str:
+        # replica groups: the global batch while every group is live
+        if self.world.lighthouse is not None:
+            return (
+                describe_batch(batch_size, self.dp_size, accumulation, length)
+                + f" while all {self.world.replica_groups} replica groups of {self.degrees.dp_size} are live"
+            )
         if self.degrees.is_plain:
             return describe_batch(batch_size, self.dp_size, accumulation, length)
-        return (describe_batch(batch_size, self.dp_size, accumulation, length, unit="data-parallel rank")
-                + f" ({self.world_size} processes: {self.degrees.describe()})")
+        return (
+            describe_batch(
+                batch_size, self.dp_size, accumulation, length, unit="data-parallel rank"
+            )
+            + f" ({self.world_size} processes: {self.degrees.describe()})"
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         self.probe.record_loss(loss)
@@ -286,7 +376,9 @@ class Run(Checkpoints):
 
     def metric_sums(self) -> metrics.MetricSums:
         """An accumulator of (sum, count) per metric whose ``compute()`` reduces over the data-parallel group."""
-        return metrics.MetricSums(self.comm_device, group=self.dp_group, before_reduce=self._ensure_usable)
+        return metrics.MetricSums(
+            self.comm_device, group=self.dp_group, before_reduce=self._ensure_usable
+        )
 
     def reduce(self, values: Mapping[str, tuple[Any, Any]]) -> dict[str, float]:
         """``{"accuracy": (correct, count), ...}`` on each rank -> exact global ratios on every rank."""
@@ -304,12 +396,19 @@ class Run(Checkpoints):
         """Fail on every rank, with a diff, if ranks disagree on the model's layout, ``config``, ``values``
         or package versions. Call it before ``setup`` (before DDP would hang on a mismatch)."""
         self._ensure_usable("comparing ranks")
-        consistency.check_same_on_all_ranks({
-            **consistency.model_fingerprint(model),
-            **consistency.config_items("config", config),
-            **{k: v for key, value in values.items() for k, v in consistency.config_items(key, value).items()},
-            **consistency.environment_fingerprint(),
-        }, group=self.control_group)
+        consistency.check_same_on_all_ranks(
+            {
+                **consistency.model_fingerprint(model),
+                **consistency.config_items("config", config),
+                **{
+                    k: v
+                    for key, value in values.items()
+                    for k, v in consistency.config_items(key, value).items()
+                },
+                **consistency.environment_fingerprint(),
+            },
+            group=self.control_group,
+        )
 
     def configure_guards(self, **settings: Any) -> GuardSettings:
         """Change the watchdog and preemption settings (before the first ``step_done``/``should_stop``)."""
@@ -358,19 +457,17 @@ class Run(Checkpoints):
     def _ensure_usable(self, doing: str = "a collective") -> None:
         self.guards.ensure_usable(doing)
 
-
-
-
-
     # ------------------------------------------------------------------ helpers
     def check_writable(self, folder: str | Path, what: str) -> Path:
         """``folder`` if this run may write there: under ``multigpu queue`` only inside the run's own
         folder (a runs file someone handed you cannot point a run at your home folder)."""
         if not inside(folder, self.job.run_dir):
-            raise ConfigError(f"{what} {visible(str(folder))[:200]} is outside this queue run's folder "
-                              f"{visible(str(self.job.run_dir))[:200]}.",
-                              "write below the run's folder (the runs file's out_dir_key sets it), or start the "
-                              "script yourself instead of from that runs file.")
+            raise ConfigError(
+                f"{what} {visible(str(folder))[:200]} is outside this queue run's folder "
+                f"{visible(str(self.job.run_dir))[:200]}.",
+                "write below the run's folder (the runs file's out_dir_key sets it), or start the "
+                "script yourself instead of from that runs file.",
+            )
         return Path(folder)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -397,19 +494,16 @@ class Run(Checkpoints):
             return
         self._closed = True
         atexit.unregister(self.close)
-        self._checkpoints.wait_quietly()  # an asynchronous checkpoint finishes before its process group goes
+        # an asynchronous checkpoint finishes before its process group goes
+        self._checkpoints.wait_quietly()
         self.guards.release(clean=False)
         interrupt.remove(self.guards)
-        self.session.close(goodbye=getattr(sys, "last_value", None) is None and not self.guards.interrupted_by)
+        self.session.close(
+            goodbye=getattr(sys, "last_value", None) is None and not self.guards.interrupted_by
+        )
 
     def __enter__(self) -> "Run":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-
-
-
-
-

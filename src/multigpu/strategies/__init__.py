@@ -29,7 +29,13 @@ from multigpu.config import check_keys, from_mapping
 from multigpu.distributed.parallel import Parallelism
 from multigpu.distributed.world import World
 from multigpu.errors import ConfigError, shown
-from multigpu.strategies.base import BuildContext, PlainGradients, Strategy, StrategySpec, unwrap_module
+from multigpu.strategies.base import (
+    BuildContext,
+    PlainGradients,
+    Strategy,
+    StrategySpec,
+    unwrap_module,
+)
 from multigpu.strategies.ddp import DDP, DDPOptions
 from multigpu.strategies.dp import DataParallelStrategy, split_sizes
 from multigpu.strategies.single import SingleDevice
@@ -63,8 +69,10 @@ def resolve_name(name: Optional[str], world: World, pp: int = 1) -> str:
     if pp > 1 and not name.startswith("pp+") and "pp+" + name in MODULES:
         return "pp+" + name
     if pp > 1 and not name.startswith("pp+") and name in MODULES:
-        raise ConfigError(f"strategy {name!r} does not run pipeline stages across processes (pp={pp}).",
-                          "use strategy ddp, fsdp, hsdp or fsdp+tp with pp (each stage wrapped that way), or pp: 1.")
+        raise ConfigError(
+            f"strategy {name!r} does not run pipeline stages across processes (pp={pp}).",
+            "use strategy ddp, fsdp, hsdp or fsdp+tp with pp (each stage wrapped that way), or pp: 1.",
+        )
     return name
 
 
@@ -75,9 +83,14 @@ def spec(name: str) -> StrategySpec:
         from difflib import get_close_matches
 
         close = get_close_matches(name, NAMES, n=1)
-        raise ConfigError(f"unknown strategy {name!r}.", (f"did you mean {close[0]!r}? " if close else "")
-                          + f"choose one of: {', '.join(NAMES)}.")
-    spec: StrategySpec = next(s for s in importlib.import_module(module).STRATEGIES if s.name == name)
+        raise ConfigError(
+            f"unknown strategy {name!r}.",
+            (f"did you mean {close[0]!r}? " if close else "")
+            + f"choose one of: {', '.join(NAMES)}.",
+        )
+    spec: StrategySpec = next(
+        s for s in importlib.import_module(module).STRATEGIES if s.name == name
+    )
     return spec
 
 
@@ -86,46 +99,68 @@ def parse_options(entry: StrategySpec, options: dict[str, Any]) -> Any:
     (``config.from_mapping``), before torch sees it (a string where DDP wants a number of megabytes became a
     1.1 GB string per rank)."""
     if not isinstance(options, dict):
-        raise ConfigError(f"strategy_options must be a mapping of option names to values, not {shown(options)}.",
-                          "write strategy_options: {bucket_cap_mb: 25}.")
+        raise ConfigError(
+            f"strategy_options must be a mapping of option names to values, not {shown(options)}.",
+            "write strategy_options: {bucket_cap_mb: 25}.",
+        )
     check_keys(entry.options, options, owner=f"strategy {entry.name!r}", noun="option")
-    return from_mapping(entry.options, options, f"strategy {entry.name!r}", path=("strategy_options",))
+    return from_mapping(
+        entry.options, options, f"strategy {entry.name!r}", path=("strategy_options",)
+    )
 
 
-def make_strategy(name: Optional[str], world: World, devices: Sequence[torch.device], *,
-                  parallelism: Optional[Parallelism] = None, mesh: Optional[Callable[[], Any]] = None,
-                  activation_checkpointing: Any = None, **options: Any) -> Strategy:
+def make_strategy(
+    name: Optional[str],
+    world: World,
+    devices: Sequence[torch.device],
+    *,
+    parallelism: Optional[Parallelism] = None,
+    mesh: Optional[Callable[[], Any]] = None,
+    activation_checkpointing: Any = None,
+    **options: Any,
+) -> Strategy:
     """The strategy called ``name`` for this process (``auto``: ddp with several processes, else single).
     ``activation_checkpointing``: the validated setting, applied by the strategy's ``setup``."""
     entry = spec(resolve_name(name, world, parallelism.pp if parallelism is not None else 1))
     if world.lighthouse is not None and not entry.fault_tolerant:
-        raise ConfigError(f"strategy {entry.name!r} cannot run in replica groups: one dead group would stop the "
-                          "others, and its gradients would not be averaged across groups.",
-                          "use strategy ft-ddp (or leave strategy unset), or launch without --replica-groups.")
+        raise ConfigError(
+            f"strategy {entry.name!r} cannot run in replica groups: one dead group would stop the "
+            "others, and its gradients would not be averaged across groups.",
+            "use strategy ft-ddp (or leave strategy unset), or launch without --replica-groups.",
+        )
     if world.is_distributed and not entry.in_sync:
         raise ConfigError(
             f"strategy {entry.name!r} keeps no replicas in sync, but this job has {world.world_size} processes: each "
             "would train its own model on its own shard.",
             f"use strategy {entry.instead}, or launch a single process.",
         )
-    context = BuildContext(world=world, devices=list(devices),
-                           parallelism=parallelism or Parallelism.plain(world.world_size),
-                           mesh=mesh or _no_mesh)
+    context = BuildContext(
+        world=world,
+        devices=list(devices),
+        parallelism=parallelism or Parallelism.plain(world.world_size),
+        mesh=mesh or _no_mesh,
+    )
     strategy = entry.build(context, parse_options(entry, options))
     if activation_checkpointing:
         from multigpu.validate import activation_checkpointing_settings
 
         if not isinstance(strategy, PlainGradients):  # where checkpoint_activations lives
-            raise ConfigError(f"strategy {entry.name!r} does not apply activation_checkpointing yet.",
-                              "leave activation_checkpointing off with it (see docs/strategies.md).")
+            raise ConfigError(
+                f"strategy {entry.name!r} does not apply activation_checkpointing yet.",
+                "leave activation_checkpointing off with it (see docs/strategies.md).",
+            )
 
-        strategy.activation_checkpointing = activation_checkpointing_settings(activation_checkpointing, ConfigError)
+        strategy.activation_checkpointing = activation_checkpointing_settings(
+            activation_checkpointing, ConfigError
+        )
     return strategy
 
 
 def _no_mesh() -> Any:
-    raise ConfigError("this strategy needs a device mesh, which only mg.init()'s Run provides.",
-                      "call run.setup(model, optimizer) instead of building the strategy by hand.")
+    raise ConfigError(
+        "this strategy needs a device mesh, which only mg.init()'s Run provides.",
+        "call run.setup(model, optimizer) instead of building the strategy by hand.",
+    )
 
 
 def describe() -> list[tuple[str, str]]:
@@ -133,5 +168,18 @@ def describe() -> list[tuple[str, str]]:
     return [(name, spec(name).summary) for name in MODULES]
 
 
-__all__ = ["DDP", "DDPOptions", "DataParallelStrategy", "NAMES", "SingleDevice", "Strategy", "StrategySpec",
-           "clean_state_dict", "make_strategy", "resolve_name", "spec", "split_sizes", "unwrap_module"]
+__all__ = [
+    "DDP",
+    "DDPOptions",
+    "DataParallelStrategy",
+    "NAMES",
+    "SingleDevice",
+    "Strategy",
+    "StrategySpec",
+    "clean_state_dict",
+    "make_strategy",
+    "resolve_name",
+    "spec",
+    "split_sizes",
+    "unwrap_module",
+]

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Iterable,
+    Optional,
+    Protocol,
+    Sequence,
+    Union,
+    runtime_checkable,
+)
 
 import torch
 from torch import nn
@@ -20,6 +30,7 @@ from multigpu.distributed.world import World
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 OptimizerLike = Union[torch.optim.Optimizer, OptimizerFactory, None]
+
 
 @dataclass(frozen=True)
 class BuildContext:
@@ -64,7 +75,9 @@ class Strategy(Protocol):
     #: True when each rank holds only part of the state (checkpoints are then written by every rank).
     sharded: bool
 
-    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+    def setup(
+        self, model: nn.Module, optimizer: OptimizerLike = None
+    ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """Move/wrap the model for this strategy and build (or re-bind) the optimizer on its parameters."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
@@ -98,7 +111,10 @@ class PlainGradients:
         if self.activation_checkpointing:
             from multigpu.strategies.checkpointing import apply
 
-            apply(model if isinstance(model, nn.Module) else nn.ModuleList(model), self.activation_checkpointing)
+            apply(
+                model if isinstance(model, nn.Module) else nn.ModuleList(model),
+                self.activation_checkpointing,
+            )
         return model
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -111,8 +127,11 @@ class PlainGradients:
         return unwrap_module(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        if max_norm == float("inf"):  # the norm alone (the step guard's): scaling by 1 would change nothing
-            return nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        # the norm alone (the step guard's): scaling by 1 would change nothing
+        if max_norm == float("inf"):
+            return nn.utils.get_total_norm(
+                [p.grad for p in model.parameters() if p.grad is not None]
+            )
         return nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
@@ -141,10 +160,14 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> Optional[torc
                 "pass e.g. `lambda params: torch.optim.AdamW(params, lr=3e-4)`.",
             )
         return built
-    raise TypeError(f"optimizer must be an Optimizer, a factory or None, not {type(optimizer).__name__}")
+    raise TypeError(
+        f"optimizer must be an Optimizer, a factory or None, not {type(optimizer).__name__}"
+    )
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: nn.Module) -> torch.optim.Optimizer:
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: nn.Module
+) -> torch.optim.Optimizer:
     """Recreate an optimizer on a model whose parameters were replaced (sharding), keeping its groups.
 
     ``old_names`` maps ``id(old_param)`` to its name, taken before the model was transformed.

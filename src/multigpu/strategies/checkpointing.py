@@ -35,7 +35,11 @@ class _Recomputed:
 @functools.lru_cache(maxsize=None)
 def recomputed_class(cls: type) -> type:
     """One subclass per block class (same name, so ``fsdp`` ``wrap: [Block]`` still finds it)."""
-    return type(cls.__name__, (_Recomputed, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (_Recomputed, cls),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -52,18 +56,25 @@ def choose_blocks(model: nn.Module, blocks: Optional[list[str]], every: int) -> 
         named = [m for m in model.modules() if type(m).__name__ in set(blocks) and m is not model]
         if not named:
             present = sorted({type(m).__name__ for m in model.modules()})[:12]
-            raise ConfigError(f"activation_checkpointing blocks={list(blocks)} matches no submodule.",
-                              f"name classes of this model: {', '.join(present)}.")
+            raise ConfigError(
+                f"activation_checkpointing blocks={list(blocks)} matches no submodule.",
+                f"name classes of this model: {', '.join(present)}.",
+            )
         inner = {id(c) for m in named for c in m.modules() if c is not m}
         found = [m for m in named if id(m) not in inner]
     else:
         found = find_blocks(model)
     if not found:
-        raise ConfigError("activation_checkpointing found no repeated blocks in the model.",
-                          "name the block class: activation_checkpointing: {blocks: [Block]}.")
+        raise ConfigError(
+            "activation_checkpointing found no repeated blocks in the model.",
+            "name the block class: activation_checkpointing: {blocks: [Block]}.",
+        )
     if every > len(found):
-        raise ConfigError(f"activation_checkpointing every={every} skips all {len(found)} block(s) "
-                          f"({type(found[0]).__name__}).", f"use every from 1 to {len(found)}.")
+        raise ConfigError(
+            f"activation_checkpointing every={every} skips all {len(found)} block(s) "
+            f"({type(found[0]).__name__}).",
+            f"use every from 1 to {len(found)}.",
+        )
     return [block for number, block in enumerate(found, start=1) if number % every == 0]
 
 

@@ -15,7 +15,13 @@ from typing_extensions import override
 
 from multigpu.config import bounds
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
+from multigpu.strategies.base import (
+    BuildContext,
+    OptimizerLike,
+    PlainGradients,
+    StrategySpec,
+    build_optimizer,
+)
 from multigpu.strategies.single import SingleDevice
 
 
@@ -42,11 +48,14 @@ class DDP(PlainGradients):
         self.device = device
         self.options = options
 
-    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+    def setup(
+        self, model: nn.Module, optimizer: OptimizerLike = None
+    ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         model = self.checkpoint_activations(model.to(self.device))
         kwargs = {k: v for k, v in asdict(self.options).items() if v is not None}
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids, **kwargs)  # broadcasts rank 0's weights
+        # broadcasts rank 0's weights
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
         return wrapped, build_optimizer(optimizer, model)
 
     @override
@@ -58,13 +67,20 @@ class DDP(PlainGradients):
 
 def _build(context: BuildContext, options: DDPOptions) -> "DDP | SingleDevice":
     if not context.world.is_distributed:
-        return SingleDevice(context.device)  # DDP of one process is single-device training with extra copies
+        # DDP of one process is single-device training with extra copies
+        return SingleDevice(context.device)
     if not context.parallelism.is_plain:
-        raise ConfigError(f"ddp keeps a whole replica on every rank, but the degrees are "
-                          f"{context.parallelism.describe()}.",
-                          "use strategy fsdp+tp for tensor parallelism, hsdp for dp_replicate, or set tp and "
-                          "dp_replicate back to 1.")
+        raise ConfigError(
+            f"ddp keeps a whole replica on every rank, but the degrees are "
+            f"{context.parallelism.describe()}.",
+            "use strategy fsdp+tp for tensor parallelism, hsdp for dp_replicate, or set tp and "
+            "dp_replicate back to 1.",
+        )
     return DDP(context.device, options)
 
 
-STRATEGIES = (StrategySpec("ddp", DDPOptions, _build, summary="DistributedDataParallel: a replica per process"),)
+STRATEGIES = (
+    StrategySpec(
+        "ddp", DDPOptions, _build, summary="DistributedDataParallel: a replica per process"
+    ),
+)

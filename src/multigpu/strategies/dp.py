@@ -12,7 +12,14 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from multigpu.strategies.base import BuildContext, NoOptions, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
+from multigpu.strategies.base import (
+    BuildContext,
+    NoOptions,
+    OptimizerLike,
+    PlainGradients,
+    StrategySpec,
+    build_optimizer,
+)
 
 DEPRECATION = (
     "multigpu: strategy 'dp' (torch.nn.DataParallel) is deprecated and slower than 'ddp'; "
@@ -41,15 +48,25 @@ class DataParallelStrategy(PlainGradients):
         self.device_ids = list(device_ids)
         warnings.warn(DEPRECATION, FutureWarning, stacklevel=3)
         if not self.device_ids:
-            warnings.warn("multigpu: strategy 'dp' needs GPUs; running on the CPU as 'single'.", UserWarning, stacklevel=3)
+            warnings.warn(
+                "multigpu: strategy 'dp' needs GPUs; running on the CPU as 'single'.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_ids[0]) if self.device_ids else torch.device("cpu")
 
-    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+    def setup(
+        self, model: nn.Module, optimizer: OptimizerLike = None
+    ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         model = self.checkpoint_activations(model.to(self.device))
-        wrapped = nn.DataParallel(model, device_ids=self.device_ids) if len(self.device_ids) > 1 else model
+        wrapped = (
+            nn.DataParallel(model, device_ids=self.device_ids)
+            if len(self.device_ids) > 1
+            else model
+        )
         return wrapped, build_optimizer(optimizer, model)
 
 
@@ -60,5 +77,13 @@ def _build(context: BuildContext, options: NoOptions) -> DataParallelStrategy:
     return DataParallelStrategy(ids)
 
 
-STRATEGIES = (StrategySpec("dp", NoOptions, _build, in_sync=False, instead="ddp",
-                           summary="torch.nn.DataParallel over the GPUs of one process (deprecated)"),)
+STRATEGIES = (
+    StrategySpec(
+        "dp",
+        NoOptions,
+        _build,
+        in_sync=False,
+        instead="ddp",
+        summary="torch.nn.DataParallel over the GPUs of one process (deprecated)",
+    ),
+)

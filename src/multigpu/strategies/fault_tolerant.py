@@ -47,7 +47,13 @@ from typing_extensions import override
 from multigpu.config import bounds
 from multigpu.distributed.world import World
 from multigpu.errors import ConfigError, MultiGPUError
-from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
+from multigpu.strategies.base import (
+    BuildContext,
+    OptimizerLike,
+    PlainGradients,
+    StrategySpec,
+    build_optimizer,
+)
 
 #: How the quorum names each group: torchft takes the trailing digits as the group's number.
 REPLICA_ID = "multigpu_replica_group_{}"
@@ -58,9 +64,11 @@ def import_torchft() -> Any:
     try:
         import torchft
     except ImportError as exc:
-        raise ConfigError(f"replica groups need torchft, which is not installed ({exc.name or 'torchft'}).",
-                          "pip install 'multigpu[ft]' (or pip install torchft); it installs beside a CPU or CUDA "
-                          "torch without changing it.") from None
+        raise ConfigError(
+            f"replica groups need torchft, which is not installed ({exc.name or 'torchft'}).",
+            "pip install 'multigpu[ft]' (or pip install torchft); it installs beside a CPU or CUDA "
+            "torch without changing it.",
+        ) from None
     return torchft
 
 
@@ -116,8 +124,10 @@ class CommittingOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:  # type: ignore[override]
         if closure is not None:
-            raise ConfigError("strategy ft-ddp cannot step an optimizer with a closure (LBFGS).",
-                              "use an optimizer without a closure.")
+            raise ConfigError(
+                "strategy ft-ddp cannot step an optimizer with a closure (LBFGS).",
+                "use an optimizer without a closure.",
+            )
         committed = self._strategy.commit()
         if committed:
             self.optim.step()
@@ -143,7 +153,12 @@ class FaultTolerantDDP(PlainGradients):
     sharded = False
     fault_tolerant = True
 
-    def __init__(self, world: World, device: torch.device, options: FaultTolerantOptions = FaultTolerantOptions()) -> None:
+    def __init__(
+        self,
+        world: World,
+        device: torch.device,
+        options: FaultTolerantOptions = FaultTolerantOptions(),
+    ) -> None:
         self.world = world
         self.device = device
         self.options = options
@@ -155,7 +170,9 @@ class FaultTolerantDDP(PlainGradients):
         self._open = False
 
     # ------------------------------------------------------------------ the Strategy protocol
-    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+    def setup(
+        self, model: nn.Module, optimizer: OptimizerLike = None
+    ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         torchft = import_torchft()
         model = model.to(self.device)
         self.manager = self._make_manager()
@@ -176,21 +193,28 @@ class FaultTolerantDDP(PlainGradients):
         return sync
 
     # ------------------------------------------------------------------ the quorum, step by step
-    def register_state(self, key: str, load: Callable[[Any], None], state: Callable[[], Any],
-                       first: bool = False) -> None:
+    def register_state(
+        self, key: str, load: Callable[[Any], None], state: Callable[[], Any], first: bool = False
+    ) -> None:
         """What a group that heals receives from its peer, under ``key`` (the Trainer adds its counters).
         ``first``: load this part before the others (a check that must run before anything is changed)."""
-        self._parts = {key: (load, state), **self._parts} if first else {**self._parts, key: (load, state)}
+        self._parts = (
+            {key: (load, state), **self._parts} if first else {**self._parts, key: (load, state)}
+        )
 
     def _state_parts(self) -> dict[str, Any]:
         return {key: state() for key, (_, state) in self._parts.items()}
 
     def _load_parts(self, received: Any) -> None:
-        missing = [key for key in self._parts if not isinstance(received, dict) or key not in received]
+        missing = [
+            key for key in self._parts if not isinstance(received, dict) or key not in received
+        ]
         if missing:
-            raise MultiGPUError(f"replica group {self.world.replica_group} cannot heal: the live group sent no "
-                                f"{', '.join(missing)} state (it runs different code: a Trainer and a loop of your own?).",
-                                "start every replica group with the same script.")
+            raise MultiGPUError(
+                f"replica group {self.world.replica_group} cannot heal: the live group sent no "
+                f"{', '.join(missing)} state (it runs different code: a Trainer and a loop of your own?).",
+                "start every replica group with the same script.",
+            )
         for key, (load, _) in self._parts.items():
             load(received[key])
 
@@ -205,9 +229,11 @@ class FaultTolerantDDP(PlainGradients):
     def commit(self) -> bool:
         """Close the step: True when every rank of every group in the quorum finished it without error."""
         if not self._open:
-            raise MultiGPUError("strategy ft-ddp: optimizer.step() without a training forward before it.",
-                                "call the model run.setup returned (its forward opens the step's quorum), not its "
-                                ".module, and keep it in train() mode.")
+            raise MultiGPUError(
+                "strategy ft-ddp: optimizer.step() without a training forward before it.",
+                "call the model run.setup returned (its forward opens the step's quorum), not its "
+                ".module, and keep it in train() mode.",
+            )
         self._open = False
         return bool(self.manager.should_commit())
 
@@ -219,8 +245,11 @@ class FaultTolerantDDP(PlainGradients):
         deadline = time.monotonic() + everyone_within_s
         retries = 0
         while time.monotonic() < deadline and (
-                (self.manager.errored() is not None and retries < 5)
-                or (self.manager.current_step() == 0 and self.participants() < self.world.replica_groups)):
+            (self.manager.errored() is not None and retries < 5)
+            or (
+                self.manager.current_step() == 0 and self.participants() < self.world.replica_groups
+            )
+        ):
             retries += self.manager.errored() is not None
             time.sleep(0.2)
             self.manager.start_quorum()
@@ -238,8 +267,12 @@ class FaultTolerantDDP(PlainGradients):
         return dict(self.manager.state_dict())
 
     def load_manager_state(self, state: dict[str, Any]) -> None:
-        self.manager.load_state_dict({"step": int(state.get("step", 0)),
-                                      "batches_committed": int(state.get("batches_committed", 0))})
+        self.manager.load_state_dict(
+            {
+                "step": int(state.get("step", 0)),
+                "batches_committed": int(state.get("batches_committed", 0)),
+            }
+        )
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if module.training and torch.is_grad_enabled():
@@ -251,8 +284,10 @@ class FaultTolerantDDP(PlainGradients):
 
         world, timeout = self.world, timedelta(seconds=self.options.timeout_s)
         if world.master_port is None:
-            raise ConfigError("strategy ft-ddp needs the replica group's store (MASTER_ADDR/MASTER_PORT).",
-                              "launch with `multigpu run --replica-groups R`.")
+            raise ConfigError(
+                "strategy ft-ddp needs the replica group's store (MASTER_ADDR/MASTER_PORT).",
+                "launch with `multigpu run --replica-groups R`.",
+            )
         logging.getLogger("torchft.manager").addFilter(_QuietTorchft())
         # Two warnings torchft's heal transfer prints once per process, about its own code (a read-only
         # buffer it only reads, a deprecated pytree check): nothing a user can act on.
@@ -261,8 +296,14 @@ class FaultTolerantDDP(PlainGradients):
             # One process per group: mg.init started no process group, so nobody hosts the group's store
             # (torchft keeps its manager's address there, and the quorum's first group hosts the rendezvous
             # of the replica process group in it). Host it here, where init_process_group would have.
-            self._store = dist.TCPStore(world.master_addr, world.master_port, 1, is_master=True,
-                                        wait_for_workers=False, timeout=timeout)
+            self._store = dist.TCPStore(
+                world.master_addr,
+                world.master_port,
+                1,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timeout,
+            )
         if self.device.type == "cuda" and world.processes_per_device == 1:
             from torchft import ProcessGroupNCCL
 
@@ -271,18 +312,32 @@ class FaultTolerantDDP(PlainGradients):
             group = ProcessGroupGloo(timeout=timeout)
         try:
             return Manager(
-                pg=group, load_state_dict=None, state_dict=None, min_replica_size=world.min_replicas,
-                use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=self.options.quorum_timeout_s),
-                connect_timeout=timeout, rank=world.rank, world_size=world.world_size, store_addr=world.master_addr,
-                store_port=world.master_port, lighthouse_addr=world.lighthouse,
-                replica_id=REPLICA_ID.format(world.replica_group), hostname=world.master_addr,
-                checkpoint_transport=PGTransport(group, timeout=timeout, device=self.device), init_sync=True)
+                pg=group,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=world.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=self.options.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=world.rank,
+                world_size=world.world_size,
+                store_addr=world.master_addr,
+                store_port=world.master_port,
+                lighthouse_addr=world.lighthouse,
+                replica_id=REPLICA_ID.format(world.replica_group),
+                hostname=world.master_addr,
+                checkpoint_transport=PGTransport(group, timeout=timeout, device=self.device),
+                init_sync=True,
+            )
         except Exception as exc:  # the lighthouse or the group's store cannot be reached
             text = " ".join(str(exc).split())[:200]
-            raise MultiGPUError(f"replica group {world.replica_group} could not join the lighthouse at "
-                                f"{world.lighthouse}: {type(exc).__name__}: {text}",
-                                "start the job with `multigpu run --replica-groups R` (it starts the lighthouse), or "
-                                "check --lighthouse HOST:PORT.") from None
+            raise MultiGPUError(
+                f"replica group {world.replica_group} could not join the lighthouse at "
+                f"{world.lighthouse}: {type(exc).__name__}: {text}",
+                "start the job with `multigpu run --replica-groups R` (it starts the lighthouse), or "
+                "check --lighthouse HOST:PORT.",
+            ) from None
 
 
 def _replica_ddp(torchft: Any) -> type:
@@ -295,7 +350,8 @@ def _replica_ddp(torchft: Any) -> type:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(buffer)  # SUM (gloo has no AVG), inside this replica group
                 buffer.div_(dist.get_world_size())
-            state.allreduce(buffer).wait()  # across the live groups, averaged in place; an error is reported
+            # across the live groups, averaged in place; an error is reported
+            state.allreduce(buffer).wait()
             done: torch.futures.Future[Any] = torch.futures.Future()
             done.set_result(buffer)
             return done
@@ -306,18 +362,36 @@ def _replica_ddp(torchft: Any) -> type:
 def _build(context: BuildContext, options: FaultTolerantOptions) -> FaultTolerantDDP:
     world = context.world
     if world.lighthouse is None:
-        raise ConfigError("strategy ft-ddp needs replica groups and their lighthouse.",
-                          "launch with `multigpu run --replica-groups R ...`, or use strategy ddp.")
+        raise ConfigError(
+            "strategy ft-ddp needs replica groups and their lighthouse.",
+            "launch with `multigpu run --replica-groups R ...`, or use strategy ddp.",
+        )
     if not context.parallelism.is_plain:
-        raise ConfigError(f"ft-ddp keeps a whole replica on every rank, but the degrees are "
-                          f"{context.parallelism.describe()}.", "set tp and dp_replicate back to 1.")
+        raise ConfigError(
+            f"ft-ddp keeps a whole replica on every rank, but the degrees are "
+            f"{context.parallelism.describe()}.",
+            "set tp and dp_replicate back to 1.",
+        )
     for name in ("timeout_s", "quorum_timeout_s"):
         value = getattr(options, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 7 * 24 * 3600:
-            raise ConfigError(f"strategy option {name}={value!r} must be a positive number of seconds.",
-                              f"e.g. strategy_options: {{{name}: 60}}.")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 < value <= 7 * 24 * 3600
+        ):
+            raise ConfigError(
+                f"strategy option {name}={value!r} must be a positive number of seconds.",
+                f"e.g. strategy_options: {{{name}: 60}}.",
+            )
     return FaultTolerantDDP(world, context.device, options)
 
 
-STRATEGIES = (StrategySpec("ft-ddp", FaultTolerantOptions, _build, fault_tolerant=True,
-                           summary="DDP across replica groups that keeps stepping when a group dies (torchft)"),)
+STRATEGIES = (
+    StrategySpec(
+        "ft-ddp",
+        FaultTolerantOptions,
+        _build,
+        fault_tolerant=True,
+        summary="DDP across replica groups that keeps stepping when a group dies (torchft)",
+    ),
+)

@@ -31,8 +31,14 @@ from multigpu.strategies.base import (
     rebuild_optimizer,
 )
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,9 @@ def _dtype(name: Optional[str], option: str) -> Optional[torch.dtype]:
     if name is None:
         return None
     if name not in DTYPES:
-        raise ConfigError(f"fsdp option {option}={name!r} is not a dtype.", f"use one of {', '.join(DTYPES)}.")
+        raise ConfigError(
+            f"fsdp option {option}={name!r} is not a dtype.", f"use one of {', '.join(DTYPES)}."
+        )
     return DTYPES[name]
 
 
@@ -64,11 +72,17 @@ def find_blocks(model: nn.Module, wrap: Optional[Sequence[str]] = None) -> list[
         found = [m for m in model.modules() if type(m).__name__ in names and m is not model]
         if not found:
             present = sorted({type(m).__name__ for m in model.modules()})
-            raise ConfigError(f"fsdp wrap={list(wrap)} matches no submodule.", f"classes in this model: {', '.join(present)}.")
+            raise ConfigError(
+                f"fsdp wrap={list(wrap)} matches no submodule.",
+                f"classes in this model: {', '.join(present)}.",
+            )
         return _outermost(found)
     counts = Counter(type(m) for m in model.modules() if m is not model and _own_params(m))
-    candidates = {cls for cls, n in counts.items()
-                  if n >= 2 and not issubclass(cls, (nn.ModuleList, nn.ModuleDict, nn.Sequential))}
+    candidates = {
+        cls
+        for cls, n in counts.items()
+        if n >= 2 and not issubclass(cls, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+    }
     if not candidates:
         return []
     # A class whose instances mostly sit inside another repeated class (the Linear layers of a
@@ -77,9 +91,15 @@ def find_blocks(model: nn.Module, wrap: Optional[Sequence[str]] = None) -> list[
     for outer in model.modules():
         if type(outer) in candidates:
             for inner in outer.modules():
-                if inner is not outer and type(inner) in candidates and type(inner) is not type(outer):
+                if (
+                    inner is not outer
+                    and type(inner) in candidates
+                    and type(inner) is not type(outer)
+                ):
                     inside[type(inner)] += 1
-    outer_classes = [cls for cls in candidates if inside[cls] * 2 <= counts[cls]] or list(candidates)
+    outer_classes = [cls for cls in candidates if inside[cls] * 2 <= counts[cls]] or list(
+        candidates
+    )
 
     def weight(cls: type) -> int:
         return sum(p.numel() for m in model.modules() if type(m) is cls for p in m.parameters())
@@ -108,8 +128,15 @@ class FSDP(PlainGradients):
 
     sharded = True
 
-    def __init__(self, device: torch.device, options: FSDPOptions = FSDPOptions(), distributed: bool = True,
-                 mesh: Optional[Callable[[], Any]] = None, tp_plan: Optional[dict[str, Any]] = None, name: str = "fsdp") -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        options: FSDPOptions = FSDPOptions(),
+        distributed: bool = True,
+        mesh: Optional[Callable[[], Any]] = None,
+        tp_plan: Optional[dict[str, Any]] = None,
+        name: str = "fsdp",
+    ) -> None:
         self.name = name
         self.device = device
         self.options = options
@@ -128,11 +155,19 @@ class FSDP(PlainGradients):
         if self.mesh is None:
             return None
         if self.mesh["dp_replicate"].size() > 1:
-            return self.mesh["dp_replicate", "dp_shard"]  # 2D: FSDP2 shards on the last, replicates on the first
+            # 2D: FSDP2 shards on the last, replicates on the first
+            return self.mesh["dp_replicate", "dp_shard"]
         return self.mesh["dp_shard"]
 
-    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    def setup(
+        self, model: nn.Module, optimizer: OptimizerLike = None
+    ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         if not self.distributed:
             model = self.checkpoint_activations(model.to(self.device))
@@ -147,11 +182,14 @@ class FSDP(PlainGradients):
             from multigpu.strategies.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
-        blocks = find_blocks(model, self.options.wrap)  # before checkpointing gives some blocks a subclass
+        # before checkpointing gives some blocks a subclass
+        blocks = find_blocks(model, self.options.wrap)
         self.checkpoint_activations(model)  # after tensor parallelism, before sharding
         kwargs: dict[str, Any] = {
             "reshard_after_forward": self.options.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype),
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=self._param_dtype, reduce_dtype=self._reduce_dtype
+            ),
             "offload_policy": CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy(),
         }
         data_mesh = self._data_mesh()
@@ -175,7 +213,9 @@ class FSDP(PlainGradients):
         # Gradients are DTensor shards, possibly on two meshes (tensor-parallel layers on (dp, tp), the
         # others on dp): the norm is taken per mesh over every shard of every rank, then combined, so
         # all ranks clip by the same global norm.
-        return clip_grad_norm_across_meshes([p for p in model.parameters() if p.grad is not None], max_norm)
+        return clip_grad_norm_across_meshes(
+            [p for p in model.parameters() if p.grad is not None], max_norm
+        )
 
 
 def _sum_reductions_over_gloo(model: nn.Module) -> None:
@@ -191,7 +231,9 @@ def _sum_reductions_over_gloo(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # torch types nn.Module.__getattr__ as Tensor | Module
 
 
-def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_across_meshes(
+    parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """``clip_grad_norm_`` for parameters that may be DTensors on different meshes (plain clip refuses to
     stack norms from different meshes). Returns the total norm as a plain tensor."""
     from collections import defaultdict
@@ -205,8 +247,11 @@ def clip_grad_norm_across_meshes(parameters: list[nn.Parameter], max_norm: float
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not norms:
         return torch.zeros(())
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-    for params in groups.values() if max_norm != float("inf") else ():  # inf: the norm alone (the step guard)
+    total: torch.Tensor = torch.linalg.vector_norm(
+        torch.stack([n.to(norms[0].device) for n in norms]), norm_type
+    )
+    # inf: the norm alone (the step guard)
+    for params in groups.values() if max_norm != float("inf") else ():
         nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
@@ -254,25 +299,46 @@ def _build(name: str) -> Any:
     def build(context: BuildContext, options: FSDPOptions) -> FSDP:
         par = context.parallelism
         if name == "hsdp" and par.dp_replicate < 2 and context.world.is_distributed:
-            raise ConfigError(f"hsdp needs dp_replicate of 2 or more; it is {par.dp_replicate}.",
-                              f"set dp_replicate (e.g. the number of nodes, {context.world.num_nodes}): shards within "
-                              "each group, replicas across groups.")
+            raise ConfigError(
+                f"hsdp needs dp_replicate of 2 or more; it is {par.dp_replicate}.",
+                f"set dp_replicate (e.g. the number of nodes, {context.world.num_nodes}): shards within "
+                "each group, replicas across groups.",
+            )
         if par.tp > 1 and name != "fsdp+tp":
-            raise ConfigError(f"tp={par.tp} needs strategy fsdp+tp (strategy {name} does not split layers).",
-                              "set strategy: fsdp+tp, or tp: 1.")
+            raise ConfigError(
+                f"tp={par.tp} needs strategy fsdp+tp (strategy {name} does not split layers).",
+                "set strategy: fsdp+tp, or tp: 1.",
+            )
         if not context.world.is_distributed:
             return FSDP(context.device, options, distributed=False, name=name)
         tp_plan = getattr(options, "tp_plan", None)
-        return FSDP(context.device, options, distributed=True, mesh=context.mesh, tp_plan=tp_plan, name=name)
+        return FSDP(
+            context.device, options, distributed=True, mesh=context.mesh, tp_plan=tp_plan, name=name
+        )
 
     return build
 
 
 STRATEGIES = (
-    StrategySpec("fsdp", FSDPOptions, _build("fsdp"), sharded=True,
-                 summary="FSDP2: parameters, gradients and optimizer state sharded over every rank"),
-    StrategySpec("hsdp", FSDPOptions, _build("hsdp"), sharded=True,
-                 summary="FSDP2 sharded within groups of dp_shard ranks, replicated across dp_replicate groups"),
-    StrategySpec("fsdp+tp", FSDPTPOptions, _build("fsdp+tp"), sharded=True,
-                 summary="2D: tensor parallel over tp (within a node), FSDP2 over the data-parallel ranks"),
+    StrategySpec(
+        "fsdp",
+        FSDPOptions,
+        _build("fsdp"),
+        sharded=True,
+        summary="FSDP2: parameters, gradients and optimizer state sharded over every rank",
+    ),
+    StrategySpec(
+        "hsdp",
+        FSDPOptions,
+        _build("hsdp"),
+        sharded=True,
+        summary="FSDP2 sharded within groups of dp_shard ranks, replicated across dp_replicate groups",
+    ),
+    StrategySpec(
+        "fsdp+tp",
+        FSDPTPOptions,
+        _build("fsdp+tp"),
+        sharded=True,
+        summary="2D: tensor parallel over tp (within a node), FSDP2 over the data-parallel ranks",
+    ),
 )

@@ -21,7 +21,13 @@ from typing_extensions import override
 
 from multigpu.config import bounds
 from multigpu.errors import ConfigError
-from multigpu.strategies.base import BuildContext, OptimizerLike, PlainGradients, StrategySpec, build_optimizer
+from multigpu.strategies.base import (
+    BuildContext,
+    OptimizerLike,
+    PlainGradients,
+    StrategySpec,
+    build_optimizer,
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,9 @@ def balanced_split_points(sizes: Sequence[int], stages: int) -> list[int]:
     """
     n = len(sizes)
     if not 1 <= stages <= n:
-        raise ConfigError(f"cannot split {n} layer(s) into {stages} stage(s).", f"use at most {n} stages.")
+        raise ConfigError(
+            f"cannot split {n} layer(s) into {stages} stage(s).", f"use at most {n} stages."
+        )
     prefix = [0]
     for size in sizes:
         prefix.append(prefix[-1] + size)
@@ -72,13 +80,24 @@ class PipelineModule(nn.Sequential):
     checkpoint loads into the unsplit model.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], devices: Sequence[torch.device],
-                 micro_batches: int = 4, output_to_first_device: bool = True) -> None:
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        bounds: Sequence[tuple[int, int]],
+        devices: Sequence[torch.device],
+        micro_batches: int = 4,
+        output_to_first_device: bool = True,
+    ) -> None:
         super().__init__(*layers)
         if len(bounds) != len(devices):
-            raise ConfigError(f"{len(bounds)} stage(s) but {len(devices)} device(s).", "give one device per stage.")
+            raise ConfigError(
+                f"{len(bounds)} stage(s) but {len(devices)} device(s).",
+                "give one device per stage.",
+            )
         if micro_batches < 1:
-            raise ConfigError(f"micro_batches={micro_batches} must be at least 1.", "use 1 (no overlap) or more.")
+            raise ConfigError(
+                f"micro_batches={micro_batches} must be at least 1.", "use 1 (no overlap) or more."
+            )
         self.bounds = [tuple(b) for b in bounds]
         self.devices = list(devices)
         self.micro_batches = micro_batches
@@ -95,7 +114,9 @@ class PipelineModule(nn.Sequential):
 
     @override
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        chunks = list(inputs.to(self.devices[0]).chunk(min(self.micro_batches, max(inputs.shape[0], 1))))
+        chunks = list(
+            inputs.to(self.devices[0]).chunk(min(self.micro_batches, max(inputs.shape[0], 1)))
+        )
         n_stages = len(self.bounds)
         activations: list[Any] = list(chunks)
         outputs: list[Any] = [None] * len(chunks)
@@ -114,15 +135,18 @@ class PipelineModule(nn.Sequential):
         return out.to(self.devices[0]) if self.output_to_first_device else out
 
 
-def split_model(model: Any, stages: int, split_points: Optional[Sequence[int]] = None
-                ) -> tuple[list[nn.Module], list[tuple[int, int]]]:
+def split_model(
+    model: Any, stages: int, split_points: Optional[Sequence[int]] = None
+) -> tuple[list[nn.Module], list[tuple[int, int]]]:
     """Layers and ``(start, end)`` of each stage, from an ``nn.Sequential`` (split at ``split_points``
     or balanced by parameter count) or from a list with one module per stage."""
     if isinstance(model, (list, tuple, nn.ModuleList)):
         parts = list(model)
         if split_points is not None or len(parts) != stages:
-            raise ConfigError(f"a list of {len(parts)} stage(s) cannot make {stages} stages.",
-                              f"set stages: {len(parts)}, or pass an nn.Sequential to be split.")
+            raise ConfigError(
+                f"a list of {len(parts)} stage(s) cannot make {stages} stages.",
+                f"set stages: {len(parts)}, or pass an nn.Sequential to be split.",
+            )
         return parts, [(i, i + 1) for i in range(len(parts))]
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
@@ -131,14 +155,24 @@ def split_model(model: Any, stages: int, split_points: Optional[Sequence[int]] =
         )
     layers = list(model.children())
     if split_points is None:
-        split_points = balanced_split_points([sum(p.numel() for p in layer.parameters()) for layer in layers], stages)
+        split_points = balanced_split_points(
+            [sum(p.numel() for p in layer.parameters()) for layer in layers], stages
+        )
     points = list(split_points)
-    if sorted(points) != points or len(set(points)) != len(points) or not all(0 < p < len(layers) for p in points):
-        raise ConfigError(f"split_points {points} must increase strictly within 1..{len(layers) - 1}.",
-                          f"the model has {len(layers)} layers; e.g. split_points: [{len(layers) // 2}].")
+    if (
+        sorted(points) != points
+        or len(set(points)) != len(points)
+        or not all(0 < p < len(layers) for p in points)
+    ):
+        raise ConfigError(
+            f"split_points {points} must increase strictly within 1..{len(layers) - 1}.",
+            f"the model has {len(layers)} layers; e.g. split_points: [{len(layers) // 2}].",
+        )
     if len(points) + 1 != stages:
-        raise ConfigError(f"{len(points)} split point(s) make {len(points) + 1} stages, not {stages}.",
-                          "give stages - 1 split points, or drop one of the two settings.")
+        raise ConfigError(
+            f"{len(points)} split point(s) make {len(points) + 1} stages, not {stages}.",
+            "give stages - 1 split points, or drop one of the two settings.",
+        )
     bounds = [0, *points, len(layers)]
     return layers, list(zip(bounds, bounds[1:], strict=False))
 
@@ -146,8 +180,12 @@ def split_model(model: Any, stages: int, split_points: Optional[Sequence[int]] =
 class Pipeline(PlainGradients):
     sharded = False
 
-    def __init__(self, devices: Sequence[torch.device], options: PipelineOptions = PipelineOptions(),
-                 data_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        options: PipelineOptions = PipelineOptions(),
+        data_parallel: bool = False,
+    ) -> None:
         #: One name per table entry: "ddp+pipeline" replicates the split model across processes.
         self.name = "ddp+pipeline" if data_parallel else "pipeline"
         gpus = [d for d in devices if d.type == "cuda"]
@@ -167,10 +205,19 @@ class Pipeline(PlainGradients):
     def device(self) -> torch.device:
         return self.devices[0]
 
-    def setup(self, model: nn.Module, optimizer: OptimizerLike = None) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-        layers, bounds = split_model(self.checkpoint_activations(model), self.stages, self.options.split_points)
-        piped = PipelineModule(layers, bounds, self.devices, self.options.micro_batches,
-                               self.options.output_to_first_device)
+    def setup(
+        self, model: nn.Module, optimizer: OptimizerLike = None
+    ) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        layers, bounds = split_model(
+            self.checkpoint_activations(model), self.stages, self.options.split_points
+        )
+        piped = PipelineModule(
+            layers,
+            bounds,
+            self.devices,
+            self.options.micro_batches,
+            self.options.output_to_first_device,
+        )
         if isinstance(optimizer, torch.optim.Optimizer):
             # Same Parameter objects, moved in place by .to(): the optimizer still holds them.
             built: Optional[torch.optim.Optimizer] = optimizer
@@ -183,12 +230,14 @@ class Pipeline(PlainGradients):
 
     @override
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        return model.no_sync() if isinstance(model, DistributedDataParallel) else super().no_sync(model)
+        return (
+            model.no_sync()
+            if isinstance(model, DistributedDataParallel)
+            else super().no_sync(model)
+        )
 
     # clip_grad_norm (inherited): clip_grad_norm_ gathers the per-device norms onto the first device,
     # which is the norm of the whole model.
-
-
 
 
 def _pipeline_only(context: BuildContext, options: PipelineOptions) -> Pipeline:
@@ -197,15 +246,27 @@ def _pipeline_only(context: BuildContext, options: PipelineOptions) -> Pipeline:
 
 def _replicated(context: BuildContext, options: PipelineOptions) -> Pipeline:
     if not context.parallelism.is_plain:
-        raise ConfigError("ddp+pipeline replicates the split model on every process; tp and dp_replicate do not apply.",
-                          "set tp and dp_replicate back to 1.")
+        raise ConfigError(
+            "ddp+pipeline replicates the split model on every process; tp and dp_replicate do not apply.",
+            "set tp and dp_replicate back to 1.",
+        )
     # One process: nothing to replicate - the pipeline alone.
     return Pipeline(context.devices, options, data_parallel=context.world.is_distributed)
 
 
 STRATEGIES = (
-    StrategySpec("pipeline", PipelineOptions, _pipeline_only, in_sync=False, instead="ddp+pipeline",
-                 summary="the model's layers split over the GPUs of one process, micro-batched"),
-    StrategySpec("ddp+pipeline", PipelineOptions, _replicated,
-                 summary="pipeline inside each process, DDP across processes (--gpus-per-proc K)"),
+    StrategySpec(
+        "pipeline",
+        PipelineOptions,
+        _pipeline_only,
+        in_sync=False,
+        instead="ddp+pipeline",
+        summary="the model's layers split over the GPUs of one process, micro-batched",
+    ),
+    StrategySpec(
+        "ddp+pipeline",
+        PipelineOptions,
+        _replicated,
+        summary="pipeline inside each process, DDP across processes (--gpus-per-proc K)",
+    ),
 )

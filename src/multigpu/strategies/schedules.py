@@ -37,7 +37,11 @@ from multigpu.checkpoint.names import clean_state_dict
 from multigpu.errors import ConfigError, MultiGPUError
 
 #: The schedules a run may choose, by their torch class.
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
 #: Schedules kept per rank (one per padded batch shape: training, a short last batch, evaluation).
 KEEP = 6
 
@@ -65,11 +69,17 @@ def take(batch: Any, start: int, stop: int, rows: int) -> Any:
 def check_micro_batches(name: str, micro_batches: int, pp: int) -> None:
     """What torch's schedules require of the number of micro-batches, as one line with a HINT."""
     if name == "1f1b" and micro_batches < pp:
-        raise ConfigError(f"pipeline_schedule 1f1b needs at least one micro-batch per stage: micro_batches="
-                          f"{micro_batches}, pp={pp}.", f"set micro_batches: {pp} or more (or use gpipe).")
+        raise ConfigError(
+            f"pipeline_schedule 1f1b needs at least one micro-batch per stage: micro_batches="
+            f"{micro_batches}, pp={pp}.",
+            f"set micro_batches: {pp} or more (or use gpipe).",
+        )
     if name == "interleaved_1f1b" and micro_batches % max(1, micro_batches // pp):
-        raise ConfigError(f"interleaved_1f1b runs micro-batches in rounds of pp={pp}: micro_batches={micro_batches} "
-                          "does not split into equal rounds.", f"use a multiple of {pp} (or fewer than {pp}).")
+        raise ConfigError(
+            f"interleaved_1f1b runs micro-batches in rounds of pp={pp}: micro_batches={micro_batches} "
+            "does not split into equal rounds.",
+            f"use a multiple of {pp} (or fewer than {pp}).",
+        )
 
 
 def schedule_class(name: str, several_stages: bool) -> type:
@@ -85,11 +95,28 @@ def schedule_class(name: str, several_stages: bool) -> type:
 class StageRunner:
     """This rank's stages and the schedules that run them (kept per batch shape)."""
 
-    def __init__(self, modules: Sequence[nn.Module], indexes: Sequence[int], stages: int, device: torch.device,
-                 group: Any, schedule: str, micro_batches: int, *, order: Sequence[str], stage_size: int,
-                 rank: int, average_over: Any = None) -> None:
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        indexes: Sequence[int],
+        stages: int,
+        device: torch.device,
+        group: Any,
+        schedule: str,
+        micro_batches: int,
+        *,
+        order: Sequence[str],
+        stage_size: int,
+        rank: int,
+        average_over: Any = None,
+    ) -> None:
         self.modules, self.indexes, self.stages = list(modules), list(indexes), stages
-        self.device, self.group, self.schedule, self.micro_batches = device, group, schedule, micro_batches
+        self.device, self.group, self.schedule, self.micro_batches = (
+            device,
+            group,
+            schedule,
+            micro_batches,
+        )
         self.pp = dist.get_world_size(group)
         self.has_first, self.has_last = 0 in self.indexes, stages - 1 in self.indexes
         self.order, self.stage_size, self.rank = list(order), stage_size, rank
@@ -108,20 +135,31 @@ class StageRunner:
 
             if len(self._schedules) >= KEEP:
                 self._schedules.pop(next(iter(self._schedules)))
-            stages = [PipelineStage(module, index, self.stages, self.device, group=self.group)
-                      for module, index in zip(self.modules, self.indexes, strict=True)]
+            stages = [
+                PipelineStage(module, index, self.stages, self.device, group=self.group)
+                for module, index in zip(self.modules, self.indexes, strict=True)
+            ]
             several = len(stages) > 1
             cls = schedule_class(self.schedule if training else "gpipe", several)
-            self._schedules[key] = cls(stages if several else stages[0], self.micro_batches, loss_fn=self._call_loss,
-                                       scale_grads=False)
+            self._schedules[key] = cls(
+                stages if several else stages[0],
+                self.micro_batches,
+                loss_fn=self._call_loss,
+                scale_grads=False,
+            )
         return self._schedules[key]
 
     def _call_loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss is not None
         return self._loss(output, target)
 
-    def run(self, inputs: torch.Tensor, loss: Callable[[Any, int, int], torch.Tensor], training: bool,
-            pad_to: int = 0) -> None:
+    def run(
+        self,
+        inputs: torch.Tensor,
+        loss: Callable[[Any, int, int], torch.Tensor],
+        training: bool,
+        pad_to: int = 0,
+    ) -> None:
         """One pass of a batch of ``inputs`` (the first stage's) through the schedule, padded to ``pad_to``
         rows (the loader's batch size: the same on every rank) in equal micro-batches; on the last stage
         ``loss(output, start, stop)`` per micro-batch with real rows, the output cut to them."""
@@ -130,14 +168,22 @@ class StageRunner:
         if padded > rows and self.has_first:
             inputs = torch.cat([inputs, inputs[-1:].expand(padded - rows, *inputs.shape[1:])])
         schedule = self.schedule_for(padded, training)
-        target = torch.arange(padded) if self.has_last else None  # row numbers, split like the inputs
+        # row numbers, split like the inputs
+        target = torch.arange(padded) if self.has_last else None
         args = (inputs,) if self.has_first else ()
 
         def cut(output: Any, index: torch.Tensor) -> torch.Tensor:
             start, stop = int(index[0]), int(index[-1]) + 1
-            if start >= rows:  # all padding: nothing to learn from, but a graph to run backward through
-                return torch.stack([t.sum() for t in _tensors(output)]).sum() * 0.0 if training else torch.zeros(())
-            return loss(output if stop <= rows else _rows(output, rows - start), start, min(stop, rows))
+            # all padding: nothing to learn from, but a graph to run backward through
+            if start >= rows:
+                return (
+                    torch.stack([t.sum() for t in _tensors(output)]).sum() * 0.0
+                    if training
+                    else torch.zeros(())
+                )
+            return loss(
+                output if stop <= rows else _rows(output, rows - start), start, min(stop, rows)
+            )
 
         self._loss = cut
         try:
@@ -192,22 +238,32 @@ class PipelineParts(nn.Module):
             self.add_module(name, layer)
         self.runner = runner
         self._answer: Optional[list[Any]] = None
-        counts = torch.tensor([sum(p.numel() for p in self.parameters()),
-                               sum(p.numel() for p in self.parameters() if p.requires_grad)], device=runner.device)
+        counts = torch.tensor(
+            [
+                sum(p.numel() for p in self.parameters()),
+                sum(p.numel() for p in self.parameters() if p.requires_grad),
+            ],
+            device=runner.device,
+        )
         dist.all_reduce(counts, group=runner.group)  # one rank per stage: every stage once
         #: (parameters, trainable) of the whole model, for the report before the first step.
         self.whole_model_parameters = (int(counts[0]), int(counts[1]))
 
     def forward(self, inputs: Any) -> Any:
         if self._answer is None:
-            raise MultiGPUError("with pp the model runs as a pipeline across processes: calling it outside the loss "
-                                "of a step has no output here.", "call self.model(...) only inside compute_loss or "
-                                "evaluate_batch; for a loop of your own use model.train_step(batch, loss_of).")
+            raise MultiGPUError(
+                "with pp the model runs as a pipeline across processes: calling it outside the loss "
+                "of a step has no output here.",
+                "call self.model(...) only inside compute_loss or "
+                "evaluate_batch; for a loop of your own use model.train_step(batch, loss_of).",
+            )
         output, expected, calls = self._answer
         if calls or not _same_inputs(inputs, expected):
-            raise ConfigError("with pp, compute_loss (or evaluate_batch) must call self.model once, on the batch's "
-                              "inputs: the first stage received model_inputs(batch).",
-                              "override model_inputs(batch) in your Trainer to return what you pass to self.model.")
+            raise ConfigError(
+                "with pp, compute_loss (or evaluate_batch) must call self.model once, on the batch's "
+                "inputs: the first stage received model_inputs(batch).",
+                "override model_inputs(batch) in your Trainer to return what you pass to self.model.",
+            )
         self._answer[2] = 1
         return output
 
@@ -219,8 +275,11 @@ class PipelineParts(nn.Module):
         finally:
             called, self._answer = self._answer[2], None
         if not called:
-            raise ConfigError("with pp, compute_loss (or evaluate_batch) must compute its result from "
-                              "self.model(inputs).", "call self.model on the batch's inputs in it.")
+            raise ConfigError(
+                "with pp, compute_loss (or evaluate_batch) must compute its result from "
+                "self.model(inputs).",
+                "call self.model on the batch's inputs in it.",
+            )
 
     def train(self, mode: bool = True) -> "PipelineParts":
         super().train(mode)
@@ -229,9 +288,16 @@ class PipelineParts(nn.Module):
         return self
 
     # ------------------------------------------------------------------ steps
-    def train_step(self, batch: Any, loss_of: Callable[[Any], torch.Tensor],
-                   inputs_of: Callable[[Any], Any] = first_item, *, divide: int = 1,
-                   scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, pad_to: int = 0) -> torch.Tensor:
+    def train_step(
+        self,
+        batch: Any,
+        loss_of: Callable[[Any], torch.Tensor],
+        inputs_of: Callable[[Any], Any] = first_item,
+        *,
+        divide: int = 1,
+        scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        pad_to: int = 0,
+    ) -> torch.Tensor:
         """Forward and backward of ``batch`` through the pipeline; returns the batch's mean loss (float64)
         on every rank of the pipeline. ``loss_of(micro_batch)``: its mean loss, computed from
         ``self(inputs_of(micro_batch))``; ``divide`` (accumulation) and ``scale`` (fp16) as for backward;
@@ -253,11 +319,17 @@ class PipelineParts(nn.Module):
         total = torch.zeros((), dtype=torch.float64, device=self.runner.device)
         for value in losses.values():
             total += value.to(total.device, torch.float64)
-        dist.all_reduce(total, group=self.runner.group)  # from the last stage to every stage (the others add 0)
+        # from the last stage to every stage (the others add 0)
+        dist.all_reduce(total, group=self.runner.group)
         return total
 
-    def evaluate_step(self, batch: Any, metrics_of: Callable[[Any], Mapping[str, tuple[Any, Any]]],
-                      inputs_of: Callable[[Any], Any] = first_item, pad_to: int = 0) -> dict[str, tuple[Any, Any]]:
+    def evaluate_step(
+        self,
+        batch: Any,
+        metrics_of: Callable[[Any], Mapping[str, tuple[Any, Any]]],
+        inputs_of: Callable[[Any], Any] = first_item,
+        pad_to: int = 0,
+    ) -> dict[str, tuple[Any, Any]]:
         """Forward only: ``metrics_of(micro_batch)`` (sums and counts) added up over the micro-batches - on
         the last stage; the other stages return {} (see :meth:`shared`)."""
         inputs = self._inputs(batch, inputs_of)
@@ -286,16 +358,20 @@ class PipelineParts(nn.Module):
     def _inputs(self, batch: Any, inputs_of: Callable[[Any], Any]) -> torch.Tensor:
         inputs = inputs_of(batch)
         if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0 or inputs.shape[0] == 0:
-            raise ConfigError(f"with pp the first stage takes one tensor of rows; model_inputs(batch) gave "
-                              f"{type(inputs).__name__}{'' if not isinstance(inputs, torch.Tensor) else ' without rows'}.",
-                              "override model_inputs(batch) in your Trainer to return the model's input tensor.")
+            raise ConfigError(
+                f"with pp the first stage takes one tensor of rows; model_inputs(batch) gave "
+                f"{type(inputs).__name__}{'' if not isinstance(inputs, torch.Tensor) else ' without rows'}.",
+                "override model_inputs(batch) in your Trainer to return the model's input tensor.",
+            )
         return inputs
 
     # ------------------------------------------------------------------ the whole model's weights
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's full weights with plain names on global rank 0 (empty elsewhere): a collective."""
-        local = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
-                 for name, value in self.state_dict().items()}
+        local = {
+            name: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu()
+            for name, value in self.state_dict().items()
+        }
         runner = self.runner
         mine = local if runner.rank % runner.stage_size == 0 else {}  # one rank per stage sends
         gathered: Optional[list[Any]] = [None] * dist.get_world_size() if runner.rank == 0 else None
@@ -304,11 +380,17 @@ class PipelineParts(nn.Module):
             return {}
         merged = {name: value for part in gathered for name, value in part.items()}
         position = {name: index for index, name in enumerate(runner.order)}
-        return clean_state_dict(dict(sorted(merged.items(), key=lambda item: position[item[0].split(".")[0]])))
+        return clean_state_dict(
+            dict(sorted(merged.items(), key=lambda item: position[item[0].split(".")[0]]))
+        )
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
-    return [output] if isinstance(output, torch.Tensor) else [t for t in output if isinstance(t, torch.Tensor)]
+    return (
+        [output]
+        if isinstance(output, torch.Tensor)
+        else [t for t in output if isinstance(t, torch.Tensor)]
+    )
 
 
 def _rows(output: Any, count: int) -> Any:
@@ -321,5 +403,10 @@ def _rows(output: Any, count: int) -> Any:
 def _same_inputs(given: Any, expected: Any) -> bool:
     if given is expected:
         return True
-    return (isinstance(given, torch.Tensor) and isinstance(expected, torch.Tensor) and given.shape == expected.shape
-            and given.device == expected.device and bool(torch.equal(given, expected)))
+    return (
+        isinstance(given, torch.Tensor)
+        and isinstance(expected, torch.Tensor)
+        and given.shape == expected.shape
+        and given.device == expected.device
+        and bool(torch.equal(given, expected))
+    )

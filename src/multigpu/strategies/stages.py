@@ -19,7 +19,9 @@ StageRef = Union[str, int, None]
 
 
 class Stages:
-    def __init__(self, names: Sequence[str], start: StageRef = None, end: StageRef = None, first: int = 0) -> None:
+    def __init__(
+        self, names: Sequence[str], start: StageRef = None, end: StageRef = None, first: int = 0
+    ) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError("stage names must be unique and at least one")
         if first not in (0, 1):
@@ -29,8 +31,10 @@ class Stages:
         self.start = self._index(start, "start_stage", default=0)
         self.end = self._index(end, "end_stage", default=len(self.names) - 1)
         if self.start > self.end:
-            raise ConfigError(f"start_stage {self.names[self.start]!r} comes after end_stage {self.names[self.end]!r}.",
-                              f"the stages run in this order: {' -> '.join(self.names)}.")
+            raise ConfigError(
+                f"start_stage {self.names[self.start]!r} comes after end_stage {self.names[self.end]!r}.",
+                f"the stages run in this order: {' -> '.join(self.names)}.",
+            )
 
     def _index(self, ref: StageRef, setting: str, default: int) -> int:
         if ref is None or ref == "":
@@ -38,12 +42,17 @@ class Stages:
         if isinstance(ref, int) or validate.is_digits(ref):
             number = int(ref)
             if not self.first <= number < len(self.names) + self.first:
-                raise ConfigError(f"{setting}={number} is not a stage: they are numbered "
-                                  f"{self.first}..{len(self.names) - 1 + self.first}.",
-                                  f"stages: {', '.join(f'{i + self.first}={n}' for i, n in enumerate(self.names))}.")
+                raise ConfigError(
+                    f"{setting}={number} is not a stage: they are numbered "
+                    f"{self.first}..{len(self.names) - 1 + self.first}.",
+                    f"stages: {', '.join(f'{i + self.first}={n}' for i, n in enumerate(self.names))}.",
+                )
             return number - self.first
         if ref not in self.names:
-            raise ConfigError(f"{setting}={ref!r} is not a stage of this recipe.", f"choose from: {', '.join(self.names)}.")
+            raise ConfigError(
+                f"{setting}={ref!r} is not a stage of this recipe.",
+                f"choose from: {', '.join(self.names)}.",
+            )
         return self.names.index(ref)
 
     @property
@@ -52,11 +61,16 @@ class Stages:
 
     def __contains__(self, name: object) -> bool:
         if name not in self.names:
-            raise ConfigError(f"{name!r} is not a stage of this recipe.", f"stages: {', '.join(self.names)}.")
+            raise ConfigError(
+                f"{name!r} is not a stage of this recipe.", f"stages: {', '.join(self.names)}."
+            )
         return self.start <= self.names.index(name) <= self.end
 
-    def run(self, functions: Mapping[str, Callable[[], object]],
-            announce: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    def run(
+        self,
+        functions: Mapping[str, Callable[[], object]],
+        announce: Optional[Callable[[str], None]] = None,
+    ) -> dict[str, Any]:
         """Call the selected stages in order; returns ``{stage: result}``."""
         missing = [n for n in self.names if n not in functions]
         if missing:
@@ -64,7 +78,9 @@ class Stages:
         results = {}
         for name in self.selected:
             if announce is not None:
-                announce(f"stage {self.names.index(name) + self.first} ({name}) of "
-                         f"{self.first}..{len(self.names) - 1 + self.first}")
+                announce(
+                    f"stage {self.names.index(name) + self.first} ({name}) of "
+                    f"{self.first}..{len(self.names) - 1 + self.first}"
+                )
             results[name] = functions[name]()
         return results

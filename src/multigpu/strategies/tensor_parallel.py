@@ -28,33 +28,50 @@ def resolve_plan(model: nn.Module, plan: Optional[Mapping[str, str]]) -> dict[st
     """``{glob: style}`` -> ``{module name: style}`` for the Linear layers of ``model``, every glob used."""
     plan = plan if plan is not None else getattr(model, "tp_plan", None)
     if not plan:
-        raise ConfigError("strategy fsdp+tp needs a tensor-parallel plan: which Linear layers are split.",
-                          'give strategy_options: {tp_plan: {"*.q": colwise, "*.proj": rowwise, ...}}, or set '
-                          "model.tp_plan (see examples/char_gpt).")
+        raise ConfigError(
+            "strategy fsdp+tp needs a tensor-parallel plan: which Linear layers are split.",
+            'give strategy_options: {tp_plan: {"*.q": colwise, "*.proj": rowwise, ...}}, or set '
+            "model.tp_plan (see examples/char_gpt).",
+        )
     if not isinstance(plan, Mapping):
-        raise ConfigError(f"tp_plan must map module-name globs to colwise/rowwise, not {type(plan).__name__}.",
-                          'write e.g. {"*.mlp.0": colwise, "*.mlp.2": rowwise}.')
+        raise ConfigError(
+            f"tp_plan must map module-name globs to colwise/rowwise, not {type(plan).__name__}.",
+            'write e.g. {"*.mlp.0": colwise, "*.mlp.2": rowwise}.',
+        )
     modules = dict(model.named_modules())
     chosen: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
-            raise ConfigError(f"tp_plan style {style!r} for {pattern!r} is not one of {', '.join(STYLES)}.",
-                              "colwise splits a layer's outputs, rowwise its inputs.")
+            raise ConfigError(
+                f"tp_plan style {style!r} for {pattern!r} is not one of {', '.join(STYLES)}.",
+                "colwise splits a layer's outputs, rowwise its inputs.",
+            )
         matched = [name for name in modules if name and fnmatchcase(name, str(pattern))]
         if not matched:
-            raise ConfigError(f"tp_plan pattern {pattern!r} matches no module of the model.",
-                              f"module names look like: {', '.join(list(n for n in modules if n)[:6])}.")
+            raise ConfigError(
+                f"tp_plan pattern {pattern!r} matches no module of the model.",
+                f"module names look like: {', '.join(list(n for n in modules if n)[:6])}.",
+            )
         for name in matched:
             if not isinstance(modules[name], nn.Linear):
-                raise ConfigError(f"tp_plan pattern {pattern!r} matches {name} ({type(modules[name]).__name__}); "
-                                  "only Linear layers are split.", "narrow the pattern to the Linear layers.")
+                raise ConfigError(
+                    f"tp_plan pattern {pattern!r} matches {name} ({type(modules[name]).__name__}); "
+                    "only Linear layers are split.",
+                    "narrow the pattern to the Linear layers.",
+                )
             chosen[name] = style
     return chosen
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: Optional[Mapping[str, str]] = None) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: Any, plan: Optional[Mapping[str, str]] = None
+) -> nn.Module:
     """Split the planned layers of ``model`` across ``tp_mesh`` in place (every tp rank calls this)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     chosen = resolve_plan(model, plan)
     size = tp_mesh.size()
@@ -62,8 +79,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: Optional[Mapping
         layer = dict(model.named_modules())[name]
         width = layer.out_features if style == "colwise" else layer.in_features
         if width % size:
-            raise ConfigError(f"{name} has {width} {'outputs' if style == 'colwise' else 'inputs'}, which tp={size} "
-                              "does not divide.", f"choose tp dividing {width}, or leave {name} out of the plan.")
+            raise ConfigError(
+                f"{name} has {width} {'outputs' if style == 'colwise' else 'inputs'}, which tp={size} "
+                "does not divide.",
+                f"choose tp dividing {width}, or leave {name} out of the plan.",
+            )
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in chosen.items()})
     return model

@@ -19,8 +19,13 @@ if TYPE_CHECKING:
     from multigpu.trainer.loop import Trainer
     from multigpu.trainer.settings import TrainerSettings, TrainState
 
-_WHERE = {"Trainer": "loop", "TrainerSettings": "settings", "TrainState": "settings", "batch_length": "batches",
-          "move_to": "batches"}
+_WHERE = {
+    "Trainer": "loop",
+    "TrainerSettings": "settings",
+    "TrainState": "settings",
+    "batch_length": "batches",
+    "move_to": "batches",
+}
 
 __all__ = ["Trainer", "TrainerSettings", "TrainState", "batch_length", "move_to"]
 

@@ -38,8 +38,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class WeightAverage:
     """The averaged copy of ``model``'s parameters (``model``: the strategy's model, e.g. FSDP's)."""
 
-    def __init__(self, model: nn.Module, *, decay: Optional[float] = None, start: Optional[int] = None,
-                 keep_full: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        decay: Optional[float] = None,
+        start: Optional[int] = None,
+        keep_full: bool = True,
+    ) -> None:
         if (decay is None) == (start is None):
             raise ValueError("give exactly one of decay (ema) and start (swa)")
         self.model = model
@@ -72,7 +78,11 @@ class WeightAverage:
         return self.updates > 0
 
     def describe(self) -> str:
-        return f"ema {self.decay:g}" if self.decay is not None else f"equal-weight average from step {self.start}"
+        return (
+            f"ema {self.decay:g}"
+            if self.decay is not None
+            else f"equal-weight average from step {self.start}"
+        )
 
     @torch.no_grad()
     def update(self, step: int) -> None:
@@ -85,7 +95,9 @@ class WeightAverage:
         else:
             weight = 1.0 - self.decay if self.decay is not None else 1.0 / (self.updates + 1)
             floating = self._floating
-            torch._foreach_lerp_([self.averaged[i] for i in floating], [current[i] for i in floating], weight)
+            torch._foreach_lerp_(
+                [self.averaged[i] for i in floating], [current[i] for i in floating], weight
+            )
         self.updates += 1
 
     @contextlib.contextmanager
@@ -103,11 +115,13 @@ class WeightAverage:
             yield
         finally:
             with torch.no_grad():
-                self._reshard()  # FSDP may keep gathered (averaged) weights after a forward without backward
+                # FSDP may keep gathered (averaged) weights after a forward without backward
+                self._reshard()
                 torch._foreach_copy_(current, kept)
 
     def _reshard(self) -> None:
-        fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded by the fsdp strategies, and only then needed
+        # loaded by the fsdp strategies, and only then needed
+        fsdp = sys.modules.get("torch.distributed.fsdp")
         if fsdp is None:
             return
         for module in self.model.modules():
@@ -129,8 +143,15 @@ class WeightAverage:
             for name, value in clean_state_dict(self.model.state_dict()).items():
                 if name not in owned and isinstance(value, torch.Tensor):
                     weights[name] = _full(value, _local(value)).detach().to("cpu", copy=True)
-        return {"averaging": {"kind": self.kind, "decay": self.decay, "start": self.start, "updates": self.updates},
-                "averaged_model": weights}
+        return {
+            "averaging": {
+                "kind": self.kind,
+                "decay": self.decay,
+                "start": self.start,
+                "updates": self.updates,
+            },
+            "averaged_model": weights,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> bool:
@@ -140,14 +161,24 @@ class WeightAverage:
         if info is None and weights is None:
             return False
         updates = info.get("updates") if isinstance(info, Mapping) else None
-        if (not isinstance(updates, int) or isinstance(updates, bool) or updates < 0
-                or not isinstance(weights, Mapping)):
-            raise CheckpointError("the checkpoint's averaged model is malformed.", "it is corrupt; use an earlier one.")
+        if (
+            not isinstance(updates, int)
+            or isinstance(updates, bool)
+            or updates < 0
+            or not isinstance(weights, Mapping)
+        ):
+            raise CheckpointError(
+                "the checkpoint's averaged model is malformed.",
+                "it is corrupt; use an earlier one.",
+            )
         for param, averaged, names in zip(self.params, self.averaged, self.names):
             full = weights.get(names[0])
             if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(param.shape):
-                raise CheckpointError(f"the checkpoint's averaged model has no {names[0]} of shape "
-                                      f"{tuple(param.shape)}.", "resume with the same model, or start a new out_dir.")
+                raise CheckpointError(
+                    f"the checkpoint's averaged model has no {names[0]} of shape "
+                    f"{tuple(param.shape)}.",
+                    "resume with the same model, or start a new out_dir.",
+                )
             averaged.copy_(_slice(full.to(averaged.device, averaged.dtype), param))
         self.updates = updates
         return True
@@ -160,9 +191,17 @@ def _full(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if not isinstance(param, DTensor):
-        raise TypeError(f"a parameter with a device_mesh but not a DTensor ({type(param).__name__})")
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride()).full_tensor()
+        raise TypeError(
+            f"a parameter with a device_mesh but not a DTensor ({type(param).__name__})"
+        )
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    ).full_tensor()
 
 
 def _slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -172,5 +211,9 @@ def _slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(param, DTensor):
-        raise TypeError(f"a parameter with a device_mesh but not a DTensor ({type(param).__name__})")
-    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        raise TypeError(
+            f"a parameter with a device_mesh but not a DTensor ({type(param).__name__})"
+        )
+    return distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()

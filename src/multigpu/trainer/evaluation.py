@@ -22,14 +22,24 @@ from multigpu.trainer.batches import move_to
 Metrics = Mapping[str, tuple[Any, Any]]
 
 
-def evaluate_shard(loader: LoaderLike, evaluate_batch: Callable[[Any], Metrics], *, run: Any, device: torch.device,
-                   autocast: Callable[[], Any], sharded_model: bool, heartbeat: Callable[[], None]) -> dict[str, float]:
+def evaluate_shard(
+    loader: LoaderLike,
+    evaluate_batch: Callable[[Any], Metrics],
+    *,
+    run: Any,
+    device: torch.device,
+    autocast: Callable[[], Any],
+    sharded_model: bool,
+    heartbeat: Callable[[], None],
+) -> dict[str, float]:
     """Global metrics over this rank's share of ``loader``; ``heartbeat`` after each batch (the watchdog)."""
     sums = run.metric_sums()
     group, active = run.control_group, run.session.active
     last: Optional[Any] = None
-    empty = ConfigError("a sharded model needs every rank to evaluate at least one batch.",
-                        "use an evaluation set with at least as many samples as processes.")
+    empty = ConfigError(
+        "a sharded model needs every rank to evaluate at least one batch.",
+        "use an evaluation set with at least as many samples as processes.",
+    )
 
     def repeat_forward() -> None:
         if last is None:
@@ -46,7 +56,11 @@ def evaluate_shard(loader: LoaderLike, evaluate_batch: Callable[[Any], Metrics],
     batches = iter(loader)
     while True:
         batch = next(batches, None)
-        if sharded_model and loader.length is None and not agreement.any_rank(batch is not None, group, active):
+        if (
+            sharded_model
+            and loader.length is None
+            and not agreement.any_rank(batch is not None, group, active)
+        ):
             break
         if batch is None:
             if not sharded_model or loader.length is not None:

@@ -27,15 +27,25 @@ class StepExtras:
         self.memory_snapshot = s.memory_snapshot_on_oom
         profile = s.profile or (dict(PROFILE_DEFAULTS) if run.job.profile else None)  # None: off
         self.profiler: Optional[StepProfiler] = (
-            StepProfiler(profile, out_dir, run.rank, run.is_main, run.device, run.print) if profile else None)
+            StepProfiler(profile, out_dir, run.rank, run.is_main, run.device, run.print)
+            if profile
+            else None
+        )
         self.averaging: Optional[WeightAverage] = None
         if s.ema is not None or s.swa_start is not None:
-            self.averaging = WeightAverage(model, decay=s.ema, start=s.swa_start, keep_full=run.is_main)
+            self.averaging = WeightAverage(
+                model, decay=s.ema, start=s.swa_start, keep_full=run.is_main
+            )
         self.guard: Optional[StepGuard] = None
         if s.skip_nonfinite or s.skip_grad_norm_above is not None or s.skip_loss_above is not None:
-            self.guard = StepGuard(loss_above=s.skip_loss_above, grad_norm_above=s.skip_grad_norm_above,
-                                   max_in_a_row=s.max_skipped_in_a_row, group=run.control_group,
-                                   active=run.session.active, say=run.print)
+            self.guard = StepGuard(
+                loss_above=s.skip_loss_above,
+                grad_norm_above=s.skip_grad_norm_above,
+                max_in_a_row=s.max_skipped_in_a_row,
+                group=run.control_group,
+                active=run.session.active,
+                say=run.print,
+            )
 
     @property
     def after_each_step(self) -> bool:
@@ -47,7 +57,9 @@ class StepExtras:
         """Around the epochs of ``fit`` (``steps_done`` before it): the profiler and the out-of-memory snapshot."""
         with contextlib.ExitStack() as stack:
             if self.memory_snapshot:
-                stack.enter_context(snapshot_on_oom(self.out_dir, self.run.rank, self.run.device, self.run.print))
+                stack.enter_context(
+                    snapshot_on_oom(self.out_dir, self.run.rank, self.run.device, self.run.print)
+                )
             if self.profiler is not None:
                 self.profiler.start(steps_done)
                 stack.callback(self.profiler.stop)
@@ -75,17 +87,29 @@ class StepExtras:
             p = self.profiler.settings
             first = p["wait"] + p["warmup"] + 1
             cycles = f", {p['repeat']} cycles" if p["repeat"] > 1 else ""
-            lines.append(f"multigpu: profile: tracing steps {first}-{first + p['active'] - 1} of this fit{cycles} "
-                         f"into {self.profiler.folder.path}")
+            lines.append(
+                f"multigpu: profile: tracing steps {first}-{first + p['active'] - 1} of this fit{cycles} "
+                f"into {self.profiler.folder.path}"
+            )
         if self.averaging is not None:
-            lines.append(f"multigpu: weight averaging: {self.averaging.describe()}; validation uses the averaged "
-                         "weights; checkpoints hold them as averaged_model")
+            lines.append(
+                f"multigpu: weight averaging: {self.averaging.describe()}; validation uses the averaged "
+                "weights; checkpoints hold them as averaged_model"
+            )
         if self.guard is not None:
             g = self.guard
-            bounds = "".join([f", loss above {g.loss_above:g}" if g.loss_above is not None else "",
-                              f", gradient norm above {g.grad_norm_above:g}" if g.grad_norm_above is not None else ""])
-            lines.append(f"multigpu: step guard: steps with a loss or gradient norm not finite{bounds} are skipped on "
-                         f"every rank (the run stops after {g.max_in_a_row} in a row)")
+            bounds = "".join(
+                [
+                    f", loss above {g.loss_above:g}" if g.loss_above is not None else "",
+                    f", gradient norm above {g.grad_norm_above:g}"
+                    if g.grad_norm_above is not None
+                    else "",
+                ]
+            )
+            lines.append(
+                f"multigpu: step guard: steps with a loss or gradient norm not finite{bounds} are skipped on "
+                f"every rank (the run stops after {g.max_in_a_row} in a row)"
+            )
         return lines
 
     # ------------------------------------------------------------------ checkpoints
@@ -100,6 +124,8 @@ class StepExtras:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self.averaging is not None and not self.averaging.load_state_dict(state):
-            self.run.print("multigpu: the checkpoint holds no averaged weights: averaging starts now")
+            self.run.print(
+                "multigpu: the checkpoint holds no averaged weights: averaging starts now"
+            )
         if self.guard is not None:
             self.guard.load_state_dict(state.get("step_guard"))

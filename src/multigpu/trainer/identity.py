@@ -33,7 +33,16 @@ from multigpu.errors import CheckpointError, ConfigError, visible
 from multigpu.fileio import Folder
 
 #: The folders the Trainer keeps in a run's folder: each a real folder (or absent), never a link or a file.
-OWNED = ("checkpoints", "checkpoints/best", "hang", "tensorboard", "wandb", "mlruns", "logs", "profile")
+OWNED = (
+    "checkpoints",
+    "checkpoints/best",
+    "hang",
+    "tensorboard",
+    "wandb",
+    "mlruns",
+    "logs",
+    "profile",
+)
 #: In a folder a ``fresh`` run made: the launch it was made for.
 MARKER = ".multigpu-launch"
 #: The manifest key the layout is written under.
@@ -66,8 +75,15 @@ def layout_of(model: nn.Module, optimizer: Any, gather: Callable[[Any], list[Any
     model's) and optimizer group, and the optimizer's class. ``gather``: every rank's part - a pipeline
     stage holds only its own layers, so the parts' union is the whole model, whatever the split (a pp
     checkpoint continues in one process). Ranks holding the same part send only its digest."""
-    groups = {id(p): index for index, group in enumerate(getattr(optimizer, "param_groups", [])) for p in group["params"]}
-    entries = sorted((name, tuple(int(d) for d in p.shape), groups.get(id(p), -1)) for name, p in model.named_parameters())
+    groups = {
+        id(p): index
+        for index, group in enumerate(getattr(optimizer, "param_groups", []))
+        for p in group["params"]
+    }
+    entries = sorted(
+        (name, tuple(int(d) for d in p.shape), groups.get(id(p), -1))
+        for name, p in model.named_parameters()
+    )
     kind = type(getattr(optimizer, "optim", optimizer)).__name__
     own = _digest((entries, kind))
     if len(set(gather(own))) > 1:  # pipeline stages: the union of what they hold
@@ -89,7 +105,11 @@ def saved_layout(manifest: Any) -> Optional[Layout]:
     digest, tensors, parameters = value.get("digest"), value.get("tensors"), value.get("parameters")
     if not (isinstance(digest, str) and _DIGEST.match(digest)):
         return None
-    counts = [c for c in (tensors, parameters) if isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 10**15]
+    counts = [
+        c
+        for c in (tensors, parameters)
+        if isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 10**15
+    ]
     return Layout(digest, tensors, parameters) if len(counts) == 2 else None  # type: ignore[arg-type]
 
 
@@ -137,14 +157,24 @@ def newest_layout(out_dir: Path) -> tuple[bool, Optional[Layout]]:
 def placed_by(folder: Path) -> str:
     """The launch a fresh run's folder was made for ("" for none): a restart of that launch finds it."""
     try:
-        return Folder(folder).load_text(MARKER, limit=256).strip() if Folder(folder).kind(MARKER) == "file" else ""
+        return (
+            Folder(folder).load_text(MARKER, limit=256).strip()
+            if Folder(folder).kind(MARKER) == "file"
+            else ""
+        )
     except (OSError, ValueError, UnicodeDecodeError):
         return ""
 
 
-def place(base: Path, mine: Layout, fresh: bool = False, in_queue: bool = False, restarted: bool = False,
-          look: Callable[[Path], tuple[bool, Optional[Layout]]] = newest_layout,
-          launch: str = "") -> tuple[Path, Optional[str]]:
+def place(
+    base: Path,
+    mine: Layout,
+    fresh: bool = False,
+    in_queue: bool = False,
+    restarted: bool = False,
+    look: Callable[[Path], tuple[bool, Optional[Layout]]] = newest_layout,
+    launch: str = "",
+) -> tuple[Path, Optional[str]]:
     """The folder this run writes in, and the line that says why it is not ``base`` (None when it is).
 
     ``base`` when it holds no checkpoint, or checkpoints of this layout (or of none it names: written
@@ -161,9 +191,17 @@ def place(base: Path, mine: Layout, fresh: bool = False, in_queue: bool = False,
     if fresh and (launch or restarted):
         for folder in reversed([base, *siblings(base)]):
             held, theirs = look(folder)
-            if (placed_by(folder) == launch if launch else
-                    (held and theirs is not None and theirs.digest == mine.digest)):
-                return folder, None if folder == base else f"multigpu: continuing the run of this model in {visible(str(folder))}"
+            if (
+                placed_by(folder) == launch
+                if launch
+                else (held and theirs is not None and theirs.digest == mine.digest)
+            ):
+                return (
+                    folder,
+                    None
+                    if folder == base
+                    else f"multigpu: continuing the run of this model in {visible(str(folder))}",
+                )
     holds, saved = look(base)
     if not holds or (not fresh and (saved is None or saved.digest == mine.digest)):
         return base, None
@@ -177,8 +215,10 @@ def place(base: Path, mine: Layout, fresh: bool = False, in_queue: bool = False,
         elif not fresh and theirs is not None and theirs.digest == mine.digest:
             if in_queue:
                 break
-            return folder, (f"multigpu: continuing the run of this model in {visible(str(folder))} "
-                            f"({visible(str(base))} holds a run of another model)")
+            return folder, (
+                f"multigpu: continuing the run of this model in {visible(str(folder))} "
+                f"({visible(str(base))} holds a run of another model)"
+            )
     if free is None:
         number = last + 1
         while numbered(base, number).is_symlink() or numbered(base, number).exists():
@@ -186,8 +226,10 @@ def place(base: Path, mine: Layout, fresh: bool = False, in_queue: bool = False,
         free = numbered(base, number)
     why = "trainer.fresh is set" if fresh else _difference(base, saved, mine)
     if in_queue:
-        raise ConfigError(f"{visible(str(base))} holds a run of another model ({why}).",
-                          "give this run a new name in the runs file, or remove its folder to train it afresh.")
+        raise ConfigError(
+            f"{visible(str(base))} holds a run of another model ({why}).",
+            "give this run a new name in the runs file, or remove its folder to train it afresh.",
+        )
     return free, f"multigpu: a new run in {visible(str(free))}: {why}"
 
 
@@ -204,26 +246,38 @@ def explicit(path: str) -> files.CheckpointInfo:
     if files.is_checkpoint(given):
         manifest = files.verify(given)
         step = manifest.get("step")
-        return files.CheckpointInfo(given, step if isinstance(step, int) and not isinstance(step, bool) else 0, manifest)
+        return files.CheckpointInfo(
+            given, step if isinstance(step, int) and not isinstance(step, bool) else 0, manifest
+        )
     for folder in (given / "checkpoints", given):
         if folder.is_dir() and not folder.is_symlink():
             info = files.latest(folder, checksums=True, report=skipped.append)
             if info is not None:
                 return info
-    why = f" ({skipped[-1][len('multigpu: '):]})" if skipped else ""
-    raise ConfigError(f"trainer.resume_from {visible(path)[:200]} holds no checkpoint that verifies{why[:300]}.",
-                      "name a run folder, its checkpoints folder or one step-N folder in it.")
+    why = f" ({skipped[-1][len('multigpu: ') :]})" if skipped else ""
+    raise ConfigError(
+        f"trainer.resume_from {visible(path)[:200]} holds no checkpoint that verifies{why[:300]}.",
+        "name a run folder, its checkpoints folder or one step-N folder in it.",
+    )
 
 
-def settle(run: Any, model: nn.Module, optimizer: Any, out_dir: str, fresh: bool,
-           resume_from: Optional[str] = None) -> tuple[Layout, Path]:
+def settle(
+    run: Any,
+    model: nn.Module,
+    optimizer: Any,
+    out_dir: str,
+    fresh: bool,
+    resume_from: Optional[str] = None,
+) -> tuple[Layout, Path]:
     """The Trainer's layout and folder, the same on every rank: rank 0 looks at the folders (one answer,
     even while another rank's files appear), the others wait for it; the line is printed once. A
     restart of the job (``--max-restarts``) continues where the first start was placed."""
     base = named(run.check_writable(out_dir, "the Trainer's out_dir"))
     if resume_from is not None and not Path(resume_from).exists():
-        raise ConfigError(f"trainer.resume_from {visible(resume_from)[:200]} does not exist.",
-                          "name a run folder, its checkpoints folder or one step-N folder in it.")
+        raise ConfigError(
+            f"trainer.resume_from {visible(resume_from)[:200]} does not exist.",
+            "name a run folder, its checkpoints folder or one step-N folder in it.",
+        )
 
     def gather(value: Any) -> list[Any]:
         if run.world_size == 1 or not torch.distributed.is_initialized():
@@ -236,10 +290,17 @@ def settle(run: Any, model: nn.Module, optimizer: Any, out_dir: str, fresh: bool
     launch = run.world.launch_id if run.world.launch_id not in ("", "multigpu", "none") else ""
 
     def chosen() -> tuple[Path, Optional[str]]:
-        folder, line = place(base, mine, fresh, in_queue=run.job.run_dir is not None,
-                             restarted=run.world.restart_count > 0, launch=launch)
+        folder, line = place(
+            base,
+            mine,
+            fresh,
+            in_queue=run.job.run_dir is not None,
+            restarted=run.world.restart_count > 0,
+            launch=launch,
+        )
         if fresh and launch:
-            Folder(folder).create().write_atomic(MARKER, launch + "\n")  # a planted link there is replaced
+            # a planted link there is replaced
+            Folder(folder).create().write_atomic(MARKER, launch + "\n")
         return folder, line
 
     folder, line = run.run_on_main(chosen)
@@ -251,6 +312,8 @@ def settle(run: Any, model: nn.Module, optimizer: Any, out_dir: str, fresh: bool
 def check_owned(out_dir: Path) -> None:
     """Refuse a run folder where one of the Trainer's folders is a link or a file: never written through."""
     if not Folder(out_dir).only_folders_at(OWNED):
-        raise ConfigError(f"{visible(str(out_dir))} holds a link or a file where the Trainer keeps one of "
-                          f"its folders ({', '.join(OWNED)}).",
-                          "remove it (or choose another out_dir): the Trainer never writes through a link.")
+        raise ConfigError(
+            f"{visible(str(out_dir))} holds a link or a file where the Trainer keeps one of "
+            f"its folders ({', '.join(OWNED)}).",
+            "remove it (or choose another out_dir): the Trainer never writes through a link.",
+        )

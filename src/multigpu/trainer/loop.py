@@ -57,81 +57,142 @@ SchedulerLike = Union[Any, Callable[[torch.optim.Optimizer], Any], None]
 class Trainer(Hooks):
     """Subclass, implement ``compute_loss(batch) -> loss``, call ``fit(train_set, valid_set)``."""
 
-    def __init__(self, run: Run, model: nn.Module, optimizer: OptimizerLike,
-                 scheduler: SchedulerLike = None, settings: Optional[TrainerSettings] = None,
-                 config: Any = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        run: Run,
+        model: nn.Module,
+        optimizer: OptimizerLike,
+        scheduler: SchedulerLike = None,
+        settings: Optional[TrainerSettings] = None,
+        config: Any = None,
+        **overrides: Any,
+    ) -> None:
         """``config``: your recipe's own settings (any dataclass or mapping); ranks must agree on it."""
-        base = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} if settings else {}
+        base = (
+            {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+            if settings
+            else {}
+        )
         self.settings = s = TrainerSettings.from_mapping({**base, **overrides})
-        self.settings = s = run.probe.trainer_settings(s).with_degrees(run.degrees)  # check: its own folder
+        # check: its own folder
+        self.settings = s = run.probe.trainer_settings(s).with_degrees(run.degrees)
         self.run = run
         self.config = config
-        run.configure_parallelism(tp=s.tp, dp_replicate=s.dp_replicate, pp=s.pp, fault_tolerance=s.fault_tolerance)
+        run.configure_parallelism(
+            tp=s.tp, dp_replicate=s.dp_replicate, pp=s.pp, fault_tolerance=s.fault_tolerance
+        )
         self.device = run.device
         self.precision = Precision(s.precision, self.device)
         if s.check_consistency:  # before DDP wraps the model: our diff, not DDP's shape error
             run.check_consistency(model, config, trainer_settings=s.plain())
-        self.model, bound = run.setup(model, optimizer, strategy=s.strategy or run.strategy_name,
-                                      activation_checkpointing=s.activation_checkpointing, **s.setup_options())
+        self.model, bound = run.setup(
+            model,
+            optimizer,
+            strategy=s.strategy or run.strategy_name,
+            activation_checkpointing=s.activation_checkpointing,
+            **s.setup_options(),
+        )
         if bound is None:
-            raise ConfigError("the Trainer needs an optimizer.", "pass one, or a factory like "
-                              "`lambda params: torch.optim.AdamW(params, lr=1e-3)`.")
+            raise ConfigError(
+                "the Trainer needs an optimizer.",
+                "pass one, or a factory like `lambda params: torch.optim.AdamW(params, lr=1e-3)`.",
+            )
         if run.strategy is None:
             raise RuntimeError("run.setup left the run without a strategy")
         self.optimizer, self.strategy = bound, run.strategy
         #: What checkpoints read and write: the wrapped model, never torch.compile's wrapper of it.
         self.state_model = self.model
-        if s.compile:  # torch.compile's stubs say Callable: given a Module it returns an OptimizedModule (a Module)
+        # torch.compile's stubs say Callable: given a Module it returns an OptimizedModule (a Module)
+        if s.compile:
             self.model = torch.compile(  # type: ignore[assignment]
-                self.model, **(s.compile if isinstance(s.compile, dict) else {}))
-        if (scheduler is not None and not callable(scheduler) and isinstance(optimizer, torch.optim.Optimizer)
-                and getattr(self.optimizer, "optim", self.optimizer) is not optimizer):  # ft-ddp wraps, keeps it
-            raise ConfigError(f"strategy {self.strategy.name!r} rebuilt the optimizer on its sharded parameters, so "
-                              "the scheduler given still drives the old one.",
-                              "pass a scheduler factory: scheduler=lambda optimizer: CosineAnnealingLR(optimizer, ...).")
-        self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler  # a factory or an instance
+                self.model, **(s.compile if isinstance(s.compile, dict) else {})
+            )
+        if (
+            scheduler is not None
+            and not callable(scheduler)
+            and isinstance(optimizer, torch.optim.Optimizer)
+            # ft-ddp wraps, keeps it
+            and getattr(self.optimizer, "optim", self.optimizer) is not optimizer
+        ):
+            raise ConfigError(
+                f"strategy {self.strategy.name!r} rebuilt the optimizer on its sharded parameters, so "
+                "the scheduler given still drives the old one.",
+                "pass a scheduler factory: scheduler=lambda optimizer: CosineAnnealingLR(optimizer, ...).",
+            )
+        # a factory or an instance
+        self.scheduler = scheduler(self.optimizer) if callable(scheduler) else scheduler
         self._step = make_step(self)  # forward + backward, or (pp) the pipeline schedule's step
         self.state = TrainState()
         self.history: list[dict[str, Any]] = []
-        self.layout, own = identity.settle(run, self.strategy.unwrap(self.state_model), self.optimizer, s.out_dir,
-                                           s.fresh, s.resume_from)
+        self.layout, own = identity.settle(
+            run,
+            self.strategy.unwrap(self.state_model),
+            self.optimizer,
+            s.out_dir,
+            s.fresh,
+            s.resume_from,
+        )
         self.replicas, self.out_dir = replicas.attach(self, own)
         self.checkpoint_dir = self.out_dir / "checkpoints"
         self.best_dir = self.checkpoint_dir / "best"
         identity.check_owned(self.out_dir)
-        self.tracker = BestTracker(s.monitor, s.mode, s.patience, s.min_delta) if s.monitor else None
-        self._pruned = False  # a queue search pruned this trial (run.report): stop as early stopping does
-        self.progress = ProgressLine(s.progress and run.is_main, every_s=s.progress_every_s, record=run.job.run_dir)
+        self.tracker = (
+            BestTracker(s.monitor, s.mode, s.patience, s.min_delta) if s.monitor else None
+        )
+        # a queue search pruned this trial (run.report): stop as early stopping does
+        self._pruned = False
+        self.progress = ProgressLine(
+            s.progress and run.is_main, every_s=s.progress_every_s, record=run.job.run_dir
+        )
         self.loggers = Loggers([], self.out_dir, enabled=False)
         self._valid: Any = None
         self._epochs = s.epochs
         self._grad_norm: Optional[torch.Tensor] = None
-        self.extras = StepExtras(s, run, self.strategy.unwrap(self.state_model), self.out_dir)  # profile, ema, guard
-
+        # profile, ema, guard
+        self.extras = StepExtras(s, run, self.strategy.unwrap(self.state_model), self.out_dir)
 
     # ------------------------------------------------------------------ loops
-    def fit(self, train: Any, valid: Any = None, epochs: Optional[int] = None) -> list[dict[str, Any]]:
+    def fit(
+        self, train: Any, valid: Any = None, epochs: Optional[int] = None
+    ) -> list[dict[str, Any]]:
         s = self.settings
         self._epochs = epochs = s.epochs if epochs is None else epochs
         train_loader = self._loader(train, evaluation=False)
         self._valid = self._loader(valid, evaluation=True) if valid is not None else None
         if s.check_consistency:
             consistency.check_same_on_all_ranks(
-                {"train_samples": train_loader.samples, "batch_size": train_loader.batch_size,
-                 "valid_samples": self._valid.samples if self._valid is not None else None,
-                 "epochs": epochs}, group=self.run.control_group)
+                {
+                    "train_samples": train_loader.samples,
+                    "batch_size": train_loader.batch_size,
+                    "valid_samples": self._valid.samples if self._valid is not None else None,
+                    "epochs": epochs,
+                },
+                group=self.run.control_group,
+            )
         if s.resume:
             self.resume()
         elif self.run.latest_checkpoint(self.checkpoint_dir, checksums=False) is not None:
-            raise ConfigError(f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
-                              "set resume: true to continue that run, or choose a new out_dir.")
-        train_loader.resume_at(*self.replicas.join(epochs))  # replica groups: a group that comes back heals here
-        self.run.configure_guards(hang_timeout_s=s.hang_timeout_s, hang_notice_s=s.hang_notice_s, preemption=s.preemption,
-                                  report_dir=str(self.out_dir / "hang"), stop_check_every=s.stop_check_every)
+            raise ConfigError(
+                f"{self.checkpoint_dir} holds checkpoints of an earlier run and resume is off.",
+                "set resume: true to continue that run, or choose a new out_dir.",
+            )
+        # replica groups: a group that comes back heals here
+        train_loader.resume_at(*self.replicas.join(epochs))
+        self.run.configure_guards(
+            hang_timeout_s=s.hang_timeout_s,
+            hang_notice_s=s.hang_notice_s,
+            preemption=s.preemption,
+            report_dir=str(self.out_dir / "hang"),
+            stop_check_every=s.stop_check_every,
+        )
         # With resume on, the files continue from this run's step - 0 when no checkpoint was found, so a
         # restart that crashed before its first checkpoint does not log steps 1..k twice.
-        self.loggers = Loggers(s.loggers, self.out_dir, resume_step=self.state.global_step if s.resume else None,
-                               enabled=self.run.is_main)
+        self.loggers = Loggers(
+            s.loggers,
+            self.out_dir,
+            resume_step=self.state.global_step if s.resume else None,
+            enabled=self.run.is_main,
+        )
         self.loggers.log_hparams(hparams_of(s.plain(), consistency.plain(self.config)))
         reports.report_start(self, train_loader)
         clean = False
@@ -139,12 +200,14 @@ class Trainer(Hooks):
             self.on_fit_start()
             with self.extras.fitting(self.state.global_step):
                 self._fit_epochs(train_loader, epochs)
-            self.run.wait_for_checkpoint(then=self.on_checkpoint)  # the last asynchronous checkpoint, every rank
+            # the last asynchronous checkpoint, every rank
+            self.run.wait_for_checkpoint(then=self.on_checkpoint)
             clean = True
         except Preempted:
             clean = True
             raise
-        except BaseException as exc:  # the other ranks may be anywhere: never wait for them from here on
+        # the other ranks may be anywhere: never wait for them from here on
+        except BaseException as exc:
             self.run.interrupted(type(exc).__name__)
             for loader in (train_loader, self._valid):
                 if loader is not None:
@@ -178,41 +241,66 @@ class Trainer(Hooks):
                 if self.scheduler is not None and s.scheduler_interval == "epoch":
                     self.scheduler.step()
                 self.state = TrainState(epoch + 1, 0, self.state.global_step)
-            valid_metrics = validation.validate(self) if completed and self._valid is not None else {}
+            valid_metrics = (
+                validation.validate(self) if completed and self._valid is not None else {}
+            )
             length = train_loader.length
             done = 1 if completed else (self.state.batch_in_epoch / length if length else 0)
-            row = {"epoch": round(epoch + done, 4), "step": self.state.global_step,
-                   **{f"train_{k}": v for k, v in train_metrics.items()},
-                   **{f"valid_{k}": v for k, v in valid_metrics.items()},
-                   "lr": self.optimizer.param_groups[0]["lr"],
-                   "samples_per_s": samples / elapsed if elapsed > 0 else 0.0, "epoch_s": elapsed}
+            row = {
+                "epoch": round(epoch + done, 4),
+                "step": self.state.global_step,
+                **{f"train_{k}": v for k, v in train_metrics.items()},
+                **{f"valid_{k}": v for k, v in valid_metrics.items()},
+                "lr": self.optimizer.param_groups[0]["lr"],
+                "samples_per_s": samples / elapsed if elapsed > 0 else 0.0,
+                "epoch_s": elapsed,
+            }
             if train_metrics or valid_metrics:
                 self._record(row)
-                self.progress.epoch_done(epoch + 1, epochs, {k: v for k, v in row.items() if k not in ("epoch", "step")})
-            stopping = stopping or (self.tracker is not None and self.tracker.should_stop) or self._pruned
+                self.progress.epoch_done(
+                    epoch + 1, epochs, {k: v for k, v in row.items() if k not in ("epoch", "step")}
+                )
+            stopping = (
+                stopping or (self.tracker is not None and self.tracker.should_stop) or self._pruned
+            )
             if not completed or stopping:
-                checkpoints.save(self)  # resumable from here (a larger max_steps, or the best checkpoint is kept)
+                # resumable from here (a larger max_steps, or the best checkpoint is kept)
+                checkpoints.save(self)
                 if stopping and self.tracker is not None and not self._pruned:
-                    self.run.print(f"multigpu: early stop: {s.monitor} did not improve by more than "
-                                       f"{s.min_delta:g} for {s.patience} validation(s); best {self.tracker.best:.6g} "
-                                       f"at step {self.tracker.best_step}")
+                    self.run.print(
+                        f"multigpu: early stop: {s.monitor} did not improve by more than "
+                        f"{s.min_delta:g} for {s.patience} validation(s); best {self.tracker.best:.6g} "
+                        f"at step {self.tracker.best_step}"
+                    )
                 break
             with self.run.paused_watchdog():
                 self.on_epoch_end(epoch + 1, row)
             if (epoch + 1) % s.checkpoint_every_epochs == 0 or epoch + 1 == epochs:
                 checkpoints.save(self)
 
-    def _train_epoch(self, loader: LoaderLike, epoch: int, epochs: int) -> tuple[dict[str, float], int, bool]:
+    def _train_epoch(
+        self, loader: LoaderLike, epoch: int, epochs: int
+    ) -> tuple[dict[str, float], int, bool]:
         """One epoch (or what is left of it); returns (metrics, samples, completed)."""
         s = self.settings
-        model, optimizer, precision, strategy, run = self.model, self.optimizer, self.precision, self.strategy, self.run
-        guard, after_step = self.extras.guard, self.extras.after_step if self.extras.after_each_step else None
+        model, optimizer, precision, strategy, run = (
+            self.model,
+            self.optimizer,
+            self.precision,
+            self.strategy,
+            self.run,
+        )
+        guard, after_step = (
+            self.extras.guard,
+            self.extras.after_step if self.extras.after_each_step else None,
+        )
         model.train()
         total = loader.length  # the whole epoch; None for a stream
         # Batches need moving unless everything is on the CPU (a CPU run on a GPU machine may still load CUDA tensors).
         on_accelerator = self.device.type != "cpu" or torch.cuda.is_available()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        window_start = loss_sum.clone()  # loss_sum at the last step row: one accumulation per batch, not two
+        # loss_sum at the last step row: one accumulation per batch, not two
+        window_start = loss_sum.clone()
         window_batches = batches = samples = 0
         started = last_log = time.monotonic()
         log_samples = 0
@@ -222,10 +310,14 @@ class Trainer(Hooks):
         for index, batch in enumerate(loader, start=self.state.batch_in_epoch):
             if on_accelerator:
                 batch = move_to(batch, self.device)
-            boundary = ((index + 1) % s.accumulate == 0 or (total is not None and index + 1 == total)
-                        or (total is None and s.accumulate > 1 and loader.ends_after_current()))
-            with (contextlib.nullcontext() if boundary else strategy.no_sync(model)):
-                detached = self._step.train(batch, loader.batch_size).detach()  # pp: the schedule's step
+            boundary = (
+                (index + 1) % s.accumulate == 0
+                or (total is not None and index + 1 == total)
+                or (total is None and s.accumulate > 1 and loader.ends_after_current())
+            )
+            with contextlib.nullcontext() if boundary else strategy.no_sync(model):
+                # pp: the schedule's step
+                detached = self._step.train(batch, loader.batch_size).detach()
             loss_sum += detached
             run.probe.record_loss(detached, s.accumulate)  # `multigpu check` (a no-op otherwise)
             batches += 1
@@ -235,12 +327,19 @@ class Trainer(Hooks):
             log_samples += n
             if boundary:
                 precision.unscale(optimizer)
-                if s.clip_grad_norm is not None or guard is not None:  # the guard reads the global norm
-                    self._grad_norm = strategy.clip_grad_norm(model, s.clip_grad_norm or float("inf"))
-                dropped = (guard.check(loss_sum, index % s.accumulate + 1, self._grad_norm, self.state)
-                           if guard is not None and self._grad_norm is not None else 0)
+                # the guard reads the global norm
+                if s.clip_grad_norm is not None or guard is not None:
+                    self._grad_norm = strategy.clip_grad_norm(
+                        model, s.clip_grad_norm or float("inf")
+                    )
+                dropped = (
+                    guard.check(loss_sum, index % s.accumulate + 1, self._grad_norm, self.state)
+                    if guard is not None and self._grad_norm is not None
+                    else 0
+                )
                 stepped = precision.step(optimizer) if not dropped else precision.skip()
-                committed = stepped or bool(dropped)  # False: replica groups dropped it (a guard's skip counts)
+                # False: replica groups dropped it (a guard's skip counts)
+                committed = stepped or bool(dropped)
                 optimizer.zero_grad(set_to_none=True)
                 if stepped and self.scheduler is not None and s.scheduler_interval == "step":
                     self.scheduler.step()
@@ -248,26 +347,49 @@ class Trainer(Hooks):
                 self.replicas.after_step(committed)
                 if after_step is not None:  # averaging, profiling
                     after_step(stepped, self.state.global_step)
-                batches, window_batches = batches - dropped, window_batches - dropped  # a skipped step's batches
+                # a skipped step's batches
+                batches, window_batches = batches - dropped, window_batches - dropped
             self.state.batch_in_epoch = index + 1
             run.step_done(self.state.global_step)
             self.on_train_batch_end(self.state.global_step, detached)
             if self.progress.wants_update():
-                show_progress(self, epoch, epochs, index + 1, total, loss_sum / batches, samples, batches, started)
+                show_progress(
+                    self,
+                    epoch,
+                    epochs,
+                    index + 1,
+                    total,
+                    loss_sum / batches,
+                    samples,
+                    batches,
+                    started,
+                )
             if not boundary or not committed:
                 continue
             step = self.state.global_step
             if s.log_every_n_steps and step % s.log_every_n_steps == 0:
                 now = time.monotonic()
-                reports.log_step(self, (loss_sum - window_start) / max(window_batches, 1), log_samples, now - last_log, epoch,
-                               index + 1, total)
+                reports.log_step(
+                    self,
+                    (loss_sum - window_start) / max(window_batches, 1),
+                    log_samples,
+                    now - last_log,
+                    epoch,
+                    index + 1,
+                    total,
+                )
                 window_start = loss_sum.clone()
                 window_batches, log_samples, last_log = 0, 0, now
             if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
                 checkpoints.save(self)
-            last_of_epoch = total is not None and index + 1 == total  # the epoch's own validation follows
-            if (s.eval_every_steps and step % s.eval_every_steps == 0 and self._valid is not None
-                    and not last_of_epoch):
+            # the epoch's own validation follows
+            last_of_epoch = total is not None and index + 1 == total
+            if (
+                s.eval_every_steps
+                and step % s.eval_every_steps == 0
+                and self._valid is not None
+                and not last_of_epoch
+            ):
                 validation.validate_inside_epoch(self, epoch, index + 1, total)
             if run.should_stop():
                 self._preempt()
@@ -278,16 +400,16 @@ class Trainer(Hooks):
         metrics.add("loss", loss_sum, batches)
         return metrics.compute(), samples * self.run.dp_size, completed
 
-
     def _steps_done(self) -> bool:
-        return self.settings.max_steps is not None and self.state.global_step >= self.settings.max_steps
+        return (
+            self.settings.max_steps is not None
+            and self.state.global_step >= self.settings.max_steps
+        )
 
     def _preempt(self) -> None:
         """Every rank agreed to stop at this step: checkpoint it, requeue under Slurm on USR1, exit 75."""
         path = checkpoints.save(self, blocking=True)
         self.run.exit_preempted(path, self.state.global_step)
-
-
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> dict[str, float]:
@@ -304,7 +426,8 @@ class Trainer(Hooks):
         self.model = wrapped if sharded_model else self.strategy.unwrap(wrapped)
         self.model.eval()
         try:
-            return self._step.evaluate(loader, sharded_model)  # evaluation.evaluate_shard (pp: through the pipeline)
+            # evaluation.evaluate_shard (pp: through the pipeline)
+            return self._step.evaluate(loader, sharded_model)
         finally:
             self.model = wrapped
             self.model.train()
@@ -312,15 +435,29 @@ class Trainer(Hooks):
     def _loader(self, data: Any, evaluation: bool) -> LoaderLike:
         s = self.settings
         loader: LoaderLike = (
-            self.run.eval_loader(data, s.eval_batch_size or s.batch_size, collate_fn=s.collate_fn, num_workers=s.num_workers)
-            if evaluation else self.run.loader(data, s.batch_size, shuffle=s.shuffle, seed=s.seed, drop_last=s.drop_last,
-                                               num_workers=s.num_workers, collate_fn=s.collate_fn, quiet=True))
+            self.run.eval_loader(
+                data,
+                s.eval_batch_size or s.batch_size,
+                collate_fn=s.collate_fn,
+                num_workers=s.num_workers,
+            )
+            if evaluation
+            else self.run.loader(
+                data,
+                s.batch_size,
+                shuffle=s.shuffle,
+                seed=s.seed,
+                drop_last=s.drop_last,
+                num_workers=s.num_workers,
+                collate_fn=s.collate_fn,
+                quiet=True,
+            )
+        )
         return loader
 
     def _record(self, row: dict[str, Any]) -> None:
         self.history.append(row)
         self.loggers.log_metrics(row, row["step"], kind="epoch")
-
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_state(self) -> dict[str, Any]:

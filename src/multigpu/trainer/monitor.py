@@ -28,11 +28,18 @@ class BestTracker:
 
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
-            raise ConfigError(f"mode={self.mode!r} must be 'min' or 'max'.", "min for a loss, max for an accuracy.")
+            raise ConfigError(
+                f"mode={self.mode!r} must be 'min' or 'max'.",
+                "min for a loss, max for an accuracy.",
+            )
         if self.patience is not None and self.patience < 1:
-            raise ConfigError(f"patience={self.patience} must be 1 or more (or null).", "e.g. patience: 5.")
+            raise ConfigError(
+                f"patience={self.patience} must be 1 or more (or null).", "e.g. patience: 5."
+            )
         if self.min_delta < 0:
-            raise ConfigError(f"min_delta={self.min_delta} must be 0 or more.", "e.g. min_delta: 0.001.")
+            raise ConfigError(
+                f"min_delta={self.min_delta} must be 0 or more.", "e.g. min_delta: 0.001."
+            )
 
     def value(self, metrics: Mapping[str, Any]) -> Optional[float]:
         """The monitored value in ``metrics`` (None if this evaluation did not produce it)."""
@@ -47,8 +54,11 @@ class BestTracker:
         value = self.value(metrics)
         if value is None:
             return False
-        better = (self.best is None or (value < self.best - self.min_delta if self.mode == "min"
-                                        else value > self.best + self.min_delta))
+        better = self.best is None or (
+            value < self.best - self.min_delta
+            if self.mode == "min"
+            else value > self.best + self.min_delta
+        )
         if better:
             self.best, self.best_step, self.bad_evaluations = value, step, 0
         else:
@@ -65,8 +75,16 @@ class BestTracker:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("monitor") != self.monitor or state.get("mode") != self.mode:
             return  # a different metric or direction now: start afresh
-        best, step, bad = state.get("best"), state.get("best_step"), state.get("bad_evaluations") or 0
-        if ((best is not None and not isinstance(best, (int, float))) or (step is not None and not isinstance(step, int))
-                or not isinstance(bad, int) or bad < 0):
+        best, step, bad = (
+            state.get("best"),
+            state.get("best_step"),
+            state.get("bad_evaluations") or 0,
+        )
+        if (
+            (best is not None and not isinstance(best, (int, float)))
+            or (step is not None and not isinstance(step, int))
+            or not isinstance(bad, int)
+            or bad < 0
+        ):
             raise TypeError("malformed best-metric state")
         self.best, self.best_step, self.bad_evaluations = best, step, bad

@@ -20,7 +20,10 @@ class Precision:
     def __init__(self, mode: str = "32", device: Optional[torch.device] = None) -> None:
         key = str(mode).lower()
         if key not in ALIASES:
-            raise ConfigError(f"unknown precision {mode!r}.", "use '32', 'bf16' (bf16-mixed) or 'fp16' (16-mixed).")
+            raise ConfigError(
+                f"unknown precision {mode!r}.",
+                "use '32', 'bf16' (bf16-mixed) or 'fp16' (16-mixed).",
+            )
         self.mode = ALIASES[key]
         self.device = device if device is not None else torch.device("cpu")
         self.scaler: Optional[torch.amp.GradScaler] = None

@@ -39,8 +39,15 @@ FOLDER = "profile"
 class StepProfiler:
     """torch.profiler driven by optimizer steps; ``start()`` before the first, ``step()`` after each."""
 
-    def __init__(self, settings: Mapping[str, Any], out_dir: Path, rank: int, is_main: bool, device: torch.device,
-                 say: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        settings: Mapping[str, Any],
+        out_dir: Path,
+        rank: int,
+        is_main: bool,
+        device: torch.device,
+        say: Callable[[str], None] = print,
+    ) -> None:
         self.settings = dict(settings)
         self.folder = Folder(out_dir).child(FOLDER)
         self.rank = rank
@@ -58,11 +65,16 @@ class StepProfiler:
 
         s = self.settings
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self._profiler = profile(activities=activities, on_trace_ready=self._ready,
-                                 schedule=schedule(wait=s["wait"], warmup=s["warmup"], active=s["active"],
-                                                   repeat=s["repeat"]),
-                                 record_shapes=s["record_shapes"], profile_memory=s["profile_memory"],
-                                 with_stack=s["with_stack"])
+        self._profiler = profile(
+            activities=activities,
+            on_trace_ready=self._ready,
+            schedule=schedule(
+                wait=s["wait"], warmup=s["warmup"], active=s["active"], repeat=s["repeat"]
+            ),
+            record_shapes=s["record_shapes"],
+            profile_memory=s["profile_memory"],
+            with_stack=s["with_stack"],
+        )
         self._profiler.start()
 
     def step(self) -> None:
@@ -76,8 +88,10 @@ class StepProfiler:
         profiler.stop()
         if not self.written and self.is_main:
             s = self.settings
-            self.say(f"multigpu: profile: the run ended before step {self._offset + s['wait'] + s['warmup'] + 1}, "
-                     "where tracing starts; no trace written")
+            self.say(
+                f"multigpu: profile: the run ended before step {self._offset + s['wait'] + s['warmup'] + 1}, "
+                "where tracing starts; no trace written"
+            )
 
     def _ready(self, profiler: Any) -> None:
         """The profiler's ``on_trace_ready``: this rank's trace into the folder; rank 0 says where and what."""
@@ -90,30 +104,44 @@ class StepProfiler:
         self.written.append(self.folder / name)
         if self.is_main:
             first = max(self._offset + 1, last - self.settings["active"] + 1)
-            self.say(f"multigpu: profile: steps {first}-{last} traced on every rank: "
-                     f"{self.folder / f'rank*-step{last}.pt.trace.json'} (open in https://ui.perfetto.dev "
-                     f"or chrome://tracing, or `tensorboard --logdir {self.folder.path}` with torch-tb-profiler)")
+            self.say(
+                f"multigpu: profile: steps {first}-{last} traced on every rank: "
+                f"{self.folder / f'rank*-step{last}.pt.trace.json'} (open in https://ui.perfetto.dev "
+                f"or chrome://tracing, or `tensorboard --logdir {self.folder.path}` with torch-tb-profiler)"
+            )
             if self.settings["top"]:
                 key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-                self.say(f"multigpu: profile: rank 0's top operators by {key}:\n"
-                         + profiler.key_averages().table(sort_by=key, row_limit=self.settings["top"]))
+                self.say(
+                    f"multigpu: profile: rank 0's top operators by {key}:\n"
+                    + profiler.key_averages().table(sort_by=key, row_limit=self.settings["top"])
+                )
 
 
 @contextlib.contextmanager
-def snapshot_on_oom(out_dir: Path, rank: int, device: torch.device, say: Callable[[str], None] = print) -> Iterator[None]:
+def snapshot_on_oom(
+    out_dir: Path, rank: int, device: torch.device, say: Callable[[str], None] = print
+) -> Iterator[None]:
     """Record CUDA allocations inside; on ``torch.OutOfMemoryError`` write this rank's snapshot, then re-raise."""
     if device.type != "cuda":
-        say("multigpu: memory_snapshot_on_oom records CUDA allocations; this run is on the "
-            f"{device.type}: no snapshot")
+        say(
+            "multigpu: memory_snapshot_on_oom records CUDA allocations; this run is on the "
+            f"{device.type}: no snapshot"
+        )
         yield
         return
-    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python", device=device)
+    torch.cuda.memory._record_memory_history(
+        max_entries=MAX_ENTRIES, stacks="python", device=device
+    )
     try:
         yield
     except torch.OutOfMemoryError:
         path = write_snapshot(out_dir, rank, torch.cuda.memory._snapshot(device))
-        print(f"multigpu: out of memory on rank {rank}: memory snapshot in {path} "
-              "(open it at https://pytorch.org/memory_viz)", file=sys.stderr, flush=True)
+        print(
+            f"multigpu: out of memory on rank {rank}: memory snapshot in {path} "
+            "(open it at https://pytorch.org/memory_viz)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise
     finally:
         torch.cuda.memory._record_memory_history(enabled=None, device=device)

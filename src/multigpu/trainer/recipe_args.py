@@ -66,7 +66,11 @@ def _recipe_shape(args: Sequence[str]) -> Optional[tuple[Optional[str], list[str
     args = list(args)
     yaml_file = args.pop(0) if args and args[0].endswith((".yaml", ".yml")) else None
     for item in args:
-        hydra = item in _HYDRA_SWITCHES or item.startswith("~") or (item.startswith("+") and "=" in item)
+        hydra = (
+            item in _HYDRA_SWITCHES
+            or item.startswith("~")
+            or (item.startswith("+") and "=" in item)
+        )
         if not hydra and ("=" not in item or item.startswith("-")):
             return None
     if yaml_file is not None and not Path(yaml_file).is_file():
@@ -91,16 +95,25 @@ def _section_in(tree: ast.Module) -> "str | bool | None":
     recipe class handed to every ``config.load`` call, defined once, with a field annotated by a name
     bound to multigpu's own class (a user's class of the same name is the user's)."""
     names = _multigpu_names(tree)
-    recipes = {_first_name(node) for node in ast.walk(tree)
-               if isinstance(node, ast.Call) and _is_load(node.func, names)}
+    recipes = {
+        _first_name(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and _is_load(node.func, names)
+    }
     if not recipes:
         return False
-    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name in recipes]
+    classes = [
+        node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name in recipes
+    ]
     if len(recipes) != 1 or None in recipes or len(classes) != 1:
         return None  # several recipes, or one this reading cannot name: the script checks its own
-    fields = [item.target.id for item in classes[0].body
-              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
-              and _names_settings(item.annotation, names)]
+    fields = [
+        item.target.id
+        for item in classes[0].body
+        if isinstance(item, ast.AnnAssign)
+        and isinstance(item.target, ast.Name)
+        and _names_settings(item.annotation, names)
+    ]
     return fields[0] if len(fields) == 1 else None
 
 
@@ -135,7 +148,11 @@ def _multigpu_names(tree: ast.Module) -> _Names:
                     names.config.add(bound)
                 elif node.level == 0 and node.module == "multigpu.config" and alias.name == "load":
                     names.load.add(bound)
-                elif node.level == 0 and node.module in _SETTINGS_HOMES and alias.name == "TrainerSettings":
+                elif (
+                    node.level == 0
+                    and node.module in _SETTINGS_HOMES
+                    and alias.name == "TrainerSettings"
+                ):
                     names.settings.add(bound)
                 elif node.level or node.module not in ("multigpu", *_SETTINGS_HOMES):
                     names.shadowed.add(bound)
@@ -144,7 +161,9 @@ def _multigpu_names(tree: ast.Module) -> _Names:
                 if alias.name == "multigpu":
                     names.package.add(alias.asname or alias.name)
                 elif alias.name == "multigpu.config":
-                    (names.config if alias.asname else names.package).add(alias.asname or "multigpu")
+                    (names.config if alias.asname else names.package).add(
+                        alias.asname or "multigpu"
+                    )
                 elif not alias.name.startswith("multigpu."):
                     names.shadowed.add(alias.asname or alias.name.partition(".")[0])
         elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -173,5 +192,6 @@ def _names_settings(annotation: ast.expr, names: _Names) -> bool:
     if text in names.settings:
         return True
     owner, _, name = text.rpartition(".")
-    return name == "TrainerSettings" and any(owner == package or owner == f"{package}.trainer"
-                                             for package in names.package)
+    return name == "TrainerSettings" and any(
+        owner == package or owner == f"{package}.trainer" for package in names.package
+    )

@@ -103,7 +103,9 @@ class ReplicaGroups:
 
         self.trainer = trainer
         if not isinstance(trainer.strategy, FaultTolerantDDP):  # attach: only it is fault_tolerant
-            raise MultiGPUError(f"replica groups need strategy ft-ddp, not {trainer.strategy.name!r}.")
+            raise MultiGPUError(
+                f"replica groups need strategy ft-ddp, not {trainer.strategy.name!r}."
+            )
         self.strategy = trainer.strategy
         world = trainer.run.world
         self.group, self.groups = world.replica_group, world.replica_groups
@@ -111,10 +113,12 @@ class ReplicaGroups:
         self.root = out_dir
         self._joining = False
         self._participants: Optional[int] = None
-        self._fingerprint = {**consistency.model_fingerprint(trainer.state_model),
-                             **consistency.config_items("trainer", trainer.settings.plain()),
-                             **consistency.config_items("config", consistency.plain(trainer.config)),
-                             **consistency.environment_fingerprint()}
+        self._fingerprint = {
+            **consistency.model_fingerprint(trainer.state_model),
+            **consistency.config_items("trainer", trainer.settings.plain()),
+            **consistency.config_items("config", consistency.plain(trainer.config)),
+            **consistency.environment_fingerprint(),
+        }
         self.strategy.register_state("trainer", self._load, self._state, first=True)
 
     @property
@@ -129,26 +133,36 @@ class ReplicaGroups:
         run = self.trainer.run
         found: Optional[files.CheckpointInfo] = None
         if run.is_main:
-            for group in sorted(range(self.groups), key=lambda g: g != self.group):  # its own first: ties stay home
+            # its own first: ties stay home
+            for group in sorted(range(self.groups), key=lambda g: g != self.group):
                 directory = group_folder(self.root, group) / "checkpoints"
-                info = (files.latest(directory, checksums=checksums, report=run.print) if group == self.group
-                        else _newest_readonly(directory, checksums))
+                info = (
+                    files.latest(directory, checksums=checksums, report=run.print)
+                    if group == self.group
+                    else _newest_readonly(directory, checksums)
+                )
                 if info is not None and (found is None or info.step > found.step):
                     found = info
         if not run.world.is_distributed:
             return found
         box = [None if found is None else (str(found.path), found.step, found.meta)]
         dist.broadcast_object_list(box, src=0, group=run.control_group)
-        return None if box[0] is None else files.CheckpointInfo(Path(box[0][0]), box[0][1], box[0][2])
+        return (
+            None if box[0] is None else files.CheckpointInfo(Path(box[0][0]), box[0][1], box[0][2])
+        )
 
     # ------------------------------------------------------------------ the loop's four points
     def join(self, epochs: int) -> tuple[int, int]:
         """The first quorum, before the first batch: heal from a live peer if the others are ahead. Returns
         where in the data to start (the epoch and batch of the step the live groups are at)."""
         t = self.trainer
-        if t.state.epoch >= epochs or (t.settings.max_steps is not None and t.state.global_step >= t.settings.max_steps):
-            return t.state.epoch, t.state.batch_in_epoch  # nothing left to train (the job had finished): no quorum
-        if self.strategy.committed_step() != t.state.global_step:  # resumed from a checkpoint written without ft-ddp
+        if t.state.epoch >= epochs or (
+            t.settings.max_steps is not None and t.state.global_step >= t.settings.max_steps
+        ):
+            # nothing left to train (the job had finished): no quorum
+            return t.state.epoch, t.state.batch_in_epoch
+        # resumed from a checkpoint written without ft-ddp
+        if self.strategy.committed_step() != t.state.global_step:
             self.strategy.load_manager_state({"step": t.state.global_step})
         self._joining = True
         try:
@@ -157,8 +171,10 @@ class ReplicaGroups:
             self._joining = False
         self._participants = self.strategy.participants()
         if self._participants < self.groups:
-            t.run.print(f"multigpu: replica group {self.group}: starting at step {t.state.global_step} with "
-                        f"{self._describe(self._participants)}")
+            t.run.print(
+                f"multigpu: replica group {self.group}: starting at step {t.state.global_step} with "
+                f"{self._describe(self._participants)}"
+            )
             self._stop_if_finished_elsewhere(t.state.global_step)
         return t.state.epoch, t.state.batch_in_epoch
 
@@ -166,8 +182,10 @@ class ReplicaGroups:
         """After the optimizer step (before logging and checkpoints): the quorum's count of live groups."""
         t = self.trainer
         if not stepped:
-            t.run.print(f"multigpu: replica group {self.group}: step {t.state.global_step + 1} was not committed by "
-                        "every live group (one failed during it); its batch is dropped")
+            t.run.print(
+                f"multigpu: replica group {self.group}: step {t.state.global_step + 1} was not committed by "
+                "every live group (one failed during it); its batch is dropped"
+            )
         participants = self.strategy.participants()
         if participants != self._participants:
             self._participants = participants
@@ -187,11 +205,13 @@ class ReplicaGroups:
         """Sent to a group that heals. Called in torchft's quorum thread while this process waits for the
         quorum in the forward pre-hook, so nothing here changes meanwhile."""
         t = self.trainer
-        return {"trainer": dataclasses.asdict(t.state),
-                "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
-                "scaler": t.precision.state_dict(),
-                "monitor": t.tracker.state_dict() if t.tracker is not None else None,
-                "fingerprint": dict(self._fingerprint)}
+        return {
+            "trainer": dataclasses.asdict(t.state),
+            "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
+            "scaler": t.precision.state_dict(),
+            "monitor": t.tracker.state_dict() if t.tracker is not None else None,
+            "fingerprint": dict(self._fingerprint),
+        }
 
     def _load(self, state: Mapping[str, Any]) -> None:
         """Received from a live peer (before this step's forward): the same counters, schedules and data
@@ -199,16 +219,28 @@ class ReplicaGroups:
         t = self.trainer
         differences = consistency.compare([state.get("fingerprint") or {}, self._fingerprint])
         if differences:
-            shown = "; ".join(differences).replace("rank 0 =", "live group =").replace("rank 1 =", "this group =")
-            raise DesyncError(f"replica group {self.group} differs from the live group it heals from "
-                              f"({len(differences)} difference(s)): {shown}",
-                              "start every replica group with the same code, config and package versions.")
+            shown = (
+                "; ".join(differences)
+                .replace("rank 0 =", "live group =")
+                .replace("rank 1 =", "this group =")
+            )
+            raise DesyncError(
+                f"replica group {self.group} differs from the live group it heals from "
+                f"({len(differences)} difference(s)): {shown}",
+                "start every replica group with the same code, config and package versions.",
+            )
         counters = resume.checked_counters(state.get("trainer"))
-        if not self._joining and (counters.epoch, counters.batch_in_epoch) != (t.state.epoch, t.state.batch_in_epoch):
-            raise MultiGPUError(f"replica group {self.group} fell out of step: it is at epoch {t.state.epoch} batch "
-                                f"{t.state.batch_in_epoch}, the live groups at epoch {counters.epoch} batch "
-                                f"{counters.batch_in_epoch}.", "its agent restarts it (--max-restarts) and it heals "
-                                "before its first batch; this is a bug if it repeats.")
+        if not self._joining and (counters.epoch, counters.batch_in_epoch) != (
+            t.state.epoch,
+            t.state.batch_in_epoch,
+        ):
+            raise MultiGPUError(
+                f"replica group {self.group} fell out of step: it is at epoch {t.state.epoch} batch "
+                f"{t.state.batch_in_epoch}, the live groups at epoch {counters.epoch} batch "
+                f"{counters.batch_in_epoch}.",
+                "its agent restarts it (--max-restarts) and it heals "
+                "before its first batch; this is a bug if it repeats.",
+            )
         behind = counters.global_step - t.state.global_step
         t.state = counters
         if t.scheduler is not None and state.get("scheduler") is not None:
@@ -217,21 +249,27 @@ class ReplicaGroups:
         if t.tracker is not None and isinstance(state.get("monitor"), Mapping):
             t.tracker.load_state_dict(state["monitor"])
         if behind:
-            t.run.print(f"multigpu: replica group {self.group} healed from a live peer: now at step {counters.global_step} "
-                        f"(epoch {counters.epoch + 1}, batch {counters.batch_in_epoch}), {behind} step(s) ahead of "
-                        "where it resumed")
+            t.run.print(
+                f"multigpu: replica group {self.group} healed from a live peer: now at step {counters.global_step} "
+                f"(epoch {counters.epoch + 1}, batch {counters.batch_in_epoch}), {behind} step(s) ahead of "
+                "where it resumed"
+            )
 
     # ------------------------------------------------------------------ helpers
     def _describe(self, participants: int) -> str:
         batch = self.trainer.settings.batch_size * self.trainer.run.degrees.dp_size
-        return (f"{participants} of {self.groups} replica group(s) live, global batch {batch * participants} "
-                f"of {batch * self.groups}")
+        return (
+            f"{participants} of {self.groups} replica group(s) live, global batch {batch * participants} "
+            f"of {batch * self.groups}"
+        )
 
     def _stop_if_finished_elsewhere(self, step: int) -> None:
         done = self._finished_step()
         if done is not None and done > step:
-            message = (f"multigpu: replica group {self.group} stops: the job already finished at step {done} in "
-                       f"another replica group (this group was at step {step}); its checkpoint is the result")
+            message = (
+                f"multigpu: replica group {self.group} stops: the job already finished at step {done} in "
+                f"another replica group (this group was at step {step}); its checkpoint is the result"
+            )
             self.trainer.run.print(message)
             raise FinishedElsewhere(message)
 

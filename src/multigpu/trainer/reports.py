@@ -20,19 +20,38 @@ if TYPE_CHECKING:
 def report_start(trainer: Trainer, loader: LoaderLike) -> None:
     """What runs, on rank 0, before the first step: nobody trains a week with the wrong setup."""
     if trainer.run.is_main:
-        for line in start_report(trainer.run, trainer.settings, trainer.state_model, loader, trainer.strategy.name,
-                                 trainer.precision.mode) + trainer.extras.report():
+        for line in (
+            start_report(
+                trainer.run,
+                trainer.settings,
+                trainer.state_model,
+                loader,
+                trainer.strategy.name,
+                trainer.precision.mode,
+            )
+            + trainer.extras.report()
+        ):
             trainer.run.print(line)
 
 
-def log_step(trainer: Trainer, mean_loss: torch.Tensor, samples: int, elapsed: float, epoch: int, done: int,
-             total: Optional[int]) -> None:
+def log_step(
+    trainer: Trainer,
+    mean_loss: torch.Tensor,
+    samples: int,
+    elapsed: float,
+    epoch: int,
+    done: int,
+    total: Optional[int],
+) -> None:
     """A step row - rank 0's own loss (reading it is the only sync, on logging steps only)."""
     if not trainer.run.is_main:
         return
-    row: dict[str, Any] = {"epoch": round(epoch + (done / total if total else 0), 4),
-                           "loss": mean_loss.item(), "lr": trainer.optimizer.param_groups[0]["lr"],
-                           "samples_per_s": samples * trainer.run.dp_size / elapsed if elapsed > 0 else 0.0}
+    row: dict[str, Any] = {
+        "epoch": round(epoch + (done / total if total else 0), 4),
+        "loss": mean_loss.item(),
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+        "samples_per_s": samples * trainer.run.dp_size / elapsed if elapsed > 0 else 0.0,
+    }
     if trainer._grad_norm is not None:
         row["grad_norm"] = float(trainer._grad_norm)
     row.update(trainer.extras.row())

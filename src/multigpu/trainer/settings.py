@@ -23,9 +23,17 @@ from multigpu.validate import (
 
 #: Every spelling of a precision (Lightning's and torch's too) -> the one it means; read by ``precision``.
 PRECISIONS = {
-    "32": "32", "fp32": "32", "32-true": "32", "float32": "32",
-    "bf16": "bf16", "bf16-mixed": "bf16", "bfloat16": "bf16",
-    "16": "fp16", "fp16": "fp16", "16-mixed": "fp16", "float16": "fp16",
+    "32": "32",
+    "fp32": "32",
+    "32-true": "32",
+    "float32": "32",
+    "bf16": "bf16",
+    "bf16-mixed": "bf16",
+    "bfloat16": "bf16",
+    "16": "fp16",
+    "fp16": "fp16",
+    "16-mixed": "fp16",
+    "float16": "fp16",
 }
 
 #: The loggers a settings file may name (multigpu.loggers.BACKENDS, spelled here to keep torch out).
@@ -48,7 +56,8 @@ class TrainerSettings:
     accumulate: int = setting(1, low=1, high=10**6)
     clip_grad_norm: Optional[float] = setting(None, low=0, high=1e12, positive=True)
     precision: str = setting("32", choices=tuple(PRECISIONS))
-    strategy: Optional[str] = None  # None: the one given to mg.init() ("auto" unless said otherwise)
+    # None: the one given to mg.init() ("auto" unless said otherwise)
+    strategy: Optional[str] = None
     strategy_options: dict[str, Any] = field(default_factory=dict)
     #: Tensor-parallel ranks per model replica (strategy fsdp+tp) and replica groups (hsdp). Left at 1 with
     #: pp, the Trainer takes the degrees given to mg.init() (``with_degrees``).
@@ -149,38 +158,83 @@ class TrainerSettings:
         for name, rule in SETTING_RULES.items():
             checked("trainer", name, getattr(self, name), rule, ConfigError)
         self.compile = compile_settings(self.compile, ConfigError)
-        self.activation_checkpointing = activation_checkpointing_settings(self.activation_checkpointing, ConfigError)
+        self.activation_checkpointing = activation_checkpointing_settings(
+            self.activation_checkpointing, ConfigError
+        )
         self.profile = profile_settings(self.profile, ConfigError)
         if not isinstance(self.strategy_options, dict) or len(self.strategy_options) > 64:
-            raise ConfigError(f"trainer setting strategy_options={shown(self.strategy_options)} is invalid.",
-                              "use a mapping of the strategy's options (see docs/strategies.md).")
+            raise ConfigError(
+                f"trainer setting strategy_options={shown(self.strategy_options)} is invalid.",
+                "use a mapping of the strategy's options (see docs/strategies.md).",
+            )
         for logger in self.loggers:
             checked("trainer", "loggers", logger, Rule(str, choices=LOGGERS), ConfigError)
         self.fault_tolerance = fault_tolerance_settings(self.fault_tolerance)
         for point in self.split_points or []:  # a child's name, or its index
-            checked("trainer", "split_points", point, Rule(str) if isinstance(point, str) else Rule(int, 0, 4096),
-                    ConfigError)
-        pipelined = self.pp > 1 or (self.pipeline_schedule == "1f1b" and self.micro_batches is None
-                                    and self.split_points is None)
+            checked(
+                "trainer",
+                "split_points",
+                point,
+                Rule(str) if isinstance(point, str) else Rule(int, 0, 4096),
+                ConfigError,
+            )
+        pipelined = self.pp > 1 or (
+            self.pipeline_schedule == "1f1b"
+            and self.micro_batches is None
+            and self.split_points is None
+        )
         relations = [
-            (self.collate_fn is None or callable(self.collate_fn), "collate_fn", "a function (set it in code)"),
-            (self.patience is None or self.monitor is not None, "patience", "null unless monitor is set"),
+            (
+                self.collate_fn is None or callable(self.collate_fn),
+                "collate_fn",
+                "a function (set it in code)",
+            ),
+            (
+                self.patience is None or self.monitor is not None,
+                "patience",
+                "null unless monitor is set",
+            ),
             (self.ema is None or self.ema < 1, "ema", "a decay below 1, e.g. 0.999"),
-            (self.ema is None or self.swa_start is None, "swa_start", "null when ema is set (one average at a time)"),
-            (pipelined, "pp", "2 or more with pipeline_schedule, micro_batches or split_points (the in-process "
-                              "pipeline strategy takes its own in strategy_options)"),
-            (self.pp == 1 or not self.compile, "compile", "false with pp (the pipeline runs each stage itself)"),
-            (self.pp == 1 or PRECISIONS[str(self.precision).lower()] != "fp16", "precision",
-             "32 or bf16 with pp (fp16's loss scaler would skip steps on some stages and not others)"),
-            (self.pp == 1 or self.batch_size % self._micro_batches() == 0, "micro_batches",
-             f"a divisor of batch_size {self.batch_size} (micro-batches are equal; the default is one per stage)"),
-            (self.pp == 1 or not {"schedule", "micro_batches", "split_points"} & set(self.strategy_options),
-             "strategy_options", "the strategy's own options; with pp set pipeline_schedule, micro_batches and "
-                                 "split_points as trainer settings"),
+            (
+                self.ema is None or self.swa_start is None,
+                "swa_start",
+                "null when ema is set (one average at a time)",
+            ),
+            (
+                pipelined,
+                "pp",
+                "2 or more with pipeline_schedule, micro_batches or split_points (the in-process "
+                "pipeline strategy takes its own in strategy_options)",
+            ),
+            (
+                self.pp == 1 or not self.compile,
+                "compile",
+                "false with pp (the pipeline runs each stage itself)",
+            ),
+            (
+                self.pp == 1 or PRECISIONS[str(self.precision).lower()] != "fp16",
+                "precision",
+                "32 or bf16 with pp (fp16's loss scaler would skip steps on some stages and not others)",
+            ),
+            (
+                self.pp == 1 or self.batch_size % self._micro_batches() == 0,
+                "micro_batches",
+                f"a divisor of batch_size {self.batch_size} (micro-batches are equal; the default is one per stage)",
+            ),
+            (
+                self.pp == 1
+                or not {"schedule", "micro_batches", "split_points"} & set(self.strategy_options),
+                "strategy_options",
+                "the strategy's own options; with pp set pipeline_schedule, micro_batches and "
+                "split_points as trainer settings",
+            ),
         ]
         for ok, name, wanted in relations:
             if not ok:
-                raise ConfigError(f"trainer setting {name}={shown(getattr(self, name))} is invalid.", f"use {wanted}.")
+                raise ConfigError(
+                    f"trainer setting {name}={shown(getattr(self, name))} is invalid.",
+                    f"use {wanted}.",
+                )
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "TrainerSettings":
@@ -189,20 +243,31 @@ class TrainerSettings:
 
     def background_checkpoints(self, device: Any) -> bool:
         """``async_checkpoint``; null means on when the model trains on an accelerator, off on the CPU."""
-        return self.async_checkpoint if self.async_checkpoint is not None else getattr(device, "type", "cpu") != "cpu"
+        return (
+            self.async_checkpoint
+            if self.async_checkpoint is not None
+            else getattr(device, "type", "cpu") != "cpu"
+        )
 
     def _micro_batches(self) -> int:
         """Micro-batches per batch with pp: as set, or one per stage (strategies.pipeline_parallel's default)."""
-        stages = len(self.split_points) + 1 if self.split_points else self.pp * (
-            2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+        stages = (
+            len(self.split_points) + 1
+            if self.split_points
+            else self.pp * (2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+        )
         return self.micro_batches or stages
 
     def setup_options(self) -> dict[str, Any]:
         """The strategy's options for ``run.setup``; with pp > 1 the pipeline's too."""
         if self.pp == 1:
             return dict(self.strategy_options)
-        return {**self.strategy_options, "schedule": self.pipeline_schedule, "micro_batches": self.micro_batches,
-                "split_points": self.split_points}
+        return {
+            **self.strategy_options,
+            "schedule": self.pipeline_schedule,
+            "micro_batches": self.micro_batches,
+            "split_points": self.split_points,
+        }
 
     def with_degrees(self, degrees: Any) -> "TrainerSettings":
         """Settings that leave tp, dp_replicate and pp at 1 take the Run's degrees (mg.init()'s): a script
@@ -216,7 +281,11 @@ class TrainerSettings:
 
     def plain(self) -> dict[str, Any]:
         """The settings as data (for hashing, logging, checkpoints): no functions."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "collate_fn"}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "collate_fn"
+        }
 
 
 #: Each setting's type and bounds, from its declaration above: the door every value passes (docs/security.md).
@@ -233,18 +302,25 @@ def fault_tolerance_settings(value: Any) -> Optional[dict[str, Any]]:
     if value is None:
         return None
     if not isinstance(value, Mapping) or "replica_groups" not in value:
-        raise ConfigError(f"trainer setting fault_tolerance={shown(value)} is invalid.",
-                          "use null, or e.g. {replica_groups: 2, min_replicas: 1}.")
+        raise ConfigError(
+            f"trainer setting fault_tolerance={shown(value)} is invalid.",
+            "use null, or e.g. {replica_groups: 2, min_replicas: 1}.",
+        )
     for key in value:
         if key not in FAULT_TOLERANCE_RULES:
-            raise ConfigError(f"fault_tolerance has no setting {shown(key)}.",
-                              f"choose from {', '.join(FAULT_TOLERANCE_RULES)}.")
+            raise ConfigError(
+                f"fault_tolerance has no setting {shown(key)}.",
+                f"choose from {', '.join(FAULT_TOLERANCE_RULES)}.",
+            )
     plain = {"min_replicas": 1, **dict(value)}
     for key, rule in FAULT_TOLERANCE_RULES.items():
         checked("fault_tolerance", key, plain[key], rule, ConfigError)
     if plain["min_replicas"] > plain["replica_groups"]:
-        raise ConfigError(f"fault_tolerance: min_replicas {plain['min_replicas']} is more than replica_groups "
-                          f"{plain['replica_groups']}.", "use a min_replicas from 1 to replica_groups.")
+        raise ConfigError(
+            f"fault_tolerance: min_replicas {plain['min_replicas']} is more than replica_groups "
+            f"{plain['replica_groups']}.",
+            "use a min_replicas from 1 to replica_groups.",
+        )
     return plain
 
 

@@ -36,13 +36,20 @@ class ForwardBackward:
     def evaluate(self, loader: Any, sharded_model: bool) -> dict[str, float]:
         """Exact global metrics of ``evaluate_batch`` over ``loader`` (:mod:`multigpu.trainer.evaluation`)."""
         t = self.trainer
-        metrics = evaluate_shard(loader, self.evaluator(t.evaluate_batch, loader.batch_size), run=t.run,
-                                 device=t.device, autocast=t.precision.autocast, sharded_model=sharded_model,
-                                 heartbeat=lambda: t.run.step_done(t.state.global_step))
+        metrics = evaluate_shard(
+            loader,
+            self.evaluator(t.evaluate_batch, loader.batch_size),
+            run=t.run,
+            device=t.device,
+            autocast=t.precision.autocast,
+            sharded_model=sharded_model,
+            heartbeat=lambda: t.run.step_done(t.state.global_step),
+        )
         return self.shared(metrics)
 
-    def evaluator(self, evaluate_batch: Callable[[Any], Mapping[str, Any]],
-                  batch_size: int) -> Callable[[Any], Mapping[str, Any]]:
+    def evaluator(
+        self, evaluate_batch: Callable[[Any], Mapping[str, Any]], batch_size: int
+    ) -> Callable[[Any], Mapping[str, Any]]:
         """What evaluation calls per batch (of at most ``batch_size``)."""
         return evaluate_batch
 
@@ -57,16 +64,25 @@ class PipelineStep(ForwardBackward):
 
     def train(self, batch: Any, batch_size: int) -> torch.Tensor:
         t = self.trainer
-        with t.precision.autocast():  # around the schedule: it runs each micro-batch's backward right after
-            loss: torch.Tensor = t.state_model.train_step(batch, t.compute_loss, t.model_inputs,
-                                                          divide=t.settings.accumulate, scale=t.precision.scale,
-                                                          pad_to=batch_size)
+        # around the schedule: it runs each micro-batch's backward right after
+        with t.precision.autocast():
+            loss: torch.Tensor = t.state_model.train_step(
+                batch,
+                t.compute_loss,
+                t.model_inputs,
+                divide=t.settings.accumulate,
+                scale=t.precision.scale,
+                pad_to=batch_size,
+            )
         return loss
 
-    def evaluator(self, evaluate_batch: Callable[[Any], Mapping[str, Any]],
-                  batch_size: int) -> Callable[[Any], Mapping[str, Any]]:
+    def evaluator(
+        self, evaluate_batch: Callable[[Any], Mapping[str, Any]], batch_size: int
+    ) -> Callable[[Any], Mapping[str, Any]]:
         parts, inputs_of = self.trainer.state_model, self.trainer.model_inputs
-        return lambda batch: parts.evaluate_step(batch, evaluate_batch, inputs_of, pad_to=batch_size)
+        return lambda batch: parts.evaluate_step(
+            batch, evaluate_batch, inputs_of, pad_to=batch_size
+        )
 
     def shared(self, metrics: dict[str, float]) -> dict[str, float]:
         shared: dict[str, float] = self.trainer.state_model.shared(metrics)
@@ -75,4 +91,8 @@ class PipelineStep(ForwardBackward):
 
 def make_step(trainer: Any) -> ForwardBackward:
     """The pipeline's step when the strategy split the model into stages across processes, else the plain one."""
-    return PipelineStep(trainer) if isinstance(trainer.state_model, PipelineParts) else ForwardBackward(trainer)
+    return (
+        PipelineStep(trainer)
+        if isinstance(trainer.state_model, PipelineParts)
+        else ForwardBackward(trainer)
+    )

@@ -28,16 +28,27 @@ from multigpu.distributed import agreement
 from multigpu.errors import MultiGPUError
 
 #: Why a step was skipped, in the order of the flags.
-REASONS = ("loss not finite", "loss above skip_loss_above", "gradient norm not finite",
-           "gradient norm above skip_grad_norm_above")
+REASONS = (
+    "loss not finite",
+    "loss above skip_loss_above",
+    "gradient norm not finite",
+    "gradient norm above skip_grad_norm_above",
+)
 #: Lines printed for the first skips; after them, one line per this many.
 SHOW_FIRST, SHOW_EVERY = 10, 100
 
 
 class StepGuard:
-    def __init__(self, *, loss_above: Optional[float] = None, grad_norm_above: Optional[float] = None,
-                 max_in_a_row: int = 20, group: Any = None, active: bool = True,
-                 say: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        *,
+        loss_above: Optional[float] = None,
+        grad_norm_above: Optional[float] = None,
+        max_in_a_row: int = 20,
+        group: Any = None,
+        active: bool = True,
+        say: Callable[[str], None] = print,
+    ) -> None:
         self.loss_above = loss_above
         self.grad_norm_above = grad_norm_above
         self.max_in_a_row = max_in_a_row
@@ -55,19 +66,30 @@ class StepGuard:
         """This rank's four reasons (0/1), in the order of :data:`REASONS`."""
         mean = step_loss / micro_batches
         finite_loss, finite_norm = math.isfinite(mean), math.isfinite(grad_norm)
-        return [int(not finite_loss), int(finite_loss and self.loss_above is not None and mean > self.loss_above),
-                int(not finite_norm),
-                int(finite_norm and self.grad_norm_above is not None and grad_norm > self.grad_norm_above)]
+        return [
+            int(not finite_loss),
+            int(finite_loss and self.loss_above is not None and mean > self.loss_above),
+            int(not finite_norm),
+            int(
+                finite_norm
+                and self.grad_norm_above is not None
+                and grad_norm > self.grad_norm_above
+            ),
+        ]
 
-    def check(self, loss_sum: torch.Tensor, micro_batches: int, grad_norm: torch.Tensor, state: Any) -> int:
+    def check(
+        self, loss_sum: torch.Tensor, micro_batches: int, grad_norm: torch.Tensor, state: Any
+    ) -> int:
         """At an accumulation boundary, before the optimizer step (``state.global_step`` steps done): 0 to
         step, or - on every rank alike - the number of this step's batches, to skip it. ``loss_sum``: the
         loop's running sum of batch losses; on a skip it is put back to where it was before this step's
         batches, so the loss means leave them out."""
-        total, norm = torch.stack([loss_sum.detach(), grad_norm.detach().to(loss_sum)]).tolist()  # the one read
+        # the one read
+        total, norm = torch.stack([loss_sum.detach(), grad_norm.detach().to(loss_sum)]).tolist()
         before = self._mark if self._sum is loss_sum else 0.0  # a new sum: a new epoch
-        reasons = agreement.reduce_ints(self.reasons(total - before, micro_batches, norm), "max", self.group,
-                                        self.active)
+        reasons = agreement.reduce_ints(
+            self.reasons(total - before, micro_batches, norm), "max", self.group, self.active
+        )
         self._sum = loss_sum
         if not any(reasons):
             self.in_a_row = 0
@@ -79,12 +101,16 @@ class StepGuard:
         step = state.global_step + 1
         why = ", ".join(r for r, flag in zip(REASONS, reasons) if flag)
         if self.skipped <= SHOW_FIRST or self.skipped % SHOW_EVERY == 0:
-            self.say(f"multigpu: skipped step {step}: {why} on at least one rank ({self.skipped} skipped so far)")
+            self.say(
+                f"multigpu: skipped step {step}: {why} on at least one rank ({self.skipped} skipped so far)"
+            )
         if self.in_a_row >= self.max_in_a_row:
-            raise MultiGPUError(f"training diverged: {self.in_a_row} optimizer steps in a row were skipped "
-                                f"(last at step {step}: {why}).",
-                                "lower the learning rate or clip gradients (clip_grad_norm), resume from an earlier "
-                                "checkpoint, or raise max_skipped_in_a_row.")
+            raise MultiGPUError(
+                f"training diverged: {self.in_a_row} optimizer steps in a row were skipped "
+                f"(last at step {step}: {why}).",
+                "lower the learning rate or clip gradients (clip_grad_norm), resume from an earlier "
+                "checkpoint, or raise max_skipped_in_a_row.",
+            )
         return micro_batches
 
     def state_dict(self) -> dict[str, int]:

@@ -23,30 +23,41 @@ class StopTraining(Exception):
 
 def validate(trainer: Trainer) -> dict[str, float]:
     """One validation pass: its metrics, the best checkpoint when they improve, a trial's report."""
-    trainer.run.settle()  # the evaluation loader may fork workers: no all-reduce in flight meanwhile
+    # the evaluation loader may fork workers: no all-reduce in flight meanwhile
+    trainer.run.settle()
     trainer.on_evaluate_start()
-    with trainer.run.paused_watchdog(), trainer.extras.averaged():  # the averaged weights, when averaging is on
+    # the averaged weights, when averaging is on
+    with trainer.run.paused_watchdog(), trainer.extras.averaged():
         metrics = trainer.evaluate(trainer._valid)
     trainer.on_validation_end(metrics)
     value = {**{f"valid_{k}": v for k, v in metrics.items()}, **metrics}
     if trainer.tracker is not None:
         key = trainer.settings.monitor
         if trainer.tracker.value(value) is None:
-            raise ConfigError(f"monitor {key!r} is not among the validation metrics "
-                              f"({', '.join(f'valid_{k}' for k in metrics)}).", "set monitor to one of them.")
+            raise ConfigError(
+                f"monitor {key!r} is not among the validation metrics "
+                f"({', '.join(f'valid_{k}' for k in metrics)}).",
+                "set monitor to one of them.",
+            )
         if trainer.tracker.update(value, trainer.state.global_step):
             checkpoints.save_best(trainer, trainer.tracker)
-    trainer._pruned |= trainer.run.report(value, trainer.state.global_step)  # a queue trial: every rank hears the same
+    # a queue trial: every rank hears the same
+    trainer._pruned |= trainer.run.report(value, trainer.state.global_step)
     return metrics
 
 
 def validate_inside_epoch(trainer: Trainer, epoch: int, done: int, total: Optional[int]) -> None:
     """A validation every ``eval_every_steps``: its row, and :class:`StopTraining` when it says stop."""
     metrics = validate(trainer)
-    row = {"epoch": round(epoch + (done / total if total else 0), 4), "step": trainer.state.global_step,
-           **{f"valid_{k}": v for k, v in metrics.items()}}
+    row = {
+        "epoch": round(epoch + (done / total if total else 0), 4),
+        "step": trainer.state.global_step,
+        **{f"valid_{k}": v for k, v in metrics.items()},
+    }
     trainer._record(row)
-    trainer.progress.line(f"step {trainer.state.global_step}: {format_metrics({k: v for k, v in row.items() if k != 'step'})}")
+    trainer.progress.line(
+        f"step {trainer.state.global_step}: {format_metrics({k: v for k, v in row.items() if k != 'step'})}"
+    )
     if (trainer.tracker is not None and trainer.tracker.should_stop) or trainer._pruned:
         raise StopTraining()
     trainer.model.train()

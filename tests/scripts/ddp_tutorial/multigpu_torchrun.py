@@ -48,7 +48,9 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         b_sz = len(next(iter(self.train_data))[0])
-        print(f"[GPU{self.global_rank}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
+        print(
+            f"[GPU{self.global_rank}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}"
+        )
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:
             self._run_batch(source, targets)
@@ -73,8 +75,13 @@ def load_train_objs():
 
 
 def prepare_dataloader(dataset, batch_size):
-    return DataLoader(dataset, batch_size=batch_size, pin_memory=True, shuffle=False,
-                      sampler=DistributedSampler(dataset))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        pin_memory=True,
+        shuffle=False,
+        sampler=DistributedSampler(dataset),
+    )
 
 
 def main(save_every, total_epochs, batch_size, snapshot_path="snapshot.pt"):
@@ -88,9 +95,12 @@ def main(save_every, total_epochs, batch_size, snapshot_path="snapshot.pt"):
 
 if __name__ == "__main__":
     import argparse
+
     parser = argparse.ArgumentParser(description="simple distributed training job")
     parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=int, help="How often to save a snapshot")
-    parser.add_argument("--batch_size", default=32, type=int, help="Input batch size on each device (default: 32)")
+    parser.add_argument(
+        "--batch_size", default=32, type=int, help="Input batch size on each device (default: 32)"
+    )
     args = parser.parse_args()
     main(args.save_every, args.total_epochs, args.batch_size)
