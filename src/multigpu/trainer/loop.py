@@ -282,28 +282,13 @@ class Trainer(Hooks):
         self, loader: LoaderLike, epoch: int, epochs: int
     ) -> tuple[dict[str, float], int, bool]:
         """One epoch (or what is left of it); returns (metrics, samples, completed)."""
-        s = self.settings
-        model, optimizer, precision, strategy, run = (
-            self.model,
-            self.optimizer,
-            self.precision,
-            self.strategy,
-            self.run,
-        )
-        guard, after_step = (
-            self.extras.guard,
-            self.extras.after_step if self.extras.after_each_step else None,
-        )
-        model.train()
+        s, run = self.settings, self.run
+        self.model.train()
         total = loader.length  # the whole epoch; None for a stream
-        # Batches need moving unless everything is on the CPU (a CPU run on a GPU machine may still load CUDA tensors).
+        # Batches need moving unless everything is on the CPU (a CPU run on a GPU machine may still
+        # load CUDA tensors).
         on_accelerator = self.device.type != "cpu" or torch.cuda.is_available()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        # loss_sum at the last step row: one accumulation per batch, not two
-        window_start = loss_sum.clone()
-        window_batches = batches = samples = 0
-        started = last_log = time.monotonic()
-        log_samples = 0
+        tally = reports.Tally(self.device)
         completed = True
         if loader.num_workers:
             run.settle()  # no all-reduce in flight while the workers are forked
@@ -315,90 +300,67 @@ class Trainer(Hooks):
                 or (total is not None and index + 1 == total)
                 or (total is None and s.accumulate > 1 and loader.ends_after_current())
             )
-            with contextlib.nullcontext() if boundary else strategy.no_sync(model):
+            with contextlib.nullcontext() if boundary else self.strategy.no_sync(self.model):
                 # pp: the schedule's step
                 detached = self._step.train(batch, loader.batch_size).detach()
-            loss_sum += detached
+            tally.add(detached, batch_length(batch))
             run.probe.record_loss(detached, s.accumulate)  # `multigpu check` (a no-op otherwise)
-            batches += 1
-            window_batches += 1
-            n = batch_length(batch)
-            samples += n
-            log_samples += n
-            if boundary:
-                precision.unscale(optimizer)
-                # the guard reads the global norm
-                if s.clip_grad_norm is not None or guard is not None:
-                    self._grad_norm = strategy.clip_grad_norm(
-                        model, s.clip_grad_norm or float("inf")
-                    )
-                dropped = (
-                    guard.check(loss_sum, index % s.accumulate + 1, self._grad_norm, self.state)
-                    if guard is not None and self._grad_norm is not None
-                    else 0
-                )
-                stepped = precision.step(optimizer) if not dropped else precision.skip()
-                # False: replica groups dropped it (a guard's skip counts)
-                committed = stepped or bool(dropped)
-                optimizer.zero_grad(set_to_none=True)
-                if stepped and self.scheduler is not None and s.scheduler_interval == "step":
-                    self.scheduler.step()
-                self.state.global_step += int(committed)
-                self.replicas.after_step(committed)
-                if after_step is not None:  # averaging, profiling
-                    after_step(stepped, self.state.global_step)
-                # a skipped step's batches
-                batches, window_batches = batches - dropped, window_batches - dropped
+            committed = boundary and self._optimizer_step(tally, index)
             self.state.batch_in_epoch = index + 1
             run.step_done(self.state.global_step)
             self.on_train_batch_end(self.state.global_step, detached)
             if self.progress.wants_update():
-                show_progress(
-                    self,
-                    epoch,
-                    epochs,
-                    index + 1,
-                    total,
-                    loss_sum / batches,
-                    samples,
-                    batches,
-                    started,
-                )
-            if not boundary or not committed:
-                continue
-            step = self.state.global_step
-            if s.log_every_n_steps and step % s.log_every_n_steps == 0:
-                now = time.monotonic()
-                reports.log_step(
-                    self,
-                    (loss_sum - window_start) / max(window_batches, 1),
-                    log_samples,
-                    now - last_log,
-                    epoch,
-                    index + 1,
-                    total,
-                )
-                window_start = loss_sum.clone()
-                window_batches, log_samples, last_log = 0, 0, now
-            if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
-                checkpoints.save(self)
-            # the epoch's own validation follows
-            last_of_epoch = total is not None and index + 1 == total
-            if (
-                s.eval_every_steps
-                and step % s.eval_every_steps == 0
-                and self._valid is not None
-                and not last_of_epoch
-            ):
-                validation.validate_inside_epoch(self, epoch, index + 1, total)
-            if run.should_stop():
-                self._preempt()
-            if self._steps_done():
+                show_progress(self, epoch, epochs, index + 1, total, tally.mean(), *tally.counts())
+            if committed and self._after_step(tally, epoch, index + 1, total):
                 completed = total is not None and index + 1 == total
                 break
-        metrics = self.run.metric_sums()
-        metrics.add("loss", loss_sum, batches)
-        return metrics.compute(), samples * self.run.dp_size, completed
+        metrics = run.metric_sums()
+        metrics.add("loss", tally.loss_sum, tally.batches)
+        return metrics.compute(), tally.samples * run.dp_size, completed
+
+    def _optimizer_step(self, tally: reports.Tally, index: int) -> bool:
+        """Unscale, clip, let the step guard judge, step (or skip), zero, schedule; True when the step
+        counts (False: replica groups dropped it; a guard's skip counts)."""
+        s, guard, optimizer = self.settings, self.extras.guard, self.optimizer
+        self.precision.unscale(optimizer)
+        if s.clip_grad_norm is not None or guard is not None:  # the guard reads the global norm
+            self._grad_norm = self.strategy.clip_grad_norm(
+                self.model, s.clip_grad_norm or float("inf")
+            )
+        dropped = (
+            guard.check(tally.loss_sum, index % s.accumulate + 1, self._grad_norm, self.state)
+            if guard is not None and self._grad_norm is not None
+            else 0
+        )
+        stepped = self.precision.step(optimizer) if not dropped else self.precision.skip()
+        committed = stepped or bool(dropped)
+        optimizer.zero_grad(set_to_none=True)
+        if stepped and self.scheduler is not None and s.scheduler_interval == "step":
+            self.scheduler.step()
+        self.state.global_step += int(committed)
+        self.replicas.after_step(committed)
+        if self.extras.after_each_step:  # averaging, profiling
+            self.extras.after_step(stepped, self.state.global_step)
+        tally.drop(dropped)  # a skipped step's batches
+        return committed
+
+    def _after_step(
+        self, tally: reports.Tally, epoch: int, done: int, total: Optional[int]
+    ) -> bool:
+        """What a committed step may bring: a step row, a checkpoint, a validation, the agreed stop of a
+        preemption; True when max_steps is reached."""
+        s, step = self.settings, self.state.global_step
+        if s.log_every_n_steps and step % s.log_every_n_steps == 0:
+            reports.log_step(self, *tally.take_window(), epoch, done, total)
+        if s.checkpoint_every_steps and step % s.checkpoint_every_steps == 0:
+            checkpoints.save(self)
+        last_of_epoch = total is not None and done == total  # the epoch's own validation follows
+        if s.eval_every_steps and step % s.eval_every_steps == 0 and self._valid is not None:
+            if not last_of_epoch:
+                validation.validate_inside_epoch(self, epoch, done, total)
+        if self.run.should_stop():
+            self._preempt()
+        return self._steps_done()
 
     def _steps_done(self) -> bool:
         return (

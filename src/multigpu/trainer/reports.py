@@ -6,6 +6,7 @@ the gradient norm, GPU memory) and only rank 0 writes them; the loop only says w
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -58,3 +59,46 @@ def log_step(
     if trainer.device.type == "cuda":
         row["gpu_mem_peak_mb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**20
     trainer.loggers.log_metrics(row, trainer.state.global_step, kind="step")
+
+
+class Tally:
+    """An epoch's loss sum and counts, and the window since the last step row (one accumulation per
+    batch: the row's mean is the difference of two sums, never a second running sum)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.window_start = self.loss_sum.clone()
+        self.batches = self.samples = self.window_batches = self.window_samples = 0
+        self.started = self.window_started = time.monotonic()
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss_sum += loss
+        self.batches += 1
+        self.window_batches += 1
+        self.samples += samples
+        self.window_samples += samples
+
+    def drop(self, batches: int) -> None:
+        """The batches of a step the guard skipped: out of the means."""
+        self.batches -= batches
+        self.window_batches -= batches
+
+    def mean(self) -> torch.Tensor:
+        return self.loss_sum / self.batches
+
+    def counts(self) -> tuple[int, int, float]:
+        """(samples, batches, started): what the progress line reads."""
+        return self.samples, self.batches, self.started
+
+    def take_window(self) -> tuple[torch.Tensor, int, float]:
+        """The window's (mean loss, samples, seconds), and a new window from now."""
+        now = time.monotonic()
+        window = (
+            (self.loss_sum - self.window_start) / max(self.window_batches, 1),
+            self.window_samples,
+            now - self.window_started,
+        )
+        self.window_start = self.loss_sum.clone()
+        self.window_batches = self.window_samples = 0
+        self.window_started = now
+        return window
