@@ -504,6 +504,8 @@ dist.init_process_group("gloo")
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
     os._exit(3)  # the first attempt of rank 1 fails
 dist.barrier()
+# the node launcher's word from --simulate-nodes is the launcher's own: its workers do not inherit it
+assert '"simulated_node"' not in os.environ.get("MULTIGPU_JOB", ""), os.environ["MULTIGPU_JOB"]
 sys.stdout.write(f"rank {dist.get_rank()} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} ok\\n")  # one write
 sys.stdout.flush()
 dist.destroy_process_group()

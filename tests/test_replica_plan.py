@@ -203,9 +203,10 @@ def test_an_agent_dies_with_the_replica_launcher(tmp_path):
     child = tmp_path / "child.pid"
     middle = textwrap.dedent(f"""
         import os, subprocess, sys, time
-        from multigpu.launch.replicas import LAUNCHER_PID_VAR
+        from multigpu.distributed.job import job_env
         code = "from multigpu.launch.replicas import follow_launcher; follow_launcher(); import time; time.sleep(60)"
-        proc = subprocess.Popen([sys.executable, "-c", code], env={{**os.environ, LAUNCHER_PID_VAR: str(os.getpid())}})
+        env = {{**os.environ, **job_env(None, replica_launcher_pid=os.getpid())}}
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env)
         open({str(child)!r}, "w").write(str(proc.pid))
         time.sleep(60)
     """)

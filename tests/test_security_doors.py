@@ -128,7 +128,7 @@ ENVIRONMENT_ALLOWED = {
     "diagnostics/check.py": "starts the two runs it compares",
     "diagnostics/environment.py": "`multigpu env` shows the variables that steer distributed code",
     "diagnostics/doctor.py": "reports the host name Slurm gives a node",
-    "launch/simulate.py": "marks the node launchers it starts as simulated (MULTIGPU_SIMULATED_NODES)",
+    "launch/simulate.py": "marks the node launchers it starts as simulated (the job's simulated_node)",
     "launch/replicas.py": "starts each replica group's agent with its environment; quiets torchft's servers",
     "loggers.py": "the loggers' own settings (WANDB_PROJECT, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME)",
     "__init__.py": "MULTIGPU_TRACEBACK, the switch of the one-line error hook",

@@ -345,6 +345,8 @@ def test_the_job_is_one_checked_variable_each_command_adds_its_section_to():
         ('{"check": {"dir": "/c", "steps": 0}}', "steps=0 is invalid"),
         ('{"check": {"steps": 3}}', "missing"),
         ('{"check": "/c"}', "is not an object"),
+        ('{"simulated_node": "yes"}', "simulated_node='yes' is invalid"),
+        ('{"replica_launcher_pid": -1}', "replica_launcher_pid=-1 is invalid"),
         ('{"run_dir": "' + "x" * 70_000 + '"}', "bytes (at most 65,536)"),
         ("[" * 100_000 + "]" * 100_000, "bytes"),
     ],

@@ -79,6 +79,11 @@ class Job:
     #: ``multigpu run --profile``: the Trainer traces a few steps per rank.
     profile: bool = False
     workers: Optional[Workers] = None
+    #: Launcher to launcher: a node's launcher started by ``--simulate-nodes`` (the other nodes start in
+    #: this command too), and the replica launcher a group's agent dies with (its pid; 0: none). Each
+    #: launcher clears both for its workers: a launch inside a worker is not one of these.
+    simulated_node: bool = False
+    replica_launcher_pid: int = setting(0, low=0, high=2**31)
 
 
 _RULES = rules_of(Job)  # from the declarations above

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from multigpu.distributed.job import JOB_VAR, Workers, job_env
+from multigpu.distributed.job import JOB_VAR, Workers, job_env, parse_job
 from multigpu.errors import (
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
@@ -59,7 +59,6 @@ from multigpu.launch.reporting import (
     reporting_restarts,
     say,
 )
-from multigpu.launch.simulate import SIMULATED_VAR
 from multigpu.launch.torch_agent import cheap_method_names
 
 WORKER_MODULE = "multigpu.launch.worker"
@@ -127,7 +126,11 @@ def worker_env(
         announce_node=request.rendezvous.backend == "c10d" and request.rendezvous.max_nodes > 1,
     )
     env = job_env(
-        os.environ.get(JOB_VAR), workers=workers, **({"profile": True} if request.profile else {})
+        os.environ.get(JOB_VAR),
+        workers=workers,
+        simulated_node=False,  # the launcher-to-launcher words stop here (see Job)
+        replica_launcher_pid=0,
+        **({"profile": True} if request.profile else {}),
     )
     if request.rendezvous.backend == "c10d":
         # torch 2.13's c10d rendezvous otherwise shares one TCPStore across restarts, un-prefixed: a
@@ -275,6 +278,8 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             and request.devices.nproc * request.rendezvous.max_nodes > 1
             and not (sys.stderr and sys.stderr.isatty())
         )
+        # read before the workers' environment replaces this process's job (see worker_env)
+        simulated = parse_job(os.environ.get(JOB_VAR)).simulated_node
         env = worker_env(request, log_dir, prefix)
         if request.debug:
             from importlib.metadata import version
@@ -370,7 +375,7 @@ def _launch(request: LaunchRequest, stops: StopSignals, saved: Handlers) -> int:
             )
             others = (
                 "the other simulated nodes start here too"
-                if os.environ.get(SIMULATED_VAR) == "1"
+                if simulated
                 else "start the same command on the other nodes"
             )
             say(

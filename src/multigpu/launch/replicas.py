@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from multigpu import validate
+from multigpu.distributed.job import JOB_VAR, job_env, parse_job
 from multigpu.distributed.world import (
     LIGHTHOUSE_VAR,
     MAX_REPLICA_GROUPS,
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from torchft.coordination import LighthouseServer
 
 #: Set for each group's agent: this launcher's pid (the agent stops itself when the launcher dies).
-LAUNCHER_PID_VAR = "MULTIGPU_REPLICA_LAUNCHER_PID"
 #: How long a new quorum waits for a group that heartbeats but has not asked to join (one that is still
 #: loading after a restart): short, so the live groups pause at most this long for it.
 JOIN_TIMEOUT_MS = 1000
@@ -190,8 +190,8 @@ def follow_launcher() -> None:
     the last periodic checkpoint."""
     from multigpu.launch.process import die_with_parent
 
-    expected = os.environ.get(LAUNCHER_PID_VAR)
-    if expected and die_with_parent(signal.SIGKILL) and str(os.getppid()) != expected:
+    expected = parse_job(os.environ.get(JOB_VAR)).replica_launcher_pid
+    if expected and die_with_parent(signal.SIGKILL) and os.getppid() != expected:
         os._exit(1)  # the launcher died before prctl took effect
 
 
@@ -215,7 +215,8 @@ def run_groups(
 
     with Children(_FORWARDED, grace_s, poll_s) as children:
         for command, env in zip(commands, envs):
-            children.start(command, {**os.environ, **env, LAUNCHER_PID_VAR: str(os.getpid())})
+            parent = job_env(os.environ.get(JOB_VAR), replica_launcher_pid=os.getpid())
+            children.start(command, {**os.environ, **env, **parent})
         say(
             f"lighthouse {lighthouse.address} (at least {lighthouse.settings.min_replicas} group(s) per step, a "
             f"silent group is left out after {lighthouse.settings.heartbeat_timeout_s:g} s); {len(commands)} replica "

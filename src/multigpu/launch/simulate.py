@@ -18,6 +18,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from multigpu import validate
+from multigpu.distributed.job import JOB_VAR, job_env
 from multigpu.errors import LaunchError
 from multigpu.launch.children import Children
 from multigpu.launch.devices import parse_gpu_ids
@@ -25,7 +26,6 @@ from multigpu.launch.flags import RunFlags
 from multigpu.launch.ports import reserved_port
 
 #: Set for the launchers of the simulated nodes: every node is started here, nobody has to start the others.
-SIMULATED_VAR = "MULTIGPU_SIMULATED_NODES"
 
 
 def node_commands(
@@ -127,7 +127,7 @@ def run_nodes(commands: Sequence[Sequence[str]], poll_s: float = 0.1, grace_s: f
 
     with Children((signal.SIGINT, signal.SIGTERM), grace_s, poll_s) as children:
         # the nodes' launchers: "we start the other nodes", not "you"
-        env = {**os.environ, SIMULATED_VAR: "1"}
+        env = {**os.environ, **job_env(os.environ.get(JOB_VAR), simulated_node=True)}
         for command in commands:
             children.start(command, env)
             time.sleep(0.2)  # node 0 opens the store first; the others would wait for it anyway
